@@ -1,0 +1,102 @@
+"""Training throughput of a recipe config, several variants side by side.
+
+Each variant is one `torchrun ... train.py` run on synthetic data: M warm-up steps, then M timed steps
+(the loop logs at both; only the second interval counts). With --phases each variant runs once more with
+training.time_phases=true to show where a step's time goes (device synchronised at phase boundaries).
+
+    python benchmarks/throughput.py --nproc 1 --micro-batch 64 128 \
+        --variant "mfsdp+te=distributed=mfsdp model.backend=te" \
+        --variant "fsdp2+torch=distributed=fsdp2 model.backend=torch"
+
+Prints a table and writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
+
+
+def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+               "--config-name", config, "data=synthetic", f"training.steps={2 * steps}",
+               f"training.log_every_n_steps={steps}", "training.val_every_n_steps=0", "training.val_at_end=false",
+               "checkpoint.save_final=false", "logger.progress_bar=never", f"training.time_phases={phases}",
+               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        if proc.returncode != 0:
+            return {"error": (proc.stdout + proc.stderr)[-2000:]}
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        return rows[-1]  # the timed interval (after the warm-up interval)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="vit_base_patch16_224")
+    p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
+    p.add_argument("--steps", type=int, default=20, help="warm-up steps, then as many timed steps")
+    p.add_argument("--micro-batch", type=int, nargs="+", default=[64])
+    p.add_argument("--variant", action="append", default=None,
+                   help='"name=override override ..." (repeatable); default: the config as is')
+    p.add_argument("--phases", action="store_true", help="also time forward/backward, grad sync, optimizer")
+    p.add_argument("--extra", default="", help="overrides added to every variant")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args()
+
+    variants = [v.split("=", 1) for v in (args.variant or ["default="])]
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    results = []
+    for name, overrides in variants:
+        for mb in args.micro_batch:
+            # No gradient accumulation: the global batch is micro-batch x ranks.
+            ov = shlex.split(overrides) + shlex.split(args.extra) + [
+                f"training.micro_batch_size={mb}", f"training.global_batch_size={mb * args.nproc}"]
+            row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
+                   **run_variant(args.config, args.nproc, args.steps, ov, False)}
+            if args.phases and "error" not in row:
+                timed = run_variant(args.config, args.nproc, args.steps, ov, True)
+                row.update({k: v for k, v in timed.items() if k.startswith("time_")})
+            results.append(row)
+            print(json.dumps(row), flush=True)
+
+    header = f"{'variant':<22}{'mb':>5}{'img/s/gpu':>11}{'mfu':>7}{'step s':>9}{'data s':>8}{'mem GiB':>9}"
+    if args.phases:
+        header += "".join(f"{ph[:12]:>14}" for ph in PHASES)
+    print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps\n{header}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {r['error'].splitlines()[-1][:80]}")
+            continue
+        line = (f"{r['variant']:<22}{r['micro_batch']:>5}{r['samples_per_sec_per_gpu']:>11.0f}"
+                f"{100 * r.get('mfu', float('nan')):>6.1f}%{r['step_time']:>9.4f}{r['data_wait']:>8.4f}"
+                f"{r['peak_mem_gib']:>9.1f}")
+        if args.phases:
+            line += "".join(f"{r.get('time_' + ph, float('nan')):>14.4f}" for ph in PHASES)
+        print(line)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = out / f"{args.config}-{args.nproc}gpu-{stamp}.json"
+    path.write_text(json.dumps({"config": args.config, "device": device, "nproc": args.nproc, "date": stamp,
+                                "command": " ".join(shlex.quote(a) for a in sys.argv), "results": results}, indent=1))
+    print(f"\nwrote {path}")
+    if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
+        (Path(os.environ["OUT"]) / path.name).write_text(path.read_text())
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,213 @@
+"""Config schemas: one dataclass per config group, registered in Hydra's ConfigStore.
+
+Top-level YAML files in `configs/` start their defaults list with `base_train` (the `TrainConfig`
+schema below), so Hydra rejects an unknown key or a value of the wrong type while composing, before
+any work. The `model` and `data` groups belong to a recipe: each recipe registers its own schemas
+(see `recipes/<name>/config.py`), and `validate` checks them again after composition, because a
+`+key=value` override bypasses Hydra's struct checks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = MISSING
+    micro_batch_size: int = MISSING
+    # Samples per optimizer step over all data-parallel ranks. Gradient accumulation steps follow:
+    # global_batch_size / (micro_batch_size * data_parallel_size).
+    global_batch_size: int = MISSING
+    val_every_n_steps: int = 0  # 0: validate only at the end
+    limit_val_batches: int = -1  # per rank; -1: the whole validation set
+    log_every_n_steps: int = 10
+    val_at_end: bool = True
+    # Log the seconds per step spent in forward+backward, gradient sync + clipping and the optimizer
+    # step (synchronises the GPU at those boundaries: for benchmarks).
+    time_phases: bool = False
+
+
+@dataclass
+class MFSDPConfig:
+    """Arguments of megatron_fsdp.fully_shard_model (0.6.1), one to one."""
+
+    zero_dp_strategy: int = 3  # 0 no_shard, 1 optim, 2 optim_grads, 3 optim_grads_params
+    outer_dp_sharding_strategy: int = 0  # HSDP only: 0 replicate over dp_outer, 1 shard optim
+    # Module classes (import paths) that Megatron-FSDP gathers and frees as one unit.
+    # null: the recipe's transformer block class for the chosen layer backend.
+    fsdp_unit_modules: Optional[list[str]] = None
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    # False: reduce gradients once per optimizer step (we call no_sync on the other micro-batches).
+    # True is wrong with ZeRO-1 and gradient accumulation in 0.6.1 (see the shared notes).
+    sync_model_each_microbatch: bool = False
+    average_in_collective: bool = False
+    disable_bucketing: bool = False
+    init_model_with_meta_device: bool = False
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    preproc_state_dict_for_dcp_ckpt: bool = True
+    report_nan_in_param_grad: bool = False
+    # MixedPrecisionPolicy: dtype of the optimizer's main weights, of the main gradients and of
+    # gradient communication (null: follow main_grads_dtype).
+    main_params_dtype: str = "fp32"
+    main_grads_dtype: str = "fp32"
+    grad_comm_dtype: Optional[str] = None
+
+
+@dataclass
+class FSDP2Config:
+    """Arguments of torch.distributed.fsdp.fully_shard."""
+
+    reshard_after_forward: bool = True
+    # null: the recipe's transformer block class for the chosen layer backend.
+    fsdp_unit_modules: Optional[list[str]] = None
+    reduce_dtype: str = "fp32"
+
+
+@dataclass
+class DDPConfig:
+    """Arguments of torch.nn.parallel.DistributedDataParallel."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class DistributedConfig:
+    # auto: mfsdp (+ TE layers) on CUDA, fsdp2 (+ plain torch layers) on CPU.
+    backend: str = "auto"
+    # Device mesh: dp_outer x dp_shard x tp must equal the world size; -1 = what is left.
+    dp_shard: int = -1
+    dp_outer: int = 1  # > 1: hybrid sharding (HSDP), replicas over dp_outer
+    tp: int = 1
+    timeout_minutes: float = 30.0
+    mfsdp: MFSDPConfig = field(default_factory=MFSDPConfig)
+    fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    path: str = MISSING
+    save_every_n_steps: int = 0  # 0: only the final save
+    save_final: bool = True
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = MISSING
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still logged)
+    # null: torch's default (foreach). true needs CUDA tensors.
+    fused: Optional[bool] = None
+
+
+@dataclass
+class SchedulerConfig:
+    name: str = "cosine"  # cosine | linear | constant
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * optim.lr
+
+
+@dataclass
+class FP8Config:
+    enabled: bool = False
+    recipe: str = "delayed"  # delayed | current | block (Hopper); mxfp8 (Blackwell)
+    fp8_format: str = "hybrid"  # hybrid (E4M3 forward, E5M2 backward) | e4m3
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+
+
+@dataclass
+class PrecisionConfig:
+    # torch.autocast dtype for the forward pass (bf16 | fp16 | null for none).
+    autocast_dtype: Optional[str] = "bf16"
+    # dtype of the weights used in compute (fsdp2 param_dtype; mfsdp and ddp cast the model).
+    param_dtype: str = "fp32"
+    fp8: FP8Config = field(default_factory=FP8Config)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "recipes"
+    entity: Optional[str] = None
+    name: Optional[str] = None
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    mode: Optional[str] = None  # online | offline | disabled; null: WANDB_MODE or online
+
+
+@dataclass
+class LoggerConfig:
+    stdout: bool = True
+    jsonl: bool = True  # <run dir>/metrics.jsonl
+    progress_bar: str = "auto"  # auto: on rank 0 in an interactive terminal | always | never
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = MISSING
+    seed: int = 1234
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    # Recipe-specific: validated against the recipe's own schemas.
+    model: Any = MISSING
+    data: Any = MISSING
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def register_configs() -> None:
+    """Register the schemas in Hydra's ConfigStore (the recipes register theirs on import)."""
+    cs = ConfigStore.instance()
+    cs.store(name="base_train", node=TrainConfig)
+    import recipes  # noqa: F401  (registers each recipe's model/data schemas)
+
+
+class ConfigError(ValueError):
+    """A config value that is well-typed but unusable; the message names the key."""
+
+
+def validate(cfg: DictConfig) -> DictConfig:
+    """Check the composed config against the schemas, strictly, and return it resolved.
+
+    Raises ConfigError naming the offending key (unknown key, wrong type, missing value).
+    """
+    from recipes import get_recipe
+
+    try:
+        recipe = get_recipe(cfg.recipe)
+    except KeyError as e:
+        raise ConfigError(f"recipe: {e.args[0]}") from None
+    schema = OmegaConf.structured(TrainConfig)
+    schema.model = OmegaConf.structured(recipe.model_schema)
+    schema.data = OmegaConf.structured(recipe.data_schema)
+    try:
+        container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
+        checked = OmegaConf.merge(schema, container)
+        OmegaConf.to_container(checked, throw_on_missing=True)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        message = str(getattr(e, "msg", e)).splitlines()[0]
+        raise ConfigError(f"invalid config at '{key}': {message}") from None
+    OmegaConf.set_readonly(checked, True)
+    return checked

@@ -1,0 +1,123 @@
+"""Samplers and loaders that split the global sample stream over data-parallel ranks.
+
+Training: the stream is epoch 0's permutation of the dataset, then epoch 1's, ... (each seeded by
+(seed, epoch)). Optimizer step k consumes stream positions [k*G, (k+1)*G) for global batch size G,
+laid out as [micro-batch][data-parallel rank][sample]. The position depends only on the number of
+samples consumed, not on the number of ranks, so a run can continue on another world size.
+
+Validation: every sample exactly once over all ranks; ranks whose share is shorter get padding
+samples marked `valid = False`, so all ranks run the same number of forward passes (FSDP
+collectives) and padding never reaches the metrics.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterator, Optional
+
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+
+class GlobalBatchSampler(Sampler[list[int]]):
+    """Yields this rank's micro-batches (lists of dataset indices), forever, from `consumed_samples`."""
+
+    def __init__(self, dataset_len: int, micro_batch_size: int, global_batch_size: int, dp_size: int,
+                 dp_rank: int, seed: int, shuffle: bool = True, consumed_samples: int = 0):
+        if global_batch_size % (micro_batch_size * dp_size):
+            raise ValueError("global_batch_size must be a multiple of micro_batch_size x data-parallel size")
+        if consumed_samples % global_batch_size:
+            raise ValueError(f"consumed_samples={consumed_samples} is not at a global batch boundary")
+        self.n, self.mb, self.gb, self.dp, self.rank = dataset_len, micro_batch_size, global_batch_size, dp_size, dp_rank
+        self.seed, self.shuffle, self.consumed = seed, shuffle, consumed_samples
+        self._epoch, self._perm = -1, None
+
+    def index_at(self, position: int) -> int:
+        """Dataset index at a position of the global stream."""
+        epoch, offset = divmod(position, self.n)
+        if not self.shuffle:
+            return offset
+        if epoch != self._epoch:
+            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
+            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).tolist()
+        return self._perm[offset]
+
+    def __iter__(self) -> Iterator[list[int]]:
+        position = self.consumed
+        while True:
+            for micro in range(self.gb // (self.mb * self.dp)):
+                start = position + (micro * self.dp + self.rank) * self.mb
+                yield [self.index_at(start + i) for i in range(self.mb)]
+            position += self.gb
+
+
+class PaddedEval(Dataset):
+    """Adds "valid": True to each dict sample; index -1 is a padding sample (valid False)."""
+
+    def __init__(self, dataset: Dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = dict(self.dataset[max(index, 0)])
+        sample["valid"] = index >= 0
+        return sample
+
+
+class EvalBatchSampler(Sampler[list[int]]):
+    """Rank r takes samples r, r + dp, r + 2 dp, ...; short shares are padded with -1."""
+
+    def __init__(self, dataset_len: int, batch_size: int, dp_size: int, dp_rank: int, limit_batches: int = -1):
+        per_rank = math.ceil(dataset_len / dp_size)
+        indices = list(range(dp_rank, dataset_len, dp_size))
+        indices += [-1] * (per_rank - len(indices))
+        self.batches = [indices[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+        if limit_batches >= 0:
+            self.batches = self.batches[:limit_batches]
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return iter(self.batches)
+
+
+def make_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, pin_memory: bool, seed: int,
+                collate_fn=None) -> DataLoader:
+    return DataLoader(
+        dataset,
+        batch_sampler=batch_sampler,
+        num_workers=num_workers,
+        pin_memory=pin_memory,
+        persistent_workers=num_workers > 0,
+        collate_fn=collate_fn,
+        # Seeds the workers' RNGs from this run's seed rather than the global RNG state.
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def to_device(batch, device: torch.device):
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
+    """Micro-batches per optimizer step on each rank; a clear error when the sizes don't divide."""
+    per_step = micro_batch_size * dp_size
+    if global_batch_size % per_step:
+        raise ValueError(
+            f"training.global_batch_size={global_batch_size} is not divisible by training.micro_batch_size="
+            f"{micro_batch_size} x data-parallel size {dp_size} = {per_step}"
+        )
+    return global_batch_size // per_step
+
+
+def num_samples_note(dataset: Optional[Dataset]) -> str:
+    return "none" if dataset is None else f"{len(dataset):,}"

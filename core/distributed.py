@@ -1,0 +1,131 @@
+"""Process group, device and device mesh: everything the rest of the loop needs to know about ranks.
+
+Works the same under `torchrun`, under SLURM (one task per GPU, e.g. through the submitit launcher)
+and as a plain single `python train.py` process (a one-rank process group, so that every backend's
+code path is the same at any scale).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from core.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+MESH_DIMS = ("dp_outer", "dp_shard", "tp")
+
+
+@dataclass
+class DistEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    mesh: DeviceMesh  # dims ("dp_outer", "dp_shard", "tp")
+    dp_mesh: DeviceMesh  # "dp_outer" x "dp_shard" flattened: all data-parallel peers of this rank
+    dp_outer: int
+    dp_shard: int
+    tp: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_outer * self.dp_shard
+
+    @property
+    def dp_rank(self) -> int:
+        return self.dp_mesh.get_local_rank()
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dp_mesh.get_group()
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh["tp"].get_group()
+
+
+def _export_slurm_env_if_needed() -> None:
+    """Under `srun python train.py` (no torchrun), derive RANK/WORLD_SIZE/... from SLURM."""
+    if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    from submitit.helpers import TorchDistributedEnvironment
+
+    TorchDistributedEnvironment().export(overwrite=False)
+
+
+def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[int, int, int]:
+    """Resolve -1 entries and check that the mesh covers the world exactly."""
+    sizes = {"distributed.dp_outer": dp_outer, "distributed.dp_shard": dp_shard, "distributed.tp": tp}
+    unknown = [k for k, v in sizes.items() if v == -1]
+    for k, v in sizes.items():
+        if v == 0 or v < -1:
+            raise ConfigError(f"{k}={v}: mesh sizes must be positive (or -1 for 'the rest')")
+    if len(unknown) > 1:
+        raise ConfigError(f"only one of {', '.join(unknown)} may be -1")
+    known = 1
+    for v in sizes.values():
+        known *= v if v != -1 else 1
+    if unknown:
+        if world_size % known:
+            raise ConfigError(
+                f"{unknown[0]}=-1: world size {world_size} is not divisible by the other mesh sizes "
+                f"({' x '.join(f'{k}={v}' for k, v in sizes.items() if v != -1)})"
+            )
+        sizes[unknown[0]] = world_size // known
+    product = sizes["distributed.dp_outer"] * sizes["distributed.dp_shard"] * sizes["distributed.tp"]
+    if product != world_size:
+        raise ConfigError(
+            "device mesh dp_outer x dp_shard x tp = "
+            f"{sizes['distributed.dp_outer']} x {sizes['distributed.dp_shard']} x {sizes['distributed.tp']} = {product}, "
+            f"but the world size is {world_size} (processes launched); make them multiply to {world_size}"
+        )
+    return sizes["distributed.dp_outer"], sizes["distributed.dp_shard"], sizes["distributed.tp"]
+
+
+def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_type: Optional[str] = None) -> DistEnv:
+    """Start the process group (NCCL on CUDA, gloo on CPU), pick this rank's device, build the mesh."""
+    _export_slurm_env_if_needed()
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    # Validate the mesh before touching any device or process group.
+    dp_outer, dp_shard, tp = mesh_shape(world_size, dp_outer, dp_shard, tp)
+
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            # A plain `python train.py`: a one-rank group in this process, no network needed.
+            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        else:
+            dist.init_process_group(
+                backend, rank=rank, world_size=world_size, timeout=timeout,
+                device_id=device if device_type == "cuda" else None,
+            )
+    mesh = init_device_mesh(device_type, (dp_outer, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
+    return DistEnv(rank, world_size, local_rank, device, mesh, dp_mesh, dp_outer, dp_shard, tp)
+
+
+def teardown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,51 @@
+"""Deterministic weight initialisation, independent of device, layer backend and rank.
+
+Each parameter is drawn on the CPU from its own generator, seeded from (seed, parameter name), then
+copied to wherever the parameter lives. So TE and plain-torch models built from the same seed hold the
+same weights, every rank starts identical before sharding, and adding a module does not shift the
+random numbers of the others.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+# rule(name, cpu_tensor, generator) fills the tensor in place; return False to keep the module's own init.
+InitRule = Callable[[str, torch.Tensor, torch.Generator], Optional[bool]]
+
+
+def param_generator(seed: int, name: str) -> torch.Generator:
+    return torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+
+
+@torch.no_grad()
+def init_parameters(model: nn.Module, seed: int, rule: InitRule) -> None:
+    for name, param in model.named_parameters():
+        values = torch.empty(param.shape, dtype=torch.float32)
+        if rule(name, values, param_generator(seed, name)) is False:
+            continue
+        param.copy_(values.to(param.dtype))
+
+
+def standard_rule(std: float, zero_init: tuple[str, ...] = ()) -> InitRule:
+    """Truncated normal(0, std) at +-2 std for matrices, zeros for biases, ones for norm weights.
+
+    Norm weights are recognised as 1-d parameters whose name ends in "weight"; names ending in one of
+    `zero_init` start at zero.
+    """
+
+    def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
+        if zero_init and name.endswith(zero_init):
+            t.zero_()
+        elif t.dim() >= 2:
+            nn.init.trunc_normal_(t, std=std, a=-2 * std, b=2 * std, generator=g)
+        elif name.endswith("weight"):
+            t.fill_(1.0)
+        else:
+            t.zero_()
+
+    return rule

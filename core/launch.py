@@ -1,0 +1,85 @@
+"""Glue between Hydra and multi-process launchers (torchrun, SLURM).
+
+Hydra runs in every rank. Two things must not happen per rank:
+  * a separate timestamped output directory for each rank: the `${run_id:}` resolver used in
+    `hydra.run.dir` / `hydra.sweep.dir` gives one id that all ranks of a launch agree on;
+  * Hydra logs and `.hydra/` files from every rank: ranks other than 0 get Hydra's logging and
+    output subdirectory switched off (`prepare_argv`), so they print only warnings and errors.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import sys
+from pathlib import Path
+
+from omegaconf import OmegaConf
+
+REPO_DIR = Path(__file__).resolve().parents[1]
+_RUN_ID: str | None = None
+
+
+def _timestamp() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+
+
+def run_id() -> str:
+    """A timestamp shared by every rank of this launch.
+
+    torchrun: rank 0 publishes its timestamp in the launcher's key-value store (the one the process
+    group would use) and the others read it. srun without torchrun: the SLURM job id. Otherwise the
+    local time.
+    """
+    global _RUN_ID
+    if _RUN_ID is not None:
+        return _RUN_ID
+    rank = int(os.environ.get("RANK", "0"))
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
+        import torch.distributed as dist
+
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(minutes=5))
+        key = f"recipes/run_id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        if rank == 0:
+            store.set(key, _timestamp())
+        _RUN_ID = store.get(key).decode()
+    elif "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
+        _RUN_ID = f"slurm-{os.environ['SLURM_JOB_ID']}"
+    else:
+        _RUN_ID = _timestamp()
+    return _RUN_ID
+
+
+def register_resolvers() -> None:
+    if not OmegaConf.has_resolver("run_id"):
+        OmegaConf.register_new_resolver("run_id", run_id)
+    if not OmegaConf.has_resolver("repo_dir"):  # for paths of data shipped in this repository
+        OmegaConf.register_new_resolver("repo_dir", lambda: str(REPO_DIR))
+
+
+def global_rank() -> int:
+    for var in ("RANK", "SLURM_PROCID"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def prepare_argv() -> None:
+    """Quiet Hydra on every rank but 0 (call before the @hydra.main function)."""
+    if global_rank() != 0:
+        sys.argv += ["hydra.output_subdir=null", "hydra/job_logging=none", "hydra/hydra_logging=none"]
+
+
+def exit_process(code: int = 0) -> None:
+    """Leave without running interpreter teardown.
+
+    After a multi-process gloo run, torch's teardown at interpreter exit sometimes aborts
+    ("terminate called without an active exception") although all work finished; the process group is
+    already destroyed by then, so skipping the teardown loses nothing.
+    """
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

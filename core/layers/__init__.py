@@ -1,0 +1,88 @@
+"""The one place that chooses between TransformerEngine layers and their plain-torch twins.
+
+Models never import transformer_engine themselves: they take a `Layers` namespace and build
+`layers.Linear`, `layers.LayerNorm`, `layers.TransformerLayer`, ... from it. `model.backend`:
+  te    - transformer_engine.pytorch (CUDA only; FP8 capable)
+  torch - core.layers.torch_twins (any device; same parameter names and numerics)
+  auto  - te on CUDA when TransformerEngine is installed, torch otherwise
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import logging
+from dataclasses import dataclass
+from typing import Callable, ContextManager
+
+import torch
+
+from core.config import ConfigError
+from core.layers import torch_twins
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Layers:
+    name: str  # "te" or "torch"
+    Linear: type
+    LayerNorm: type
+    RMSNorm: type
+    LayerNormLinear: type
+    LayerNormMLP: type
+    TransformerLayer: type
+    # Context that runs the enclosed modules outside FP8 (e.g. a classifier head whose size is not a
+    # multiple of 16); a no-op for the torch backend.
+    high_precision: Callable[[], ContextManager]
+
+
+def te_available() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+def te_autocast(enabled: bool, recipe=None, amax_reduction_group=None) -> ContextManager:
+    """TE's FP8 autocast: `te.autocast` (TE >= 2.8), or `te.fp8_autocast` in older containers."""
+    import transformer_engine.pytorch as te
+
+    if hasattr(te, "autocast"):
+        return te.autocast(enabled=enabled, recipe=recipe, amax_reduction_group=amax_reduction_group)
+    return te.fp8_autocast(enabled=enabled, fp8_recipe=recipe, fp8_group=amax_reduction_group)
+
+
+def _te_layers() -> Layers:
+    import transformer_engine.pytorch as te
+
+    return Layers("te", te.Linear, te.LayerNorm, te.RMSNorm, te.LayerNormLinear, te.LayerNormMLP,
+                  te.TransformerLayer, lambda: te_autocast(enabled=False))
+
+
+TORCH_LAYERS = Layers("torch", torch_twins.Linear, torch_twins.LayerNorm, torch_twins.RMSNorm,
+                      torch_twins.LayerNormLinear, torch_twins.LayerNormMLP, torch_twins.TransformerLayer,
+                      contextlib.nullcontext)
+
+
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """Turn `auto` into `te` or `torch` for this device; check that `te` can run here."""
+    if backend == "auto":
+        if device.type == "cuda" and te_available():
+            return "te"
+        if device.type == "cuda":
+            log.warning("TransformerEngine is not installed: using plain torch layers "
+                        "(pip install transformer-engine[pytorch], or the NGC PyTorch container)")
+        return "torch"
+    if backend == "te":
+        if device.type != "cuda":
+            raise ConfigError("model.backend=te needs a CUDA device; use model.backend=torch (or auto) on CPU")
+        if not te_available():
+            raise ConfigError("model.backend=te but TransformerEngine is not installed "
+                              "(pip install transformer-engine[pytorch])")
+        return "te"
+    if backend == "torch":
+        return "torch"
+    raise ConfigError(f"model.backend={backend!r}: expected auto, te or torch")
+
+
+def get_layers(backend: str) -> Layers:
+    """`backend` is a resolved name: te or torch."""
+    return _te_layers() if backend == "te" else TORCH_LAYERS

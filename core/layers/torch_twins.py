@@ -1,0 +1,325 @@
+"""Plain-PyTorch twins of the TransformerEngine modules the recipes use.
+
+Each class takes the TE constructor arguments it supports, registers exactly TE's parameter names and
+shapes, and computes what TE computes (TE's defaults included: tanh GELU, LayerNorm eps 1e-5,
+softmax scale 1/sqrt(kv_channels), GLU gate in the first half of fc1), so a state dict moves between
+the two backends with only TE's `_extra_state` entries differing. Arguments these twins do not
+implement raise an error instead of being ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+# TE's default init_method: normal(0, 0.023) for every weight; biases start at zero.
+TE_DEFAULT_INIT_STD = 0.023
+
+
+def _default_init(weight: torch.Tensor) -> None:
+    nn.init.normal_(weight, mean=0.0, std=TE_DEFAULT_INIT_STD)
+
+
+def _reject(module: str, **options) -> None:
+    """Fail loudly on a TE option whose non-default value the twin does not implement."""
+    bad = {k: v for k, v in options.items() if v}
+    if bad:
+        raise NotImplementedError(f"{module}: the plain-torch layer backend does not support {bad}; use model.backend=te")
+
+
+def _param(shape, dtype, device) -> nn.Parameter:
+    return nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
+def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
+          zero_centered_gamma: bool) -> torch.Tensor:
+    w = weight + 1 if zero_centered_gamma else weight
+    if kind == "LayerNorm":
+        return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
+    if kind == "RMSNorm":
+        return F.rms_norm(x, (x.shape[-1],), w, eps)
+    raise ValueError(f"normalization must be 'LayerNorm' or 'RMSNorm', got {kind!r}")
+
+
+def _init_norm(weight: torch.Tensor, bias: Optional[torch.Tensor], zero_centered_gamma: bool) -> None:
+    with torch.no_grad():
+        weight.fill_(0.0 if zero_centered_gamma else 1.0)
+        if bias is not None:
+            bias.zero_()
+
+
+# Activations by TE's names. GLU variants: fc1 holds [gate; up]; activation applies to the gate half.
+def _glu(act: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    def glu(x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return act(gate) * up
+
+    return glu
+
+
+def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+def _qgelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)
+
+
+def _srelu(x: torch.Tensor) -> torch.Tensor:
+    return F.relu(x).square()
+
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": _gelu_tanh,
+    "relu": F.relu,
+    "silu": F.silu,
+    "qgelu": _qgelu,
+    "srelu": _srelu,
+    "geglu": _glu(_gelu_tanh),
+    "reglu": _glu(F.relu),
+    "swiglu": _glu(F.silu),
+    "qgeglu": _glu(_qgelu),
+    "sreglu": _glu(_srelu),
+}
+GLU_ACTIVATIONS = {"geglu", "reglu", "swiglu", "qgeglu", "sreglu"}
+
+
+class Linear(nn.Module):
+    """te.Linear: `weight` [out, in], `bias` [out]."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True,
+                 init_method: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
+                 device=None, parallel_mode: Optional[str] = None, tp_size: int = 1, **unsupported):
+        super().__init__()
+        _reject("Linear", parallel_mode=parallel_mode, tp_size=tp_size > 1, **unsupported)
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = _param((out_features, in_features), params_dtype, device)
+        self.bias = _param((out_features,), params_dtype, device) if bias else None
+        (init_method or _default_init)(self.weight)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class LayerNorm(nn.Module):
+    """te.LayerNorm: `weight`, `bias`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None, **unsupported):
+        super().__init__()
+        _reject("LayerNorm", **unsupported)
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+        self.weight = _param((hidden_size,), params_dtype, device)
+        self.bias = _param((hidden_size,), params_dtype, device)
+        _init_norm(self.weight, self.bias, zero_centered_gamma)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _norm(x, "LayerNorm", self.weight, self.bias, self.eps, self.zero_centered_gamma)
+
+
+class RMSNorm(nn.Module):
+    """te.RMSNorm: `weight`."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None, **unsupported):
+        super().__init__()
+        _reject("RMSNorm", **unsupported)
+        self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
+        self.weight = _param((hidden_size,), params_dtype, device)
+        _init_norm(self.weight, None, zero_centered_gamma)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _norm(x, "RMSNorm", self.weight, None, self.eps, self.zero_centered_gamma)
+
+
+class LayerNormLinear(nn.Module):
+    """te.LayerNormLinear: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), then either one
+    `weight`/`bias`, or with `parameters_split` one `<name>_weight`/`<name>_bias` per split (concatenated
+    along the output dimension in the given order)."""
+
+    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
+                 normalization: str = "LayerNorm", init_method: Optional[Callable] = None,
+                 parameters_split: Optional[dict[str, int]] = None, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None,
+                 parallel_mode: Optional[str] = None, tp_size: int = 1, **unsupported):
+        super().__init__()
+        _reject("LayerNormLinear", parallel_mode=parallel_mode, tp_size=tp_size > 1, **unsupported)
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
+        self.layer_norm_weight = _param((in_features,), params_dtype, device)
+        self.layer_norm_bias = _param((in_features,), params_dtype, device) if normalization == "LayerNorm" else None
+        _init_norm(self.layer_norm_weight, self.layer_norm_bias, zero_centered_gamma)
+        splits = parameters_split or {"": out_features}
+        if sum(splits.values()) != out_features:
+            raise ValueError(f"parameters_split {splits} does not add up to out_features={out_features}")
+        self._weight_names, self._bias_names = [], []
+        for name, size in splits.items():
+            prefix = f"{name}_" if name else ""
+            w = _param((size, in_features), params_dtype, device)
+            (init_method or _default_init)(w)
+            self.register_parameter(prefix + "weight", w)
+            self._weight_names.append(prefix + "weight")
+            if bias:
+                b = _param((size,), params_dtype, device)
+                nn.init.zeros_(b)
+                self.register_parameter(prefix + "bias", b)
+                self._bias_names.append(prefix + "bias")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        weight = torch.cat([getattr(self, n) for n in self._weight_names]) if len(self._weight_names) > 1 else getattr(self, self._weight_names[0])
+        bias = None
+        if self._bias_names:
+            bias = torch.cat([getattr(self, n) for n in self._bias_names]) if len(self._bias_names) > 1 else getattr(self, self._bias_names[0])
+        return F.linear(x, weight, bias)
+
+
+class LayerNormMLP(nn.Module):
+    """te.LayerNormMLP: `layer_norm_weight`, `layer_norm_bias`, `fc1_weight` [ffn (x2 for GLU), hidden],
+    `fc1_bias`, `fc2_weight` [hidden, ffn], `fc2_bias`."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
+                 normalization: str = "LayerNorm", activation: str = "gelu", init_method: Optional[Callable] = None,
+                 output_layer_init_method: Optional[Callable] = None, zero_centered_gamma: bool = False,
+                 params_dtype: Optional[torch.dtype] = None, device=None, set_parallel_mode: bool = False,
+                 tp_size: int = 1, **unsupported):
+        super().__init__()
+        _reject("LayerNormMLP", set_parallel_mode=set_parallel_mode, tp_size=tp_size > 1, **unsupported)
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+        self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
+        self.activation = ACTIVATIONS[activation]
+        fc1_out = 2 * ffn_hidden_size if activation in GLU_ACTIVATIONS else ffn_hidden_size
+        self.layer_norm_weight = _param((hidden_size,), params_dtype, device)
+        self.layer_norm_bias = _param((hidden_size,), params_dtype, device) if normalization == "LayerNorm" else None
+        _init_norm(self.layer_norm_weight, self.layer_norm_bias, zero_centered_gamma)
+        self.fc1_weight = _param((fc1_out, hidden_size), params_dtype, device)
+        self.fc1_bias = _param((fc1_out,), params_dtype, device) if bias else None
+        self.fc2_weight = _param((hidden_size, ffn_hidden_size), params_dtype, device)
+        self.fc2_bias = _param((hidden_size,), params_dtype, device) if bias else None
+        (init_method or _default_init)(self.fc1_weight)
+        (output_layer_init_method or _default_init)(self.fc2_weight)
+        for b in (self.fc1_bias, self.fc2_bias):
+            if b is not None:
+                nn.init.zeros_(b)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = _norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
+        x = self.activation(F.linear(x, self.fc1_weight, self.fc1_bias))
+        return F.linear(x, self.fc2_weight, self.fc2_bias)
+
+
+class MultiheadAttention(nn.Module):
+    """te.MultiheadAttention (self-attention, input layernorm): `layernorm_qkv.*` and `proj.*`.
+
+    fuse_qkv_params=False: `layernorm_qkv.{query,key,value}_{weight,bias}`.
+    fuse_qkv_params=True: one `layernorm_qkv.weight` whose rows are grouped per KV group as
+    [queries of the group, key, value] (TE's qkv_weight_interleaved=True layout).
+    """
+
+    def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
+                 attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method=None,
+                 output_layer_init_method=None, attn_mask_type: str = "causal", num_gqa_groups: Optional[int] = None,
+                 fuse_qkv_params: bool = False, qkv_weight_interleaved: bool = True, bias: bool = True,
+                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
+                 qkv_format: str = "sbhd", params_dtype=None, device=None):
+        super().__init__()
+        if attn_mask_type not in ("no_mask", "causal"):
+            raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal")
+        if qkv_format not in ("sbhd", "bshd"):
+            raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd and bshd")
+        if fuse_qkv_params and not qkv_weight_interleaved:
+            raise NotImplementedError("fuse_qkv_params without qkv_weight_interleaved")
+        self.num_heads = num_attention_heads
+        self.num_groups = num_gqa_groups or num_attention_heads
+        if self.num_heads % self.num_groups:
+            raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_groups}")
+        self.head_dim = kv_channels or hidden_size // num_attention_heads
+        self.attention_dropout = attention_dropout
+        self.causal = attn_mask_type == "causal"
+        self.qkv_format = qkv_format
+        self.fuse_qkv_params = fuse_qkv_params
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        common = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, init_method=init_method,
+                      zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device)
+        if fuse_qkv_params:
+            self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, **common)
+        else:
+            split = {"query": q_size, "key": kv_size, "value": kv_size}
+            self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, parameters_split=split, **common)
+        self.proj = Linear(q_size, hidden_size, bias=bias, init_method=output_layer_init_method,
+                           params_dtype=params_dtype, device=device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.qkv_format == "sbhd":
+            x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
+        b, s, _ = x.shape
+        mixed = self.layernorm_qkv(x)
+        per_group = self.num_heads // self.num_groups
+        if self.fuse_qkv_params:
+            mixed = mixed.view(b, s, self.num_groups, (per_group + 2) * self.head_dim)
+            q, k, v = mixed.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+            q = q.reshape(b, s, self.num_heads, self.head_dim)
+        else:
+            q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+            q, k, v = mixed.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(b, s, self.num_heads, self.head_dim)
+            k = k.view(b, s, self.num_groups, self.head_dim)
+            v = v.view(b, s, self.num_groups, self.head_dim)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        if per_group > 1:
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout if self.training else 0.0,
+            scale=1.0 / math.sqrt(self.head_dim),
+        )
+        out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return out.transpose(0, 1) if self.qkv_format == "sbhd" else out
+
+
+class TransformerLayer(nn.Module):
+    """te.TransformerLayer, pre-norm self-attention + MLP: `self_attention.*`, `layernorm_mlp.*`."""
+
+    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
+                 attention_dropout: float = 0.1, init_method=None, output_layer_init_method=None,
+                 layer_number: Optional[int] = None, kv_channels: Optional[int] = None,
+                 self_attn_mask_type: str = "causal", fuse_qkv_params: bool = False,
+                 qkv_weight_interleaved: bool = True, bias: bool = True, activation: str = "gelu",
+                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
+                 attn_input_format: str = "sbhd", params_dtype=None, device=None,
+                 apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
+                 set_parallel_mode: bool = False, tp_size: int = 1, sequence_parallel: bool = False,
+                 drop_path_rate: float = 0.0, **unsupported):
+        super().__init__()
+        _reject("TransformerLayer", apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
+                output_layernorm=output_layernorm, set_parallel_mode=set_parallel_mode, tp_size=tp_size > 1,
+                sequence_parallel=sequence_parallel, drop_path_rate=drop_path_rate, **unsupported)
+        self.hidden_dropout = hidden_dropout
+        self.self_attention = MultiheadAttention(
+            hidden_size, num_attention_heads, kv_channels=kv_channels, attention_dropout=attention_dropout,
+            layernorm_epsilon=layernorm_epsilon, init_method=init_method,
+            output_layer_init_method=output_layer_init_method, attn_mask_type=self_attn_mask_type,
+            num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
+            zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
+            params_dtype=params_dtype, device=device,
+        )
+        self.layernorm_mlp = LayerNormMLP(
+            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, bias=bias, normalization=normalization,
+            activation=activation, init_method=init_method, output_layer_init_method=output_layer_init_method,
+            zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
+        )
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unsupported) -> torch.Tensor:
+        if attention_mask is not None or any(v is not None for v in unsupported.values()):
+            raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
+        x = hidden_states
+        x = x + F.dropout(self.self_attention(x), self.hidden_dropout, self.training)
+        return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)

@@ -1,0 +1,56 @@
+"""AdamW with weight-decay parameter groups, and the warmup + decay learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from core.config import ConfigError, OptimConfig, SchedulerConfig
+
+
+def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float,
+                 no_decay_names: set[str]) -> list[dict]:
+    """Two groups: decay for weight matrices; none for biases, norm weights (anything under 2-d) and
+    the recipe's named exceptions (e.g. position embeddings)."""
+    decay, no_decay = [], []
+    for name, p in named_params:
+        if not p.requires_grad:
+            continue
+        (no_decay if p.dim() < 2 or name in no_decay_names else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
+              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    return [g for g in groups if g["params"]]
+
+
+def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
+    if cfg.name != "adamw":
+        raise ConfigError(f"optim.name={cfg.name!r}: only adamw is available")
+    if len(cfg.betas) != 2:
+        raise ConfigError(f"optim.betas={list(cfg.betas)}: expected two values")
+    kwargs = {} if cfg.fused is None else {"fused": cfg.fused}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+
+
+def lr_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:
+    """Linear warmup from 0 over warmup_steps, then cosine / linear decay to min_lr_ratio at total_steps.
+    `step` counts optimizer steps already taken (0 for the first)."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.name == "constant":
+        return 1.0
+    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    if cfg.name == "cosine":
+        shape = 0.5 * (1.0 + math.cos(math.pi * progress))
+    elif cfg.name == "linear":
+        shape = 1.0 - progress
+    else:
+        raise ConfigError(f"scheduler.name={cfg.name!r}: expected cosine, linear or constant")
+    return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int):
+    lr_multiplier(cfg.warmup_steps, total_steps, cfg)  # validates the name before training starts
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))

@@ -1,0 +1,33 @@
+"""torch DistributedDataParallel: full replicas, gradients all-reduced (averaged) after backward."""
+
+from __future__ import annotations
+
+from typing import ContextManager
+
+import contextlib
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from core.config import DDPConfig
+from core.distributed import DistEnv
+from core.parallel.base import Parallel
+
+
+class DDP(Parallel):
+    name = "ddp"
+
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: DDPConfig):
+        wrapped = DistributedDataParallel(
+            model,
+            device_ids=[env.device.index] if env.device.type == "cuda" else None,
+            process_group=env.dp_group,
+            bucket_cap_mb=cfg.bucket_cap_mb,
+            gradient_as_bucket_view=cfg.gradient_as_bucket_view,
+            find_unused_parameters=cfg.find_unused_parameters,
+            static_graph=cfg.static_graph,
+        )
+        super().__init__(wrapped, model)
+
+    def micro_batch(self, is_last: bool) -> ContextManager:
+        # Skip the all-reduce on all but the last micro-batch; gradients accumulate locally.
+        return contextlib.nullcontext() if is_last else self.module.no_sync()

@@ -1,0 +1,158 @@
+"""Megatron-FSDP (megatron-fsdp 0.6.1): ZeRO 0-3 and HSDP over the ("dp_outer", "dp_shard", "tp") mesh.
+
+Follows `fully_shard_model` + an optimizer built over the wrapped module's parameters +
+`fully_shard_optimizer`, rather than `fully_shard(model, optimizer)`, because the latter replaces the
+optimizer's parameter groups with a single one and so loses weight-decay groups. Two more traps of
+0.6.1 are handled here (see ../shared/notes/megatron-fsdp-and-te.md):
+  * `fully_shard_optimizer` runs one optimizer step on zero gradients to create the optimizer state;
+    with AdamW that applies weight decay once and advances the step count. We run it at lr 0 and
+    reset the step count, so training starts exactly where a plain optimizer would.
+  * ZeRO-1 with `sync_model_each_microbatch=True` accumulates gradients wrongly; we keep it False,
+    skip reduction on all but the last micro-batch and call `finish_grad_sync` ourselves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import ContextManager
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from core.config import ConfigError, MFSDPConfig
+from core.distributed import DistEnv
+from core.parallel.base import Parallel
+from core.precision import dtype
+
+log = logging.getLogger(__name__)
+
+
+class MegatronFSDP(Parallel):
+    name = "mfsdp"
+
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str]):
+        import megatron_fsdp
+
+        if cfg.zero_dp_strategy not in (0, 1, 2, 3):
+            raise ConfigError(f"distributed.mfsdp.zero_dp_strategy={cfg.zero_dp_strategy}: expected 0, 1, 2 or 3")
+        if cfg.zero_dp_strategy >= 2 and not unit_modules:
+            raise ConfigError("distributed.mfsdp.zero_dp_strategy>=2 needs fsdp_unit_modules")
+        hsdp = env.dp_outer > 1
+        policy = megatron_fsdp.MixedPrecisionPolicy(
+            main_params_dtype=dtype(cfg.main_params_dtype, "distributed.mfsdp.main_params_dtype"),
+            main_grads_dtype=dtype(cfg.main_grads_dtype, "distributed.mfsdp.main_grads_dtype"),
+            grad_comm_dtype=dtype(cfg.grad_comm_dtype, "distributed.mfsdp.grad_comm_dtype"),
+        )
+        wrapper = megatron_fsdp.fully_shard_model(
+            model,
+            device_mesh=env.mesh,
+            dp_shard_dim="dp_shard",
+            dp_outer_dim="dp_outer" if hsdp else None,
+            tp_dim="tp",
+            hybrid_fsdp_group=env.dp_group if hsdp else None,
+            fsdp_unit_modules=unit_modules,
+            zero_dp_strategy=cfg.zero_dp_strategy,
+            outer_dp_sharding_strategy=cfg.outer_dp_sharding_strategy,
+            device=env.device,
+            init_model_with_meta_device=cfg.init_model_with_meta_device,
+            mixed_precision_policy=policy,
+            overlap_grad_reduce=cfg.overlap_grad_reduce,
+            overlap_param_gather=cfg.overlap_param_gather,
+            sync_model_each_microbatch=cfg.sync_model_each_microbatch,
+            preproc_state_dict_for_dcp_ckpt=cfg.preproc_state_dict_for_dcp_ckpt,
+            report_nan_in_param_grad=cfg.report_nan_in_param_grad,
+            average_in_collective=cfg.average_in_collective,
+            disable_bucketing=cfg.disable_bucketing,
+            keep_fp8_transpose_cache=cfg.keep_fp8_transpose_cache,
+            nccl_ub=cfg.nccl_ub,
+            fsdp_double_buffer=cfg.fsdp_double_buffer,
+        )
+        self.cfg = cfg
+        # wrapper.module is the user's model; its parameters are now Megatron-FSDP's distributed
+        # (DTensor) optimizer parameters under their original names.
+        super().__init__(wrapper, wrapper.module)
+
+    def finalize_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+        import megatron_fsdp
+
+        lrs = [group["lr"] for group in optimizer.param_groups]
+        for group in optimizer.param_groups:
+            group["lr"] = 0.0  # the pre-init step must not move (or decay) any weight
+        megatron_fsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=self.cfg.preproc_state_dict_for_dcp_ckpt)
+        for group, lr in zip(optimizer.param_groups, lrs):
+            group["lr"] = lr
+        for state in optimizer.state.values():
+            if "step" in state:  # that step must not count for Adam's bias correction either
+                state["step"] = torch.zeros_like(state["step"]) if torch.is_tensor(state["step"]) else 0
+        return optimizer
+
+    def micro_batch(self, is_last: bool) -> ContextManager:
+        if not is_last:
+            return self.module.no_sync()
+        # The root post-backward hook reduces gradients (ZeRO 0/1) only when this flag is set.
+        self.module.is_last_microbatch = True
+        return contextlib.nullcontext()
+
+    def finish_grad_sync(self) -> None:
+        self.module.finish_grad_sync()
+
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        # Megatron-FSDP shards unevenly: a rank may hold no slice of a parameter, and then its .grad
+        # is None. torch's clip_grad_norm_ would skip it there and run mismatched collectives, so
+        # sum the squares of the local slices and reduce once over the mesh dimensions that shard.
+        params = [p for _, p in self.named_parameters()]
+        local = [g._local_tensor if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+        sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+        if local:
+            sq = torch.stack(torch._foreach_norm(local)).float().square().sum()
+        first = params[0]
+        if isinstance(first, DTensor):
+            for dim, placement in enumerate(first.placements):
+                if placement.is_shard():
+                    torch.distributed.all_reduce(sq, group=first.device_mesh.get_group(dim))
+        norm = sq.sqrt()
+        if max_norm > 0 and local:
+            torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        # Gradients are already synchronised (finish_grad_sync, before clipping).
+        optimizer.step(sync_grad_before_optimizer_step=False)
+
+    def model_state_dict(self) -> dict:
+        # The wrapper's state-dict hooks prepare the unevenly sharded DTensors for DCP (and drop TE's
+        # _extra_state); its keys carry the wrapper's "module." prefix, which we remove.
+        return {k.removeprefix("module."): v for k, v in self.module.state_dict().items()}
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        # torch keys optimizer state by parameter index (order of appearance in param_groups);
+        # re-key it by parameter name, like torch.distributed.checkpoint.state_dict does for FSDP2.
+        sd = optimizer.state_dict()
+        name_of = {id(p): n for n, p in self.inner.named_parameters()}
+        ordered = list(dict.fromkeys(id(p) for g in optimizer.param_groups for p in g["params"]))
+        index_to_name = {i: name_of[pid] for i, pid in enumerate(ordered)}
+        groups = [{**g, "params": [index_to_name[i] for i in g["params"]]} for g in sd["param_groups"]]
+        return {"state": {index_to_name[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        # Megatron-FSDP's DTensors are unevenly sharded (slices of a flat buffer), which DTensor's
+        # full_tensor() and gloo's all_gather do not handle: gather each rank's slice with its offsets.
+        from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
+
+        out = {}
+        for name, value in self.inner.state_dict().items():
+            if name.endswith("_extra_state"):
+                continue
+            if not isinstance(value, DTensor):
+                out[name] = value.detach().cpu()
+                continue
+            offsets = gather_and_compute_chunk_metadata(value).offsets
+            pieces = [None] * torch.distributed.get_world_size()
+            torch.distributed.all_gather_object(pieces, (offsets, value.to_local().detach().cpu()))
+            full = torch.empty(value.shape, dtype=value.dtype)
+            for piece_offsets, piece in pieces:
+                full[tuple(slice(o, o + n) for o, n in zip(piece_offsets, piece.shape))] = piece
+            out[name] = full
+        return out

@@ -1,0 +1,78 @@
+"""What a recipe gives the training loop: a model, its data, and the task (loss and metrics).
+
+The loop in train.py calls only these methods, so a new recipe is a new subclass plus config files;
+the loop itself does not change.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from core.layers import Layers
+
+
+@dataclass
+class Datasets:
+    train: Dataset
+    val: Optional[Dataset]
+
+
+class Recipe:
+    """Instantiated once per run with the validated config (`self.cfg`)."""
+
+    name: str = ""
+    model_schema: type = object  # dataclass for the `model` config group
+    data_schema: type = object  # dataclass for the `data` config group
+
+    def __init__(self, cfg: Any):
+        self.cfg = cfg
+
+    # --- model -------------------------------------------------------------------------------
+    def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
+        """Build the full (unsharded) model on `device`, weights initialised deterministically
+        from cfg.seed (the same values on every rank and with either layer backend)."""
+        raise NotImplementedError
+
+    def unit_modules(self, layers: Layers) -> list[type]:
+        """Module classes that FSDP shards, gathers and frees as one unit (the transformer block)."""
+        raise NotImplementedError
+
+    def no_weight_decay(self, model: nn.Module) -> set[str]:
+        """Names of matrix-shaped parameters that take no weight decay (biases and norm weights,
+        i.e. every parameter with fewer than 2 dimensions, never take it)."""
+        return set()
+
+    # --- data --------------------------------------------------------------------------------
+    def build_datasets(self) -> Datasets:
+        raise NotImplementedError
+
+    def collate_fn(self):
+        return None  # torch's default_collate
+
+    # --- task --------------------------------------------------------------------------------
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        """Number of loss terms in a micro-batch (samples, or unmasked tokens), as a 0-d tensor.
+        The loop sums it over the global batch first, so the loss is a true mean over it."""
+        raise NotImplementedError
+
+    def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
+        """Per-sample values: "loss" (sum of the sample's loss terms) and "count" (their number);
+        in evaluation, further metrics to be summed (e.g. "top1": 1.0 where correct)."""
+        raise NotImplementedError
+
+    def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
+        """Turn per-term means of the validation sums into the reported metrics."""
+        return means
+
+    # --- accounting --------------------------------------------------------------------------
+    def tokens_per_sample(self) -> int:
+        raise NotImplementedError
+
+    def flops_per_sample(self) -> float:
+        """Training FLOPs (forward + backward) for one sample, for MFU."""
+        raise NotImplementedError

@@ -1,0 +1,58 @@
+"""Schemas of the ViT recipe's `model` and `data` config groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+IMAGENET_MEAN = [0.485, 0.456, 0.406]
+IMAGENET_STD = [0.229, 0.224, 0.225]
+
+
+@dataclass
+class ViTModelConfig:
+    backend: str = "auto"  # auto | te | torch (see core/layers)
+    img_size: int = 224
+    patch_size: int = 16
+    in_chans: int = 3
+    num_classes: int = 1000
+    hidden_size: int = 768
+    depth: int = 12
+    num_heads: int = 12
+    mlp_ratio: float = 4.0
+    qkv_bias: bool = True
+    layernorm_epsilon: float = 1e-6
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    # One fused QKV weight per block (one GEMM); False: separate query/key/value weights.
+    fuse_qkv_params: bool = True
+    init_std: float = 0.02
+    label_smoothing: float = 0.0
+
+
+@dataclass
+class ImageDataConfig:
+    # imagefolder: <root>/<train_split>/<class>/*.png|jpg ...
+    # tiny_imagenet: <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
+    # synthetic: random images and labels, for throughput measurements
+    format: str = "imagefolder"
+    num_classes: int = MISSING  # the model's head size follows this (model.num_classes: ${data.num_classes})
+    # A missing root with <root>.tar.gz (or .tgz / .tar) beside it is extracted there on first use.
+    root: Optional[str] = None
+    train_split: str = "train"
+    val_split: str = "val"
+    # Training augmentation: random resized crop with this area range, horizontal flip probability.
+    train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
+    train_crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
+    hflip: float = 0.5
+    # Validation: resize the shorter side to img_size / val_crop_fraction, then center-crop img_size.
+    val_crop_fraction: float = 0.875
+    mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
+    std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
+    num_workers: int = 4
+    pin_memory: bool = True
+    # synthetic format only: number of samples per split
+    synthetic_train_size: int = 100_000
+    synthetic_val_size: int = 1_000

@@ -1,0 +1,59 @@
+"""Shared test utilities: composing configs and running train.run in gloo worker processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+CONFIGS = REPO / "configs"
+
+
+def compose_config(name: str, overrides: list[str]):
+    import train  # noqa: F401  (registers the schemas and resolvers)
+
+    with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
+        return compose(config_name=name, overrides=overrides)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    try:
+        results[rank] = ("ok", fn(*args))
+    except BaseException:  # report any failure to the parent, with its traceback
+        results[rank] = ("error", traceback.format_exc())
+
+
+def run_workers(world_size: int, fn: Callable, *args) -> list:
+    """Run fn(*args) in `world_size` spawned processes (a gloo group each); return each rank's value."""
+    ctx = mp.get_context("spawn")
+    with ctx.Manager() as manager:
+        results = manager.dict()
+        port = free_port()
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(timeout=600)
+            if p.is_alive():
+                p.kill()
+        out = []
+        for r in range(world_size):
+            status, value = results.get(r, ("error", f"rank {r} exited with code {procs[r].exitcode} and no result"))
+            if status != "ok":
+                raise AssertionError(f"rank {r} failed:\n{value}")
+            out.append(value)
+        return out

@@ -1,0 +1,147 @@
+"""Samplers (global stream split over ranks, exact validation coverage) and the ViT datasets."""
+
+from __future__ import annotations
+
+import multiprocessing
+import tarfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from core.data import EvalBatchSampler, GlobalBatchSampler
+from recipes.vit.config import ImageDataConfig, ViTModelConfig
+from recipes.vit.data import SyntheticImages, TinyImageNet, build_image_datasets, ensure_extracted, val_transform
+from tests.helpers import REPO
+
+
+def step_indices(n, mb, gb, dp, steps, seed=7, consumed=0) -> list[list[int]]:
+    """Dataset indices of each optimizer step, gathered over all ranks."""
+    accum = gb // (mb * dp)
+    iters = [iter(GlobalBatchSampler(n, mb, gb, dp, r, seed, consumed_samples=consumed)) for r in range(dp)]
+    out = []
+    for _ in range(steps):
+        step = []
+        for _ in range(accum):
+            for it in iters:
+                step += next(it)
+        out.append(step)
+    return out
+
+
+def test_each_epoch_is_a_permutation_and_epochs_differ():
+    n, gb = 24, 8  # 3 steps per epoch
+    steps = step_indices(n, mb=2, gb=gb, dp=2, steps=6)
+    epoch0, epoch1 = sum(steps[:3], []), sum(steps[3:], [])
+    assert sorted(epoch0) == list(range(n)) and sorted(epoch1) == list(range(n))
+    assert epoch0 != epoch1
+    assert step_indices(n, 2, gb, 2, 6) == steps  # reproducible
+
+
+def test_epoch_boundary_inside_a_global_batch():
+    n, gb = 10, 4  # epochs end mid-batch: the stream simply continues into the next permutation
+    flat = sum(step_indices(n, 1, gb, 2, steps=5), [])
+    assert sorted(flat[:10]) == list(range(10)) and sorted(flat[10:20]) == list(range(10))
+
+
+def test_global_batches_do_not_depend_on_world_size():
+    one = step_indices(40, 8, 8, 1, steps=6)
+    two = step_indices(40, 2, 8, 2, steps=6)
+    four = step_indices(40, 1, 8, 4, steps=6)
+    assert [sorted(s) for s in one] == [sorted(s) for s in two] == [sorted(s) for s in four]
+
+
+def test_resume_position_continues_the_stream():
+    full = step_indices(30, 2, 6, 3, steps=7)
+    resumed = step_indices(30, 3, 6, 2, steps=3, consumed=4 * 6)  # other world size, from step 4
+    assert [sorted(s) for s in resumed] == [sorted(s) for s in full[4:]]
+
+
+@pytest.mark.parametrize("n,dp,bs", [(10, 3, 2), (7, 2, 4), (4, 4, 1), (3, 4, 2)])
+def test_eval_sampler_covers_every_sample_once(n, dp, bs):
+    samplers = [EvalBatchSampler(n, bs, dp, r) for r in range(dp)]
+    assert len({len(s) for s in samplers}) == 1  # same number of forward passes on every rank
+    seen = [i for s in samplers for batch in s for i in batch if i >= 0]
+    assert sorted(seen) == list(range(n))
+    limited = EvalBatchSampler(n, bs, dp, 0, limit_batches=1)
+    assert len(limited) == 1
+
+
+def write_image_folder(root: Path, classes: int = 3, per_class: int = 2, size: int = 12) -> None:
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        for c in range(classes):
+            (root / split / f"c{c}").mkdir(parents=True)
+            for i in range(per_class):
+                Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / split / f"c{c}" / f"{i}.png")
+
+
+def _extract(root: str) -> int:
+    return len(list(ensure_extracted(root).rglob("*.png")))
+
+
+def test_tar_gz_beside_missing_root_is_extracted_once(tmp_path):
+    src = tmp_path / "src" / "mydata"
+    write_image_folder(src)
+    archive = tmp_path / "data" / "mydata.tar.gz"
+    archive.parent.mkdir()
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname="mydata")
+    root = str(tmp_path / "data" / "mydata")
+    with multiprocessing.get_context("spawn").Pool(3) as pool:  # several ranks at once
+        counts = pool.map(_extract, [root] * 3)
+    assert counts == [12, 12, 12]
+    assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["mydata", "mydata.lock", "mydata.tar.gz"]
+
+
+def test_missing_root_without_archive_is_a_clear_error(tmp_path):
+    with pytest.raises(FileNotFoundError, match="data.root"):
+        ensure_extracted(str(tmp_path / "nothing"))
+
+
+def test_tiny_imagenet_layout(tmp_path):
+    rng = np.random.default_rng(0)
+    wnids = ["n01", "n02"]
+    for w in wnids:
+        (tmp_path / "train" / w / "images").mkdir(parents=True)
+        for i in range(2):
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "train" / w / "images" / f"{w}_{i}.JPEG")
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    lines = []
+    for i, w in enumerate(["n02", "n01", "n02"]):
+        Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(tmp_path / "val" / "images" / f"val_{i}.JPEG")
+        lines.append(f"val_{i}.JPEG\t{w}\t0\t0\t8\t8")
+    (tmp_path / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
+    transform = val_transform(ImageDataConfig(num_classes=2, val_crop_fraction=1.0), 8)
+    train = TinyImageNet(tmp_path, "train", transform)
+    val = TinyImageNet(tmp_path, "val", transform)
+    assert train.classes == wnids and len(train) == 4
+    assert [val[i][1] for i in range(3)] == [1, 0, 1]
+    assert val[0][0].shape == (3, 8, 8)  # grayscale JPEGs become RGB
+
+
+def test_shipped_digits_load_as_dict_samples():
+    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10,
+                           train_crop_scale=[0.6, 1.0], hflip=0.0, val_crop_fraction=1.0, num_workers=0)
+    train, val = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=10), seed=0)
+    assert (len(train), len(val)) == (1438, 359)
+    sample = val[0]
+    assert sample["image"].shape == (3, 28, 28) and sample["image"].dtype == torch.float32
+    assert isinstance(sample["label"], int)
+    labels = {val[i]["label"] for i in range(0, len(val), 7)}
+    assert labels == set(range(10))
+
+
+def test_class_count_mismatch_is_an_error():
+    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10)
+    with pytest.raises(ValueError, match="num_classes=7"):
+        build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=7), seed=0)
+
+
+def test_synthetic_images_are_deterministic():
+    ds = SyntheticImages(100, 16, 3, 10, seed=1)
+    a, b = ds[5], ds[5]
+    assert torch.equal(a["image"], b["image"]) and a["label"] == b["label"]
+    assert not torch.equal(ds[6]["image"], a["image"])

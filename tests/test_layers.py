@@ -1,0 +1,169 @@
+"""The plain-torch twins: TE's parameter names and shapes, and TE's math (checked against explicit
+formulas in float64). Against TE itself they are compared on the GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.config import ConfigError
+from core.layers import TORCH_LAYERS, resolve_backend
+from core.layers import torch_twins as tt
+
+H, FFN, HEADS = 16, 24, 4
+
+
+def names_and_shapes(module) -> dict[str, tuple]:
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def test_transformer_layer_has_te_parameter_names():
+    layer = tt.TransformerLayer(H, FFN, HEADS)
+    assert names_and_shapes(layer) == {
+        "self_attention.layernorm_qkv.layer_norm_weight": (H,),
+        "self_attention.layernorm_qkv.layer_norm_bias": (H,),
+        "self_attention.layernorm_qkv.query_weight": (H, H),
+        "self_attention.layernorm_qkv.query_bias": (H,),
+        "self_attention.layernorm_qkv.key_weight": (H, H),
+        "self_attention.layernorm_qkv.key_bias": (H,),
+        "self_attention.layernorm_qkv.value_weight": (H, H),
+        "self_attention.layernorm_qkv.value_bias": (H,),
+        "self_attention.proj.weight": (H, H),
+        "self_attention.proj.bias": (H,),
+        "layernorm_mlp.layer_norm_weight": (H,),
+        "layernorm_mlp.layer_norm_bias": (H,),
+        "layernorm_mlp.fc1_weight": (FFN, H),
+        "layernorm_mlp.fc1_bias": (FFN,),
+        "layernorm_mlp.fc2_weight": (H, FFN),
+        "layernorm_mlp.fc2_bias": (H,),
+    }
+
+
+def test_fused_qkv_rmsnorm_swiglu_gqa_no_bias_names():
+    layer = tt.TransformerLayer(H, FFN, HEADS, num_gqa_groups=2, fuse_qkv_params=True, normalization="RMSNorm",
+                                activation="swiglu", bias=False)
+    kv = H // HEADS
+    assert names_and_shapes(layer) == {
+        "self_attention.layernorm_qkv.layer_norm_weight": (H,),
+        "self_attention.layernorm_qkv.weight": ((HEADS + 2 * 2) * kv, H),
+        "self_attention.proj.weight": (H, H),
+        "layernorm_mlp.layer_norm_weight": (H,),
+        "layernorm_mlp.fc1_weight": (2 * FFN, H),
+        "layernorm_mlp.fc2_weight": (H, FFN),
+    }
+
+
+def test_simple_modules_have_te_names():
+    assert names_and_shapes(tt.Linear(3, 5)) == {"weight": (5, 3), "bias": (5,)}
+    assert names_and_shapes(tt.LayerNorm(4)) == {"weight": (4,), "bias": (4,)}
+    assert names_and_shapes(tt.RMSNorm(4)) == {"weight": (4,)}
+    assert set(names_and_shapes(tt.LayerNormMLP(4, 6))) == {
+        "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"}
+
+
+def reference_layer(x: torch.Tensor, sd: dict, heads: int, groups: int, eps: float, causal: bool) -> torch.Tensor:
+    """TE TransformerLayer math written out: pre-LN attention and MLP, tanh GELU, 1/sqrt(d) scale."""
+    p = "self_attention.layernorm_qkv."
+    b, s, h = x.shape
+    d = h // heads
+    y = F.layer_norm(x, (h,), sd[p + "layer_norm_weight"], sd[p + "layer_norm_bias"], eps)
+    q = (y @ sd[p + "query_weight"].T + sd[p + "query_bias"]).view(b, s, heads, d).transpose(1, 2)
+    k = (y @ sd[p + "key_weight"].T + sd[p + "key_bias"]).view(b, s, groups, d).transpose(1, 2)
+    v = (y @ sd[p + "value_weight"].T + sd[p + "value_bias"]).view(b, s, groups, d).transpose(1, 2)
+    k, v = k.repeat_interleave(heads // groups, 1), v.repeat_interleave(heads // groups, 1)
+    scores = q @ k.transpose(-1, -2) / math.sqrt(d)
+    if causal:
+        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
+    attn = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, s, h)
+    x = x + attn @ sd["self_attention.proj.weight"].T + sd["self_attention.proj.bias"]
+    m = "layernorm_mlp."
+    y = F.layer_norm(x, (h,), sd[m + "layer_norm_weight"], sd[m + "layer_norm_bias"], eps)
+    y = y @ sd[m + "fc1_weight"].T + sd[m + "fc1_bias"]
+    y = 0.5 * y * (1 + torch.tanh(math.sqrt(2 / math.pi) * (y + 0.044715 * y**3)))
+    return x + y @ sd[m + "fc2_weight"].T + sd[m + "fc2_bias"]
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("groups", [HEADS, 2])
+def test_transformer_layer_matches_te_formulas(causal, groups):
+    torch.manual_seed(0)
+    layer = tt.TransformerLayer(H, FFN, HEADS, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
+                                self_attn_mask_type="causal" if causal else "no_mask", attn_input_format="bshd",
+                                layernorm_epsilon=1e-6).double()
+    for p in layer.parameters():  # non-trivial norms and biases
+        torch.nn.init.normal_(p, std=0.3)
+    x = torch.randn(2, 5, H, dtype=torch.float64)
+    expected = reference_layer(x, layer.state_dict(), HEADS, groups, 1e-6, causal)
+    torch.testing.assert_close(layer(x), expected, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("groups", [HEADS, 2, 1])
+def test_fused_interleaved_qkv_equals_separate_qkv(groups):
+    """TE's fused layout: rows grouped per KV group as [queries of the group; key; value]."""
+    torch.manual_seed(0)
+    kw = dict(num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd")
+    separate = tt.TransformerLayer(H, FFN, HEADS, **kw).double()
+    fused = tt.TransformerLayer(H, FFN, HEADS, fuse_qkv_params=True, **kw).double()
+    sd = separate.state_dict()
+    d, per_group = H // HEADS, HEADS // groups
+    p = "self_attention.layernorm_qkv."
+
+    def interleave(kind: str) -> torch.Tensor:
+        q = sd[p + f"query_{kind}"].reshape(groups, per_group * d, -1)
+        k = sd[p + f"key_{kind}"].reshape(groups, d, -1)
+        v = sd[p + f"value_{kind}"].reshape(groups, d, -1)
+        return torch.cat([q, k, v], dim=1).reshape(-1, *sd[p + f"query_{kind}"].shape[1:])
+
+    converted = {k: v for k, v in sd.items() if not any(k.startswith(p + n) for n in ("query", "key", "value"))}
+    converted[p + "weight"], converted[p + "bias"] = interleave("weight"), interleave("bias")
+    fused.load_state_dict(converted)
+    x = torch.randn(3, 7, H, dtype=torch.float64)
+    torch.testing.assert_close(fused(x), separate(x), rtol=1e-12, atol=1e-12)
+
+
+def test_sbhd_and_bshd_agree():
+    torch.manual_seed(0)
+    bshd = tt.TransformerLayer(H, FFN, HEADS, attn_input_format="bshd", hidden_dropout=0.0, attention_dropout=0.0)
+    sbhd = tt.TransformerLayer(H, FFN, HEADS, attn_input_format="sbhd", hidden_dropout=0.0, attention_dropout=0.0)
+    sbhd.load_state_dict(bshd.state_dict())
+    x = torch.randn(2, 5, H)
+    torch.testing.assert_close(sbhd(x.transpose(0, 1)).transpose(0, 1), bshd(x))
+
+
+def test_glu_gates_the_first_half():
+    mlp = tt.LayerNormMLP(H, FFN, activation="swiglu").double()
+    x = torch.randn(4, H, dtype=torch.float64)
+    y = F.layer_norm(x, (H,), mlp.layer_norm_weight, mlp.layer_norm_bias, 1e-5) @ mlp.fc1_weight.T + mlp.fc1_bias
+    gate, up = y[:, :FFN], y[:, FFN:]
+    expected = (F.silu(gate) * up) @ mlp.fc2_weight.T + mlp.fc2_bias
+    torch.testing.assert_close(mlp(x), expected)
+
+
+def test_te_default_init_and_dropout_defaults():
+    layer = tt.TransformerLayer(64, 128, 4)
+    w = layer.layernorm_mlp.fc1_weight
+    assert abs(w.std().item() - tt.TE_DEFAULT_INIT_STD) < 0.003
+    assert torch.all(layer.layernorm_mlp.fc1_bias == 0) and torch.all(layer.layernorm_mlp.layer_norm_weight == 1)
+    assert layer.hidden_dropout == 0.1 and layer.self_attention.attention_dropout == 0.1  # TE's defaults
+    assert layer.self_attention.causal  # TE's default mask type
+
+
+def test_unsupported_options_are_errors():
+    with pytest.raises(NotImplementedError, match="sequence_parallel"):
+        tt.TransformerLayer(H, FFN, HEADS, sequence_parallel=True)
+    with pytest.raises(NotImplementedError, match="padding"):
+        tt.TransformerLayer(H, FFN, HEADS, self_attn_mask_type="padding")
+    with pytest.raises(ValueError, match="activation"):
+        tt.LayerNormMLP(H, FFN, activation="tanh")
+
+
+def test_backend_choice_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend("auto", cpu) == "torch"
+    assert resolve_backend("torch", cpu) == "torch"
+    with pytest.raises(ConfigError, match="needs a CUDA device"):
+        resolve_backend("te", cpu)
+    assert TORCH_LAYERS.TransformerLayer is tt.TransformerLayer

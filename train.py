@@ -1,0 +1,233 @@
+"""Train any recipe with Megatron-FSDP / FSDP2 / DDP, TransformerEngine or plain torch layers.
+
+    torchrun --nproc-per-node N train.py --config-name vit_sanity [key=value ...]
+    python train.py --config-name vit_sanity                       # one process
+
+The loop below is the whole training procedure, top to bottom:
+  1. config      - Hydra composes configs/<name>.yaml; we validate it against the schemas
+  2. distributed - process group, device, device mesh (dp_outer x dp_shard x tp)
+  3. model       - the recipe builds it from TE or torch layers, identical on every rank
+  4. shard       - wrap it with the chosen data-parallel backend
+  5. optimizer   - AdamW with weight-decay groups; warmup + decay schedule
+  6. data        - the global batch split over ranks and micro-batches
+  7. loop        - micro-batches with gradient accumulation, clip, step, schedule, log, validate, save
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import hydra
+import torch
+import torch.distributed as dist
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, OmegaConf
+
+from checkpoint import Checkpointer
+from core import config as config_lib
+from core import distributed, launch, optim, parallel, precision
+from core import layers as layers_lib
+from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
+from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
+from recipes import get_recipe
+
+log = logging.getLogger("train")
+
+config_lib.register_configs()
+launch.register_resolvers()
+
+
+@dataclass
+class RunResult:
+    steps: int
+    train_loss: float  # mean loss of the last optimizer step
+    val: dict = field(default_factory=dict)  # last validation metrics
+    model_state: Optional[dict] = None  # full weights, when asked for (tests)
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name=None)
+def main(cfg: DictConfig) -> Optional[float]:
+    try:
+        result = run(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except config_lib.ConfigError as e:
+        log.error("config error: %s", e)  # a clear line instead of a traceback
+        raise SystemExit(2) from None
+    return result.val.get("loss", result.train_loss)  # the objective Hydra sweepers minimise
+
+
+def run(cfg: DictConfig, run_dir: Path, return_model_state: bool = False) -> RunResult:
+    # 1. Config: strict check against the schemas (unknown keys, wrong types) before any work.
+    cfg = config_lib.validate(cfg)
+
+    # 2. Distributed: one process per GPU (or CPU process); a one-rank group for plain `python`.
+    d = cfg.distributed
+    env = distributed.setup(d.dp_outer, d.dp_shard, d.tp, d.timeout_minutes)
+    try:
+        return train(cfg, env, run_dir, return_model_state)
+    finally:
+        distributed.teardown()
+
+
+def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model_state: bool) -> RunResult:
+    recipe = get_recipe(cfg.recipe)(cfg)
+    dist_backend = parallel.resolve_backend(cfg.distributed.backend, env.device)
+    layer_backend = layers_lib.resolve_backend(cfg.model.backend, env.device)
+    # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
+    torch.manual_seed(cfg.seed + env.dp_rank)
+    if env.is_main:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        OmegaConf.save(cfg, run_dir / "resolved_config.yaml")
+        log.info(
+            "recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d | "
+            "model.backend=%s%s | run dir %s",
+            cfg.recipe, env.world_size, env.device.type, dist_backend,
+            " (auto)" if cfg.distributed.backend == "auto" else "", env.dp_outer, env.dp_shard, env.tp,
+            layer_backend, " (auto)" if cfg.model.backend == "auto" else "", run_dir,
+        )
+
+    # 3. Model: built whole on this rank's device, weights drawn from cfg.seed (same on all ranks).
+    layers = layers_lib.get_layers(layer_backend)
+    model = recipe.build_model(layers, env.device)
+    num_params = sum(p.numel() for p in model.parameters())
+
+    # 4. Shard: wrap for data parallelism; `par.module` is what we call, `par.inner` the bare model.
+    par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),
+                         cfg.precision.param_dtype)
+    autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
+
+    # 5. Optimizer over the (sharded) parameters, in two groups: with and without weight decay.
+    groups = optim.param_groups(par.named_parameters(), cfg.optim.weight_decay, recipe.no_weight_decay(par.inner))
+    optimizer = par.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
+    scheduler = optim.build_scheduler(optimizer, cfg.scheduler, cfg.training.steps)
+
+    # 6. Data: step k uses samples [k*G, (k+1)*G) of the shuffled stream, split over ranks and
+    #    micro-batches; gradient accumulation makes up the rest of the global batch.
+    t = cfg.training
+    accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
+    data = recipe.build_datasets()
+    pin = env.device.type == "cuda" and cfg.data.pin_memory
+    train_loader = make_loader(
+        data.train,
+        GlobalBatchSampler(len(data.train), t.micro_batch_size, t.global_batch_size, env.dp_size, env.dp_rank, cfg.seed),
+        cfg.data.num_workers, pin, cfg.seed + env.rank, recipe.collate_fn(),
+    )
+    val_loader = None
+    if data.val is not None and t.limit_val_batches != 0:
+        val_loader = make_loader(
+            PaddedEval(data.val),
+            EvalBatchSampler(len(data.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches),
+            cfg.data.num_workers, pin, cfg.seed, recipe.collate_fn(),
+        )
+
+    checkpointer = Checkpointer(cfg.checkpoint, env.is_main)
+    logger = MetricsLogger(run_dir, cfg.logger, env.is_main, t.steps, 0, OmegaConf.to_container(cfg),
+                           run_name=run_dir.name)
+    peak = peak_bf16_flops(env.device)
+    flops_per_sample, tokens_per_sample = recipe.flops_per_sample(), recipe.tokens_per_sample()
+    if env.is_main:
+        log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
+                 "%d accumulation steps | %d steps", num_params / 1e6, len(data.train),
+                 len(data.val) if data.val is not None else "none", t.global_batch_size, t.micro_batch_size,
+                 env.dp_size, accum, t.steps)
+
+    # 7. The loop. `step` counts optimizer steps completed.
+    model = par.module
+    model.train()
+    train_iter = iter(train_loader)
+    timer = PhaseTimer(t.time_phases, env.device)
+    last_loss, last_val = float("nan"), {}
+    interval_start, interval_steps, excluded, data_wait = time.perf_counter(), 0, 0.0, 0.0
+    for step in range(1, t.steps + 1):
+        fetch_start = time.perf_counter()
+        micro_batches = [next(train_iter) for _ in range(accum)]
+        data_wait += time.perf_counter() - fetch_start
+
+        # The loss is the mean over every loss term (sample or token) of the global batch, so count
+        # them first. The backends average gradients over data-parallel ranks; dp_size undoes that.
+        count = sum(recipe.loss_count(b) for b in micro_batches).to(torch.float64)
+        dist.all_reduce(count, group=env.dp_group)
+        loss_scale = env.dp_size / count.item()
+        loss_sum = torch.zeros((), device=env.device)
+        with timer.phase("forward_backward"):
+            for i, batch in enumerate(micro_batches):
+                batch = to_device(batch, env.device)
+                with par.micro_batch(is_last=i == accum - 1):
+                    with autocast():
+                        out = recipe.forward(model, batch, training=True)
+                    micro_loss = out["loss"].sum()
+                    (micro_loss * loss_scale).backward()
+                loss_sum += micro_loss.detach()
+
+        with timer.phase("grad_sync_clip"):
+            par.finish_grad_sync()
+            grad_norm = par.clip_grad_norm(cfg.optim.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]
+        with timer.phase("optimizer"):
+            par.optimizer_step(optimizer)
+            scheduler.step()
+            par.zero_grad(optimizer)
+        logger.advance()
+        interval_steps += 1
+
+        if step % t.log_every_n_steps == 0 or step == t.steps:
+            # Host syncs (.item()) happen only here, at log steps.
+            dist.all_reduce(loss_sum, group=env.dp_group)
+            last_loss = loss_sum.item() / count.item()
+            step_time = (time.perf_counter() - interval_start - excluded) / interval_steps
+            samples_per_gpu = t.global_batch_size / step_time / env.world_size
+            record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm.item(),
+                      "step_time": step_time, "data_wait": data_wait / interval_steps,
+                      "samples_per_sec_per_gpu": samples_per_gpu,
+                      "tokens_per_sec_per_gpu": samples_per_gpu * tokens_per_sample}
+            if peak is not None:
+                record["mfu"] = samples_per_gpu * flops_per_sample / peak
+            record["peak_mem_gib"] = peak_memory_gib(env.device)
+            record.update(timer.pop_means(interval_steps))
+            logger.log(record)
+            interval_start, interval_steps, excluded, data_wait = time.perf_counter(), 0, 0.0, 0.0
+
+        pause = time.perf_counter()
+        is_last = step == t.steps
+        if val_loader is not None and ((t.val_every_n_steps > 0 and step % t.val_every_n_steps == 0)
+                                       or (is_last and t.val_at_end)):
+            last_val = validate(recipe, model, val_loader, autocast, env)
+            logger.log({"step": step, **last_val}, prefix="val")
+        if checkpointer.should_save(step, t.steps):
+            checkpointer.save(step, par, optimizer, scheduler,
+                              {"step": step, "consumed_samples": step * t.global_batch_size}, cfg)
+        excluded += time.perf_counter() - pause
+
+    logger.close()
+    model_state = par.full_state_dict() if return_model_state else None
+    return RunResult(t.steps, last_loss, last_val, model_state)
+
+
+@torch.no_grad()
+def validate(recipe, model, loader, autocast, env: distributed.DistEnv) -> dict[str, float]:
+    """Metric sums over the whole (or limited) validation set, reduced over data-parallel ranks."""
+    model.eval()
+    sums: dict[str, torch.Tensor] = {}
+    for batch in loader:
+        valid = batch.pop("valid").to(env.device, torch.float64)
+        batch = to_device(batch, env.device)
+        with autocast():
+            out = recipe.forward(model, batch, training=False)
+        for key, value in out.items():
+            sums[key] = sums.get(key, 0) + (value.to(torch.float64) * valid).sum()
+    model.train()
+    keys = sorted(sums)
+    totals = torch.stack([sums[k] for k in keys])
+    dist.all_reduce(totals, group=env.dp_group)
+    totals = dict(zip(keys, totals.tolist()))
+    count = totals.pop("count")
+    return recipe.summarize_validation({k: v / count for k, v in totals.items()})
+
+
+if __name__ == "__main__":
+    launch.prepare_argv()
+    main()
+    launch.exit_process(0)
