@@ -148,9 +148,9 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
 
         # The loss is the mean over every loss term (sample or token) of the global batch, so count
         # them first. The backends average gradients over data-parallel ranks; dp_size undoes that.
-        count = sum(recipe.loss_count(b) for b in micro_batches).to(torch.float64)
+        count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float32)
         dist.all_reduce(count, group=env.dp_group)
-        loss_scale = env.dp_size / count.item()
+        loss_scale = env.dp_size / count  # a device tensor: no host sync here
         loss_sum = torch.zeros((), device=env.device)
         with timer.phase("forward_backward"):
             for i, batch in enumerate(micro_batches):
@@ -176,7 +176,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
         if step % t.log_every_n_steps == 0 or step == t.steps:
             # Host syncs (.item()) happen only here, at log steps.
             dist.all_reduce(loss_sum, group=env.dp_group)
-            last_loss = loss_sum.item() / count.item()
+            last_loss = (loss_sum / count).item()
             step_time = (time.perf_counter() - interval_start - excluded) / interval_steps
             samples_per_gpu = t.global_batch_size / step_time / env.world_size
             record = {"step": step, "loss": last_loss, "lr": lr, "grad_norm": grad_norm.item(),

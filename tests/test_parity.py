@@ -116,3 +116,23 @@ def test_single_process_loop_matches_reference(reference, tmp_path):
     # 1 rank x micro-batch 4 x 4 accumulation steps.
     (result,) = run_workers(1, _train_worker, COMMON + ["distributed=fsdp2"], str(tmp_path), False)
     assert_matches(result, reference)
+
+
+def _save_worker(overrides: list[str], run_dir: str, shim: bool) -> list[str]:
+    _train_worker(overrides, run_dir, shim)
+    import torch.distributed.checkpoint as dcp
+
+    return sorted(dcp.FileSystemReader(f"{run_dir}/ckpt/step_{1}").read_metadata().state_dict_metadata)
+
+
+@pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False), (["distributed=ddp"], False),
+                                            (["distributed=mfsdp"], True)], ids=["fsdp2", "ddp", "mfsdp"])
+def test_final_checkpoint_uses_canonical_names(overrides, shim, tmp_path):
+    """Every backend writes the same key layout: model.<name>, optim.state.<name>.<state>."""
+    keys = run_workers(2, _save_worker, COMMON + overrides + ["training.steps=1", "checkpoint.save_final=true"],
+                       str(tmp_path), shim)[0]
+    assert "model.patch_embed.proj.weight" in keys and "model.blocks.1.layernorm_mlp.fc2_bias" in keys
+    assert "optim.state.patch_embed.proj.weight.exp_avg" in keys
+    assert "optim.state.blocks.0.self_attention.layernorm_qkv.weight.exp_avg_sq" in keys
+    assert not any(".module." in k or k.startswith("model.module.") for k in keys)
+    assert (tmp_path / "ckpt" / "step_1" / "COMPLETE").exists()
