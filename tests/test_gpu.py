@@ -80,11 +80,12 @@ def test_fp8_trains(precision, tmp_path):
     assert all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
 
 
-@pytest.mark.parametrize("layers,rtol", [("torch", 1e-4), ("te", 2e-3)])
+@pytest.mark.parametrize("layers", ["torch", "te"])
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
-def test_mfsdp_matches_single_gpu_reference(nproc, layers, rtol, tmp_path):
-    reference = reference_run(torch.device("cuda"))
+def test_mfsdp_matches_single_gpu_reference(nproc, layers, tmp_path):
+    """Megatron-FSDP on 1 or 2 GPUs vs a plain loop on one GPU with the same layers (fp32)."""
+    reference = reference_run(torch.device("cuda"), layers)
     overrides = [o for o in COMMON if not o.startswith("model.backend")] + [f"model.backend={layers}", "distributed=mfsdp"]
     result = run_workers(nproc, _train_worker, overrides, str(tmp_path), False)[0]
     result["state"] = {k: v.to("cuda") for k, v in result["state"].items()}
-    assert_matches(result, reference, rtol=rtol)
+    assert_matches(result, reference, rtol=1e-4)

@@ -43,11 +43,11 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
     return out
 
 
-def reference_run(device: torch.device = torch.device("cpu")) -> dict:
+def reference_run(device: torch.device = torch.device("cpu"), layers: str = "torch") -> dict:
     """Plain PyTorch: no process group, no wrapper, one forward per optimizer step."""
     import train  # noqa: F401
     from core.data import GlobalBatchSampler
-    from core.layers import TORCH_LAYERS
+    from core.layers import get_layers
     from core.optim import lr_multiplier
     from recipes.vit import ViTRecipe
 
@@ -57,7 +57,7 @@ def reference_run(device: torch.device = torch.device("cpu")) -> dict:
     cfg = validate(cfg)
     recipe = ViTRecipe(cfg)
     torch.manual_seed(0)
-    model = recipe.build_model(TORCH_LAYERS, device)
+    model = recipe.build_model(get_layers(layers), device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n not in ("cls_token", "pos_embed")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n in ("cls_token", "pos_embed")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS)
@@ -76,7 +76,8 @@ def reference_run(device: torch.device = torch.device("cpu")) -> dict:
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
+    state = {k: v.detach().clone() for k, v in model.state_dict().items() if not k.endswith("_extra_state")}
+    return {"state": state, "losses": losses}
 
 
 @pytest.fixture(scope="module")

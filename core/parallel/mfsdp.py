@@ -27,6 +27,8 @@ from core.parallel.base import Parallel
 from core.precision import dtype
 
 log = logging.getLogger(__name__)
+# Megatron-FSDP reports every FSDP unit's buffers at INFO (a screenful per model); keep warnings only.
+logging.getLogger("megatron_fsdp").setLevel(logging.WARNING)
 
 
 class MegatronFSDP(Parallel):
