@@ -10,6 +10,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,12 +59,19 @@ class DistEnv:
 
 
 def _export_slurm_env_if_needed() -> None:
-    """Under `srun python train.py` (no torchrun), derive RANK/WORLD_SIZE/... from SLURM."""
+    """Under `srun python train.py` or the submitit launcher (one task per GPU, no torchrun), derive
+    RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT from SLURM's variables."""
     if "RANK" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
         return
-    from submitit.helpers import TorchDistributedEnvironment
+    from submitit.slurm.slurm import SlurmJobEnvironment  # parses SLURM_JOB_NODELIST
 
-    TorchDistributedEnvironment().export(overwrite=False)
+    job = SlurmJobEnvironment()
+    os.environ.update(
+        RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+        MASTER_ADDR=os.environ.get("MASTER_ADDR", job.hostnames[0]),
+        # The same port on every task of the job, derived from the job id.
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + zlib.crc32(job.job_id.encode()) % 40000)),
+    )
 
 
 def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[int, int, int]:

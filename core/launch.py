@@ -29,8 +29,8 @@ def run_id() -> str:
     """A timestamp shared by every rank of this launch.
 
     torchrun: rank 0 publishes its timestamp in the launcher's key-value store (the one the process
-    group would use) and the others read it. srun without torchrun: the SLURM job id. Otherwise the
-    local time.
+    group would use) and the others read it. srun without torchrun: the SLURM job id. torchrun
+    without an agent store: its rendezvous id. Otherwise the local time.
     """
     global _RUN_ID
     if _RUN_ID is not None:
@@ -47,6 +47,8 @@ def run_id() -> str:
         _RUN_ID = store.get(key).decode()
     elif "SLURM_JOB_ID" in os.environ and int(os.environ.get("SLURM_NTASKS", "1")) > 1:
         _RUN_ID = f"slurm-{os.environ['SLURM_JOB_ID']}"
+    elif os.environ.get("TORCHELASTIC_RUN_ID", "none") != "none":  # torchrun --rdzv-id, the same on every node
+        _RUN_ID = os.environ["TORCHELASTIC_RUN_ID"]
     else:
         _RUN_ID = _timestamp()
     return _RUN_ID
