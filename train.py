@@ -46,6 +46,7 @@ class RunResult:
     steps: int
     train_loss: float  # mean loss of the last optimizer step
     val: dict = field(default_factory=dict)  # last validation metrics
+    param_groups: list = field(default_factory=list)  # (group name, tensors, weight decay) as optimized
     model_state: Optional[dict] = None  # full weights, when asked for (tests)
 
 
@@ -73,9 +74,14 @@ def run(cfg: DictConfig, run_dir: Path, return_model_state: bool = False) -> Run
 
 
 def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model_state: bool) -> RunResult:
+    # Everything that can be refused is checked before any work.
+    t = cfg.training
     recipe = get_recipe(cfg.recipe)(cfg)
     dist_backend = parallel.resolve_backend(cfg.distributed.backend, env.device)
     layer_backend = layers_lib.resolve_backend(cfg.model.backend, env.device)
+    accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
+    checkpointer = Checkpointer(cfg.checkpoint, env.is_main)
+    autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
     # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
     torch.manual_seed(cfg.seed + env.dp_rank)
     if env.is_main:
@@ -97,17 +103,15 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     # 4. Shard: wrap for data parallelism; `par.module` is what we call, `par.inner` the bare model.
     par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),
                          cfg.precision.param_dtype)
-    autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
 
     # 5. Optimizer over the (sharded) parameters, in two groups: with and without weight decay.
     groups = optim.param_groups(par.named_parameters(), cfg.optim.weight_decay, recipe.no_weight_decay(par.inner))
     optimizer = par.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
     scheduler = optim.build_scheduler(optimizer, cfg.scheduler, cfg.training.steps)
+    group_summary = [(g["name"], len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
 
     # 6. Data: step k uses samples [k*G, (k+1)*G) of the shuffled stream, split over ranks and
     #    micro-batches; gradient accumulation makes up the rest of the global batch.
-    t = cfg.training
-    accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
     data = recipe.build_datasets()
     pin = env.device.type == "cuda" and cfg.data.pin_memory
     train_loader = make_loader(
@@ -123,16 +127,16 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             cfg.data.num_workers, pin, cfg.seed, recipe.collate_fn(),
         )
 
-    checkpointer = Checkpointer(cfg.checkpoint, env.is_main)
     logger = MetricsLogger(run_dir, cfg.logger, env.is_main, t.steps, 0, OmegaConf.to_container(cfg),
                            run_name=run_dir.name)
     peak = peak_bf16_flops(env.device)
     flops_per_sample, tokens_per_sample = recipe.flops_per_sample(), recipe.tokens_per_sample()
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
-                 "%d accumulation steps | %d steps", num_params / 1e6, len(data.train),
+                 "%d accumulation steps | %d steps | AdamW groups %s", num_params / 1e6, len(data.train),
                  len(data.val) if data.val is not None else "none", t.global_batch_size, t.micro_batch_size,
-                 env.dp_size, accum, t.steps)
+                 env.dp_size, accum, t.steps,
+                 ", ".join(f"{name}: {n} tensors, weight_decay {wd}" for name, n, wd in group_summary))
 
     # 7. The loop. `step` counts optimizer steps completed.
     model = par.module
@@ -203,7 +207,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
 
     logger.close()
     model_state = par.full_state_dict() if return_model_state else None
-    return RunResult(t.steps, last_loss, last_val, model_state)
+    return RunResult(t.steps, last_loss, last_val, group_summary, model_state)
 
 
 @torch.no_grad()

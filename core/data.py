@@ -13,10 +13,12 @@ collectives) and padding never reaches the metrics.
 from __future__ import annotations
 
 import math
-from typing import Iterator, Optional
+from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+from core.config import ConfigError
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
@@ -112,12 +114,8 @@ def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: i
     """Micro-batches per optimizer step on each rank; a clear error when the sizes don't divide."""
     per_step = micro_batch_size * dp_size
     if global_batch_size % per_step:
-        raise ValueError(
+        raise ConfigError(
             f"training.global_batch_size={global_batch_size} is not divisible by training.micro_batch_size="
             f"{micro_batch_size} x data-parallel size {dp_size} = {per_step}"
         )
     return global_batch_size // per_step
-
-
-def num_samples_note(dataset: Optional[Dataset]) -> str:
-    return "none" if dataset is None else f"{len(dataset):,}"

@@ -74,6 +74,30 @@ def _export_slurm_env_if_needed() -> None:
     )
 
 
+_STORE: Optional[dist.Store] = None
+_JOBS_STARTED = 0
+
+
+def _job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
+    """The key-value store for this job's process group.
+
+    A Hydra multirun starts one process group per job in the same processes. Each job gets its own
+    key prefix in one store kept for the life of the process: otherwise a job could read keys (such
+    as peer addresses) left behind by the previous job and hang.
+    """
+    global _STORE, _JOBS_STARTED
+    if _STORE is None:
+        if world_size == 1 and "MASTER_ADDR" not in os.environ:
+            _STORE = dist.HashStore()  # a plain `python train.py`: no network needed
+        else:
+            # Under torchrun, its agent already serves the store; otherwise rank 0 hosts it.
+            agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+            _STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
+                                   is_master=rank == 0 and not agent, timeout=timeout)
+    _JOBS_STARTED += 1
+    return dist.PrefixStore(f"recipes/job{_JOBS_STARTED}", _STORE)
+
+
 def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[int, int, int]:
     """Resolve -1 entries and check that the mesh covers the world exactly."""
     sizes = {"distributed.dp_outer": dp_outer, "distributed.dp_shard": dp_shard, "distributed.tp": tp}
@@ -121,14 +145,9 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
     timeout = datetime.timedelta(minutes=timeout_minutes)
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
-        if world_size == 1 and "MASTER_ADDR" not in os.environ:
-            # A plain `python train.py`: a one-rank group in this process, no network needed.
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
-        else:
-            dist.init_process_group(
-                backend, rank=rank, world_size=world_size, timeout=timeout,
-                device_id=device if device_type == "cuda" else None,
-            )
+        dist.init_process_group(backend, store=_job_store(rank, world_size, timeout), rank=rank,
+                                world_size=world_size, timeout=timeout,
+                                device_id=device if device_type == "cuda" else None)
     mesh = init_device_mesh(device_type, (dp_outer, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
     return DistEnv(rank, world_size, local_rank, device, mesh, dp_mesh, dp_outer, dp_shard, tp)

@@ -49,6 +49,7 @@ class Recipe:
 
     # --- data --------------------------------------------------------------------------------
     def build_datasets(self) -> Datasets:
+        """Map-style datasets whose samples are dicts (the loop adds a "valid" flag in validation)."""
         raise NotImplementedError
 
     def collate_fn(self):

@@ -66,3 +66,9 @@ def test_cli_mfsdp_on_cpu_is_refused(tmp_path):
     proc = run_train("distributed=mfsdp", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     assert "mfsdp needs CUDA" in proc.stdout + proc.stderr
+
+
+def test_cli_fp8_without_transformer_engine_is_refused(tmp_path):
+    proc = run_train("precision=fp8", f"hydra.run.dir={tmp_path}")
+    assert proc.returncode != 0
+    assert "precision.fp8.enabled needs TransformerEngine" in proc.stdout + proc.stderr

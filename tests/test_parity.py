@@ -36,7 +36,7 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
 
     cfg = compose_config("vit_sanity", overrides + [f"checkpoint.path={run_dir}/ckpt"])
     result = train.run(cfg, Path(run_dir), return_model_state=True)
-    out = {"state": result.model_state}
+    out = {"state": result.model_state, "param_groups": result.param_groups}
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.exists():
         out["losses"] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
@@ -110,6 +110,9 @@ def test_two_ranks_match_single_process_reference(overrides, shim, reference, tm
     # 2 ranks x micro-batch 4 x 2 accumulation steps (or 8 x 1) = the reference's one batch of 16.
     results = run_workers(2, _train_worker, COMMON + overrides, str(tmp_path), shim)
     assert results[0]["state"].keys() == results[1]["state"].keys()
+    # The weight-decay groups survive the wrapping: 10 weight matrices decay; biases, norms, cls_token and
+    # pos_embed (22 tensors) do not.
+    assert results[0]["param_groups"] == [("decay", 10, WD), ("no_decay", 22, 0.0)]
     assert_matches(results[0], reference)
 
 
