@@ -152,7 +152,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
 
         # The loss is the mean over every loss term (sample or token) of the global batch, so count
         # them first. The backends average gradients over data-parallel ranks; dp_size undoes that.
-        count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float32)
+        count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)  # exact counts
         dist.all_reduce(count, group=env.dp_group)
         loss_scale = env.dp_size / count  # a device tensor: no host sync here
         loss_sum = torch.zeros((), device=env.device)
