@@ -1,70 +1,621 @@
-"""Torch DCP checkpoints: `<checkpoint.path>/step_<N>/`.
+"""Torch DCP checkpoints: `<checkpoint.path>/step_<N>/`, auto-resume, retention, conversion.
 
-Layout (the same for every backend): "model" holds the weights by their names in the user's model
-(no wrapper prefix such as `module.`), "optim" the optimizer state keyed by those names, "scheduler"
-and "train_state" the loop's position. Rank 0 writes the resolved config next to DCP's files and a
-`COMPLETE` marker last, after every rank finished writing, so a checkpoint without the marker is
-partial and must not be used.
+Layout of a step folder (the same for every backend, world size and layer implementation):
+  model.<name>          weights by their names in the user's model (no wrapper prefix such as `module.`)
+  optim.state.<name>.*  optimizer state keyed by those parameter names; optim.param_groups
+  scheduler             the LR scheduler's state
+  train_state.*         step, consumed_samples, epoch, skipped_steps, dataset_len, world_size
+  rng.rank_<r>          python/numpy/torch/CUDA RNG states of rank r (pickled, as a uint8 tensor)
+  extra_state.<module>  TransformerEngine `_extra_state` (FP8 scaling factors and amax history),
+                        which Megatron-FSDP's state dict drops (torch.save bytes, as a uint8 tensor)
+Byte blobs are stored as uint8 tensors rather than pickled objects, so that the output of
+`python -m torch.distributed.checkpoint.format_utils dcp_to_torch` loads with torch.load's default
+weights_only=True.
+  config.yaml           the resolved config of the run (rank 0)
+  COMPLETE              written last, by rank 0, after every rank finished; lists the file sizes
+
+A folder without COMPLETE (or whose files do not match it) is never resumed from; it is deleted after
+the next successful save.
+
+Command line (one process, no GPU needed):
+  python checkpoint.py to-torch <step_dir> <out.pt> [--with-extra-state]
+  python checkpoint.py to-safetensors <step_dir> <out.safetensors>
+  python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>
 """
 
 from __future__ import annotations
 
+import argparse
+import io
+import json
 import logging
+import os
+import pickle
+import random
 import re
+import shutil
+import sys
+import time
+import warnings
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from core.config import CheckpointConfig, ConfigError
-from core.parallel import Parallel
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("checkpoint")
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
+TRAIN_STATE_KEYS = ("step", "consumed_samples", "epoch", "skipped_steps", "dataset_len", "world_size")
 
 
-def step_dirs(path: Path) -> list[Path]:
-    """Existing step_<N> folders under path, oldest first."""
-    if not path.is_dir():
+class CheckpointError(RuntimeError):
+    """A checkpoint that is missing, incomplete, corrupt, or does not fit the model; names the path."""
+
+
+# ----------------------------------------------------------------------------- finding checkpoints
+
+
+def step_of(path: Path) -> Optional[int]:
+    m = STEP_DIR.match(Path(path).name)
+    return int(m.group(1)) if m else None
+
+
+def step_dirs(root: Path) -> list[Path]:
+    """Existing step_<N> folders under root, oldest first (complete or not)."""
+    root = Path(root)
+    if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in path.iterdir() if (m := STEP_DIR.match(p.name)) and p.is_dir()]
+    found = [(step_of(p), p) for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
 
 
+def is_complete(path: Path) -> bool:
+    return (Path(path) / COMPLETE_MARKER).is_file() and (Path(path) / ".metadata").is_file()
+
+
+def read_marker(path: Path) -> dict:
+    try:
+        return json.loads((Path(path) / COMPLETE_MARKER).read_text())
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{Path(path) / COMPLETE_MARKER}: unreadable completion marker ({e})") from None
+
+
+def read_metadata(path: Path) -> Metadata:
+    try:
+        return FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # noqa: BLE001  (any unpickling / IO error means the same to the user)
+        raise CheckpointError(f"{Path(path) / '.metadata'}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+
+
+def verify(path: Path) -> Metadata:
+    """Check that `path` is a complete checkpoint whose files are all there, whole; return its metadata.
+
+    Catches interrupted saves (no marker), missing and truncated files, naming the file.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointError(f"{path}: no such checkpoint folder")
+    if not (path / COMPLETE_MARKER).is_file():
+        raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
+    marker = read_marker(path)
+    metadata = read_metadata(path)
+    for name, size in marker.get("files", {}).items():
+        file = path / name
+        if not file.is_file():
+            raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
+        if file.stat().st_size != size:
+            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)")
+    for info in (metadata.storage_data or {}).values():
+        file = path / info.relative_path
+        if not file.is_file() or file.stat().st_size < info.offset + info.length:
+            raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
+    return metadata
+
+
+def complete_checkpoints(root: Path) -> list[Path]:
+    return [p for p in step_dirs(root) if is_complete(p)]
+
+
+def top_level_keys(metadata: Metadata) -> set[str]:
+    return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
+
+
+# ----------------------------------------------------------------------------- per-rank state
+
+
+def to_bytes_tensor(blob: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
+
+
+def rng_state(device: torch.device) -> bytes:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return pickle.dumps(state)
+
+
+def set_rng_state(blob: bytes, device: torch.device) -> None:
+    state = pickle.loads(blob)
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if device.type == "cuda" and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Modules with an `_extra_state` (TransformerEngine's FP8 metadata), by name."""
+    return {name: m for name, m in model.named_modules()
+            if type(m).get_extra_state is not nn.Module.get_extra_state}
+
+
+def extra_states(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, module in extra_state_modules(model).items():
+        buffer = io.BytesIO()
+        torch.save(module.get_extra_state(), buffer)
+        out[name] = to_bytes_tensor(buffer.getvalue())
+    return out
+
+
+def decode_extra_state(blob: torch.Tensor) -> Any:
+    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False, map_location="cpu")
+
+
+# ----------------------------------------------------------------------------- full tensors into shards
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the slice of `full` that this rank holds into `target` (a plain tensor or a DTensor,
+    evenly sharded by FSDP2 or unevenly by Megatron-FSDP: both describe their slices as DCP chunks)."""
+    if tuple(target.shape) != tuple(full.shape):
+        raise CheckpointError(f"shape {tuple(full.shape)} does not fit the model's {tuple(target.shape)}")
+    if not hasattr(target, "to_local"):
+        target.detach().copy_(full)
+        return
+    local = target._local_tensor
+    for chunk in target.__create_chunk_list__():
+        if local.numel() == 0:
+            continue
+        piece = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
+        local.detach().copy_(piece.reshape(local.shape))
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """A flat {name: tensor} from a .pt/.pth (also a {"model": {...}} nest) or .safetensors file."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: cannot read as a torch file ({type(e).__name__}: {e})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors (a model state dict)")
+    return state
+
+
+def _skipped(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+# ----------------------------------------------------------------------------- retention
+
+
+def checkpoints_to_keep(entries: list[tuple[int, Optional[float]]], keep_last_n: int, keep_every_n_steps: int,
+                        keep_best_k: int, mode: str, protected: set[int]) -> set[int]:
+    """Steps to keep among complete checkpoints `entries` = [(step, monitored value or None)]."""
+    steps = sorted(step for step, _ in entries)
+    keep = set(protected) | (set(steps) if keep_last_n < 0 else set(steps[-keep_last_n:]))
+    if keep_every_n_steps > 0:
+        keep |= {s for s in steps if s % keep_every_n_steps == 0}
+    scored = [(value if mode == "min" else -value, step) for step, value in entries if value is not None]
+    keep |= {step for _, step in sorted(scored)[:keep_best_k]}
+    if steps:
+        keep.add(steps[-1])  # the newest: what a restart resumes from
+    return keep
+
+
+# ----------------------------------------------------------------------------- the checkpointer
+
+
+@dataclass
+class Restored:
+    path: Path
+    train_state: dict
+    rng: Optional[bytes]  # this rank's RNG states, None if the checkpoint has none for it
+
+
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, is_main: bool):
-        self.cfg, self.is_main = cfg, is_main
+    """Everything the training loop does with checkpoints. All methods are collectives unless noted."""
+
+    def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, device: torch.device,
+                 config: Optional[DictConfig] = None):
+        self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.config = config  # the run's resolved config, saved beside each checkpoint
+        self.auto = False  # resume=auto|true: a corrupt newest checkpoint falls back to the one before
+        self.is_main = rank == 0
         self.path = Path(cfg.path)
+        self.pending: Optional[tuple[Future, Path, int, dict, float]] = None
+        self.protected: set[int] = set()
+        self._async_group = None
+        self._check_options()
+        self.candidates = self._resume_candidates()
+
+    def _check_options(self) -> None:
+        c = self.cfg
+        if c.keep_last_n == 0 or c.keep_last_n < -1:
+            raise ConfigError(f"checkpoint.keep_last_n={c.keep_last_n}: expected -1 (keep all) or >= 1 (the newest "
+                              "checkpoint is always needed to resume)")
+        if c.monitor_mode not in ("min", "max"):
+            raise ConfigError(f"checkpoint.monitor_mode={c.monitor_mode!r}: expected min or max")
+        if c.keep_best_k > 0 and not c.monitor:
+            raise ConfigError("checkpoint.keep_best_k needs checkpoint.monitor (e.g. val/loss)")
+        if c.save_every_n_steps < 0:
+            raise ConfigError(f"checkpoint.save_every_n_steps={c.save_every_n_steps}: expected >= 0")
+
+    def _resume_candidates(self) -> list[Path]:
+        """Checkpoints to try in order (newest first), decided before any work."""
+        resume = self.cfg.resume
         existing = step_dirs(self.path)
-        if existing:
-            # Never overwrite another run's checkpoints silently.
-            raise ConfigError(
-                f"checkpoint.path={self.path} already holds checkpoints ({existing[-1].name}, ...) of another run; "
-                "choose a new checkpoint.path or remove them"
-            )
+        if resume is False or (isinstance(resume, str) and resume.lower() in ("false", "no", "none", "")):
+            if existing and not self.cfg.overwrite:
+                raise ConfigError(
+                    f"checkpoint.path={self.path} already holds checkpoints ({existing[-1].name}, ...) and "
+                    "checkpoint.resume=false: set checkpoint.overwrite=true to delete them, or use another path")
+            if existing and self.is_main:
+                log.warning("checkpoint.overwrite=true: deleting %d step folders under %s", len(existing), self.path)
+                for p in existing:
+                    shutil.rmtree(p)
+            return []
+        if resume is True or (isinstance(resume, str) and resume.lower() in ("auto", "true")):
+            self.auto = True
+            complete = complete_checkpoints(self.path)
+            partial = [p.name for p in existing if not is_complete(p)]
+            if partial and self.is_main:
+                log.warning("ignoring incomplete checkpoints (interrupted saves) under %s: %s", self.path,
+                            ", ".join(partial))
+            if not complete and (resume is True or resume.lower() == "true"):
+                raise ConfigError(f"checkpoint.resume=true but {self.path} holds no complete checkpoint")
+            return complete[::-1]
+        if isinstance(resume, str):
+            path = Path(resume)
+            verify(path)  # an explicit choice never falls back: missing or incomplete is an error
+            return [path]
+        raise ConfigError(f"checkpoint.resume={resume!r}: expected auto, true, false or a step folder")
+
+    # ---- loading
+
+    def restore(self, par, optimizer, scheduler) -> Optional[Restored]:
+        """Load the newest usable checkpoint into model, optimizer and scheduler; None to start fresh.
+
+        Automatic resume skips a corrupt checkpoint with a warning and uses the one before it."""
+        for i, path in enumerate(self.candidates):
+            try:
+                restored = self._load(path, par, optimizer, scheduler)
+            except CheckpointError as e:
+                if not self.auto or i == len(self.candidates) - 1:
+                    raise
+                log.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
+                continue
+            self.protected.add(step_of(path) or -1)
+            return restored
+        return None
+
+    def _load(self, path: Path, par, optimizer, scheduler) -> Restored:
+        start = time.perf_counter()
+        metadata = verify(path)
+        present = top_level_keys(metadata)
+        saved = set(metadata.state_dict_metadata)
+        model = par.model_state_dict()
+        missing = sorted(k for k in model if f"model.{k}" not in saved)
+        unexpected = sorted(k[6:] for k in saved if k.startswith("model.") and k[6:] not in model)
+        if missing or unexpected:
+            raise CheckpointError(f"{path}: weights do not fit the model: missing {missing[:10]}"
+                                  f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}")
+        state: dict[str, Any] = {"model": model}
+        if "optim" in present:
+            state["optim"] = par.optimizer_state_dict(optimizer)
+        if "scheduler" in present:
+            state["scheduler"] = scheduler.state_dict()
+        train_keys = [k for k in TRAIN_STATE_KEYS if f"train_state.{k}" in saved]
+        state["train_state"] = {k: 0 for k in train_keys}
+        rng_key = f"rank_{self.rank}"
+        if f"rng.{rng_key}" in saved:
+            state["rng"] = {rng_key: _empty_like_saved(metadata, f"rng.{rng_key}")}
+        modules = extra_state_modules(par.inner)
+        extra = {name: _empty_like_saved(metadata, f"extra_state.{name}") for name in modules
+                 if f"extra_state.{name}" in saved}
+        if extra:
+            state["extra_state"] = extra
+        if len(extra) < len(modules) and self.is_main:
+            log.warning("%s has no _extra_state (FP8 metadata) for %d of %d modules (saved with other layers?): "
+                        "they keep fresh FP8 scaling state", path, len(modules) - len(extra), len(modules))
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except Exception as e:  # noqa: BLE001  (DCP wraps every rank's failure in one exception)
+            raise CheckpointError(f"{path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+        par.load_model_state_dict(state["model"])
+        if "optim" in state:
+            par.load_optimizer_state_dict(optimizer, state["optim"])
+        elif self.is_main:
+            log.warning("%s has no optimizer state: the optimizer starts fresh", path)
+        if "scheduler" in state:
+            scheduler.load_state_dict(state["scheduler"])
+        for name, blob in extra.items():
+            modules[name].set_extra_state(decode_extra_state(blob))
+        train_state = {k: 0 for k in TRAIN_STATE_KEYS} | state["train_state"]
+        rng = state["rng"][rng_key].numpy().tobytes() if "rng" in state else None
+        if self.is_main:
+            log.info("resumed from %s (step %d, %d samples consumed) in %.1f s", path, train_state["step"],
+                     train_state["consumed_samples"], time.perf_counter() - start)
+            self._report_config_changes(path)
+        return Restored(path, train_state, rng)
+
+    def _report_config_changes(self, path: Path) -> None:
+        saved_file = path / "config.yaml"
+        if not saved_file.is_file() or self.config is None:
+            return
+        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+        now = _flatten(OmegaConf.to_container(self.config, resolve=True))
+        changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if changed:
+            log.warning("config differs from the checkpoint's: %s", ", ".join(
+                f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:20]))
+
+    def init_weights(self, par, source: str, skip_prefixes: list[str]) -> None:
+        """Model weights only from a step folder or a .pt/.safetensors file; names under skip_prefixes
+        keep their fresh initialisation. Strict otherwise: every other weight must be there and fit."""
+        src = Path(source)
+        model = par.model_state_dict()
+        wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
+        if src.is_dir():
+            metadata = verify(src)
+            saved = {k[6:]: m for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+            full = None
+        elif src.is_file():
+            full = load_weights_file(src)
+            saved = full
+        else:
+            raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
+        saved_names = {k for k in saved if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
+        missing, unexpected = sorted(set(wanted) - saved_names), sorted(saved_names - set(wanted))
+        shapes = [f"{k}: {tuple(_shape(saved[k]))} vs model {tuple(wanted[k].shape)}" for k in sorted(saved_names & set(wanted))
+                  if tuple(_shape(saved[k])) != tuple(wanted[k].shape)]
+        if missing or unexpected or shapes:
+            raise CheckpointError(
+                f"checkpoint.init_from={source} does not fit the model (checkpoint.init_skip_prefixes={skip_prefixes}):"
+                f"\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in the checkpoint: "
+                f"{unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
+        if full is None:
+            try:
+                dcp.load({"model": wanted}, checkpoint_id=str(src))
+            except Exception as e:  # noqa: BLE001
+                raise CheckpointError(f"{src}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+        else:
+            for k, v in wanted.items():
+                copy_full_into(v, full[k].to(v.dtype))
+        par.load_model_state_dict(wanted)
+        if self.is_main:
+            kept = sorted(set(model) - set(wanted))
+            log.info("initialised %d weights from %s%s", len(wanted), source,
+                     f"; kept the fresh init of {kept}" if kept else "")
+
+    # ---- saving
 
     def should_save(self, step: int, last_step: int) -> bool:
         periodic = self.cfg.save_every_n_steps > 0 and step % self.cfg.save_every_n_steps == 0
         return periodic or (self.cfg.save_final and step == last_step)
 
-    def save(self, step: int, parallel: Parallel, optimizer: torch.optim.Optimizer, scheduler: Any,
-             train_state: dict, config: DictConfig) -> Path:
+    def save(self, step: int, par, optimizer, scheduler, train_state: dict, metrics: dict,
+             force_sync: bool = False) -> float:
+        """Save step_<step>; return the seconds the training loop was held up."""
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight
         target = self.path / f"step_{step}"
-        state = {
-            "model": parallel.model_state_dict(),
-            "optim": parallel.optimizer_state_dict(optimizer),
-            "scheduler": scheduler.state_dict(),
-            "train_state": train_state,
-        }
-        dcp.save(state, checkpoint_id=target)
-        dist.barrier()  # every rank's shards are on disk before the marker says so
         if self.is_main:
-            OmegaConf.save(config, target / "config.yaml", resolve=True)
-            (target / COMPLETE_MARKER).write_text(f"step {step}\n")
-            log.info("saved checkpoint %s", target)
-        return target
+            if target.exists():  # an interrupted save of this step (resumed from an earlier one)
+                log.warning("removing %s %s before saving it again", "complete" if is_complete(target) else
+                            "incomplete", target)
+                shutil.rmtree(target)
+            self.path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state = {
+            "model": par.model_state_dict(),
+            "optim": par.optimizer_state_dict(optimizer),
+            "scheduler": scheduler.state_dict(),
+            "train_state": {k: int(train_state[k]) for k in TRAIN_STATE_KEYS},
+            "rng": {f"rank_{self.rank}": to_bytes_tensor(rng_state(self.device))},
+        }
+        extra = extra_states(par.inner)
+        if extra:
+            state["extra_state"] = extra
+        if self.cfg.async_save and not force_sync:
+            if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
+                self._async_group = dist.new_group(backend="gloo")
+            future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._async_group)
+            self.pending = (future, target, step, metrics, start)
+        else:
+            try:
+                dcp.save(state, checkpoint_id=str(target))
+            except Exception as e:  # noqa: BLE001  (disk full, permissions: fail loudly, keep older ones)
+                raise CheckpointError(f"saving {target} failed ({type(e).__name__}: {str(e)[:2000]})") from None
+            dist.barrier()  # every rank's files are on disk before the marker says so
+            self._finish(target, step, metrics, start)
+        return time.perf_counter() - start
+
+    def poll(self) -> None:
+        """Complete an async save if its writes are done (not a collective; cheap)."""
+        if self.pending is not None and self.pending[0].done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written, and complete it."""
+        if self.pending is None:
+            return
+        future, target, step, metrics, start = self.pending
+        self.pending = None
+        try:
+            future.result()
+        except Exception as e:  # noqa: BLE001
+            raise CheckpointError(f"saving {target} failed ({type(e).__name__}: {str(e)[:2000]})") from None
+        # On rank 0 the future ends after DCP wrote .metadata, which it does only once every rank has
+        # reported its writes done: rank 0 may write the marker now.
+        self._finish(target, step, metrics, start)
+
+    def _finish(self, target: Path, step: int, metrics: dict, start: float) -> None:
+        if not self.is_main:
+            return
+        if self.config is not None:
+            OmegaConf.save(self.config, target / "config.yaml", resolve=True)
+        files = {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.is_file()}
+        marker = {"step": step, "files": files, "metrics": metrics, "saved_at": time.time()}
+        tmp = target / (COMPLETE_MARKER + ".tmp")
+        tmp.write_text(json.dumps(marker, indent=1))
+        os.replace(tmp, target / COMPLETE_MARKER)  # atomic: the marker is whole or absent
+        size = sum(files.values())
+        seconds = time.perf_counter() - start
+        log.info("saved checkpoint %s (%.1f MB in %.2f s%s)", target, size / 2**20, seconds,
+                 ", async" if self.cfg.async_save else "")
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Rank 0, after a checkpoint completed: drop interrupted saves and what the keep_* rules release."""
+        in_flight = self.pending[1] if self.pending is not None else None
+        entries = []
+        for p in step_dirs(self.path):
+            if p == in_flight:
+                continue
+            if not is_complete(p):
+                log.info("deleting incomplete checkpoint %s", p)
+                shutil.rmtree(p, ignore_errors=True)
+                continue
+            value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
+            entries.append((step_of(p), value))
+        keep = checkpoints_to_keep(entries, self.cfg.keep_last_n, self.cfg.keep_every_n_steps,
+                                   self.cfg.keep_best_k, self.cfg.monitor_mode, self.protected)
+        for step, _ in entries:
+            if step not in keep:
+                log.info("deleting checkpoint step_%d (retention)", step)
+                shutil.rmtree(self.path / f"step_{step}", ignore_errors=True)
+
+    def check_monitor(self, metrics: dict) -> None:
+        if self.cfg.monitor and metrics and self.cfg.monitor not in metrics:
+            raise ConfigError(f"checkpoint.monitor={self.cfg.monitor!r} is not a validation metric; "
+                              f"there are: {', '.join(sorted(metrics))}")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
+    m = metadata.state_dict_metadata[key]
+    return torch.empty(m.size, dtype=m.properties.dtype)
+
+
+def _shape(value) -> torch.Size:
+    return value.size if isinstance(value, TensorStorageMetadata) else value.shape
+
+
+# ----------------------------------------------------------------------------- conversion CLI
+
+
+def read_model_weights(step_dir: Path, with_extra_state: bool = False) -> dict[str, Any]:
+    """The full (unsharded) model weights of a checkpoint, in one process, by canonical name."""
+    metadata = verify(step_dir)
+    weights = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    state: dict[str, Any] = {"model": weights}
+    extra = {k[12:]: _empty_like_saved(metadata, k) for k in metadata.state_dict_metadata
+             if with_extra_state and k.startswith("extra_state.")}
+    if extra:
+        state["extra_state"] = extra
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    for name, blob in extra.items():
+        weights[f"{name}._extra_state" if name else "_extra_state"] = decode_extra_state(blob)
+    return weights
+
+
+def to_torch(step_dir: str, out: str, with_extra_state: bool = False) -> None:
+    weights = read_model_weights(Path(step_dir), with_extra_state)
+    torch.save(weights, out)
+    print(f"wrote {len(weights)} tensors to {out}")
+
+
+def to_safetensors(step_dir: str, out: str) -> None:
+    from safetensors.torch import save_file
+
+    weights = read_model_weights(Path(step_dir))
+    save_file({k: v.contiguous() for k, v in weights.items()}, out)
+    print(f"wrote {len(weights)} tensors to {out}")
+
+
+def from_torch(source: str, step_dir: str) -> None:
+    """A step folder holding only model weights (resuming from it starts a fresh optimizer at step 0)."""
+    target = Path(step_dir)
+    if target.exists():
+        raise SystemExit(f"{target} exists; choose a new folder")
+    weights = load_weights_file(Path(source))
+    weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
+    train_state = {k: 0 for k in TRAIN_STATE_KEYS}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights, "train_state": train_state}, checkpoint_id=str(target), no_dist=True)
+    files = {p.name: p.stat().st_size for p in sorted(target.iterdir()) if p.is_file()}
+    (target / COMPLETE_MARKER).write_text(json.dumps({"step": 0, "files": files, "metrics": {},
+                                                       "converted_from": str(source)}, indent=1))
+    print(f"wrote {len(weights)} tensors to {target}")
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    parser = argparse.ArgumentParser(description="Convert checkpoints of this repository's training runs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("to-torch", help="step folder -> one torch.save file of the full model weights")
+    p.add_argument("step_dir")
+    p.add_argument("out")
+    p.add_argument("--with-extra-state", action="store_true",
+                   help="include TransformerEngine `_extra_state` entries (FP8 metadata), for TE models")
+    p = sub.add_parser("to-safetensors", help="step folder -> one .safetensors file of the full model weights")
+    p.add_argument("step_dir")
+    p.add_argument("out")
+    p = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
+    p.add_argument("source")
+    p.add_argument("step_dir")
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "to-torch":
+            to_torch(args.step_dir, args.out, args.with_extra_state)
+        elif args.command == "to-safetensors":
+            to_safetensors(args.step_dir, args.out)
+        else:
+            from_torch(args.source, args.step_dir)
+    except CheckpointError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

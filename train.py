@@ -10,7 +10,8 @@ The loop below is the whole training procedure, top to bottom:
   4. shard       - wrap it with the chosen data-parallel backend
   5. optimizer   - AdamW with weight-decay groups; warmup + decay schedule
   6. data        - the global batch split over ranks and micro-batches
-  7. loop        - micro-batches with gradient accumulation, clip, step, schedule, log, validate, save
+  7. resume      - the newest complete checkpoint (model, optimizer, schedule, data position, RNG)
+  8. loop        - micro-batches with gradient accumulation, clip, step, schedule, log, validate, save
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint import Checkpointer
+from checkpoint import CheckpointError, Checkpointer, set_rng_state
 from core import config as config_lib
 from core import distributed, launch, optim, parallel, precision
+from core.preemption import StopSignals
 from core import layers as layers_lib
 from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
 from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
@@ -48,6 +50,13 @@ class RunResult:
     val: dict = field(default_factory=dict)  # last validation metrics
     param_groups: list = field(default_factory=list)  # (group name, tensors, weight decay) as optimized
     model_state: Optional[dict] = None  # full weights, when asked for (tests)
+    start_step: int = 0  # the step resumed from (0: a fresh start)
+    stopped_by: Optional[str] = None  # the signal that stopped the run early (after saving)
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss (training.on_nonfinite=skip)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/Inf loss or gradient norm with training.on_nonfinite=stop."""
 
 
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
@@ -57,6 +66,12 @@ def main(cfg: DictConfig) -> Optional[float]:
     except config_lib.ConfigError as e:
         log.error("config error: %s", e)  # a clear line instead of a traceback
         raise SystemExit(2) from None
+    except CheckpointError as e:
+        log.error("checkpoint error: %s", e)
+        raise SystemExit(3) from None
+    except NonFiniteError as e:
+        log.error("%s", e)
+        raise SystemExit(4) from None
     return result.val.get("loss", result.train_loss)  # the objective Hydra sweepers minimise
 
 
@@ -80,7 +95,9 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     dist_backend = parallel.resolve_backend(cfg.distributed.backend, env.device)
     layer_backend = layers_lib.resolve_backend(cfg.model.backend, env.device)
     accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
-    checkpointer = Checkpointer(cfg.checkpoint, env.is_main)
+    if t.on_nonfinite not in ("stop", "skip"):
+        raise config_lib.ConfigError(f"training.on_nonfinite={t.on_nonfinite!r}: expected stop or skip")
+    checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.world_size, env.device, config=cfg)
     autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
     # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
     torch.manual_seed(cfg.seed + env.dp_rank)
@@ -110,15 +127,29 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     scheduler = optim.build_scheduler(optimizer, cfg.scheduler, cfg.training.steps)
     group_summary = [(g["name"], len(g["params"]), g["weight_decay"]) for g in optimizer.param_groups]
 
-    # 6. Data: step k uses samples [k*G, (k+1)*G) of the shuffled stream, split over ranks and
-    #    micro-batches; gradient accumulation makes up the rest of the global batch.
+    # 6. Resume: the newest complete checkpoint under checkpoint.path (or checkpoint.resume=<dir>)
+    #    gives weights, optimizer, schedule and the position in the data; else init_from gives
+    #    weights only; else we start from the fresh init.
+    restored = checkpointer.restore(par, optimizer, scheduler)
+    if restored is None and cfg.checkpoint.init_from:
+        checkpointer.init_weights(par, cfg.checkpoint.init_from, list(cfg.checkpoint.init_skip_prefixes))
+    resumed = restored.train_state if restored else {}
+    start_step, consumed = resumed.get("step", 0), resumed.get("consumed_samples", 0)
+    skipped_steps = resumed.get("skipped_steps", 0)
+
+    # 7. Data: step k uses samples [k*G, (k+1)*G) of the shuffled stream, split over ranks and
+    #    micro-batches; gradient accumulation makes up the rest of the global batch. The stream
+    #    depends only on the samples consumed, so a resumed run (on any number of ranks) continues
+    #    at the exact next sample.
     data = recipe.build_datasets()
     pin = env.device.type == "cuda" and cfg.data.pin_memory
-    train_loader = make_loader(
-        data.train,
-        GlobalBatchSampler(len(data.train), t.micro_batch_size, t.global_batch_size, env.dp_size, env.dp_rank, cfg.seed),
-        cfg.data.num_workers, pin, cfg.seed + env.rank, recipe.collate_fn(),
-    )
+    sampler = GlobalBatchSampler(len(data.train), t.micro_batch_size, t.global_batch_size, env.dp_size,
+                                 env.dp_rank, cfg.seed, consumed_samples=consumed)
+    if restored and resumed.get("dataset_len") not in (0, len(data.train)) and env.is_main:
+        log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
+                    "the interrupted run's", len(data.train), resumed["dataset_len"])
+    train_loader = make_loader(data.train, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
+                               recipe.collate_fn())
     val_loader = None
     if data.val is not None and t.limit_val_batches != 0:
         val_loader = make_loader(
@@ -127,7 +158,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             cfg.data.num_workers, pin, cfg.seed, recipe.collate_fn(),
         )
 
-    logger = MetricsLogger(run_dir, cfg.logger, env.is_main, t.steps, 0, OmegaConf.to_container(cfg),
+    logger = MetricsLogger(run_dir, cfg.logger, env.is_main, t.steps, start_step, OmegaConf.to_container(cfg),
                            run_name=run_dir.name)
     peak = peak_bf16_flops(env.device)
     flops_per_sample, tokens_per_sample = recipe.flops_per_sample(), recipe.tokens_per_sample()
@@ -138,14 +169,26 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
                  env.dp_size, accum, t.steps,
                  ", ".join(f"{name}: {n} tensors, weight_decay {wd}" for name, n, wd in group_summary))
 
-    # 7. The loop. `step` counts optimizer steps completed.
+    # 8. The loop. `step` counts optimizer steps completed.
     model = par.module
     model.train()
     train_iter = iter(train_loader)
     timer = PhaseTimer(t.time_phases, env.device)
-    last_loss, last_val = float("nan"), {}
+    last_loss, last_val, stopped_by = float("nan"), {}, None
+    signals = StopSignals(list(cfg.checkpoint.save_on_signals))
+    # First step whose loss or gradient norm was NaN/Inf (inf: none), kept on the device: checking
+    # it needs a host sync, done only at log and save steps.
+    first_nonfinite = torch.full((), float("inf"), device=env.device)
+    if restored is not None:
+        if restored.rng is not None:
+            set_rng_state(restored.rng, env.device)  # dropout etc. continue exactly as uninterrupted
+        elif env.is_main:
+            log.warning("the checkpoint has no RNG state for some ranks (saved on fewer ranks): they keep "
+                        "their seeded state")
+    if start_step >= t.steps and env.is_main:
+        log.info("the checkpoint is at step %d of training.steps=%d: nothing left to do", start_step, t.steps)
     interval_start, interval_steps, excluded, data_wait = time.perf_counter(), 0, 0.0, 0.0
-    for step in range(1, t.steps + 1):
+    for step in range(start_step + 1, t.steps + 1):
         fetch_start = time.perf_counter()
         micro_batches = [next(train_iter) for _ in range(accum)]
         data_wait += time.perf_counter() - fetch_start
@@ -170,14 +213,29 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             par.finish_grad_sync()
             grad_norm = par.clip_grad_norm(cfg.optim.max_grad_norm)
         lr = optimizer.param_groups[0]["lr"]
-        with timer.phase("optimizer"):
-            par.optimizer_step(optimizer)
-            scheduler.step()
+        finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
+        if t.on_nonfinite == "skip" and not all_ranks_true(finite):
+            skipped_steps += 1  # drop this step's gradients: weights, optimizer and schedule stay put
             par.zero_grad(optimizer)
+            log.warning("step %d: non-finite loss or gradient norm; optimizer step skipped (%d so far)",
+                        step, skipped_steps)
+        else:
+            first_nonfinite = torch.where(finite | (first_nonfinite < step), first_nonfinite,
+                                          torch.full_like(first_nonfinite, step))
+            with timer.phase("optimizer"):
+                par.optimizer_step(optimizer)
+                scheduler.step()
+                par.zero_grad(optimizer)
         logger.advance()
         interval_steps += 1
+        consumed += t.global_batch_size
+        is_last = step == t.steps
+        stop = signals.stop_requested()
+        saving = checkpointer.should_save(step, t.steps) or stop
+        if step % t.log_every_n_steps == 0 or is_last or saving:
+            check_finite(first_nonfinite, env)  # never log on, or save, a NaN model
 
-        if step % t.log_every_n_steps == 0 or step == t.steps:
+        if step % t.log_every_n_steps == 0 or is_last:
             # Host syncs (.item()) happen only here, at log steps.
             dist.all_reduce(loss_sum, group=env.dp_group)
             last_loss = (loss_sum / count).item()
@@ -190,24 +248,57 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             if peak is not None:
                 record["mfu"] = samples_per_gpu * flops_per_sample / peak
             record["peak_mem_gib"] = peak_memory_gib(env.device)
+            if skipped_steps:
+                record["skipped_steps"] = skipped_steps
             record.update(timer.pop_means(interval_steps))
             logger.log(record)
             interval_start, interval_steps, excluded, data_wait = time.perf_counter(), 0, 0.0, 0.0
 
         pause = time.perf_counter()
-        is_last = step == t.steps
+        step_val = {}
         if val_loader is not None and ((t.val_every_n_steps > 0 and step % t.val_every_n_steps == 0)
                                        or (is_last and t.val_at_end)):
-            last_val = validate(recipe, model, val_loader, autocast, env)
+            last_val = step_val = validate(recipe, model, val_loader, autocast, env)
             logger.log({"step": step, **last_val}, prefix="val")
-        if checkpointer.should_save(step, t.steps):
-            checkpointer.save(step, par, optimizer, scheduler,
-                              {"step": step, "consumed_samples": step * t.global_batch_size}, cfg)
+            checkpointer.check_monitor({f"val/{k}": v for k, v in step_val.items()})
+        checkpointer.poll()  # completes a finished async save
+        if saving:
+            train_state = {"step": step, "consumed_samples": consumed, "epoch": sampler.epoch(consumed),
+                           "skipped_steps": skipped_steps, "dataset_len": len(data.train),
+                           "world_size": env.world_size}
+            stall = checkpointer.save(step, par, optimizer, scheduler, train_state,
+                                      {f"val/{k}": v for k, v in step_val.items()}, force_sync=stop)
+            logger.log({"step": step, "stall_s": stall}, prefix="checkpoint")
         excluded += time.perf_counter() - pause
+        if stop:
+            stopped_by = signals.received or "a signal on another rank"
+            if env.is_main:
+                log.warning("stopping after step %d on %s; checkpoint saved: run the same command to resume",
+                            step, stopped_by)
+            break
 
+    checkpointer.wait()  # an async save still in flight
+    signals.close()
     logger.close()
     model_state = par.full_state_dict() if return_model_state else None
-    return RunResult(t.steps, last_loss, last_val, group_summary, model_state)
+    return RunResult(t.steps, last_loss, last_val, group_summary, model_state, start_step, stopped_by,
+                     skipped_steps)
+
+
+def all_ranks_true(flag: torch.Tensor) -> bool:
+    """One decision for all ranks (a collective and a host sync)."""
+    flag = flag.to(torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def check_finite(first_nonfinite: torch.Tensor, env: distributed.DistEnv) -> None:
+    """Raise on every rank if any rank saw a NaN/Inf loss or gradient norm (a host sync)."""
+    first = first_nonfinite.clone()
+    dist.all_reduce(first, op=dist.ReduceOp.MIN)
+    if torch.isfinite(first).item():
+        raise NonFiniteError(f"non-finite loss or gradient norm at step {int(first.item())}; stopping without "
+                             "saving it (training.on_nonfinite=skip skips such steps instead)")
 
 
 @torch.no_grad()

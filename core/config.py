@@ -31,6 +31,9 @@ class TrainingConfig:
     # Log the seconds per step spent in forward+backward, gradient sync + clipping and the optimizer
     # step (synchronises the GPU at those boundaries: for benchmarks).
     time_phases: bool = False
+    # A NaN/Inf loss or gradient norm: "stop" the run naming the step (checked at log and save steps,
+    # never saved), or "skip" that optimizer step (costs one host sync per step to decide).
+    on_nonfinite: str = "stop"
 
 
 @dataclass
@@ -98,9 +101,28 @@ class DistributedConfig:
 
 @dataclass
 class CheckpointConfig:
+    """Torch DCP checkpoints in <path>/step_<N>/ (see checkpoint.py)."""
+
     path: str = MISSING
     save_every_n_steps: int = 0  # 0: only the final save
     save_final: bool = True
+    # auto: continue from the newest complete checkpoint under `path` if there is one;
+    # true: the same, but it is an error if there is none; false: start fresh;
+    # <step dir>: continue from that checkpoint (an error if it is missing or incomplete).
+    resume: Any = "auto"
+    overwrite: bool = False  # with resume=false: delete the step folders already under `path`
+    keep_last_n: int = -1  # -1: keep all
+    keep_every_n_steps: int = 0  # also keep every checkpoint whose step is a multiple (0: none)
+    monitor: Optional[str] = None  # e.g. val/loss: rank checkpoints by this validation metric...
+    monitor_mode: str = "min"  # ... lower (min) or higher (max) is better ...
+    keep_best_k: int = 0  # ... and keep the best k of them (0: none)
+    # Write in a background thread (torch DCP async_save); at most one save in flight.
+    async_save: bool = False
+    # Save and stop at the end of the current step when one of these signals arrives.
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
+    init_from: Optional[str] = None
+    init_skip_prefixes: list[str] = field(default_factory=list)  # e.g. [head]: keep the new init there
 
 
 @dataclass

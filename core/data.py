@@ -28,11 +28,12 @@ class GlobalBatchSampler(Sampler[list[int]]):
                  dp_rank: int, seed: int, shuffle: bool = True, consumed_samples: int = 0):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global_batch_size must be a multiple of micro_batch_size x data-parallel size")
-        if consumed_samples % global_batch_size:
-            raise ValueError(f"consumed_samples={consumed_samples} is not at a global batch boundary")
         self.n, self.mb, self.gb, self.dp, self.rank = dataset_len, micro_batch_size, global_batch_size, dp_size, dp_rank
         self.seed, self.shuffle, self.consumed = seed, shuffle, consumed_samples
         self._epoch, self._perm = -1, None
+
+    def epoch(self, position: int) -> int:
+        return position // self.n
 
     def index_at(self, position: int) -> int:
         """Dataset index at a position of the global stream."""

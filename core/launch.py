@@ -54,11 +54,25 @@ def run_id() -> str:
     return _RUN_ID
 
 
+def checkpoint_dir() -> str:
+    """Default checkpoint.path: the same for every run of a config, so running the same command again
+    resumes (outputs/<config>/checkpoints); per job in a multirun sweep (<sweep dir>/<job>/checkpoints)."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hydra_cfg = HydraConfig.get()
+    if hydra_cfg.mode == RunMode.MULTIRUN:
+        return str(Path(hydra_cfg.runtime.output_dir) / "checkpoints")
+    return str(Path("outputs") / hydra_cfg.job.config_name / "checkpoints")
+
+
 def register_resolvers() -> None:
     if not OmegaConf.has_resolver("run_id"):
         OmegaConf.register_new_resolver("run_id", run_id)
     if not OmegaConf.has_resolver("repo_dir"):  # for paths of data shipped in this repository
         OmegaConf.register_new_resolver("repo_dir", lambda: str(REPO_DIR))
+    if not OmegaConf.has_resolver("checkpoint_dir"):
+        OmegaConf.register_new_resolver("checkpoint_dir", checkpoint_dir)
 
 
 def global_rank() -> int:

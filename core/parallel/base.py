@@ -51,16 +51,28 @@ class Parallel:
         optimizer.zero_grad(set_to_none=True)
 
     def model_state_dict(self) -> dict:
-        """Sharded model state for DCP, by canonical name."""
+        """Sharded model weights for DCP, by canonical name (TE's `_extra_state` left out: the
+        checkpointer keeps it separately, for every backend alike)."""
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return get_model_state_dict(self.module)
+        return {k: v for k, v in get_model_state_dict(self.module).items() if not k.endswith("_extra_state")}
+
+    def load_model_state_dict(self, state: dict) -> None:
+        """Load the given entries of `model_state_dict()` (possibly a subset) into the model."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        set_model_state_dict(self.module, state, options=StateDictOptions(strict=False))
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         """Sharded optimizer state for DCP, keyed by canonical parameter name."""
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.module, optimizer)
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(self.module, optimizer, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded model weights by canonical name, on the CPU, on every rank (a collective)."""

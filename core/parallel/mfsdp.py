@@ -126,7 +126,13 @@ class MegatronFSDP(Parallel):
     def model_state_dict(self) -> dict:
         # The wrapper's state-dict hooks prepare the unevenly sharded DTensors for DCP (and drop TE's
         # _extra_state); its keys carry the wrapper's "module." prefix, which we remove.
-        return {k.removeprefix("module."): v for k, v in self.module.state_dict().items()}
+        return {k.removeprefix("module."): v for k, v in self.module.state_dict().items()
+                if not k.endswith("_extra_state")}
+
+    def load_model_state_dict(self, state: dict) -> None:
+        # The wrapper's load hook copies the loaded main weights into its compute buffers; strict=False
+        # because `state` may be a subset (init_from with skipped prefixes) and lacks `_extra_state`.
+        self.module.load_state_dict({"module." + k: v for k, v in state.items()}, strict=False)
 
     def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         # torch keys optimizer state by parameter index (order of appearance in param_groups);
@@ -137,6 +143,19 @@ class MegatronFSDP(Parallel):
         index_to_name = {i: name_of[pid] for i, pid in enumerate(ordered)}
         groups = [{**g, "params": [index_to_name[i] for i in g["params"]]} for g in sd["param_groups"]]
         return {"state": {index_to_name[i]: v for i, v in sd["state"].items()}, "param_groups": groups}
+
+    def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        # Back from parameter names to torch's indices, in this optimizer's own order (torch matches
+        # saved and current parameters by position within each group).
+        name_of = {id(p): n for n, p in self.inner.named_parameters()}
+        current = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
+        saved = state["param_groups"]
+        if len(saved) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved, current)):
+            raise ValueError("the optimizer's parameter groups differ from the checkpoint's")
+        index_of = {n: i for i, n in enumerate(n for names in current for n in names)}
+        groups = [{**s, "params": [index_of[n] for n in c]} for s, c in zip(saved, current)]
+        optimizer.load_state_dict({"state": {index_of[n]: v for n, v in state["state"].items()},
+                                   "param_groups": groups})
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         # Megatron-FSDP's DTensors are unevenly sharded (slices of a flat buffer), which DTensor's

@@ -1,0 +1,50 @@
+"""Save-and-stop on a scheduler's signal (SLURM `--signal=USR1@120`, torchrun forwarding SIGTERM).
+
+The handler only records the signal; the loop asks `stop_requested()` at the end of every step, which
+all ranks answer together (one tiny all-reduce on a CPU tensor, i.e. over gloo: no GPU sync), so every
+rank saves the same step and leaves, even if only one of them got the signal.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+
+import torch
+import torch.distributed as dist
+
+from core.config import ConfigError
+
+log = logging.getLogger(__name__)
+
+
+class StopSignals:
+    def __init__(self, names: list[str]):
+        self.received: str | None = None
+        self._previous: dict[signal.Signals, object] = {}
+        signals = []
+        for name in names:
+            sig = getattr(signal.Signals, str(name).upper(), None)
+            if sig is None:
+                raise ConfigError(f"checkpoint.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
+            signals.append(sig)
+        if signals and threading.current_thread() is not threading.main_thread():
+            log.warning("not in the main thread: checkpoint.save_on_signals cannot be installed")
+            return
+        for sig in signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.received = signal.Signals(signum).name
+
+    def stop_requested(self) -> bool:
+        """True on every rank if any rank received a signal (a collective: call it on all ranks)."""
+        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+    def close(self) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous = {}

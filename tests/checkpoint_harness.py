@@ -1,0 +1,69 @@
+"""Test-side tools for checkpoint tests: run train.run in several phases inside one worker process, with
+optional instrumentation (a signal sent at a given step, the sample indices each rank trained on)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+
+# A tiny ViT on 48 synthetic images: global batch 16 = 2 ranks x micro-batch 4 x 2 accumulation steps
+# (or 1 rank x 4 x 4), so one epoch is 3 steps; warmup ends at step 5.
+TINY = [
+    "data=synthetic", "data.synthetic_train_size=48", "data.synthetic_val_size=8", "data.num_classes=10",
+    "data.num_workers=0", "model.backend=torch", "precision=fp32", "model.hidden_size=32", "model.depth=2",
+    "model.num_heads=2", "training.steps=8", "training.global_batch_size=16", "training.micro_batch_size=4",
+    "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false", "optim.lr=3e-3",
+    "optim.weight_decay=0.1", "optim.eps=1e-5", "scheduler.warmup_steps=5", "logger.progress_bar=never",
+]
+
+
+def train_losses(run_dir: Path) -> dict[int, float]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "split" not in r}
+
+
+def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
+    """Worker body: for each phase {"overrides", "run_dir", "signal_at": step or None, "record": bool},
+    run train.run and report losses (rank 0), start_step, stopped_by, and the recorded micro-batches."""
+    if shim:
+        from tests.mfsdp_cpu_shim import install
+
+        install()
+    import train
+    from core.data import GlobalBatchSampler
+    from core.metrics import MetricsLogger
+    from tests.helpers import compose_config
+
+    current: dict = {}
+    original_log, original_iter = MetricsLogger.log, GlobalBatchSampler.__iter__
+
+    def log(self, record, prefix=""):
+        original_log(self, record, prefix)
+        # Only rank 0 logs: the other rank must learn of the signal through the loop's agreement.
+        if self.enabled and not prefix and record.get("step") == current.get("signal_at"):
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    def recording_iter(self):
+        for batch in original_iter(self):
+            current["samples"].append(list(batch))
+            yield batch
+
+    MetricsLogger.log, GlobalBatchSampler.__iter__ = log, recording_iter
+    out = []
+    try:
+        for phase in phases:
+            current.clear()
+            current.update(signal_at=phase.get("signal_at"), samples=[])
+            cfg = compose_config("vit_sanity", phase["overrides"])
+            result = train.run(cfg, Path(phase["run_dir"]), return_model_state=phase.get("state", False))
+            out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
+                        "stopped_by": result.stopped_by, "samples": current["samples"],
+                        "skipped_steps": result.skipped_steps, "state": result.model_state})
+    finally:
+        MetricsLogger.log, GlobalBatchSampler.__iter__ = original_log, original_iter
+    return out
