@@ -49,6 +49,7 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from core.config import CheckpointConfig, ConfigError
@@ -62,6 +63,17 @@ TRAIN_STATE_KEYS = ("step", "consumed_samples", "epoch", "skipped_steps", "datas
 
 class CheckpointError(RuntimeError):
     """A checkpoint that is missing, incomplete, corrupt, or does not fit the model; names the path."""
+
+
+# DCP gathers every rank's failure into one CheckpointException, which derives from BaseException.
+DCP_ERRORS = (Exception, CheckpointException)
+
+
+def describe(error: BaseException) -> str:
+    """One line per failing rank instead of DCP's tracebacks."""
+    if isinstance(error, CheckpointException) and getattr(error, "failures", None):
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(error.failures.items()))
+    return f"{type(error).__name__}: {error}"
 
 
 # ----------------------------------------------------------------------------- finding checkpoints
@@ -348,8 +360,8 @@ class Checkpointer:
                         "they keep fresh FP8 scaling state", path, len(modules) - len(extra), len(modules))
         try:
             dcp.load(state, checkpoint_id=str(path))
-        except Exception as e:  # noqa: BLE001  (DCP wraps every rank's failure in one exception)
-            raise CheckpointError(f"{path}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"{path}: loading failed ({describe(e)})") from None
         par.load_model_state_dict(state["model"])
         if "optim" in state:
             par.load_optimizer_state_dict(optimizer, state["optim"])
@@ -405,8 +417,8 @@ class Checkpointer:
         if full is None:
             try:
                 dcp.load({"model": wanted}, checkpoint_id=str(src))
-            except Exception as e:  # noqa: BLE001
-                raise CheckpointError(f"{src}: loading failed ({type(e).__name__}: {str(e)[:2000]})") from None
+            except DCP_ERRORS as e:
+                raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
         else:
             for k, v in wanted.items():
                 copy_full_into(v, full[k].to(v.dtype))
@@ -453,8 +465,8 @@ class Checkpointer:
         else:
             try:
                 dcp.save(state, checkpoint_id=str(target))
-            except Exception as e:  # noqa: BLE001  (disk full, permissions: fail loudly, keep older ones)
-                raise CheckpointError(f"saving {target} failed ({type(e).__name__}: {str(e)[:2000]})") from None
+            except DCP_ERRORS as e:  # disk full, permissions: fail loudly, keep the older checkpoints
+                raise CheckpointError(f"saving {target} failed ({describe(e)})") from None
             dist.barrier()  # every rank's files are on disk before the marker says so
             self._finish(target, step, metrics, start)
         return time.perf_counter() - start
@@ -472,8 +484,8 @@ class Checkpointer:
         self.pending = None
         try:
             future.result()
-        except Exception as e:  # noqa: BLE001
-            raise CheckpointError(f"saving {target} failed ({type(e).__name__}: {str(e)[:2000]})") from None
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"saving {target} failed ({describe(e)})") from None
         # On rank 0 the future ends after DCP wrote .metadata, which it does only once every rank has
         # reported its writes done: rank 0 may write the marker now.
         self._finish(target, step, metrics, start)

@@ -17,12 +17,14 @@ The loop below is the whole training procedure, top to bottom:
 from __future__ import annotations
 
 import logging
+import random
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 import hydra
+import numpy as np
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
@@ -51,6 +53,7 @@ class RunResult:
     param_groups: list = field(default_factory=list)  # (group name, tensors, weight decay) as optimized
     model_state: Optional[dict] = None  # full weights, when asked for (tests)
     start_step: int = 0  # the step resumed from (0: a fresh start)
+    resumed_from: Optional[str] = None  # the checkpoint resumed from
     stopped_by: Optional[str] = None  # the signal that stopped the run early (after saving)
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss (training.on_nonfinite=skip)
 
@@ -101,6 +104,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
     # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
     torch.manual_seed(cfg.seed + env.dp_rank)
+    random.seed(cfg.seed + env.dp_rank)
+    np.random.seed(cfg.seed + env.dp_rank)
     if env.is_main:
         run_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(cfg, run_dir / "resolved_config.yaml")
@@ -133,6 +138,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     restored = checkpointer.restore(par, optimizer, scheduler)
     if restored is None and cfg.checkpoint.init_from:
         checkpointer.init_weights(par, cfg.checkpoint.init_from, list(cfg.checkpoint.init_skip_prefixes))
+    elif restored is not None and cfg.checkpoint.init_from and env.is_main:
+        log.info("checkpoint.init_from is not used: this run continues from its own checkpoint")
     resumed = restored.train_state if restored else {}
     start_step, consumed = resumed.get("step", 0), resumed.get("consumed_samples", 0)
     skipped_steps = resumed.get("skipped_steps", 0)
@@ -281,8 +288,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     signals.close()
     logger.close()
     model_state = par.full_state_dict() if return_model_state else None
-    return RunResult(t.steps, last_loss, last_val, group_summary, model_state, start_step, stopped_by,
-                     skipped_steps)
+    return RunResult(t.steps, last_loss, last_val, group_summary, model_state, start_step,
+                     str(restored.path) if restored else None, stopped_by, skipped_steps)
 
 
 def all_ranks_true(flag: torch.Tensor) -> bool:

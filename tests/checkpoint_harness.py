@@ -28,8 +28,9 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 
 def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
-    """Worker body: for each phase {"overrides", "run_dir", "signal_at": step or None, "record": bool},
-    run train.run and report losses (rank 0), start_step, stopped_by, and the recorded micro-batches."""
+    """Worker body: for each phase {"overrides", "run_dir", "signal_at": step, "state": bool,
+    "expect_error": bool}, run train.run and report losses (rank 0), start_step, resumed_from,
+    stopped_by, the micro-batches trained on, and the full weights (state=True) or the error."""
     if shim:
         from tests.mfsdp_cpu_shim import install
 
@@ -59,9 +60,16 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
         for phase in phases:
             current.clear()
             current.update(signal_at=phase.get("signal_at"), samples=[])
-            cfg = compose_config("vit_sanity", phase["overrides"])
-            result = train.run(cfg, Path(phase["run_dir"]), return_model_state=phase.get("state", False))
+            cfg = compose_config(phase.get("config", "vit_sanity"), phase["overrides"])
+            try:
+                result = train.run(cfg, Path(phase["run_dir"]), return_model_state=phase.get("state", False))
+            except Exception as e:  # noqa: BLE001
+                if not phase.get("expect_error"):
+                    raise
+                out.append({"error": f"{type(e).__name__}: {e}", "losses": train_losses(phase["run_dir"])})
+                continue
             out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
+                        "resumed_from": result.resumed_from,
                         "stopped_by": result.stopped_by, "samples": current["samples"],
                         "skipped_steps": result.skipped_steps, "state": result.model_state})
     finally:

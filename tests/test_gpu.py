@@ -89,3 +89,125 @@ def test_mfsdp_matches_single_gpu_reference(nproc, layers, tmp_path):
     result = run_workers(nproc, _train_worker, overrides, str(tmp_path), False)[0]
     result["state"] = {k: v.to("cuda") for k, v in result["state"].items()}
     assert_matches(result, reference, rtol=1e-4)
+
+
+# ----------------------------------------------------------------------------- checkpoints on GPUs
+
+CKPT = MEMORIZE + ["precision=fp8_delayed", "training.steps=20", "training.log_every_n_steps=1",
+                   "checkpoint.save_every_n_steps=10"]
+
+
+def _cli(nproc: int, cwd: Path, run: str, *overrides: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+           "--config-name", "vit_base_patch16_224", f"hydra.run.dir={cwd}/{run}", f"checkpoint.path={cwd}/ckpt",
+           "logger.progress_bar=never", *overrides]
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def _losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "split" not in r}
+
+
+def _report(label: str, out: str) -> None:
+    import re
+
+    for line in out.splitlines():
+        if re.search(r"saved checkpoint|resumed from|stall_s", line):
+            print(f"CKPT {label}: {line.split(' - ', 1)[-1]}")
+
+
+@needs_two
+def test_mfsdp_te_fp8_checkpoint_resumes_on_2_and_1_gpus(tmp_path):
+    """ViT-B/16, mfsdp + TE + FP8 delayed scaling: stopped by SIGTERM on 2 GPUs and resumed with the same
+    command; the step-10 checkpoint of 2 GPUs resumed on 1 GPU. Losses continue the uninterrupted run's."""
+    import signal
+    import time
+
+    ref = _cli(2, tmp_path / "ref", "run", *CKPT)
+    out = ref.communicate(timeout=900)[0]
+    assert ref.returncode == 0, out[-4000:]
+    _report("2 GPUs", out)
+    expected = _losses(tmp_path / "ref" / "run")
+
+    job = tmp_path / "job"
+    proc = _cli(2, job, "run1", *CKPT)
+    deadline = time.time() + 600
+    while not ((job / "run1" / "metrics.jsonl").exists() and len(_losses(job / "run1")) >= 4):
+        assert proc.poll() is None and time.time() < deadline
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out = proc.communicate(timeout=300)[0]
+    assert "stopping after step" in out, out[-4000:]
+    stopped = max(_losses(job / "run1"))
+    again = _cli(2, job, "run2", *CKPT)  # the same command
+    out = again.communicate(timeout=900)[0]
+    assert again.returncode == 0 and "resumed from" in out, out[-4000:]
+    _report("2 GPUs, resume", out)
+    resumed = _losses(job / "run2")
+    assert min(resumed) == stopped + 1 and max(resumed) == 20
+
+    one = _cli(1, tmp_path / "one", "run", *CKPT, f"checkpoint.resume={tmp_path}/ref/ckpt/step_10",
+               "checkpoint.async_save=true", "checkpoint.save_every_n_steps=5")
+    out = one.communicate(timeout=900)[0]
+    assert one.returncode == 0, out[-4000:]
+    _report("2 -> 1 GPU (async saves)", out)
+    on_one = _losses(tmp_path / "one" / "run")
+    assert sorted(on_one) == list(range(11, 21))
+    for label, got in (("2 GPUs", resumed), ("1 GPU", on_one)):
+        diffs = {s: abs(l - expected[s]) / abs(expected[s]) for s, l in got.items()}
+        print(f"CKPT resumed on {label}: max relative loss difference to the uninterrupted run {max(diffs.values()):.2e}")
+        assert max(diffs.values()) < 5e-2, diffs
+
+
+def _amax_histories(model) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if isinstance(meta, dict):
+            for key in ("scaling_fwd", "scaling_bwd"):
+                history = getattr(meta.get(key), "amax_history", None)
+                if history is not None:
+                    out[f"{name}.{key}"] = history.detach().cpu().clone()
+    return out
+
+
+def _capture_amax(phases: list[dict]) -> list[dict]:
+    import checkpoint
+    from tests.checkpoint_harness import run_phases
+
+    seen = {}
+    save, restore = checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore
+
+    def capturing_save(self, step, par, *args, **kwargs):
+        seen["saved"] = _amax_histories(par.inner)
+        return save(self, step, par, *args, **kwargs)
+
+    def capturing_restore(self, par, *args):
+        result = restore(self, par, *args)
+        seen["restored"] = _amax_histories(par.inner)
+        return result
+
+    checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore = capturing_save, capturing_restore
+    saved = {}
+    for p in phases:
+        run_phases([p])
+        saved = seen.pop("saved", saved)
+    return [saved, seen.get("restored", {})]
+
+
+def test_fp8_amax_history_survives_resume(tmp_path):
+    """Megatron-FSDP drops TE's _extra_state from its state dict; our checkpoint keeps it."""
+    common = ["data=synthetic", "data.synthetic_train_size=128", "data.num_classes=16", "model.depth=2",
+              "training.micro_batch_size=16", "training.global_batch_size=16", "training.val_at_end=false",
+              "training.val_every_n_steps=0", "logger.progress_bar=never", "precision=fp8_delayed",
+              "distributed=mfsdp", "model.backend=te", f"checkpoint.path={tmp_path}/ckpt"]
+    saved, restored = run_workers(1, _capture_amax, [
+        {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=6"], "run_dir": f"{tmp_path}/a"},
+        {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=8"], "run_dir": f"{tmp_path}/b"},
+    ])[0]
+    assert saved and saved.keys() == restored.keys()
+    assert sum(float(v.abs().sum()) for v in saved.values()) > 0  # a real history, not zeros
+    for name in saved:
+        assert torch.equal(saved[name], restored[name]), name

@@ -39,7 +39,8 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
     out = {"state": result.model_state, "param_groups": result.param_groups}
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.exists():
-        out["losses"] = [json.loads(line)["loss"] for line in metrics.read_text().splitlines()]
+        rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+        out["losses"] = [r["loss"] for r in rows if "split" not in r]
     return out
 
 

@@ -30,7 +30,7 @@ def test_vit_sanity_on_two_processes_learns(tmp_path):
     proc = run(TORCHRUN + [str(REPO / "train.py"), "--config-name", "vit_sanity", "training.steps=150",
                            "training.val_every_n_steps=75", "logger.progress_bar=never"], cwd=tmp_path)
     # One run directory for both ranks, with Hydra's files written once (by rank 0).
-    (run_dir,) = list((tmp_path / "outputs" / "vit_sanity").iterdir())
+    (run_dir,) = [p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "resolved_config.yaml").exists()
     assert (proc.stdout + proc.stderr).count("recipe vit | 2 ranks") == 1
     rows = records(run_dir)
@@ -41,13 +41,15 @@ def test_vit_sanity_on_two_processes_learns(tmp_path):
     assert val[-1]["loss"] < val[0]["loss"]
     assert val[-1]["top1"] > 0.3  # 10 classes: chance is 0.1
     assert all(k in train[0] for k in ("lr", "grad_norm", "step_time", "samples_per_sec_per_gpu", "peak_mem_gib"))
-    assert (run_dir / "checkpoints" / "step_150" / "COMPLETE").exists()
+    # The default checkpoint.path does not depend on the run: the same command again resumes from it.
+    assert (tmp_path / "outputs" / "vit_sanity" / "checkpoints" / "step_150" / "COMPLETE").exists()
 
 
 def test_plain_python_single_process(tmp_path):
     run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "training.steps=2",
          f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path)
-    assert [r["step"] for r in records(tmp_path / "run")] == [1, 2, 2]  # two steps, then validation
+    rows = [(r["step"], r.get("split")) for r in records(tmp_path / "run")]
+    assert rows == [(1, None), (2, None), (2, "val"), (2, "checkpoint")]  # two steps, validation, the save
 
 
 def test_multirun_sweep_on_two_processes(tmp_path):

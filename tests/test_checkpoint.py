@@ -1,0 +1,378 @@
+"""Checkpoints: never lost or half-used (signals, kill -9, corruption, full disks), retention, async
+saves, weights-only starts, and conversion to and from plain torch / safetensors files."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from checkpoint import checkpoints_to_keep, complete_checkpoints, step_dirs, verify
+from tests.checkpoint_harness import TINY, run_phases, train_losses
+from tests.helpers import REPO, _worker, compose_config, free_port, run_workers
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+
+
+def phase(tmp, name: str, ckpt: str, extra: list[str] = (), **kw) -> dict:
+    return {"overrides": TINY + list(extra) + [f"checkpoint.path={tmp}/{ckpt}"], "run_dir": f"{tmp}/{name}", **kw}
+
+
+# ----------------------------------------------------------------------------- real signals and kill -9
+
+
+def _start(args: list[str], cwd: Path, run_dir: str) -> subprocess.Popen:
+    cwd.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(TORCHRUN + [str(REPO / "train.py"), "--config-name", "vit_sanity", *args,
+                                        f"hydra.run.dir={run_dir}"],
+                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+
+def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
+    deadline = time.time() + timeout
+    while not condition():
+        assert proc.poll() is None, f"the run ended before the test could interrupt it:\n{proc.stdout.read()[-3000:]}"
+        assert time.time() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def _kill9_all(proc: subprocess.Popen) -> None:
+    """SIGKILL torchrun and its workers (which run in process groups of their own), like a node failure."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    todo, pids = [proc.pid], []
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += children.get(pid, [])
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _finish(proc: subprocess.Popen) -> str:
+    out, _ = proc.communicate(timeout=300)
+    return out
+
+
+def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
+    """torchrun with 2 processes and the default checkpoint.path (outputs/<config>/checkpoints):
+    SIGTERM to torchrun saves and stops; kill -9 right after a save loses only the steps since.
+    Running the same command again continues with the uninterrupted run's losses, bit for bit."""
+    args = TINY + ["distributed=fsdp2", "training.steps=30", "checkpoint.save_every_n_steps=5",
+                   "model.hidden_dropout=0.1"]
+    ref = _start(args, tmp_path / "ref", "run")
+    ref_out = _finish(ref)
+    assert ref.returncode == 0, ref_out[-3000:]
+    expected = train_losses(tmp_path / "ref" / "run")
+    assert sorted(expected) == list(range(1, 31))
+
+    cwd = tmp_path / "job"
+    ckpt = cwd / "outputs" / "vit_sanity" / "checkpoints"
+    proc = _start(args, cwd, "run1")
+    _wait_for(lambda: len(train_losses(cwd / "run1")) >= 3, proc)
+    proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers
+    out = _finish(proc)
+    assert "stopping after step" in out, out[-3000:]
+    stopped_at = max(train_losses(cwd / "run1"))
+    assert stopped_at < 30 and (ckpt / f"step_{stopped_at}" / "COMPLETE").exists()
+
+    proc = _start(args, cwd, "run2")  # killed -9 as soon as a later checkpoint is complete
+    _wait_for(lambda: any(step_dirs(ckpt)) and complete_checkpoints(ckpt)[-1].name != f"step_{stopped_at}", proc)
+    _kill9_all(proc)
+    _finish(proc)
+    assert max(train_losses(cwd / "run2")) < 30
+
+    proc = _start(args, cwd, "run3")
+    out = _finish(proc)
+    assert proc.returncode == 0, out[-3000:]
+    assert "resumed from" in out
+    segments = [train_losses(cwd / run) for run in ("run1", "run2", "run3")]
+    assert max(segments[2]) == 30 and min(segments[2]) > stopped_at
+    for segment in segments:
+        for step, loss in segment.items():
+            assert loss == expected[step], f"step {step}"
+
+
+def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
+    """Stall rank 0 between the DCP writes and the COMPLETE marker of step `slow_step`."""
+    import checkpoint
+
+    finish = checkpoint.Checkpointer._finish
+
+    def slow(self, target, step, metrics, start):
+        if step == slow_step and self.is_main:
+            Path(sentinel).write_text("writing the marker")
+            time.sleep(600)
+        finish(self, target, step, metrics, start)
+
+    checkpoint.Checkpointer._finish = slow
+    run_phases(phases)
+
+
+def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    sentinel = tmp_path / "sentinel"
+    first = [phase(tmp_path, "first", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"])]
+    ctx, port = mp.get_context("spawn"), free_port()
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, _slow_marker, (first, str(sentinel), 4), {}))
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    deadline = time.time() + 300
+    while not sentinel.exists():
+        assert time.time() < deadline and all(p.is_alive() for p in procs), "the save at step 4 never started"
+        time.sleep(0.05)
+    for p in procs:
+        p.kill()
+        p.join()
+    assert (ckpt / "step_4" / ".metadata").exists() and not (ckpt / "step_4" / "COMPLETE").exists()
+    assert [p.name for p in complete_checkpoints(ckpt)] == ["step_2"]
+
+    ref, resumed = run_workers(2, run_phases, [
+        phase(tmp_path, "ref", "ckpt_ref", ["distributed=fsdp2"]),
+        phase(tmp_path, "second", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"]),
+    ])[0]
+    assert resumed["resumed_from"] == str(ckpt / "step_2")
+    assert resumed["losses"] == {s: ref["losses"][s] for s in range(3, 9)}
+    assert [p.name for p in step_dirs(ckpt)] == ["step_2", "step_4", "step_6", "step_8"]
+    assert all(verify(p) for p in step_dirs(ckpt))  # step_4 was written again, completely
+
+
+# ----------------------------------------------------------------------------- bad checkpoints, bad disks
+
+
+def test_corrupt_missing_and_incomplete_checkpoints(tmp_path):
+    save = phase(tmp_path, "save", "ckpt", ["training.steps=4", "checkpoint.save_every_n_steps=2"])
+    (first,) = run_workers(1, run_phases, [save])[0]
+    ckpt = tmp_path / "ckpt"
+    data_file = ckpt / "step_4" / "__0_0.distcp"
+    data_file.write_bytes(data_file.read_bytes()[:1000])  # truncated
+    incomplete = tmp_path / "incomplete" / "step_2"
+    shutil.copytree(ckpt / "step_2", incomplete)
+    (incomplete / "COMPLETE").unlink()
+    results = run_workers(1, run_phases, [
+        phase(tmp_path, "explicit", "ckpt", ["training.steps=4", f"checkpoint.resume={ckpt}/step_4"], expect_error=True),
+        phase(tmp_path, "missing", "ckpt", ["training.steps=4", f"checkpoint.resume={tmp_path}/nowhere"], expect_error=True),
+        phase(tmp_path, "incomplete", "ckpt", ["training.steps=4", f"checkpoint.resume={incomplete}"], expect_error=True),
+        phase(tmp_path, "fresh", "ckpt", ["training.steps=4", "checkpoint.resume=false"], expect_error=True),
+        phase(tmp_path, "auto", "ckpt", ["training.steps=4"]),
+    ])[0]
+    explicit, missing, incomplete_result, fresh, auto = results
+    assert "CheckpointError" in explicit["error"] and "__0_0.distcp" in explicit["error"] and "truncated" in explicit["error"]
+    assert "no such checkpoint folder" in missing["error"]
+    assert "incomplete checkpoint" in incomplete_result["error"]
+    assert "checkpoint.overwrite=true" in fresh["error"]
+    # Automatic resume warns and falls back to step 2; steps 3-4 come out as before.
+    assert auto["resumed_from"] == str(ckpt / "step_2")
+    assert auto["losses"] == {3: first["losses"][3], 4: first["losses"][4]}
+    verify(ckpt / "step_4")  # saved again, whole
+
+    (overwritten,) = run_workers(1, run_phases, [
+        phase(tmp_path, "over", "ckpt", ["training.steps=1", "checkpoint.resume=false", "checkpoint.overwrite=true"])])[0]
+    assert overwritten["resumed_from"] is None and [p.name for p in step_dirs(ckpt)] == ["step_1"]
+
+
+def _disk_full_at(phases: list[dict], failing_step: int) -> list[dict]:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def failing(self, plan, planner):
+        if str(self.path).endswith(f"step_{failing_step}"):
+            raise OSError(28, "No space left on device")
+        return write_data(self, plan, planner)
+
+    FileSystemWriter.write_data = failing
+    return run_phases(phases)
+
+
+def test_a_failing_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    (result,) = run_workers(1, _disk_full_at, [
+        phase(tmp_path, "run", "ckpt", ["training.steps=6", "checkpoint.save_every_n_steps=2"], expect_error=True)], 4)[0]
+    assert "saving" in result["error"] and "step_4" in result["error"] and "No space left" in result["error"]
+    assert [p.name for p in complete_checkpoints(ckpt)] == ["step_2"]
+    verify(ckpt / "step_2")
+
+
+def _nan_at_step(phases: list[dict], bad_step: int, micro_batches_per_step: int) -> list[dict]:
+    from recipes.vit import ViTRecipe
+
+    forward, calls = ViTRecipe.forward, {"n": 0}
+
+    def poisoned(self, model, batch, training):
+        out = forward(self, model, batch, training)
+        if training:
+            calls["n"] += 1
+            if (calls["n"] - 1) // micro_batches_per_step + 1 == bad_step:
+                out["loss"] = out["loss"] * float("nan")
+        return out
+
+    ViTRecipe.forward = poisoned
+    results = []
+    for p in phases:
+        calls["n"] = 0
+        results += run_phases([p])
+    return results
+
+
+def test_nonfinite_loss_stops_or_skips_and_is_never_saved(tmp_path):
+    # 1 rank: 4 micro-batches per step; step 3 gets a NaN loss.
+    common = ["training.steps=6", "checkpoint.save_every_n_steps=2", "training.log_every_n_steps=5"]
+    stop, skip = run_workers(1, _nan_at_step, [
+        phase(tmp_path, "stop", "ckpt_stop", common, expect_error=True),
+        phase(tmp_path, "skip", "ckpt_skip", common + ["training.on_nonfinite=skip"], state=True),
+    ], 3, 4)[0]
+    assert "NonFiniteError" in stop["error"] and "at step 3" in stop["error"]
+    assert [p.name for p in step_dirs(tmp_path / "ckpt_stop")] == ["step_2"]  # step 4 was never saved
+    assert skip["skipped_steps"] == 1
+    assert all(torch.isfinite(v).all() for v in skip["state"].values())
+    assert [p.name for p in complete_checkpoints(tmp_path / "ckpt_skip")] == ["step_2", "step_4", "step_6"]
+
+
+# ----------------------------------------------------------------------------- retention and async saves
+
+
+def test_retention_rule():
+    entries = [(1, 0.9), (2, 0.5), (3, 0.7), (4, 0.6), (5, None), (6, 0.8)]
+    assert checkpoints_to_keep(entries, 2, 0, 0, "min", set()) == {5, 6}
+    assert checkpoints_to_keep(entries, 2, 2, 0, "min", set()) == {2, 4, 5, 6}
+    assert checkpoints_to_keep(entries, 1, 0, 2, "min", set()) == {2, 4, 6}
+    assert checkpoints_to_keep(entries, 1, 0, 1, "max", {1}) == {1, 6}  # 1 protected (resumed from), 1 also best
+    assert checkpoints_to_keep(entries, -1, 0, 0, "min", set()) == {1, 2, 3, 4, 5, 6}
+    assert checkpoints_to_keep([], 1, 0, 1, "min", set()) == set()
+
+
+def test_retention_keeps_exactly_the_right_folders_and_async_equals_sync(tmp_path):
+    keep = ["training.steps=6", "checkpoint.save_every_n_steps=1", "training.val_every_n_steps=1",
+            "checkpoint.keep_last_n=2", "checkpoint.keep_every_n_steps=3", "checkpoint.monitor=val/loss",
+            "checkpoint.keep_best_k=1"]
+    both = ["training.steps=4", "checkpoint.save_every_n_steps=2"]
+    run_workers(1, run_phases, [phase(tmp_path, "keep", "ckpt_keep", keep),
+                                phase(tmp_path, "sync", "ckpt_sync", both),
+                                phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"])])
+    rows = [json.loads(line) for line in (tmp_path / "keep" / "metrics.jsonl").read_text().splitlines()]
+    val = {r["step"]: r["loss"] for r in rows if r.get("split") == "val"}
+    best = min(val, key=val.get)
+    assert {p.name for p in step_dirs(tmp_path / "ckpt_keep")} == {f"step_{s}" for s in {5, 6, 3, best}}
+
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    for step in (2, 4):
+        contents = []
+        for name in ("sync", "async"):
+            verify(tmp_path / f"ckpt_{name}" / f"step_{step}")
+            dcp_to_torch_save(tmp_path / f"ckpt_{name}" / f"step_{step}", tmp_path / f"{name}{step}.pt")
+            contents.append(torch.load(tmp_path / f"{name}{step}.pt"))
+        _assert_equal(*contents)
+
+
+def _assert_equal(a, b, path: str = "") -> None:
+    if path.startswith(".rng.rank_") and path.count(".") == 2:  # pickled RNG states: equal states may pickle to different bytes
+        import pickle
+
+        a, b = (pickle.loads(x.numpy().tobytes()) for x in (a, b))
+    if isinstance(a, np.ndarray):
+        assert np.array_equal(a, b), path
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), path
+        for k in a:
+            _assert_equal(a[k], b[k], f"{path}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), path
+        for i, (x, y) in enumerate(zip(a, b)):
+            _assert_equal(x, y, f"{path}[{i}]")
+    elif torch.is_tensor(a):
+        assert torch.equal(a, b), path
+    else:
+        assert a == b, path
+
+
+# ----------------------------------------------------------------------------- weights in and out
+
+
+def _export(step_dir: str, out_dir: str) -> None:
+    import checkpoint
+
+    checkpoint.to_torch(step_dir, f"{out_dir}/weights.pt")
+    checkpoint.to_safetensors(step_dir, f"{out_dir}/weights.safetensors")
+    checkpoint.from_torch(f"{out_dir}/weights.pt", f"{out_dir}/converted/step_0")
+
+
+def _unsharded_vit():
+    from core.config import validate
+    from core.layers import get_layers
+    from recipes.vit import ViTRecipe
+
+    cfg = validate(compose_config("vit_sanity", TINY + ["checkpoint.path=unused"]))
+    return ViTRecipe(cfg).build_model(get_layers("torch"), torch.device("cpu"))
+
+
+def test_conversion_round_trips(tmp_path):
+    """DCP -> .pt / .safetensors / format_utils dcp_to_torch load strictly into the unsharded model with
+    identical outputs; .pt -> DCP -> resume starts from exactly those weights."""
+    from safetensors.torch import load_file
+
+    (trained,) = run_workers(2, run_phases, [phase(tmp_path, "train", "ckpt", ["training.steps=2"], state=True)])[0]
+    step_dir = tmp_path / "ckpt" / "step_2"
+    subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(step_dir), str(tmp_path / "cli.pt")],
+                   check=True, capture_output=True)
+    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(step_dir),
+                    str(tmp_path / "format_utils.pt")], check=True, capture_output=True)
+    _export(str(step_dir), str(tmp_path))
+
+    reference = _unsharded_vit()
+    reference.load_state_dict(trained["state"], strict=True)
+    images = torch.randn(3, 3, 28, 28)
+    expected = reference(images)
+    for weights in (torch.load(tmp_path / "cli.pt"), torch.load(tmp_path / "weights.pt"),
+                    load_file(str(tmp_path / "weights.safetensors")), torch.load(tmp_path / "format_utils.pt")["model"]):
+        model = _unsharded_vit()
+        model.load_state_dict(weights, strict=True)
+        assert torch.equal(model(images), expected)
+
+    # Resuming from the converted folder: weights only, so a fresh optimizer at step 0; lr 0 keeps them.
+    (resumed,) = run_workers(2, run_phases, [
+        phase(tmp_path, "resume", "converted", ["training.steps=1", "optim.lr=0"], state=True)])[0]
+    assert resumed["resumed_from"] == str(tmp_path / "converted" / "step_0") and resumed["start_step"] == 0
+    _assert_equal(resumed["state"], trained["state"])
+
+
+def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
+    (source,) = run_workers(1, run_phases, [phase(tmp_path, "src", "ckpt", ["training.steps=2"], state=True)])[0]
+    step_dir = tmp_path / "ckpt" / "step_2"
+    torch.save(source["state"], tmp_path / "src.pt")
+    lr0 = ["training.steps=1", "optim.lr=0"]  # AdamW with lr 0 leaves the loaded weights as they are
+    fresh, from_dir, from_file, wrong = run_workers(1, run_phases, [
+        phase(tmp_path, "fresh", "ckpt_fresh", lr0, state=True),
+        phase(tmp_path, "dir", "ckpt_dir", lr0 + [f"checkpoint.init_from={step_dir}", "checkpoint.init_skip_prefixes=[head]"],
+              state=True),
+        phase(tmp_path, "file", "ckpt_file", lr0 + [f"checkpoint.init_from={tmp_path}/src.pt"], state=True),
+        phase(tmp_path, "wrong", "ckpt_wrong", lr0 + [f"checkpoint.init_from={step_dir}", "model.num_classes=5"],
+              expect_error=True),
+    ])[0]
+    assert from_dir["start_step"] == 0 and from_dir["resumed_from"] is None
+    for name, value in from_dir["state"].items():
+        origin = fresh if name.startswith("head.") else source  # the head keeps its fresh init
+        assert torch.equal(value, origin["state"][name]), name
+    _assert_equal(from_file["state"], source["state"])
+    assert "does not fit the model" in wrong["error"] and "head.weight: (10, 32) vs model (5, 32)" in wrong["error"]
