@@ -5,12 +5,12 @@ Layout of a step folder (the same for every backend, world size and layer implem
   optim.state.<name>.*  optimizer state keyed by those parameter names; optim.param_groups
   scheduler             the LR scheduler's state
   train_state.*         step, consumed_samples, epoch, skipped_steps, dataset_len, world_size
-  rng.rank_<r>          python/numpy/torch/CUDA RNG states of rank r (pickled, as a uint8 tensor)
-  extra_state.<module>  TransformerEngine `_extra_state` (FP8 scaling factors and amax history),
-                        which Megatron-FSDP's state dict drops (torch.save bytes, as a uint8 tensor)
-Byte blobs are stored as uint8 tensors rather than pickled objects, so that the output of
-`python -m torch.distributed.checkpoint.format_utils dcp_to_torch` loads with torch.load's default
-weights_only=True.
+  rng.rank_<r>.*        python/numpy/torch/CUDA RNG states of rank r
+  fp8.<module>.*        TransformerEngine's delayed-scaling FP8 state (scales and amax histories), which
+                        Megatron-FSDP's state dict drops with the rest of TE's `_extra_state`
+Everything is a tensor or a plain value, never a pickled object: loading a checkpoint runs no code
+from it, and `python -m torch.distributed.checkpoint.format_utils dcp_to_torch` output loads with
+torch.load's default weights_only=True.
   config.yaml           the resolved config of the run (rank 0)
   COMPLETE              written last, by rank 0, after every rank finished; lists the file sizes
 
@@ -18,7 +18,7 @@ A folder without COMPLETE (or whose files do not match it) is never resumed from
 the next successful save.
 
 Command line (one process, no GPU needed):
-  python checkpoint.py to-torch <step_dir> <out.pt> [--with-extra-state]
+  python checkpoint.py to-torch <step_dir> <out.pt>
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>
 """
@@ -26,7 +26,7 @@ Command line (one process, no GPU needed):
 from __future__ import annotations
 
 import argparse
-import io
+import copy as copy_module
 import json
 import logging
 import os
@@ -48,6 +48,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
@@ -147,43 +148,85 @@ def top_level_keys(metadata: Metadata) -> set[str]:
 # ----------------------------------------------------------------------------- per-rank state
 
 
-def to_bytes_tensor(blob: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-
-
-def rng_state(device: torch.device) -> bytes:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
+    """This process's RNG states as tensors."""
+    version, mt, gauss = random.getstate()
+    _, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": torch.tensor([version, *mt], dtype=torch.int64),
+        "python_gauss": torch.tensor([float("nan") if gauss is None else gauss], dtype=torch.float64),
+        "numpy": torch.tensor([*keys.astype(np.int64), pos, has_gauss], dtype=torch.int64),
+        "numpy_gauss": torch.tensor([cached], dtype=torch.float64),
+        "torch": torch.get_rng_state(),
+    }
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
-    return pickle.dumps(state)
+    return state
 
 
-def set_rng_state(blob: bytes, device: torch.device) -> None:
-    state = pickle.loads(blob)
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
+    python = state["python"].tolist()
+    gauss = float(state["python_gauss"][0])
+    random.setstate((python[0], tuple(python[1:]), None if gauss != gauss else gauss))
+    numpy = state["numpy"].tolist()
+    np.random.set_state(("MT19937", np.array(numpy[:-2], dtype=np.uint32), numpy[-2], numpy[-1],
+                         float(state["numpy_gauss"][0])))
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-def extra_state_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """Modules with an `_extra_state` (TransformerEngine's FP8 metadata), by name."""
-    return {name: m for name, m in model.named_modules()
-            if type(m).get_extra_state is not nn.Module.get_extra_state}
+FP8_TENSORS = {"scale_fwd": ("scaling_fwd", "scale"), "amax_history_fwd": ("scaling_fwd", "amax_history"),
+               "scale_bwd": ("scaling_bwd", "scale"), "amax_history_bwd": ("scaling_bwd", "amax_history")}
 
 
-def extra_states(model: nn.Module) -> dict[str, torch.Tensor]:
+def fp8_states(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
+    """TransformerEngine modules' delayed-scaling FP8 state (what their `_extra_state` holds), as tensors."""
     out = {}
-    for name, module in extra_state_modules(model).items():
-        buffer = io.BytesIO()
-        torch.save(module.get_extra_state(), buffer)
-        out[name] = to_bytes_tensor(buffer.getvalue())
+    for name, module in model.named_modules():
+        meta = getattr(module, "fp8_meta", None)
+        if not isinstance(meta, dict) or getattr(meta.get("scaling_bwd"), "amax_history", None) is None:
+            continue
+        out[name] = {key: getattr(meta[group], attr).detach().cpu().clone() for key, (group, attr) in FP8_TENSORS.items()}
+        # TE also keeps the module's plain settings (num_gemms, ...); JSON keeps them data, not code.
+        plain = {k: (["__tuple__", list(v)] if isinstance(v, tuple) else v) for k, v in meta.items()
+                 if k != "buffer_index_and_autocast_key" and _is_plain(v)}
+        out[name]["settings"] = torch.frombuffer(bytearray(json.dumps(plain).encode()), dtype=torch.uint8)
     return out
 
 
-def decode_extra_state(blob: torch.Tensor) -> Any:
-    return torch.load(io.BytesIO(blob.numpy().tobytes()), weights_only=False, map_location="cpu")
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, (tuple, list)):
+        return all(isinstance(v, (bool, int, float, str)) for v in value)
+    return isinstance(value, (bool, int, float, str))
+
+
+def _fp8_settings(blob: torch.Tensor) -> dict:
+    plain = json.loads(blob.numpy().tobytes().decode())
+    return {k: (tuple(v[1]) if isinstance(v, list) and v[:1] == ["__tuple__"] else v) for k, v in plain.items()}
+
+
+def set_fp8_states(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], recipe: Any) -> None:
+    """Restore FP8 scales and amax histories through TE's own `set_extra_state`.
+
+    TE takes that state only as a pickle and, rightly, refuses pickles from files unless told to trust
+    them. Ours is built here from plain tensors and the run's own recipe, never read from the file,
+    so it is safe to let TE load it."""
+    modules = dict(model.named_modules())
+    previous = os.environ.get("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
+    os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = "1"
+    try:
+        for name, tensors in saved.items():
+            tensors = dict(tensors)
+            settings = _fp8_settings(tensors.pop("settings")) if "settings" in tensors else {}
+            payload = pickle.dumps({"recipe": recipe, **tensors, "extra_fp8_variables": settings})
+            modules[name].set_extra_state(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
+        torch.cuda.synchronize()  # TE copies the tensors asynchronously
+    finally:
+        if previous is None:
+            os.environ.pop("NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE")
+        else:
+            os.environ["NVTE_ALLOW_UNSAFE_PICKLE_EXTRA_STATE"] = previous
 
 
 # ----------------------------------------------------------------------------- full tensors into shards
@@ -250,15 +293,16 @@ def checkpoints_to_keep(entries: list[tuple[int, Optional[float]]], keep_last_n:
 class Restored:
     path: Path
     train_state: dict
-    rng: Optional[bytes]  # this rank's RNG states, None if the checkpoint has none for it
+    rng: Optional[dict]  # this rank's RNG states, None if the checkpoint has none for it
 
 
 class Checkpointer:
     """Everything the training loop does with checkpoints. All methods are collectives unless noted."""
 
     def __init__(self, cfg: CheckpointConfig, rank: int, world_size: int, device: torch.device,
-                 config: Optional[DictConfig] = None):
+                 config: Optional[DictConfig] = None, fp8_recipe: Any = None):
         self.cfg, self.rank, self.world_size, self.device = cfg, rank, world_size, device
+        self.fp8_recipe = fp8_recipe  # TE's recipe object when the run uses FP8 (restores FP8 state)
         self.config = config  # the run's resolved config, saved beside each checkpoint
         self.auto = False  # resume=auto|true: a corrupt newest checkpoint falls back to the one before
         self.is_main = rank == 0
@@ -347,17 +391,20 @@ class Checkpointer:
             state["scheduler"] = scheduler.state_dict()
         train_keys = [k for k in TRAIN_STATE_KEYS if f"train_state.{k}" in saved]
         state["train_state"] = {k: 0 for k in train_keys}
-        rng_key = f"rank_{self.rank}"
-        if f"rng.{rng_key}" in saved:
-            state["rng"] = {rng_key: _empty_like_saved(metadata, f"rng.{rng_key}")}
-        modules = extra_state_modules(par.inner)
-        extra = {name: _empty_like_saved(metadata, f"extra_state.{name}") for name in modules
-                 if f"extra_state.{name}" in saved}
-        if extra:
-            state["extra_state"] = extra
-        if len(extra) < len(modules) and self.is_main:
-            log.warning("%s has no _extra_state (FP8 metadata) for %d of %d modules (saved with other layers?): "
-                        "they keep fresh FP8 scaling state", path, len(modules) - len(extra), len(modules))
+        rng_prefix = f"rng.rank_{self.rank}."
+        rng = {k[len(rng_prefix):]: _empty_like_saved(metadata, k) for k in saved if k.startswith(rng_prefix)}
+        if rng:
+            state["rng"] = {f"rank_{self.rank}": rng}
+        fp8 = {}
+        for key in saved:
+            if key.startswith("fp8."):
+                module, tensor = key[4:].rsplit(".", 1)
+                fp8.setdefault(module, {})[tensor] = _empty_like_saved(metadata, key)
+        if fp8 and self.fp8_recipe is None:
+            log.warning("%s holds FP8 scaling state, but this run does not use TE FP8: not loaded", path)
+            fp8 = {}
+        if fp8:
+            state["fp8"] = fp8
         try:
             dcp.load(state, checkpoint_id=str(path))
         except DCP_ERRORS as e:
@@ -369,10 +416,10 @@ class Checkpointer:
             log.warning("%s has no optimizer state: the optimizer starts fresh", path)
         if "scheduler" in state:
             scheduler.load_state_dict(state["scheduler"])
-        for name, blob in extra.items():
-            modules[name].set_extra_state(decode_extra_state(blob))
+        if fp8:
+            set_fp8_states(par.inner, fp8, self.fp8_recipe)
         train_state = {k: 0 for k in TRAIN_STATE_KEYS} | state["train_state"]
-        rng = state["rng"][rng_key].numpy().tobytes() if "rng" in state else None
+        rng = state["rng"][f"rank_{self.rank}"] if "rng" in state else None
         if self.is_main:
             log.info("resumed from %s (step %d, %d samples consumed) in %.1f s", path, train_state["step"],
                      train_state["consumed_samples"], time.perf_counter() - start)
@@ -452,15 +499,17 @@ class Checkpointer:
             "optim": par.optimizer_state_dict(optimizer),
             "scheduler": scheduler.state_dict(),
             "train_state": {k: int(train_state[k]) for k in TRAIN_STATE_KEYS},
-            "rng": {f"rank_{self.rank}": to_bytes_tensor(rng_state(self.device))},
+            "rng": {f"rank_{self.rank}": rng_state(self.device)},
         }
-        extra = extra_states(par.inner)
-        if extra:
-            state["extra_state"] = extra
+        fp8 = fp8_states(par.inner)
+        if fp8:
+            state["fp8"] = fp8
         if self.cfg.async_save and not force_sync:
             if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
                 self._async_group = dist.new_group(backend="gloo")
-            future = dcp.async_save(state, checkpoint_id=str(target), process_group=self._async_group)
+            # We copy to CPU ourselves (see stage_to_cpu) and hand DCP the copy as already staged.
+            future = dcp.async_save(stage_to_cpu(state), checkpoint_id=str(target), process_group=self._async_group,
+                                    async_stager=_AlreadyStaged())
             self.pending = (future, target, step, metrics, start)
         else:
             try:
@@ -532,6 +581,43 @@ class Checkpointer:
                               f"there are: {', '.join(sorted(metrics))}")
 
 
+def stage_to_cpu(value: Any) -> Any:
+    """A CPU copy of a state dict for a background save, keeping each DTensor's sharding.
+
+    DCP's own staging copies whole tensor storages, which fails on Megatron-FSDP's state (views into
+    flat buffers, some freed). We copy each local shard instead and keep the sharding description,
+    including the hooks by which Megatron-FSDP tells DCP the offsets of its uneven shards."""
+    if isinstance(value, dict):
+        return {k: stage_to_cpu(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [stage_to_cpu(v) for v in value]
+    if isinstance(value, DTensor):
+        local = value._local_tensor
+        copy = local.detach().to("cpu", copy=True)
+        for hook in ("__create_chunk_list__", "__create_write_items__"):
+            if hook in local.__dict__:
+                setattr(copy, hook, local.__dict__[hook])
+        return DTensor(copy, value._spec, requires_grad=False)
+    if torch.is_tensor(value):
+        return value.detach().to("cpu", copy=True)
+    return copy_module.deepcopy(value)  # e.g. the scheduler's lists, which it may change in place
+
+
+class _AlreadyStaged:
+    """DCP AsyncStager protocol for a state dict that stage_to_cpu already copied."""
+
+    should_synchronize_after_execute = False
+
+    def stage(self, state_dict):
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
     if isinstance(tree, dict):
         out = {}
@@ -553,27 +639,21 @@ def _shape(value) -> torch.Size:
 # ----------------------------------------------------------------------------- conversion CLI
 
 
-def read_model_weights(step_dir: Path, with_extra_state: bool = False) -> dict[str, Any]:
+def read_model_weights(step_dir: Path) -> dict[str, torch.Tensor]:
     """The full (unsharded) model weights of a checkpoint, in one process, by canonical name."""
     metadata = verify(step_dir)
     weights = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in metadata.state_dict_metadata.items()
                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     state: dict[str, Any] = {"model": weights}
-    extra = {k[12:]: _empty_like_saved(metadata, k) for k in metadata.state_dict_metadata
-             if with_extra_state and k.startswith("extra_state.")}
-    if extra:
-        state["extra_state"] = extra
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
-    for name, blob in extra.items():
-        weights[f"{name}._extra_state" if name else "_extra_state"] = decode_extra_state(blob)
     return weights
 
 
-def to_torch(step_dir: str, out: str, with_extra_state: bool = False) -> None:
-    weights = read_model_weights(Path(step_dir), with_extra_state)
+def to_torch(step_dir: str, out: str) -> None:
+    weights = read_model_weights(Path(step_dir))
     torch.save(weights, out)
     print(f"wrote {len(weights)} tensors to {out}")
 
@@ -609,8 +689,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = sub.add_parser("to-torch", help="step folder -> one torch.save file of the full model weights")
     p.add_argument("step_dir")
     p.add_argument("out")
-    p.add_argument("--with-extra-state", action="store_true",
-                   help="include TransformerEngine `_extra_state` entries (FP8 metadata), for TE models")
     p = sub.add_parser("to-safetensors", help="step folder -> one .safetensors file of the full model weights")
     p.add_argument("step_dir")
     p.add_argument("out")
@@ -620,7 +698,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.command == "to-torch":
-            to_torch(args.step_dir, args.out, args.with_extra_state)
+            to_torch(args.step_dir, args.out)
         elif args.command == "to-safetensors":
             to_safetensors(args.step_dir, args.out)
         else:

@@ -100,8 +100,10 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
     if t.on_nonfinite not in ("stop", "skip"):
         raise config_lib.ConfigError(f"training.on_nonfinite={t.on_nonfinite!r}: expected stop or skip")
-    checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.world_size, env.device, config=cfg)
     autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
+    fp8_recipe = precision.fp8_recipe(cfg.precision.fp8) if cfg.precision.fp8.enabled else None
+    checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.world_size, env.device, config=cfg,
+                                fp8_recipe=fp8_recipe)
     # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
     torch.manual_seed(cfg.seed + env.dp_rank)
     random.seed(cfg.seed + env.dp_rank)
@@ -155,14 +157,15 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     if restored and resumed.get("dataset_len") not in (0, len(data.train)) and env.is_main:
         log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
                     "the interrupted run's", len(data.train), resumed["dataset_len"])
+    stop_signals = tuple(cfg.checkpoint.save_on_signals)
     train_loader = make_loader(data.train, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
-                               recipe.collate_fn())
+                               recipe.collate_fn(), stop_signals)
     val_loader = None
     if data.val is not None and t.limit_val_batches != 0:
         val_loader = make_loader(
             PaddedEval(data.val),
             EvalBatchSampler(len(data.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches),
-            cfg.data.num_workers, pin, cfg.seed, recipe.collate_fn(),
+            cfg.data.num_workers, pin, cfg.seed, recipe.collate_fn(), stop_signals,
         )
 
     logger = MetricsLogger(run_dir, cfg.logger, env.is_main, t.steps, start_step, OmegaConf.to_container(cfg),
