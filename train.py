@@ -33,10 +33,11 @@ from omegaconf import DictConfig, OmegaConf
 from checkpoint import CheckpointError, Checkpointer, set_rng_state
 from core import config as config_lib
 from core import distributed, launch, optim, parallel, precision
-from core.preemption import StopSignals
 from core import layers as layers_lib
 from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
+from core.datasets import MultiEpochDatasetResampler
 from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
+from core.preemption import StopSignals
 from recipes import get_recipe
 
 log = logging.getLogger("train")
@@ -152,13 +153,13 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     #    at the exact next sample.
     data = recipe.build_datasets()
     pin = env.device.type == "cuda" and cfg.data.pin_memory
-    sampler = GlobalBatchSampler(len(data.train), t.micro_batch_size, t.global_batch_size, env.dp_size,
-                                 env.dp_rank, cfg.seed, consumed_samples=consumed)
+    train_stream = MultiEpochDatasetResampler(data.train, num_samples=t.steps * t.global_batch_size, seed=cfg.seed)
+    sampler = GlobalBatchSampler(t.micro_batch_size, t.global_batch_size, env.dp_size, env.dp_rank, consumed)
     if restored and resumed.get("dataset_len") not in (0, len(data.train)) and env.is_main:
         log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
                     "the interrupted run's", len(data.train), resumed["dataset_len"])
     stop_signals = tuple(cfg.checkpoint.save_on_signals)
-    train_loader = make_loader(data.train, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
+    train_loader = make_loader(train_stream, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
                                recipe.collate_fn(), stop_signals)
     val_loader = None
     if data.val is not None and t.limit_val_batches != 0:
@@ -273,7 +274,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             checkpointer.check_monitor({f"val/{k}": v for k, v in step_val.items()})
         checkpointer.poll()  # completes a finished async save
         if saving:
-            train_state = {"step": step, "consumed_samples": consumed, "epoch": sampler.epoch(consumed),
+            train_state = {"step": step, "consumed_samples": consumed, "epoch": consumed // len(data.train),
                            "skipped_steps": skipped_steps, "dataset_len": len(data.train),
                            "world_size": env.world_size}
             stall = checkpointer.save(step, par, optimizer, scheduler, train_state,

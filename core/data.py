@@ -1,9 +1,10 @@
 """Samplers and loaders that split the global sample stream over data-parallel ranks.
 
 Training: the stream is epoch 0's permutation of the dataset, then epoch 1's, ... (each seeded by
-(seed, epoch)). Optimizer step k consumes stream positions [k*G, (k+1)*G) for global batch size G,
-laid out as [micro-batch][data-parallel rank][sample]. The position depends only on the number of
-samples consumed, not on the number of ranks, so a run can continue on another world size.
+(seed, epoch); see core.datasets.MultiEpochDatasetResampler). Optimizer step k consumes stream
+positions [k*G, (k+1)*G) for global batch size G, laid out as [micro-batch][data-parallel rank][sample].
+The position depends only on the number of samples consumed, not on the number of ranks, so a run can
+continue on another world size.
 
 Validation: every sample exactly once over all ranks; ranks whose share is shorter get padding
 samples marked `valid = False`, so all ranks run the same number of forward passes (FSDP
@@ -24,35 +25,23 @@ from core.config import ConfigError
 
 
 class GlobalBatchSampler(Sampler[list[int]]):
-    """Yields this rank's micro-batches (lists of dataset indices), forever, from `consumed_samples`."""
+    """Yields this rank's micro-batches of positions in the global sample stream, forever, from
+    `consumed_samples`. The training dataset (a core.datasets.MultiEpochDatasetResampler) turns a
+    position into a sample: epoch position // len, the epoch's shuffled order, index-seeded effects."""
 
-    def __init__(self, dataset_len: int, micro_batch_size: int, global_batch_size: int, dp_size: int,
-                 dp_rank: int, seed: int, shuffle: bool = True, consumed_samples: int = 0):
+    def __init__(self, micro_batch_size: int, global_batch_size: int, dp_size: int, dp_rank: int,
+                 consumed_samples: int = 0):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global_batch_size must be a multiple of micro_batch_size x data-parallel size")
-        self.n, self.mb, self.gb, self.dp, self.rank = dataset_len, micro_batch_size, global_batch_size, dp_size, dp_rank
-        self.seed, self.shuffle, self.consumed = seed, shuffle, consumed_samples
-        self._epoch, self._perm = -1, None
-
-    def epoch(self, position: int) -> int:
-        return position // self.n
-
-    def index_at(self, position: int) -> int:
-        """Dataset index at a position of the global stream."""
-        epoch, offset = divmod(position, self.n)
-        if not self.shuffle:
-            return offset
-        if epoch != self._epoch:
-            g = torch.Generator().manual_seed(self.seed * 1_000_003 + epoch)
-            self._epoch, self._perm = epoch, torch.randperm(self.n, generator=g).tolist()
-        return self._perm[offset]
+        self.mb, self.gb, self.dp, self.rank = micro_batch_size, global_batch_size, dp_size, dp_rank
+        self.consumed = consumed_samples
 
     def __iter__(self) -> Iterator[list[int]]:
         position = self.consumed
         while True:
             for micro in range(self.gb // (self.mb * self.dp)):
                 start = position + (micro * self.dp + self.rank) * self.mb
-                yield [self.index_at(start + i) for i in range(self.mb)]
+                yield list(range(start, start + self.mb))
             position += self.gb
 
 

@@ -49,7 +49,12 @@ class Recipe:
 
     # --- data --------------------------------------------------------------------------------
     def build_datasets(self) -> Datasets:
-        """Map-style datasets whose samples are dicts (the loop adds a "valid" flag in validation)."""
+        """Map-style datasets whose samples are dicts (the loop adds a "valid" flag in validation).
+
+        The training set is indexed with core.datasets.EpochIndex(epoch, idx) (the loop wraps it in a
+        MultiEpochDatasetResampler); draw random effects from sample_generator(seed, epoch, idx), never
+        from the global RNGs. The validation set is indexed with ints. Both must pass
+        core.dataset_checks.assert_dataset_deterministic."""
         raise NotImplementedError
 
     def collate_fn(self):

@@ -30,7 +30,8 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     """Worker body: for each phase {"overrides", "run_dir", "signal_at": step, "state": bool,
     "expect_error": bool}, run train.run and report losses (rank 0), start_step, resumed_from,
-    stopped_by, the micro-batches trained on, and the full weights (state=True) or the error."""
+    stopped_by, the micro-batches trained on (stream positions from the sampler, "samples"; the
+    dataset indices of the samples, "idx"), and the full weights (state=True) or the error."""
     if shim:
         from tests.mfsdp_cpu_shim import install
 
@@ -40,8 +41,10 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     from core.metrics import MetricsLogger
     from tests.helpers import compose_config
 
+    from recipes.vit import ViTRecipe
+
     current: dict = {}
-    original_log, original_iter = MetricsLogger.log, GlobalBatchSampler.__iter__
+    original_log, original_iter, original_forward = MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward
 
     def log(self, record, prefix=""):
         original_log(self, record, prefix)
@@ -54,12 +57,17 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
             current["samples"].append(list(batch))
             yield batch
 
-    MetricsLogger.log, GlobalBatchSampler.__iter__ = log, recording_iter
+    def recording_forward(self, model, batch, training):
+        if training:
+            current["idx"].append(batch["idx"].tolist())
+        return original_forward(self, model, batch, training)
+
+    MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward = log, recording_iter, recording_forward
     out = []
     try:
         for phase in phases:
             current.clear()
-            current.update(signal_at=phase.get("signal_at"), samples=[])
+            current.update(signal_at=phase.get("signal_at"), samples=[], idx=[])
             cfg = compose_config(phase.get("config", "vit_sanity"), phase["overrides"])
             try:
                 result = train.run(cfg, Path(phase["run_dir"]), return_model_state=phase.get("state", False))
@@ -70,8 +78,8 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
                 continue
             out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
                         "resumed_from": result.resumed_from,
-                        "stopped_by": result.stopped_by, "samples": current["samples"],
+                        "stopped_by": result.stopped_by, "samples": current["samples"], "idx": current["idx"],
                         "skipped_steps": result.skipped_steps, "state": result.model_state})
     finally:
-        MetricsLogger.log, GlobalBatchSampler.__iter__ = original_log, original_iter
+        MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward = original_log, original_iter, original_forward
     return out

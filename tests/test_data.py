@@ -12,21 +12,25 @@ import torch
 from PIL import Image
 
 from core.data import EvalBatchSampler, GlobalBatchSampler
+from core.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import SyntheticImages, TinyImageNet, build_image_datasets, ensure_extracted, val_transform
+from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted, tiny_imagenet_files
 from tests.helpers import REPO
 
 
 def step_indices(n, mb, gb, dp, steps, seed=7, consumed=0) -> list[list[int]]:
-    """Dataset indices of each optimizer step, gathered over all ranks."""
+    """Dataset indices of each optimizer step, gathered over all ranks (sampler positions through the
+    multi-epoch resampler, as in train.py)."""
     accum = gb // (mb * dp)
-    iters = [iter(GlobalBatchSampler(n, mb, gb, dp, r, seed, consumed_samples=consumed)) for r in range(dp)]
+    stream = MultiEpochDatasetResampler(IdentityMultiEpochDatasetWrapper(list(range(n))), num_samples=consumed + steps * gb,
+                                        seed=seed)
+    iters = [iter(GlobalBatchSampler(mb, gb, dp, r, consumed_samples=consumed)) for r in range(dp)]
     out = []
     for _ in range(steps):
         step = []
         for _ in range(accum):
             for it in iters:
-                step += next(it)
+                step += [stream[p] for p in next(it)]
         out.append(step)
     return out
 
@@ -114,12 +118,12 @@ def test_tiny_imagenet_layout(tmp_path):
         Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(tmp_path / "val" / "images" / f"val_{i}.JPEG")
         lines.append(f"val_{i}.JPEG\t{w}\t0\t0\t8\t8")
     (tmp_path / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
-    transform = val_transform(ImageDataConfig(num_classes=2, val_crop_fraction=1.0), 8)
-    train = TinyImageNet(tmp_path, "train", transform)
-    val = TinyImageNet(tmp_path, "val", transform)
-    assert train.classes == wnids and len(train) == 4
-    assert [val[i][1] for i in range(3)] == [1, 0, 1]
-    assert val[0][0].shape == (3, 8, 8)  # grayscale JPEGs become RGB
+    transform = Transform(ImageDataConfig(num_classes=2, val_crop_fraction=1.0), 8, train=False)
+    train_files, classes = tiny_imagenet_files(tmp_path, "train")
+    val = ImageSamples(tiny_imagenet_files(tmp_path, "val")[0], transform, seed=0)
+    assert classes == wnids and len(train_files) == 4
+    assert [val[i]["label"] for i in range(3)] == [1, 0, 1]
+    assert val[0]["image"].shape == (3, 8, 8)  # grayscale JPEGs become RGB
 
 
 def test_shipped_digits_load_as_dict_samples():

@@ -48,6 +48,7 @@ def reference_run(device: torch.device = torch.device("cpu"), layers: str = "tor
     """Plain PyTorch: no process group, no wrapper, one forward per optimizer step."""
     import train  # noqa: F401
     from core.data import GlobalBatchSampler
+    from core.datasets import MultiEpochDatasetResampler
     from core.layers import get_layers
     from core.optim import lr_multiplier
     from recipes.vit import ViTRecipe
@@ -63,8 +64,8 @@ def reference_run(device: torch.device = torch.device("cpu"), layers: str = "tor
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n in ("cls_token", "pos_embed")]
     opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, cfg.scheduler))
-    train_set = recipe.build_datasets().train
-    batches = iter(GlobalBatchSampler(len(train_set), GLOBAL, GLOBAL, 1, 0, cfg.seed))
+    train_set = MultiEpochDatasetResampler(recipe.build_datasets().train, num_samples=STEPS * GLOBAL, seed=cfg.seed)
+    batches = iter(GlobalBatchSampler(GLOBAL, GLOBAL, 1, 0))
     losses = []
     for _ in range(STEPS):
         samples = [train_set[i] for i in next(batches)]

@@ -1,17 +1,20 @@
 """Image-classification datasets for the ViT recipe: ImageFolder, Tiny-ImageNet and synthetic.
 
-Every dataset returns dict samples {"image": float tensor [C, H, W], normalized; "label": int}.
+Every dataset returns dict samples {"image": float tensor [C, H, W], normalized; "label": int; "idx": int}
+and takes an int or a core.datasets.EpochIndex. Random augmentation comes from the (seed, epoch, idx)
+of the sample, never from the global RNGs (core/dataset_checks.py verifies that in the tests).
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
+import math
 import os
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from PIL import Image
@@ -19,6 +22,7 @@ from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from core.datasets import EpochIndex, epoch_index, sample_generator
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 
 log = logging.getLogger(__name__)
@@ -57,47 +61,38 @@ def ensure_extracted(root: str) -> Path:
     return path
 
 
-class DictSamples(Dataset):
-    """Wrap an (image, label) dataset into {"image", "label"} samples."""
+class ImageSamples(Dataset):
+    """{"image", "label", "idx"} samples from (file, label) pairs.
 
-    def __init__(self, base: Dataset):
-        self.base = base
+    Takes an int or an EpochIndex: the training augmentation draws from sample_generator(seed, epoch,
+    idx), so a sample is the same on every call, rank and loader worker, and differs between epochs.
+    """
+
+    def __init__(self, files: list[tuple[str, int]], transform: Transform, seed: int):
+        self.files, self.transform, self.seed = files, transform, seed
 
     def __len__(self) -> int:
-        return len(self.base)
+        return len(self.files)
 
-    def __getitem__(self, index: int) -> dict:
-        image, label = self.base[index]
-        return {"image": image, "label": label}
+    def __getitem__(self, index: EpochIndex | int) -> dict:
+        epoch, idx = epoch_index(index)
+        path, label = self.files[idx]
+        with Image.open(path) as img:
+            image = v2.functional.pil_to_tensor(img.convert("RGB"))
+        return {"image": self.transform(image, sample_generator(self.seed, epoch, idx)), "label": label, "idx": idx}
 
 
-class TinyImageNet(Dataset):
+def tiny_imagenet_files(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]]:
     """Tiny-ImageNet-200 layout: train/<wnid>/images/*.JPEG; val/images/*.JPEG with labels in
     val/val_annotations.txt (file, wnid, box). Classes are the sorted training wnids."""
-
-    def __init__(self, root: Path, split: str, transform: Callable):
-        self.transform = transform
-        train_dir = root / "train"
-        self.classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
-        index = {wnid: i for i, wnid in enumerate(self.classes)}
-        if split == "train":
-            self.samples = [
-                (str(f), index[wnid]) for wnid in self.classes for f in sorted((train_dir / wnid / "images").iterdir())
-            ]
-        else:
-            lines = (root / split / "val_annotations.txt").read_text().splitlines()
-            self.samples = [
-                (str(root / split / "images" / parts[0]), index[parts[1]])
-                for parts in (line.split("\t") for line in lines if line.strip())
-            ]
-
-    def __len__(self) -> int:
-        return len(self.samples)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, int]:
-        path, label = self.samples[index]
-        with Image.open(path) as img:
-            return self.transform(img.convert("RGB")), label
+    train_dir = root / "train"
+    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
+    index = {wnid: i for i, wnid in enumerate(classes)}
+    if split == "train":
+        return [(str(f), index[wnid]) for wnid in classes for f in sorted((train_dir / wnid / "images").iterdir())], classes
+    lines = (root / split / "val_annotations.txt").read_text().splitlines()
+    return [(str(root / split / "images" / parts[0]), index[parts[1]])
+            for parts in (line.split("\t") for line in lines if line.strip())], classes
 
 
 class SyntheticImages(Dataset):
@@ -109,28 +104,58 @@ class SyntheticImages(Dataset):
     def __len__(self) -> int:
         return self.size
 
-    def __getitem__(self, index: int) -> dict:
-        g = torch.Generator().manual_seed(self.seed * 1_000_003 + index)
+    def __getitem__(self, index: EpochIndex | int) -> dict:
+        idx = epoch_index(index).idx  # the same image in every epoch
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
         return {"image": torch.randn(self.shape, generator=g),
-                "label": int(torch.randint(self.num_classes, (), generator=g))}
+                "label": int(torch.randint(self.num_classes, (), generator=g)), "idx": idx}
 
 
-def train_transform(data: ImageDataConfig, image_size: int) -> Callable:
-    ops = [v2.RandomResizedCrop(image_size, scale=tuple(data.train_crop_scale), ratio=tuple(data.train_crop_ratio),
-                                antialias=True)]
-    if data.hflip > 0:
-        ops.append(v2.RandomHorizontalFlip(data.hflip))
-    return v2.Compose([v2.PILToTensor(), *ops, v2.ToDtype(torch.float32, scale=True), v2.Normalize(data.mean, data.std)])
+def random_resized_crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
+                            g: torch.Generator) -> tuple[int, int, int, int]:
+    """(top, left, h, w) of a crop covering a random fraction of the area in `scale` with an aspect
+    ratio in `ratio` (log-uniform), up to 10 tries, else the largest central crop within `ratio`."""
+    area = height * width
+    log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
+    for _ in range(10):
+        u = torch.rand(2, generator=g, dtype=torch.float64).tolist()
+        target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
+        aspect = math.exp(log_lo + u[1] * (log_hi - log_lo))
+        w, h = round(math.sqrt(target * aspect)), round(math.sqrt(target / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, (), generator=g))
+            left = int(torch.randint(0, width - w + 1, (), generator=g))
+            return top, left, h, w
+    aspect = width / height
+    if aspect < ratio[0]:
+        w, h = width, round(width / ratio[0])
+    elif aspect > ratio[1]:
+        h, w = height, round(height * ratio[1])
+    else:
+        w, h = width, height
+    return (height - h) // 2, (width - w) // 2, h, w
 
 
-def val_transform(data: ImageDataConfig, image_size: int) -> Callable:
-    return v2.Compose([
-        v2.PILToTensor(),
-        v2.Resize(round(image_size / data.val_crop_fraction), antialias=True),
-        v2.CenterCrop(image_size),
-        v2.ToDtype(torch.float32, scale=True),
-        v2.Normalize(data.mean, data.std),
-    ])
+class Transform:
+    """uint8 [C, H, W] image + the sample's generator -> normalized float image of img_size."""
+
+    def __init__(self, data: ImageDataConfig, image_size: int, train: bool):
+        self.train, self.size = train, image_size
+        self.scale, self.ratio, self.hflip = tuple(data.train_crop_scale), tuple(data.train_crop_ratio), data.hflip
+        self.resize = round(image_size / data.val_crop_fraction)
+        self.mean, self.std = list(data.mean), list(data.std)
+
+    def __call__(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        if self.train:
+            top, left, h, w = random_resized_crop_box(image.shape[-2], image.shape[-1], self.scale, self.ratio, g)
+            image = v2.functional.resized_crop(image, top, left, h, w, [self.size, self.size], antialias=True)
+            if self.hflip > 0 and float(torch.rand((), generator=g)) < self.hflip:
+                image = v2.functional.horizontal_flip(image)
+        else:
+            image = v2.functional.resize(image, self.resize, antialias=True)
+            image = v2.functional.center_crop(image, [self.size, self.size])
+        image = v2.functional.to_dtype(image, torch.float32, scale=True)
+        return v2.functional.normalize(image, self.mean, self.std)
 
 
 def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
@@ -142,18 +167,22 @@ def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int
         raise ValueError(f"data.root must be set for data.format={data.format}")
     root = ensure_extracted(data.root)
     if data.format == "imagefolder":
-        train = datasets.ImageFolder(str(root / data.train_split), transform=train_transform(data, size))
+        train_folder = datasets.ImageFolder(str(root / data.train_split))  # only lists files and classes
+        train_files, classes = train_folder.samples, train_folder.classes
         val_dir = root / data.val_split
-        val = datasets.ImageFolder(str(val_dir), transform=val_transform(data, size)) if val_dir.exists() else None
-        if val is not None and val.classes != train.classes:
-            raise ValueError(f"{val_dir} has classes {val.classes[:5]}..., unlike {root / data.train_split}")
-        classes = train.classes
+        val_files = None
+        if val_dir.exists():
+            val_folder = datasets.ImageFolder(str(val_dir))
+            if val_folder.classes != classes:
+                raise ValueError(f"{val_dir} has classes {val_folder.classes[:5]}..., unlike {root / data.train_split}")
+            val_files = val_folder.samples
     elif data.format == "tiny_imagenet":
-        train = TinyImageNet(root, data.train_split, train_transform(data, size))
-        val = TinyImageNet(root, data.val_split, val_transform(data, size))
-        classes = train.classes
+        train_files, classes = tiny_imagenet_files(root, data.train_split)
+        val_files, _ = tiny_imagenet_files(root, data.val_split)
     else:
         raise ValueError(f"data.format={data.format!r}: expected imagefolder, tiny_imagenet or synthetic")
     if len(classes) != model.num_classes:
         raise ValueError(f"{root} has {len(classes)} classes but model.num_classes={model.num_classes}")
-    return DictSamples(train), (DictSamples(val) if val is not None else None)
+    train = ImageSamples(train_files, Transform(data, size, train=True), seed)
+    val = ImageSamples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
+    return train, val

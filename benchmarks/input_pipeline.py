@@ -1,0 +1,81 @@
+"""Samples/s of a recipe's training input pipeline (decode + augment + collate) per DataLoader worker
+count, on this machine's CPUs, without a model: size `data.num_workers` with it.
+
+    python benchmarks/input_pipeline.py --config vit_sanity --workers 0 1 2 4
+    python benchmarks/input_pipeline.py --config vit_base_patch16_224 data=imagefolder data.root=/data/imagenet \
+        data.num_classes=1000 --workers 4 8 16 --batches 50
+
+Prints a table and writes JSON to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def measure(dataset, batch_size: int, workers: int, batches: int, warmup: int, collate) -> float:
+    from core.data import GlobalBatchSampler, make_loader
+
+    loader = make_loader(dataset, GlobalBatchSampler(batch_size, batch_size, 1, 0), workers, False, 0, collate)
+    it = iter(loader)
+    for _ in range(warmup):  # worker start-up and first files out of the timing
+        next(it)
+    start = time.perf_counter()
+    for _ in range(batches):
+        next(it)
+    seconds = time.perf_counter() - start
+    del it, loader
+    return batches * batch_size / seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="vit_sanity")
+    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2, 4])
+    parser.add_argument("--batch-size", type=int, default=None, help="default: the config's micro-batch size")
+    parser.add_argument("--batches", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    parser.add_argument("overrides", nargs="*", help="Hydra overrides of the config")
+    args = parser.parse_args()
+
+    from hydra import compose, initialize_config_dir
+
+    import train  # noqa: F401  (registers schemas and resolvers)
+    from core.config import validate
+    from core.datasets import MultiEpochDatasetResampler
+    from recipes import get_recipe
+
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
+        cfg = validate(compose(config_name=args.config, overrides=args.overrides + ["checkpoint.path=unused"]))
+    recipe = get_recipe(cfg.recipe)(cfg)
+    train_set = recipe.build_datasets().train
+    batch_size = args.batch_size or cfg.training.micro_batch_size
+    needed = (max(args.workers) + 1) * (args.batches + args.warmup + 8) * batch_size
+    stream = MultiEpochDatasetResampler(train_set, num_samples=needed, seed=cfg.seed)
+    rows = []
+    print(f"{args.config}: {len(train_set)} training samples, batch {batch_size}, {os.cpu_count()} CPUs")
+    print(f"{'workers':>8} {'samples/s':>12}")
+    for workers in args.workers:
+        rate = measure(stream, batch_size, workers, args.batches, args.warmup, recipe.collate_fn())
+        rows.append({"workers": workers, "samples_per_sec": rate})
+        print(f"{workers:>8} {rate:>12,.0f}")
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    out = Path(args.out) / f"input_pipeline-{args.config}-{stamp}.json"
+    out.write_text(json.dumps({"config": args.config, "overrides": args.overrides, "batch_size": batch_size,
+                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()

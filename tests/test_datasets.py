@@ -1,0 +1,125 @@
+"""Megatron-compatible dataset utilities and the determinism checker."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from core.dataset_checks import assert_dataset_compatible_with_megatron, assert_dataset_deterministic
+from core.datasets import (EpochIndex, IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler,
+                           PRNGResampleDataset, sample_generator)
+from recipes.vit.config import ImageDataConfig, ViTModelConfig
+from recipes.vit.data import build_image_datasets
+from tests.helpers import REPO
+
+
+class Recorder(Dataset):
+    """Returns what it was asked for."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, index):
+        return index
+
+
+def test_each_epoch_holds_every_index_once_reshuffled_reproducibly():
+    stream = MultiEpochDatasetResampler(Recorder(10), num_epochs=3, seed=5)
+    assert len(stream) == 30
+    items = [stream[i] for i in range(30)]
+    assert all(isinstance(x, EpochIndex) for x in items)
+    epochs = [[x.idx for x in items if x.epoch == e] for e in range(3)]
+    assert all(sorted(e) == list(range(10)) for e in epochs)
+    assert epochs[0] != epochs[1] != epochs[2]
+    again = MultiEpochDatasetResampler(Recorder(10), num_samples=25, seed=5)
+    assert [again[i] for i in range(25)] == items[:25]  # reproducible, also read in any order
+    assert [again[i] for i in reversed(range(25))] == items[:25][::-1]
+    assert [MultiEpochDatasetResampler(Recorder(10), seed=6)[i] for i in range(10)] != items[:10]
+    plain = MultiEpochDatasetResampler(Recorder(4), num_epochs=2, shuffle=False)
+    assert [plain[i] for i in range(8)] == [EpochIndex(e, i) for e in range(2) for i in range(4)]
+    with pytest.raises(IndexError):
+        stream[30]
+    with pytest.raises(ValueError):
+        MultiEpochDatasetResampler(Recorder(3), num_epochs=1, num_samples=3)
+
+
+def test_wrappers_compose():
+    base = list(range(100, 110))  # an int-indexed "dataset"
+    stream = MultiEpochDatasetResampler(PRNGResampleDataset(IdentityMultiEpochDatasetWrapper(base), seed=3, num_samples=6),
+                                        num_epochs=2, seed=1)
+    values = [stream[i] for i in range(12)]
+    assert sorted(values[:6]) == sorted(values[6:]) and all(100 <= v < 110 for v in values)
+    prng = PRNGResampleDataset(base, seed=3, num_samples=50)
+    ids = [prng.source_index(i) for i in range(50)]
+    assert ids == [PRNGResampleDataset(base, seed=3, num_samples=50).source_index(i) for i in range(50)]
+    assert len(set(ids)) > 5 and ids != sorted(ids)  # pseudo-random, with replacement
+    assert [prng[i] for i in range(5)] == [base[j] for j in ids[:5]]
+    assert ids != [PRNGResampleDataset(base, seed=4, num_samples=50).source_index(i) for i in range(50)]
+    assert_dataset_deterministic(stream)
+
+
+def test_sample_generator_depends_on_seed_epoch_and_index():
+    draw = lambda *key: torch.rand(4, generator=sample_generator(*key))  # noqa: E731
+    assert torch.equal(draw(1, 0, 5), draw(1, 0, 5))
+    assert not torch.equal(draw(1, 0, 5), draw(1, 1, 5))
+    assert not torch.equal(draw(1, 0, 5), draw(1, 0, 6))
+    assert not torch.equal(draw(1, 0, 5), draw(2, 0, 5))
+
+
+class SeedsGlobally(Recorder):
+    def __getitem__(self, index):
+        torch.manual_seed(index)
+        return torch.rand(3)
+
+
+class UsesPythonRandom(Recorder):
+    def __getitem__(self, index):
+        return {"x": index, "noise": random.random()}
+
+
+class Flaky(Recorder):
+    def __init__(self, n):
+        super().__init__(n)
+        self.calls = 0
+
+    def __getitem__(self, index):
+        self.calls += 1
+        return {"image": torch.zeros(2), "meta": [1, np.array([self.calls % 2])]}
+
+
+class Correct(Recorder):
+    def __getitem__(self, index):
+        g = sample_generator(0, 0, index)
+        return {"image": torch.rand(2, generator=g), "label": index % 3, "extra": np.arange(3)}
+
+
+def test_checker_catches_global_rng_use_and_nondeterminism():
+    with pytest.raises(AssertionError, match=r"dataset\[0\] changed the global torch RNG"):
+        assert_dataset_deterministic(SeedsGlobally(4))
+    with pytest.raises(AssertionError, match=r"dataset\[0\] changed the global python RNG"):
+        assert_dataset_deterministic(UsesPythonRandom(4))
+    with pytest.raises(AssertionError, match=r"dataset\[2\] differs between two calls at sample\['meta'\]\[1\]"):
+        assert_dataset_deterministic(Flaky(4), indices=[2])
+    assert_dataset_deterministic(Correct(50))
+    assert_dataset_compatible_with_megatron(Correct(50), indices=[1, 7])
+
+
+def test_vit_datasets_are_deterministic_and_augment_per_epoch():
+    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10, num_workers=0)
+    train, val = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=7, num_classes=10), seed=0)
+    assert_dataset_deterministic(train, indices=[EpochIndex(0, 3), EpochIndex(1, 3), EpochIndex(5, 1000)])
+    assert_dataset_deterministic(val)
+    assert_dataset_deterministic(MultiEpochDatasetResampler(train, num_epochs=2, seed=0))
+    a, b = train[EpochIndex(0, 3)], train[EpochIndex(1, 3)]
+    assert a["idx"] == b["idx"] == 3 and a["label"] == b["label"]
+    assert not torch.equal(a["image"], b["image"])  # another crop/flip in another epoch
+    synthetic = ImageDataConfig(format="synthetic", num_classes=10, synthetic_train_size=20, synthetic_val_size=4)
+    for ds in build_image_datasets(synthetic, ViTModelConfig(img_size=16, patch_size=4, num_classes=10), seed=0):
+        assert_dataset_deterministic(ds)
