@@ -145,6 +145,23 @@ def top_level_keys(metadata: Metadata) -> set[str]:
     return {k.split(".", 1)[0] for k in metadata.state_dict_metadata}
 
 
+def saved_weights(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
+    """The model weights a checkpoint holds, by canonical name (their DCP metadata: shape, dtype)."""
+    return {k[6:]: m for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+
+
+def check_weights_fit(source: str, model: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    """Raise, listing them, if weights are missing from `saved`, unexpected in it, or of another shape.
+    `saved` maps names to tensors or to DCP metadata."""
+    missing, unexpected = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    shapes = [f"{k}: {tuple(_shape(saved[k]))} vs model {tuple(model[k].shape)}" for k in sorted(set(saved) & set(model))
+              if tuple(_shape(saved[k])) != tuple(model[k].shape)]
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"{source} does not fit the model:\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in "
+            f"the checkpoint: {unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
+
+
 # ----------------------------------------------------------------------------- per-rank state
 
 
@@ -379,11 +396,7 @@ class Checkpointer:
         present = top_level_keys(metadata)
         saved = set(metadata.state_dict_metadata)
         model = par.model_state_dict()
-        missing = sorted(k for k in model if f"model.{k}" not in saved)
-        unexpected = sorted(k[6:] for k in saved if k.startswith("model.") and k[6:] not in model)
-        if missing or unexpected:
-            raise CheckpointError(f"{path}: weights do not fit the model: missing {missing[:10]}"
-                                  f"{' ...' if len(missing) > 10 else ''}, unexpected {unexpected[:10]}")
+        check_weights_fit(str(path), model, saved_weights(metadata))
         state: dict[str, Any] = {"model": model}
         if "optim" in present:
             state["optim"] = par.optimizer_state_dict(optimizer)
@@ -444,23 +457,15 @@ class Checkpointer:
         model = par.model_state_dict()
         wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
         if src.is_dir():
-            metadata = verify(src)
-            saved = {k[6:]: m for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+            saved = saved_weights(verify(src))
             full = None
         elif src.is_file():
             full = load_weights_file(src)
             saved = full
         else:
             raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
-        saved_names = {k for k in saved if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
-        missing, unexpected = sorted(set(wanted) - saved_names), sorted(saved_names - set(wanted))
-        shapes = [f"{k}: {tuple(_shape(saved[k]))} vs model {tuple(wanted[k].shape)}" for k in sorted(saved_names & set(wanted))
-                  if tuple(_shape(saved[k])) != tuple(wanted[k].shape)]
-        if missing or unexpected or shapes:
-            raise CheckpointError(
-                f"checkpoint.init_from={source} does not fit the model (checkpoint.init_skip_prefixes={skip_prefixes}):"
-                f"\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in the checkpoint: "
-                f"{unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
+        check_weights_fit(f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={skip_prefixes})", wanted,
+                          {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)})
         if full is None:
             try:
                 dcp.load({"model": wanted}, checkpoint_id=str(src))

@@ -37,7 +37,7 @@ from core import layers as layers_lib
 from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
 from core.datasets import MultiEpochDatasetResampler
 from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
-from core.preemption import StopSignals
+from core.preemption import StopSignals, parse_signals
 from recipes import get_recipe
 
 log = logging.getLogger("train")
@@ -105,6 +105,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     fp8_recipe = precision.fp8_recipe(cfg.precision.fp8) if cfg.precision.fp8.enabled else None
     checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.world_size, env.device, config=cfg,
                                 fp8_recipe=fp8_recipe)
+    stop_signals = parse_signals(list(cfg.checkpoint.save_on_signals))
     # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
     torch.manual_seed(cfg.seed + env.dp_rank)
     random.seed(cfg.seed + env.dp_rank)
@@ -158,7 +159,6 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     if restored and resumed.get("dataset_len") not in (0, len(data.train)) and env.is_main:
         log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
                     "the interrupted run's", len(data.train), resumed["dataset_len"])
-    stop_signals = tuple(cfg.checkpoint.save_on_signals)
     train_loader = make_loader(train_stream, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
                                recipe.collate_fn(), stop_signals)
     val_loader = None
@@ -186,7 +186,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     train_iter = iter(train_loader)
     timer = PhaseTimer(t.time_phases, env.device)
     last_loss, last_val, stopped_by = float("nan"), {}, None
-    signals = StopSignals(list(cfg.checkpoint.save_on_signals))
+    signals = StopSignals(stop_signals)
     # First step whose loss or gradient norm was NaN/Inf (inf: none), kept on the device: checking
     # it needs a host sync, done only at log and save steps.
     first_nonfinite = torch.full((), float("inf"), device=env.device)
@@ -231,8 +231,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             log.warning("step %d: non-finite loss or gradient norm; optimizer step skipped (%d so far)",
                         step, skipped_steps)
         else:
-            first_nonfinite = torch.where(finite | (first_nonfinite < step), first_nonfinite,
-                                          torch.full_like(first_nonfinite, step))
+            first_nonfinite = torch.where(finite | (first_nonfinite < step), first_nonfinite, step)
             with timer.phase("optimizer"):
                 par.optimizer_step(optimizer)
                 scheduler.step()

@@ -78,15 +78,15 @@ class EvalBatchSampler(Sampler[list[int]]):
         return iter(self.batches)
 
 
-def _ignore_signals(names: tuple[str, ...], worker_id: int) -> None:
+def _ignore_signals(signals: tuple[signal.Signals, ...], worker_id: int) -> None:
     # The launcher signals the whole process group; loader workers must survive it so that the main
     # process can finish its step and save (they exit with it).
-    for name in names:
-        signal.signal(getattr(signal.Signals, name.upper()), signal.SIG_IGN)
+    for sig in signals:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def make_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, pin_memory: bool, seed: int,
-                collate_fn=None, ignore_signals: tuple[str, ...] = ()) -> DataLoader:
+                collate_fn=None, ignore_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,
@@ -94,7 +94,7 @@ def make_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, pin_
         pin_memory=pin_memory,
         persistent_workers=num_workers > 0,
         collate_fn=collate_fn,
-        worker_init_fn=functools.partial(_ignore_signals, tuple(ignore_signals)) if ignore_signals else None,
+        worker_init_fn=functools.partial(_ignore_signals, ignore_signals) if ignore_signals else None,
         # Seeds the workers' RNGs from this run's seed rather than the global RNG state.
         generator=torch.Generator().manual_seed(seed),
     )

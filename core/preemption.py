@@ -19,16 +19,21 @@ from core.config import ConfigError
 log = logging.getLogger(__name__)
 
 
+def parse_signals(names: list[str]) -> tuple[signal.Signals, ...]:
+    """checkpoint.save_on_signals names -> signals (a clear error for an unknown name)."""
+    signals = []
+    for name in names:
+        sig = getattr(signal.Signals, str(name).upper(), None)
+        if sig is None:
+            raise ConfigError(f"checkpoint.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
+        signals.append(sig)
+    return tuple(signals)
+
+
 class StopSignals:
-    def __init__(self, names: list[str]):
+    def __init__(self, signals: tuple[signal.Signals, ...]):
         self.received: str | None = None
         self._previous: dict[signal.Signals, object] = {}
-        signals = []
-        for name in names:
-            sig = getattr(signal.Signals, str(name).upper(), None)
-            if sig is None:
-                raise ConfigError(f"checkpoint.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
-            signals.append(sig)
         if signals and threading.current_thread() is not threading.main_thread():
             log.warning("not in the main thread: checkpoint.save_on_signals cannot be installed")
             return

@@ -19,6 +19,11 @@ TINY = [
 ]
 
 
+def phase(tmp, name: str, ckpt: str, extra: list[str] = (), **kw) -> dict:
+    """One run_phases entry: TINY + extra overrides, checkpoints in <tmp>/<ckpt>, run dir <tmp>/<name>."""
+    return {"overrides": TINY + list(extra) + [f"checkpoint.path={tmp}/{ckpt}"], "run_dir": f"{tmp}/{name}", **kw}
+
+
 def train_losses(run_dir: Path) -> dict[int, float]:
     path = Path(run_dir) / "metrics.jsonl"
     if not path.exists():

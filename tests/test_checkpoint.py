@@ -13,19 +13,14 @@ import time
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 import torch.multiprocessing as mp
 
 from checkpoint import checkpoints_to_keep, complete_checkpoints, step_dirs, verify
-from tests.checkpoint_harness import TINY, run_phases, train_losses
+from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
 from tests.helpers import REPO, _worker, compose_config, free_port, run_workers
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-
-
-def phase(tmp, name: str, ckpt: str, extra: list[str] = (), **kw) -> dict:
-    return {"overrides": TINY + list(extra) + [f"checkpoint.path={tmp}/{ckpt}"], "run_dir": f"{tmp}/{name}", **kw}
 
 
 # ----------------------------------------------------------------------------- real signals and kill -9

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checkpoint_harness import train_losses
 from tests.helpers import REPO, compose_config, run_workers
 from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
@@ -105,11 +106,6 @@ def _cli(nproc: int, cwd: Path, run: str, *overrides: str) -> subprocess.Popen:
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r["loss"] for r in rows if "split" not in r}
-
-
 def _report(label: str, out: str) -> None:
     import re
 
@@ -129,24 +125,24 @@ def test_mfsdp_te_fp8_checkpoint_resumes_on_2_and_1_gpus(tmp_path):
     out = ref.communicate(timeout=900)[0]
     assert ref.returncode == 0, out[-4000:]
     _report("2 GPUs", out)
-    expected = _losses(tmp_path / "ref" / "run")
+    expected = train_losses(tmp_path / "ref" / "run")
 
     job = tmp_path / "job"
     proc = _cli(2, job, "run1", *CKPT)
     deadline = time.time() + 600
-    while not ((job / "run1" / "metrics.jsonl").exists() and len(_losses(job / "run1")) >= 4):
+    while not ((job / "run1" / "metrics.jsonl").exists() and len(train_losses(job / "run1")) >= 4):
         assert proc.poll() is None and time.time() < deadline
         time.sleep(0.05)
     proc.send_signal(signal.SIGTERM)
     out = proc.communicate(timeout=300)[0]
     log_file = job / "run1" / "train.log"
     assert "stopping after step" in out, out[-3000:] + (log_file.read_text()[-3000:] if log_file.exists() else "")
-    stopped = max(_losses(job / "run1"))
+    stopped = max(train_losses(job / "run1"))
     again = _cli(2, job, "run2", *CKPT)  # the same command
     out = again.communicate(timeout=900)[0]
     assert again.returncode == 0 and "resumed from" in out, out[-4000:]
     _report("2 GPUs, resume", out)
-    resumed = _losses(job / "run2")
+    resumed = train_losses(job / "run2")
     assert min(resumed) == stopped + 1 and max(resumed) == 20
 
     one = _cli(1, tmp_path / "one", "run", *CKPT, f"checkpoint.resume={tmp_path}/ref/ckpt/step_10",
@@ -154,7 +150,7 @@ def test_mfsdp_te_fp8_checkpoint_resumes_on_2_and_1_gpus(tmp_path):
     out = one.communicate(timeout=900)[0]
     assert one.returncode == 0, out[-4000:]
     _report("2 -> 1 GPU (async saves)", out)
-    on_one = _losses(tmp_path / "one" / "run")
+    on_one = train_losses(tmp_path / "one" / "run")
     assert sorted(on_one) == list(range(11, 21))
     for label, got in (("2 GPUs", resumed), ("1 GPU", on_one)):
         diffs = {s: abs(l - expected[s]) / abs(expected[s]) for s, l in got.items()}

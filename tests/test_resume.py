@@ -7,14 +7,10 @@ from collections import Counter
 
 import pytest
 
-from tests.checkpoint_harness import TINY, run_phases
+from tests.checkpoint_harness import phase, run_phases
 from tests.helpers import run_workers
 
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # so the RNG state matters too
-
-
-def phase(tmp, name: str, ckpt: str, extra: list[str] = (), **kw) -> dict:
-    return {"overrides": TINY + list(extra) + [f"checkpoint.path={tmp}/{ckpt}"], "run_dir": f"{tmp}/{name}", **kw}
 
 
 @pytest.mark.parametrize("backend,shim,extra", [
