@@ -286,6 +286,43 @@ def _skipped(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
+def load_weights(par, source: str, skip_prefixes: list[str] = (), ignore_unexpected: bool = False,
+                 is_main: bool = True) -> None:
+    """Model weights only from a step folder or a .pt/.safetensors file, into the (sharded) model `par`
+    (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
+    otherwise: every other weight must be in the source and fit; weights the source has but the model
+    does not are an error, or with `ignore_unexpected` listed in the log and left out."""
+    src = Path(source)
+    model = par.model_state_dict()
+    wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
+    if src.is_dir():
+        saved = saved_weights(verify(src))
+        full = None
+    elif src.is_file():
+        full = load_weights_file(src)
+        saved = full
+    else:
+        raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
+    saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
+    unused = sorted(set(saved) - set(model)) if ignore_unexpected else []
+    check_weights_fit(f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={list(skip_prefixes)})", wanted,
+                      {k: v for k, v in saved.items() if k not in unused})
+    if full is None:
+        try:
+            dcp.load({"model": wanted}, checkpoint_id=str(src))
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
+    else:
+        for k, v in wanted.items():
+            copy_full_into(v, full[k].to(v.dtype))
+    par.load_model_state_dict(wanted)
+    if is_main:
+        kept = sorted(set(model) - set(wanted))
+        log.info("initialised %d weights from %s%s%s", len(wanted), source,
+                 f"; kept the fresh init of {kept}" if kept else "",
+                 f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "")
+
+
 # ----------------------------------------------------------------------------- retention
 
 
@@ -449,36 +486,6 @@ class Checkpointer:
         if changed:
             log.warning("config differs from the checkpoint's: %s", ", ".join(
                 f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:20]))
-
-    def init_weights(self, par, source: str, skip_prefixes: list[str]) -> None:
-        """Model weights only from a step folder or a .pt/.safetensors file; names under skip_prefixes
-        keep their fresh initialisation. Strict otherwise: every other weight must be there and fit."""
-        src = Path(source)
-        model = par.model_state_dict()
-        wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
-        if src.is_dir():
-            saved = saved_weights(verify(src))
-            full = None
-        elif src.is_file():
-            full = load_weights_file(src)
-            saved = full
-        else:
-            raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
-        check_weights_fit(f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={skip_prefixes})", wanted,
-                          {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)})
-        if full is None:
-            try:
-                dcp.load({"model": wanted}, checkpoint_id=str(src))
-            except DCP_ERRORS as e:
-                raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
-        else:
-            for k, v in wanted.items():
-                copy_full_into(v, full[k].to(v.dtype))
-        par.load_model_state_dict(wanted)
-        if self.is_main:
-            kept = sorted(set(model) - set(wanted))
-            log.info("initialised %d weights from %s%s", len(wanted), source,
-                     f"; kept the fresh init of {kept}" if kept else "")
 
     # ---- saving
 

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf
 
-from checkpoint import CheckpointError, Checkpointer, set_rng_state
+from checkpoint import CheckpointError, Checkpointer, load_weights, set_rng_state
 from core import config as config_lib
 from core import distributed, launch, optim, parallel, precision
 from core import layers as layers_lib
@@ -141,7 +141,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     #    weights only; else we start from the fresh init.
     restored = checkpointer.restore(par, optimizer, scheduler)
     if restored is None and cfg.checkpoint.init_from:
-        checkpointer.init_weights(par, cfg.checkpoint.init_from, list(cfg.checkpoint.init_skip_prefixes))
+        load_weights(par, cfg.checkpoint.init_from, list(cfg.checkpoint.init_skip_prefixes),
+                     cfg.checkpoint.init_ignore_unexpected, env.is_main)
     elif restored is not None and cfg.checkpoint.init_from and env.is_main:
         log.info("checkpoint.init_from is not used: this run continues from its own checkpoint")
     resumed = restored.train_state if restored else {}

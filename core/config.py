@@ -123,6 +123,9 @@ class CheckpointConfig:
     # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
     init_from: Optional[str] = None
     init_skip_prefixes: list[str] = field(default_factory=list)  # e.g. [head]: keep the new init there
+    # Weights in the source that this model does not have (e.g. a pretraining head): an error (false),
+    # or listed in the log and not used (true). Missing weights are always an error.
+    init_ignore_unexpected: bool = False
 
 
 @dataclass
@@ -183,6 +186,15 @@ class LoggerConfig:
 
 
 @dataclass
+class PredictConfig:
+    """predict.py: run the model of `checkpoint.init_from` over one split, one output row per sample."""
+
+    split: str = "test"  # which of the recipe's splits (e.g. test | val)
+    micro_batch_size: int = 256  # per rank
+    output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
+
+
+@dataclass
 class TrainConfig:
     recipe: str = MISSING
     seed: int = 1234
@@ -196,6 +208,7 @@ class TrainConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
 
 
 def register_configs() -> None:

@@ -107,17 +107,22 @@ class MultiEpochDatasetResampler(Dataset):
 
 
 class PRNGResampleDataset(Dataset):
-    """`num_samples` (default len(dataset)) draws, with replacement, of indices of `dataset`: sequential
-    id i maps to a pseudo-random index from (seed, i), with no state, so any id can be asked in any
-    order (as in the BioNeMo MNIST tutorial's shuffling of train, validation and test sets). Given an
-    EpochIndex, it passes one on (the wrapped dataset must then take EpochIndex)."""
+    """`num_samples` (default len(dataset)) pseudo-random indices of `dataset`, from `seed` alone, with no
+    state: any id can be asked in any order (as in the BioNeMo MNIST tutorial's shuffling of train,
+    validation and test sets).
 
-    def __init__(self, dataset: Dataset, seed: int = 42, num_samples: Optional[int] = None):
-        self.dataset, self.seed = dataset, seed
+    replacement=True (BioNeMo's behaviour): id i maps to an index drawn from (seed, i), so indices repeat.
+    replacement=False: a seeded shuffle; ids [k*n, (k+1)*n) are the k-th permutation of the n indices,
+    so every sample appears once per n ids. Given an EpochIndex, it passes one on (the wrapped dataset
+    must then take EpochIndex)."""
+
+    def __init__(self, dataset: Dataset, seed: int = 42, num_samples: Optional[int] = None, replacement: bool = True):
+        self.dataset, self.seed, self.replacement = dataset, seed, replacement
         self.n = len(dataset)
         if self.n == 0:
             raise ValueError("PRNGResampleDataset: the wrapped dataset is empty")
         self.num_samples = self.n if num_samples is None else num_samples
+        self._block, self._perm = -1, None
 
     def __len__(self) -> int:
         return self.num_samples
@@ -125,10 +130,15 @@ class PRNGResampleDataset(Dataset):
     def source_index(self, i: int) -> int:
         if not 0 <= i < self.num_samples:
             raise IndexError(f"index {i} out of range for {self.num_samples} samples")
-        return mix_seed(self.seed, i) % self.n
+        if self.replacement:
+            return mix_seed(self.seed, i) % self.n
+        block, offset = divmod(i, self.n)
+        if block != self._block:
+            g = torch.Generator().manual_seed(mix_seed(self.seed, block))
+            self._block, self._perm = block, torch.randperm(self.n, generator=g).tolist()
+        return self._perm[offset]
 
     def __getitem__(self, index: EpochIndex | int) -> Any:
         if isinstance(index, EpochIndex):  # keep the epoch for an epoch-aware wrapped dataset
             return self.dataset[EpochIndex(index.epoch, self.source_index(index.idx))]
         return self.dataset[self.source_index(int(index))]
-

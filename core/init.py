@@ -8,6 +8,7 @@ random numbers of the others.
 
 from __future__ import annotations
 
+import math
 import zlib
 from typing import Callable, Optional
 
@@ -47,5 +48,22 @@ def standard_rule(std: float, zero_init: tuple[str, ...] = ()) -> InitRule:
             t.fill_(1.0)
         else:
             t.zero_()
+
+    return rule
+
+
+def linear_default_rule(model: nn.Module) -> InitRule:
+    """torch.nn.Linear's own default, drawn per name: weight and bias uniform in +-1/sqrt(fan_in)
+    (kaiming_uniform with a=sqrt(5) for the weight). Suits small MLPs; a bias takes the fan-in of the
+    `weight` beside it."""
+    fan_in = {name[: -len("weight")]: p.shape[1] for name, p in model.named_parameters()
+              if p.dim() == 2 and name.endswith("weight")}
+
+    def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
+        prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""
+        if prefix not in fan_in:
+            raise ValueError(f"linear_default_rule: {name} is not the weight or bias of a linear layer")
+        bound = 1.0 / math.sqrt(fan_in[prefix])
+        t.uniform_(-bound, bound, generator=g)
 
     return rule

@@ -57,6 +57,10 @@ class Recipe:
         core.dataset_checks.assert_dataset_deterministic."""
         raise NotImplementedError
 
+    def split(self, name: str) -> Dataset:
+        """One named split (e.g. "test") for predict.py, indexed with ints."""
+        raise NotImplementedError(f"the {self.name} recipe has no split {name!r} for prediction")
+
     def collate_fn(self):
         return None  # torch's default_collate
 
@@ -74,6 +78,16 @@ class Recipe:
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         """Turn per-term means of the validation sums into the reported metrics."""
         return means
+
+    # --- prediction (predict.py) -----------------------------------------------------------
+    def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """Per-sample output columns, each [B] or [B, k] (k columns named <name>_0 .. <name>_{k-1});
+        an "idx" column, when given, orders the output file."""
+        raise NotImplementedError(f"the {self.name} recipe does not support predict.py")
+
+    def summarize_predictions(self, columns: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Whole-split metrics from all the rows (e.g. accuracy)."""
+        return {}
 
     # --- accounting --------------------------------------------------------------------------
     def tokens_per_sample(self) -> int:

@@ -65,6 +65,17 @@ def test_wrappers_compose():
     assert_dataset_deterministic(stream)
 
 
+def test_prng_resample_without_replacement_is_a_seeded_shuffle():
+    base = list(range(7))
+    prng = PRNGResampleDataset(base, seed=11, num_samples=21, replacement=False)
+    ids = [prng[i] for i in range(21)]
+    blocks = [ids[k * 7:(k + 1) * 7] for k in range(3)]
+    assert all(sorted(b) == base for b in blocks) and blocks[0] != blocks[1]  # every sample once per 7 ids
+    assert ids == [PRNGResampleDataset(base, seed=11, num_samples=21, replacement=False)[i] for i in (range(21))]
+    assert blocks[0] != [PRNGResampleDataset(base, seed=12, replacement=False)[i] for i in range(7)]
+    assert [prng[i] for i in (20, 3, 9)] == [ids[20], ids[3], ids[9]]  # any order, no state
+
+
 def test_sample_generator_depends_on_seed_epoch_and_index():
     draw = lambda *key: torch.rand(4, generator=sample_generator(*key))  # noqa: E731
     assert torch.equal(draw(1, 0, 5), draw(1, 0, 5))

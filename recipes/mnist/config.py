@@ -1,0 +1,37 @@
+"""Schemas of the MNIST recipe's `model` and `data` config groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class MNISTModelConfig:
+    backend: str = "auto"  # auto | te | torch (see core/layers)
+    # autoencoder: trunk + decoder, MSE reconstruction (pretraining)
+    # classifier:  trunk + digit_classifier, cross-entropy (fine-tuning)
+    task: str = MISSING
+    image_size: int = 28  # images are image_size x image_size, one channel
+    hidden_size: int = 64  # trunk: pixels -> hidden -> ReLU -> latent; decoder mirrors it
+    latent_size: int = 3
+    num_classes: int = 10
+
+
+@dataclass
+class MNISTDataConfig:
+    # torchvision's MNIST layout: <root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte
+    root: str = MISSING
+    download: bool = False  # fetch the real MNIST into root when it is not there (needs network)
+    # Samples of the training file held out for validation, by a fixed generator (split_seed);
+    # null: 1/12 of them (MNIST's 60,000 -> 55,000 train + 5,000 validation).
+    val_size: Optional[int] = None
+    split_seed: int = 42
+    # Validation and test sets are read in an order shuffled by PRNGResampleDataset from their own seeds
+    # (the training stream is reshuffled every epoch by the loop, from the top-level `seed`).
+    val_seed: int = 44
+    test_seed: int = 45
+    num_workers: int = 0  # the images are decoded once into memory; workers rarely help
+    pin_memory: bool = True

@@ -1,0 +1,113 @@
+"""MNIST in torchvision's file layout: train/validation split of the training file, the test file.
+
+Samples are dicts {"data": float [1, H, W] in [0, 1], "label": int, "idx": int}, where idx is the
+sample's row in its MNIST file (train file for train and validation, test file for test). They take an
+int or a core.datasets.EpochIndex and involve no randomness, so every call gives the same sample.
+"""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import logging
+import math
+import struct
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+
+from core.datasets import PRNGResampleDataset, epoch_index
+from recipes.mnist.config import MNISTDataConfig
+
+log = logging.getLogger(__name__)
+
+SPLITS = ("train", "val", "test")
+# MNIST's own proportions: 5,000 of the 60,000 training images are held out for validation.
+DEFAULT_VAL_FRACTION = 5_000 / 60_000
+
+
+class MNISTSamples(Dataset):
+    """Rows `rows` of one MNIST file's images and labels (uint8 [N, H, W], int64 [N]), held in memory."""
+
+    def __init__(self, images: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor):
+        self.images, self.labels, self.rows = images, labels, rows
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index) -> dict:
+        row = int(self.rows[epoch_index(index).idx])
+        return {"data": self.images[row].unsqueeze(0).float().div(255.0), "label": int(self.labels[row]), "idx": row}
+
+
+FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+         False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+
+
+def read_idx(path: Path) -> torch.Tensor:
+    """An IDX file of unsigned bytes (MNIST's format), plain or gzip-compressed."""
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        data = f.read()
+    magic, = struct.unpack(">I", data[:4])
+    dims = magic & 0xFF
+    if magic >> 8 != 0x08 or dims not in (1, 3):
+        raise ValueError(f"{path}: not an IDX file of unsigned bytes (magic number {magic:#010x})")
+    shape = struct.unpack(f">{dims}I", data[4:4 + 4 * dims])
+    body = data[4 + 4 * dims:]
+    if len(body) != math.prod(shape):
+        raise ValueError(f"{path}: {len(body)} bytes of data, but the header says {shape} (truncated?)")
+    return torch.frombuffer(bytearray(body), dtype=torch.uint8).reshape(shape)
+
+
+def _find(raw: Path, name: str) -> Path | None:
+    return next((p for p in (raw / name, raw / f"{name}.gz") if p.is_file()), None)
+
+
+@functools.lru_cache(maxsize=2)  # train and validation come from the same file: read it once
+def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (uint8 [N, H, W]) and labels (int64 [N]) of MNIST's training (train=True) or test file in
+    `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when `download`."""
+    raw = Path(root) / "MNIST" / "raw"
+    names = FILES[train]
+    if download and not all(_find(raw, n) for n in names):
+        from torchvision.datasets import MNIST
+
+        log.info("downloading MNIST into %s", raw)
+        MNIST(root, train=train, download=True)
+    paths = [_find(raw, n) for n in names]
+    if not all(paths):
+        raise FileNotFoundError(
+            f"no MNIST {'training' if train else 'test'} files ({names[0]}[.gz], {names[1]}[.gz]) in {raw}: point "
+            "data.root at a folder that has them, or set data.download=true to fetch the real MNIST there")
+    images, labels = read_idx(paths[0]), read_idx(paths[1])
+    if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
+        raise ValueError(f"{raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} labels")
+    return images, labels.long()
+
+
+def train_val_rows(n: int, val_size: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A fixed random split of n training-file rows into (train rows, validation rows)."""
+    n_val = round(n * DEFAULT_VAL_FRACTION) if val_size is None else val_size
+    if not 0 <= n_val < n:
+        raise ValueError(f"data.val_size={val_size}: expected 0 <= val_size < {n} (the training file's samples)")
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
+    return order[n_val:], order[:n_val]
+
+
+def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dataset:
+    """One of train (shuffled by the training loop), val or test (each in a PRNGResampleDataset order
+    from its own seed: every sample exactly once)."""
+    if split not in SPLITS:
+        raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+    images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
+    if tuple(images.shape[1:]) != (image_size, image_size):
+        raise ValueError(f"{data.root}: images are {tuple(images.shape[1:])}, but model.image_size={image_size}")
+    if split == "test":
+        return PRNGResampleDataset(MNISTSamples(images, labels, torch.arange(len(images))), seed=data.test_seed,
+                                   replacement=False)
+    train_rows, val_rows = train_val_rows(len(images), data.val_size, data.split_seed)
+    if split == "train":
+        return MNISTSamples(images, labels, train_rows)
+    return PRNGResampleDataset(MNISTSamples(images, labels, val_rows), seed=data.val_seed, replacement=False)
