@@ -134,3 +134,57 @@ def test_vit_datasets_are_deterministic_and_augment_per_epoch():
     synthetic = ImageDataConfig(format="synthetic", num_classes=10, synthetic_train_size=20, synthetic_val_size=4)
     for ds in build_image_datasets(synthetic, ViTModelConfig(img_size=16, patch_size=4, num_classes=10), seed=0):
         assert_dataset_deterministic(ds)
+
+
+class Flat(Dataset):
+    """Image of sample i: every pixel i; label i % 10."""
+
+    def __len__(self):
+        return 50
+
+    def __getitem__(self, index):
+        idx = index.idx if isinstance(index, EpochIndex) else index
+        return {"image": torch.full((3, 8, 8), float(idx)), "label": idx % 10, "idx": idx}
+
+
+def test_mixup_and_cutmix_are_per_sample_deterministic_and_mix_labels_as_images():
+    from recipes.vit.data import MixupCutmix
+
+    mixup = MixupCutmix(Flat(), 10, mixup_alpha=0.4, cutmix_alpha=0.0, prob=1.0, switch_prob=0.5, seed=0)
+    cutmix = MixupCutmix(Flat(), 10, mixup_alpha=0.0, cutmix_alpha=1.0, prob=1.0, switch_prob=0.5, seed=0)
+    checked = 0
+    for idx in range(50):
+        m, c = mixup[EpochIndex(0, idx)], cutmix[EpochIndex(0, idx)]
+        for sample in (m, c):
+            assert sample["idx"] == idx and sample["label"] == idx % 10 and abs(float(sample["target"].sum()) - 1) < 1e-6
+        values = m["image"].unique()
+        assert len(values) == 1  # blended everywhere: lam * idx + (1 - lam) * partner
+        other = [k for k in range(10) if k != idx % 10 and m["target"][k] > 0]
+        if other:  # the partner has another label: its weight is 1 - lam, so the partner index follows
+            lam = float(m["target"][idx % 10])
+            partner = round((float(values[0]) - lam * idx) / (1 - lam))
+            assert abs(lam * idx + (1 - lam) * partner - float(values[0])) < 1e-4 and partner % 10 == other[0]
+            checked += 1
+        kept = (c["image"] == idx).float().mean().item()  # cutmix: a box of the partner, the rest kept
+        pixels = c["image"].unique().tolist()
+        if len(pixels) == 2 and c["target"][idx % 10] < 1:
+            partner = int([p for p in pixels if p != idx][0])
+            if partner % 10 != idx % 10:
+                assert abs(float(c["target"][idx % 10]) - kept) < 1e-6 and abs(float(c["target"][partner % 10]) - (1 - kept)) < 1e-6
+                checked += 1
+    assert checked > 40
+    assert not torch.equal(mixup[EpochIndex(0, 3)]["image"], mixup[EpochIndex(1, 3)]["image"])  # redrawn per epoch
+    assert not mixup[EpochIndex(0, 3)]["image"].equal(
+        MixupCutmix(Flat(), 10, 0.4, 0.0, 1.0, 0.5, seed=1)[EpochIndex(0, 3)]["image"])  # and per seed
+    none = MixupCutmix(Flat(), 10, 0.4, 1.0, prob=0.0, switch_prob=0.5, seed=0)[EpochIndex(0, 7)]
+    assert torch.equal(none["image"], torch.full((3, 8, 8), 7.0)) and none["target"][7] == 1
+    with pytest.raises(ValueError, match="mix_prob"):
+        MixupCutmix(Flat(), 10, 0.2, 0.0, 1.5, 0.5, 0)
+
+    # The ViT recipe's real pipeline with both on: deterministic (the checker), soft targets.
+    model = ViTModelConfig(img_size=28, patch_size=7, num_classes=10)
+    cfg = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10, num_workers=0,
+                          mixup_alpha=0.4, cutmix_alpha=1.0)
+    train, _ = build_image_datasets(cfg, model, seed=0)
+    assert isinstance(train, MixupCutmix)
+    assert_dataset_deterministic(train, indices=[EpochIndex(0, 3), EpochIndex(1, 3), EpochIndex(2, 500)])

@@ -40,7 +40,9 @@ class ViTRecipe(Recipe):
         logits = model(batch["image"]).float()
         labels = batch["label"]
         smoothing = self.cfg.model.label_smoothing if training else 0.0
-        out = {"loss": F.cross_entropy(logits, labels, reduction="none", label_smoothing=smoothing),
+        # Mixup / CutMix samples carry a label distribution ("target") to train on instead.
+        targets = batch["target"] if training and "target" in batch else labels
+        out = {"loss": F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing),
                "count": torch.ones_like(labels, dtype=torch.float32)}
         if not training:
             top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices

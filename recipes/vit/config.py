@@ -47,6 +47,13 @@ class ImageDataConfig:
     train_crop_scale: list[float] = field(default_factory=lambda: [0.08, 1.0])
     train_crop_ratio: list[float] = field(default_factory=lambda: [3 / 4, 4 / 3])
     hflip: float = 0.5
+    # Mixup / CutMix, per sample: a training image is blended with (mixup) or gets a box pasted from
+    # (cutmix) a partner image drawn from the sample's own (seed, epoch, idx), with weight / box area
+    # from Beta(alpha, alpha); the sample then carries a soft "target". 0 turns each off.
+    mixup_alpha: float = 0.0
+    cutmix_alpha: float = 0.0
+    mix_prob: float = 1.0  # the share of training samples that are mixed
+    mix_switch_prob: float = 0.5  # with both on: the chance of cutmix rather than mixup
     # Validation: resize the shorter side to img_size / val_crop_fraction, then center-crop img_size.
     val_crop_fraction: float = 0.875
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))

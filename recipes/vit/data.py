@@ -16,13 +16,14 @@ import tarfile
 from pathlib import Path
 from typing import Optional
 
+import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import Dataset
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from core.datasets import EpochIndex, epoch_index, sample_generator
+from core.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 
 log = logging.getLogger(__name__)
@@ -159,6 +160,14 @@ class Transform:
 
 
 def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
+    train, val = _image_datasets(data, model, seed)
+    if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
+        train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
+                            data.mix_switch_prob, seed)
+    return train, val
+
+
+def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
     size = model.img_size
     if data.format == "synthetic":
         return (SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
@@ -186,3 +195,57 @@ def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int
     train = ImageSamples(train_files, Transform(data, size, train=True), seed)
     val = ImageSamples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
     return train, val
+
+
+MIX_STREAM = 0x6D6978  # keeps the mixing draws apart from the sample's augmentation draws
+
+
+class MixupCutmix(Dataset):
+    """Mixup (Zhang et al., 2018) and CutMix (Yun et al., 2019) applied per sample, not per batch.
+
+    Sample (epoch, idx) draws from (seed, epoch, idx) alone whether it is mixed, its partner (any index of
+    the dataset, augmented as that index is in this epoch), the method and the weight lam ~ Beta(alpha,
+    alpha); so it is the same on every call, rank and loader worker, whatever the batch it lands in.
+    Adds "target": the label distribution, lam * one_hot(label) + (1 - lam) * one_hot(partner label)
+    (one_hot(label) for unmixed samples). Costs a second image decode for each mixed sample."""
+
+    def __init__(self, dataset: Dataset, num_classes: int, mixup_alpha: float, cutmix_alpha: float,
+                 prob: float, switch_prob: float, seed: int):
+        if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= prob <= 1 or not 0 <= switch_prob <= 1:
+            raise ValueError(f"mixup_alpha={mixup_alpha}, cutmix_alpha={cutmix_alpha} must be >= 0 and "
+                             f"mix_prob={prob}, mix_switch_prob={switch_prob} in [0, 1]")
+        self.dataset, self.num_classes, self.seed = dataset, num_classes, seed
+        self.mixup_alpha, self.cutmix_alpha, self.prob, self.switch_prob = mixup_alpha, cutmix_alpha, prob, switch_prob
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _one_hot(self, label: int) -> torch.Tensor:
+        return torch.nn.functional.one_hot(torch.tensor(label), self.num_classes).float()
+
+    def __getitem__(self, index: EpochIndex | int) -> dict:
+        epoch, idx = epoch_index(index)
+        sample = dict(self.dataset[EpochIndex(epoch, idx)])
+        sample["target"] = self._one_hot(sample["label"])
+        rng = np.random.default_rng(mix_seed(self.seed, epoch, idx, MIX_STREAM))  # a private generator
+        if self.mixup_alpha + self.cutmix_alpha == 0 or rng.random() >= self.prob:
+            return sample
+        partner = self.dataset[EpochIndex(epoch, int(rng.integers(len(self.dataset))))]
+        image, other = sample["image"], partner["image"]
+        if self.cutmix_alpha > 0 and (self.mixup_alpha == 0 or rng.random() < self.switch_prob):
+            # A box of area (1 - lam) of the image, centred at random and clipped at the borders.
+            lam = float(rng.beta(self.cutmix_alpha, self.cutmix_alpha))
+            h, w = image.shape[-2:]
+            cut_h, cut_w = round(h * np.sqrt(1 - lam)), round(w * np.sqrt(1 - lam))
+            cy, cx = int(rng.integers(h)), int(rng.integers(w))
+            top, bottom = max(cy - cut_h // 2, 0), min(cy + cut_h - cut_h // 2, h)
+            left, right = max(cx - cut_w // 2, 0), min(cx + cut_w - cut_w // 2, w)
+            image = image.clone()
+            image[..., top:bottom, left:right] = other[..., top:bottom, left:right]
+            lam = 1.0 - (bottom - top) * (right - left) / (h * w)  # the share actually kept
+        else:
+            lam = float(rng.beta(self.mixup_alpha, self.mixup_alpha))
+            image = lam * image + (1.0 - lam) * other
+        sample["image"] = image
+        sample["target"] = lam * sample["target"] + (1.0 - lam) * self._one_hot(partner["label"])
+        return sample
