@@ -167,3 +167,30 @@ def test_backend_choice_on_cpu():
     with pytest.raises(ConfigError, match="needs a CUDA device"):
         resolve_backend("te", cpu)
     assert TORCH_LAYERS.TransformerLayer is tt.TransformerLayer
+
+
+def test_rotary_embedding_is_te_rotate_half_and_depends_on_relative_position():
+    torch.manual_seed(0)
+    rope = tt.RotaryPositionEmbedding(8, rotary_base=10000.0)
+    freqs = rope(6)
+    assert freqs.shape == (6, 1, 1, 8) and freqs.dtype == torch.float32
+    inv = 1.0 / 10000.0 ** (torch.arange(0, 8, 2).float() / 8)
+    assert torch.allclose(freqs[3, 0, 0], torch.cat([3 * inv, 3 * inv]))
+    # As complex numbers: channel pairs (i, i + d/2) rotate by angle position * inv_freq[i].
+    t = torch.randn(2, 6, 3, 8)  # [batch, seq, heads, head_dim]
+    out = tt.apply_rotary_pos_emb(t, freqs)
+    z = torch.complex(t[..., :4], t[..., 4:]) * torch.polar(torch.ones(6, 4), torch.arange(6.0)[:, None] * inv)[None, :, None]
+    assert torch.allclose(out, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
+    # Attention scores depend only on the distance between positions.
+    q, k = torch.randn(8), torch.randn(8)
+    rotate = lambda v, pos: tt.apply_rotary_pos_emb(v.expand(1, 6, 1, 8), freqs)[0, pos, 0]  # noqa: E731
+    assert torch.allclose(rotate(q, 4) @ rotate(k, 1), rotate(q, 5) @ rotate(k, 2), atol=1e-5)
+    # Partial rotation leaves the channels past the angles' width alone.
+    partial = tt.apply_rotary_pos_emb(torch.randn(1, 6, 2, 12), freqs)
+    assert partial.shape == (1, 6, 2, 12)
+    layer = tt.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
+                                normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True)
+    with torch.no_grad():
+        layer.self_attention.layernorm_qkv.weight.mul_(30)  # sharp attention, so that positions matter
+    x = torch.randn(2, 6, 16)
+    assert not torch.allclose(layer(x, rotary_pos_emb=tt.RotaryPositionEmbedding(8)(6)), layer(x), atol=1e-2)

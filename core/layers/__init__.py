@@ -32,6 +32,7 @@ class Layers:
     LayerNormLinear: type
     LayerNormMLP: type
     TransformerLayer: type
+    RotaryPositionEmbedding: type  # no parameters: forward(seq_len) -> angles for TransformerLayer(rotary_pos_emb=)
     # Context that runs the enclosed modules outside FP8 (e.g. a classifier head whose size is not a
     # multiple of 16); a no-op for the torch backend.
     high_precision: Callable[[], ContextManager]
@@ -54,12 +55,12 @@ def _te_layers() -> Layers:
     import transformer_engine.pytorch as te
 
     return Layers("te", te.Linear, te.LayerNorm, te.RMSNorm, te.LayerNormLinear, te.LayerNormMLP,
-                  te.TransformerLayer, lambda: te_autocast(enabled=False))
+                  te.TransformerLayer, te.RotaryPositionEmbedding, lambda: te_autocast(enabled=False))
 
 
 TORCH_LAYERS = Layers("torch", torch_twins.Linear, torch_twins.LayerNorm, torch_twins.RMSNorm,
                       torch_twins.LayerNormLinear, torch_twins.LayerNormMLP, torch_twins.TransformerLayer,
-                      contextlib.nullcontext)
+                      torch_twins.RotaryPositionEmbedding, contextlib.nullcontext)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -214,6 +214,40 @@ class LayerNormMLP(nn.Module):
         return F.linear(x, self.fc2_weight, self.fc2_bias)
 
 
+class RotaryPositionEmbedding(nn.Module):
+    """te.RotaryPositionEmbedding: no parameters. forward(max_seq_len) gives the angles [s, 1, 1, dim]
+    (float32), each frequency repeated for the two halves of the head dimension (TE's non-interleaved
+    layout, applied by `apply_rotary_pos_emb`)."""
+
+    def __init__(self, dim: int, rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[int] = None,
+                 pretrained_max_position_embeddings: Optional[int] = None, rotary_base: float = 10000.0,
+                 interleaved: bool = False, **unsupported):
+        super().__init__()
+        _reject("RotaryPositionEmbedding", rotary_percent=rotary_percent != 1.0,
+                seq_len_interpolation_factor=seq_len_interpolation_factor,
+                pretrained_max_position_embeddings=pretrained_max_position_embeddings, interleaved=interleaved,
+                **unsupported)
+        inv_freq = 1.0 / rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
+        positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset
+        freqs = torch.outer(positions, self.inv_freq)
+        return torch.cat((freqs, freqs), dim=-1)[:, None, None, :]
+
+
+def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+    """Rotate the first freqs.shape[-1] channels of t [b, s, heads, d] by the angles freqs [s, 1, 1, d']:
+    t * cos + rotate_half(t) * sin, rotate_half([x1, x2]) = [-x2, x1] (TE's unfused formula)."""
+    rot_dim = freqs.shape[-1]
+    angles = freqs[: t.shape[1]].transpose(0, 1)  # [1, s, 1, d']
+    cos, sin = angles.cos().to(t.dtype), angles.sin().to(t.dtype)
+    rot, rest = t[..., :rot_dim], t[..., rot_dim:]
+    x1, x2 = rot.chunk(2, dim=-1)
+    rotated = rot * cos + torch.cat((-x2, x1), dim=-1) * sin
+    return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
+
+
 class MultiheadAttention(nn.Module):
     """te.MultiheadAttention (self-attention, input layernorm): `layernorm_qkv.*` and `proj.*`.
 
@@ -255,7 +289,7 @@ class MultiheadAttention(nn.Module):
         self.proj = Linear(q_size, hidden_size, bias=bias, init_method=output_layer_init_method,
                            params_dtype=params_dtype, device=device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.qkv_format == "sbhd":
             x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
         b, s, _ = x.shape
@@ -271,6 +305,8 @@ class MultiheadAttention(nn.Module):
             q = q.view(b, s, self.num_heads, self.head_dim)
             k = k.view(b, s, self.num_groups, self.head_dim)
             v = v.view(b, s, self.num_groups, self.head_dim)
+        if rotary_pos_emb is not None:  # positions enter through queries and keys only
+            q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if per_group > 1:
             k = k.repeat_interleave(per_group, dim=1)
@@ -317,9 +353,10 @@ class TransformerLayer(nn.Module):
             zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
         )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, **unsupported) -> torch.Tensor:
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                **unsupported) -> torch.Tensor:
         if attention_mask is not None or any(v is not None for v in unsupported.values()):
             raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
         x = hidden_states
-        x = x + F.dropout(self.self_attention(x), self.hidden_dropout, self.training)
+        x = x + F.dropout(self.self_attention(x, rotary_pos_emb), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
