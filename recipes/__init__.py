@@ -8,7 +8,7 @@ from hydra.core.config_store import ConfigStore
 
 from recipes.base import Recipe
 
-KNOWN_RECIPES = ("vit", "mnist")
+KNOWN_RECIPES = ("vit", "mnist", "gpt")
 
 
 def get_recipe(name: str) -> type[Recipe]:

@@ -55,7 +55,11 @@ def install() -> None:
     torch.cuda.Event = lambda *args, **kwargs: _NoEvent()
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
 
-    # gloo has no PREMUL_SUM: divide after the reduction instead of fusing it.
+    # gloo has no PREMUL_SUM: divide after the reduction instead of fusing it (in the config class that
+    # megatron-fsdp will use, which the product settles first).
+    from core.parallel.mfsdp import use_own_ddp_config_if_needed
+
+    use_own_ddp_config_if_needed()
     config_cls = fully_shard_module.DistributedDataParallelConfig
     original_init = config_cls.__init__
 

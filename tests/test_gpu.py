@@ -232,3 +232,40 @@ def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
     accuracy = float(out.split("| accuracy ")[1].split()[0])
     print(f"MNIST on {nproc} GPU(s), mfsdp + TE: fine-tune {val[-1].split(' - ')[-1]}; test accuracy {accuracy:.4f}")
     assert len((tmp_path / "pred.csv").read_text().splitlines()) == 1001 and accuracy > 0.8
+
+
+# ----------------------------------------------------------------------------- GPT on GPUs
+
+
+def build_gpt(backend: str, overrides: list[str]):
+    import train  # noqa: F401
+    from core.config import validate
+    from core.layers import get_layers
+    from recipes.gpt import GPTRecipe
+
+    cfg = validate(compose_config("gpt_125m", ["checkpoint.path=unused", *overrides]))
+    return GPTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("autocast_dtype,rtol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
+def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
+    """RoPE, GQA with fused interleaved QKV, RMSNorm, SwiGLU, causal attention: TE and the twins agree."""
+    small = ["model.num_layers=2", "model.num_query_groups=4", "model.vocab_size=1024", "model.seq_length=256"]
+    te_model, torch_model = build_gpt("te", small), build_gpt("torch", small)
+    te_state = {k: v for k, v in te_model.state_dict().items() if not k.endswith("_extra_state")}
+    assert te_state.keys() == torch_model.state_dict().keys()
+    for k, v in torch_model.state_dict().items():
+        assert torch.equal(te_state[k], v), k
+    tokens = torch.randint(0, 1024, (4, 256), device="cuda")
+    outputs, grads = [], []
+    for model in (te_model, torch_model):
+        with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
+            out = model(tokens).float()
+        torch.nn.functional.cross_entropy(out.flatten(0, 1), tokens.roll(-1, 1).flatten()).backward()
+        outputs.append(out)
+        grads.append({n: p.grad.float() for n, p in model.named_parameters()})
+    rel = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+    print(f"GPT TE vs torch ({autocast_dtype}): logits rel diff {rel(outputs[0], outputs[1]):.2e}")
+    assert rel(outputs[0], outputs[1]) < rtol
+    for name in grads[1]:
+        assert rel(grads[0][name], grads[1][name]) < 5 * rtol, name

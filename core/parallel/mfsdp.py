@@ -14,6 +14,8 @@ optimizer's parameter groups with a single one and so loses weight-decay groups.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import importlib
 import logging
 from typing import ContextManager
 
@@ -31,11 +33,30 @@ log = logging.getLogger(__name__)
 logging.getLogger("megatron_fsdp").setLevel(logging.WARNING)
 
 
+def use_own_ddp_config_if_needed() -> None:
+    """With megatron-core installed, megatron-fsdp builds megatron-core's DistributedDataParallelConfig
+    instead of its own, and that class's fields follow megatron-core's version: megatron-core 0.16.1 (the
+    newest for Python 3.11) lacks fields megatron-fsdp 0.6.1 passes, a TypeError in fully_shard_model.
+    Where megatron-core's class lacks any of them, give megatron-fsdp back its own class (the one it was
+    written against); a megatron-core that has them all (0.19 on Python 3.12) is left in use."""
+    from megatron_fsdp import distributed_data_parallel_config as bundled
+
+    own = bundled.DistributedDataParallelConfig
+    needed = {f.name for f in dataclasses.fields(own)}
+    for name in ("fully_shard", "megatron_fsdp", "param_and_grad_buffer"):
+        module = importlib.import_module(f"megatron_fsdp.{name}")
+        used = getattr(module, "DistributedDataParallelConfig", own)
+        if used is not own and not needed <= {f.name for f in dataclasses.fields(used)}:
+            module.DistributedDataParallelConfig = own
+
+
 class MegatronFSDP(Parallel):
     name = "mfsdp"
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str]):
         import megatron_fsdp
+
+        use_own_ddp_config_if_needed()
 
         if cfg.zero_dp_strategy not in (0, 1, 2, 3):
             raise ConfigError(f"distributed.mfsdp.zero_dp_strategy={cfg.zero_dp_strategy}: expected 0, 1, 2 or 3")

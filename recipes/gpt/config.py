@@ -1,0 +1,51 @@
+"""Schemas of the GPT recipe's `model` and `data` config groups."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class GPTModelConfig:
+    backend: str = "auto"  # auto | te | torch (see core/layers)
+    # null: the tokenizer's vocabulary, rounded up to a multiple of make_vocab_size_divisible_by
+    # (mock data: must be given).
+    vocab_size: Optional[int] = None
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = MISSING  # tokens per sample
+    hidden_size: int = MISSING
+    num_layers: int = MISSING
+    num_attention_heads: int = MISSING
+    num_query_groups: Optional[int] = None  # grouped-query attention: key/value heads; null = num_attention_heads
+    ffn_hidden_size: int = MISSING  # SwiGLU width (fc1 holds gate and up: 2 x this)
+    rotary_base: float = 10000.0
+    norm_epsilon: float = 1e-5
+    tie_embeddings: bool = False  # the output projection reuses the token embedding
+    init_std: float = 0.02  # output projections of the blocks use init_std / sqrt(2 num_layers)
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    fuse_qkv_params: bool = True  # one QKV weight per block (TE's interleaved-per-group layout)
+
+
+@dataclass
+class GPTDataConfig:
+    # text:    raw text files (.txt / .jsonl / .parquet) tokenized on first use into cache_dir
+    # indexed: Megatron .bin/.idx datasets (see `python -m recipes.gpt.preprocess`), blended by weights
+    # mock:    Megatron-Core's MockGPTDataset (synthetic, for throughput)
+    format: str = "text"
+    text_files: list[str] = field(default_factory=list)
+    text_document: str = "paragraph"  # .txt: paragraph | line | file is one document
+    text_key: str = "text"  # .jsonl key / .parquet column
+    prefixes: list[str] = field(default_factory=list)  # indexed: <prefix>.bin/.idx, one per dataset
+    weights: Optional[list[float]] = None  # indexed: blending weights (null: by size)
+    tokenizer: str = "byte"  # byte | path of a local Hugging Face tokenizer folder
+    eod_token: Optional[str] = None  # HF tokenizers: the end-of-document token (null: its eos_token)
+    split: str = "949,50,1"  # train, validation, test shares of the documents
+    cache_dir: str = MISSING  # tokenized text and Megatron-Core's sample index caches
+    eod_mask_loss: bool = False  # no loss on predicting the token after an end-of-document
+    val_num_samples: Optional[int] = None  # null: the validation split once
+    num_workers: int = 2
+    pin_memory: bool = True

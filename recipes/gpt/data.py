@@ -1,0 +1,135 @@
+"""GPT data through Megatron-Core's datasets: GPTDataset over indexed .bin/.idx files (document shuffling,
+sample index, train/validation/test split by Megatron-Core) or MockGPTDataset.
+
+Samples are dicts of tensors: "tokens" [seq], "labels" [seq] (the next tokens), "loss_mask" [seq] (0 on
+padding, and after an end-of-document with data.eod_mask_loss), "position_ids" [seq], and "idx".
+Megatron-Core builds the sample indices once and caches them in data.cache_dir; `dataset[i]` is the
+same sample on every call and rank (a resumed run continues on the same tokens).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch.utils.data import Dataset
+
+from recipes.gpt.config import GPTDataConfig
+from recipes.gpt.tokenizer import build_tokenizer
+
+log = logging.getLogger(__name__)
+
+FORMATS = ("text", "indexed", "mock")
+
+
+def megatron_datasets():
+    """Megatron-Core's dataset modules (quietly: without TE/Apex it warns about its optimizers)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
+        logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index building: a screenful per split
+        from megatron.core.datasets import gpt_dataset
+        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    return gpt_dataset, BlendedMegatronDatasetBuilder
+
+
+class MockTokenizer:
+    """What MockGPTDataset needs: a vocabulary size and an end-of-document id (the last id)."""
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size, self.eod, self.pad = vocab_size, vocab_size - 1, vocab_size - 2
+        self.unique_identifiers = {"tokenizer": "mock", "vocab_size": vocab_size}
+
+
+class Samples(Dataset):
+    """A Megatron-Core GPT dataset with the sample's index added, indexed by int or EpochIndex."""
+
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index) -> dict:
+        from core.datasets import epoch_index
+
+        idx = epoch_index(index).idx
+        sample = {k: v for k, v in self.dataset[idx].items() if k in ("tokens", "labels", "loss_mask", "position_ids")}
+        sample["idx"] = idx
+        return sample
+
+
+def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
+    """The indexed-dataset prefix of data.text_files, tokenized on first use into data.cache_dir.
+
+    The prefix is named by a hash of the files (path, size, modification time), the tokenizer and the
+    document rule, so a change re-tokenizes. One process tokenizes under a file lock; the others wait."""
+    from recipes.gpt.preprocess import preprocess
+
+    if not data.text_files:
+        raise ValueError("data.format=text needs data.text_files")
+    files = [Path(f) for f in data.text_files]
+    for f in files:
+        if not f.is_file():
+            raise FileNotFoundError(f"data.text_files: {f} does not exist")
+    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+                     + [dict(tokenizer.unique_identifiers), data.text_document, data.text_key])
+    prefix = Path(data.cache_dir) / "tokenized" / f"{files[0].stem}-{hashlib.md5(key.encode()).hexdigest()[:12]}"
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{prefix}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not Path(f"{prefix}.json").exists():  # written last by preprocess: the files are whole
+            log.info("tokenizing %s with the %s tokenizer into %s.bin/.idx", ", ".join(map(str, files)),
+                     data.tokenizer, prefix)
+            preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token)
+    return str(prefix)
+
+
+def padded_vocab_size(vocab: int, multiple: int) -> int:
+    return -(-vocab // multiple) * multiple
+
+
+def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_train_samples: int,
+                       vocab_size: Optional[int]) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
+    """(train, validation, test) for `num_train_samples` training samples of `seq_length` tokens."""
+    if data.format not in FORMATS:
+        raise ValueError(f"data.format={data.format!r}: expected {', '.join(FORMATS)}")
+    gpt_dataset, builder = megatron_datasets()
+    if data.format == "mock":
+        if vocab_size is None:
+            raise ValueError("data.format=mock needs model.vocab_size")
+        tokenizer, blend, split, cls = MockTokenizer(vocab_size), None, None, gpt_dataset.MockGPTDataset
+    else:
+        tokenizer = build_tokenizer(data.tokenizer, data.eod_token)
+        prefixes = [tokenize_text_once(data, tokenizer)] if data.format == "text" else list(data.prefixes)
+        if not prefixes:
+            raise ValueError("data.format=indexed needs data.prefixes (<prefix>.bin/.idx)")
+        for p in prefixes:
+            if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file()):
+                raise FileNotFoundError(f"data.prefixes: {p}.bin / {p}.idx not found")
+        weights = list(data.weights) if data.weights is not None else None
+        blend, split, cls = (prefixes, weights), data.split, gpt_dataset.GPTDataset
+    config = gpt_dataset.GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=seq_length,
+        blend=blend,
+        split=split,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=data.eod_mask_loss,
+        create_attention_mask=False,  # the attention is causal by construction
+        path_to_cache=str(Path(data.cache_dir) / "megatron_index"),
+        mmap_bin_files=True,
+    )
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*pad.*")
+        train, val, test = builder(cls, [num_train_samples, data.val_num_samples, None], lambda: True, config).build()
+    return tuple(Samples(d) if d is not None and len(d) else None for d in (train, val, test))

@@ -1,0 +1,61 @@
+"""A decoder-only GPT: token embedding, rotary positions, pre-norm blocks (RMSNorm, causal self-attention
+with grouped-query attention, SwiGLU MLP), final RMSNorm, output projection (or the tied embedding).
+
+Blocks are `layers.TransformerLayer` (TE's on GPUs, the plain-torch twin elsewhere: same parameter names).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from core.layers import Layers
+from recipes.gpt.config import GPTModelConfig
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTModelConfig, vocab_size: int, layers: Layers, device: torch.device | str = "cpu"):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        groups = cfg.num_query_groups or heads
+        if h % heads or heads % groups:
+            raise ValueError(f"hidden_size={h}, num_attention_heads={heads}, num_query_groups={groups}: the hidden "
+                             "size must divide into the heads and the heads into the groups")
+        self.cfg, self.vocab_size, self.layers_impl = cfg, vocab_size, layers
+        self.embedding = nn.Embedding(vocab_size, h, device=device)
+        self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base)
+        self.layers = nn.ModuleList(
+            layers.TransformerLayer(
+                hidden_size=h,
+                ffn_hidden_size=cfg.ffn_hidden_size,
+                num_attention_heads=heads,
+                num_gqa_groups=groups,
+                layernorm_epsilon=cfg.norm_epsilon,
+                hidden_dropout=cfg.hidden_dropout,
+                attention_dropout=cfg.attention_dropout,
+                self_attn_mask_type="causal",
+                attn_input_format="bshd",
+                fuse_qkv_params=cfg.fuse_qkv_params,
+                bias=False,
+                activation="swiglu",
+                normalization="RMSNorm",
+                layer_number=i + 1,
+                device=device,
+            )
+            for i in range(cfg.num_layers)
+        )
+        self.final_norm = layers.RMSNorm(h, eps=cfg.norm_epsilon, device=device)
+        self.output_layer = None if cfg.tie_embeddings else layers.Linear(h, vocab_size, bias=False, device=device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+        x = self.embedding(tokens)
+        angles = self.rotary(tokens.shape[1]).to(x.device)
+        for block in self.layers:
+            x = block(x, rotary_pos_emb=angles)
+        x = self.final_norm(x)
+        # The logits stay out of FP8: the vocabulary GEMM is the most sensitive one.
+        with self.layers_impl.high_precision():
+            if self.output_layer is None:
+                return torch.nn.functional.linear(x, self.embedding.weight.to(x.dtype))
+            return self.output_layer(x)

@@ -1,0 +1,85 @@
+"""Tokenizers for the GPT recipe: a byte-level one (no download, exact round trip) and any local
+Hugging Face tokenizer folder (its tokenizer.json, read with the `tokenizers` library).
+
+Both give what Megatron-Core's datasets need from a tokenizer: `vocab_size`, `eod` (the end-of-document
+id appended after each document), `pad`, and `unique_identifiers` (part of the dataset cache's key).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from pathlib import Path
+from typing import Optional
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0-255, end-of-document 256, padding 257: any text, no vocabulary file, and
+    decode(encode(text)) == text exactly."""
+
+    name = "byte"
+    vocab_size = 258
+    eod = 256
+    pad = 257
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(tokenizer="byte", vocab_size=self.vocab_size, eod=self.eod)
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def decode(self, ids) -> str:
+        return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A local Hugging Face tokenizer folder (or its tokenizer.json). End of document: `eod_token`, or
+    the folder's eos_token (tokenizer_config.json / special_tokens_map.json)."""
+
+    def __init__(self, path: str, eod_token: Optional[str] = None):
+        from tokenizers import Tokenizer
+
+        folder = Path(path)
+        file = folder / "tokenizer.json" if folder.is_dir() else folder
+        if not file.is_file():
+            raise FileNotFoundError(f"data.tokenizer={path}: no tokenizer.json there (give a local Hugging Face "
+                                    "tokenizer folder, or 'byte')")
+        self.name = str(folder)
+        self._tok = Tokenizer.from_file(str(file))
+        eod_token = eod_token or _eos_token(file.parent)
+        if eod_token is None:
+            raise ValueError(f"{path}: no eos_token in its config; set data.eod_token (e.g. '</s>' or '<|endoftext|>')")
+        eod = self._tok.token_to_id(eod_token)
+        if eod is None:
+            raise ValueError(f"{path}: the end-of-document token {eod_token!r} is not in the vocabulary")
+        self.eod, self.eod_token = eod, eod_token
+        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        self.pad = self.vocab_size  # never produced: Megatron-Core only needs it to differ from eod
+
+    @property
+    def unique_identifiers(self) -> OrderedDict:
+        return OrderedDict(tokenizer=self.name, vocab_size=self.vocab_size, eod=self.eod)
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids) -> str:
+        return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
+
+
+def _eos_token(folder: Path) -> Optional[str]:
+    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+        file = folder / name
+        if file.is_file():
+            token = json.loads(file.read_text()).get("eos_token")
+            if isinstance(token, dict):
+                token = token.get("content")
+            if token:
+                return token
+    return None
+
+
+def build_tokenizer(spec: str, eod_token: Optional[str] = None):
+    """`byte`, or the path of a local Hugging Face tokenizer folder / tokenizer.json."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, eod_token)

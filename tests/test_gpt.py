@@ -1,0 +1,143 @@
+"""The GPT recipe: preprocessing round trips, Megatron-Core datasets, the model, and gpt_sanity learning."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from core.dataset_checks import assert_dataset_deterministic
+from core.datasets import EpochIndex
+from tests.helpers import REPO, compose_config
+
+DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
+
+
+def _write_inputs(tmp: Path) -> list[Path]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    (tmp / "a.txt").write_text(f"{DOCS[0]}\n\n\n{DOCS[1]}\n\n", encoding="utf-8")
+    (tmp / "b.jsonl").write_text(json.dumps({"text": DOCS[2], "id": 1}) + "\n\n", encoding="utf-8")
+    pq.write_table(pa.table({"text": DOCS, "n": [1, 2, 3]}), tmp / "c.parquet")
+    return [tmp / "a.txt", tmp / "b.jsonl", tmp / "c.parquet"]
+
+
+def test_preprocess_round_trips_text_to_tokens_to_text(tmp_path):
+    """txt (paragraphs), jsonl and parquet -> .bin/.idx with the byte tokenizer -> the same text, exactly."""
+    from recipes.gpt.preprocess import decode_document
+
+    inputs = _write_inputs(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--input", *map(str, inputs),
+                           "--output-prefix", str(tmp_path / "out" / "corpus")], cwd=REPO, capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    expected = [DOCS[0], DOCS[1], DOCS[2], *DOCS]
+    meta = json.loads((tmp_path / "out" / "corpus.json").read_text())
+    assert meta["documents"] == 6 and meta["tokens"] == sum(len(d.encode()) + 1 for d in expected)
+    assert [decode_document(tmp_path / "out" / "corpus", i) for i in range(6)] == expected
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus.bin", "corpus.idx", "corpus.json"]
+    shown = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--decode", str(tmp_path / "out" / "corpus"),
+                            "--document", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert shown.stdout == DOCS[1] + "\n"
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
+    proc = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--input", str(bad), "--output-prefix",
+                           str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "bad.jsonl:2: no text under the key 'text'" in proc.stderr
+    assert not list(tmp_path.glob("bad.*.bin")) and not (tmp_path / "bad.bin").exists()  # nothing half-written
+
+
+def test_a_local_hugging_face_tokenizer_works_too(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    from recipes.gpt.preprocess import decode_document, preprocess
+    from recipes.gpt.tokenizer import HFTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    folder = tmp_path / "tok"
+    folder.mkdir()
+    tok.save(str(folder / "tokenizer.json"))
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))
+    hf = HFTokenizer(str(folder))
+    assert hf.eod == tok.token_to_id("<|endoftext|>") and hf.vocab_size == tok.get_vocab_size()
+    inputs = _write_inputs(tmp_path)
+    summary = preprocess(inputs[:1], tmp_path / "hf", str(folder))
+    assert summary["documents"] == 2 and summary["tokens"] < sum(len(d.encode()) for d in DOCS[:2])  # merges
+    assert [decode_document(tmp_path / "hf", i) for i in range(2)] == DOCS[:2]
+    with pytest.raises(ValueError, match="not in the vocabulary"):
+        HFTokenizer(str(folder), eod_token="</s>")
+
+
+def gpt_recipe(overrides: list[str] = ()):
+    from core.config import validate
+    from recipes.gpt import GPTRecipe
+
+    return GPTRecipe(validate(compose_config("gpt_sanity", ["checkpoint.path=unused", *overrides])))
+
+
+def test_datasets_come_from_megatron_core_and_are_deterministic(tmp_path):
+    recipe = gpt_recipe([f"data.cache_dir={tmp_path}/cache", "training.steps=20"])
+    data = recipe.build_datasets()
+    assert len(data.train) >= 20 * 32 and len(data.val) > 0
+    sample = data.train[EpochIndex(0, 5)]
+    assert sorted(sample) == ["idx", "labels", "loss_mask", "position_ids", "tokens"]
+    assert sample["tokens"].shape == (128,) and torch.equal(sample["tokens"][1:], sample["labels"][:-1])
+    assert torch.equal(sample["position_ids"], torch.arange(128)) and sample["loss_mask"].sum() == 128
+    assert recipe.vocab_size == 384  # 258 byte ids, padded to a multiple of 128
+    assert_dataset_deterministic(data.train, indices=[EpochIndex(0, 0), EpochIndex(1, 7), EpochIndex(0, 600)])
+    assert_dataset_deterministic(data.val)
+    text = "".join(chr(t) if t < 128 else "?" for t in sample["tokens"].tolist() if t < 256)
+    assert sum(c.isalpha() for c in text) > 60  # English text, not noise
+    again = gpt_recipe([f"data.cache_dir={tmp_path}/cache", "training.steps=20"]).build_datasets()
+    assert torch.equal(again.train[EpochIndex(0, 5)]["tokens"], sample["tokens"])  # from the cache, the same
+    other = gpt_recipe([f"data.cache_dir={tmp_path}/cache", "training.steps=20", "seed=7"]).build_datasets()
+    assert not torch.equal(other.train[EpochIndex(0, 5)]["tokens"], sample["tokens"])  # another shuffle
+
+
+def test_model_shapes_parameter_count_and_flops():
+    from core.layers import TORCH_LAYERS
+
+    for tied in (False, True):
+        recipe = gpt_recipe([f"model.tie_embeddings={str(tied).lower()}"])
+        model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
+        total = sum(p.numel() for p in model.parameters())
+        embedding = model.embedding.weight.numel()
+        assert recipe.non_embedding_parameters() == (total if tied else total - embedding)
+        logits = model(torch.randint(0, 258, (2, 16)))
+        assert logits.shape == (2, 16, 384)
+    names = dict(model.named_parameters())
+    assert "layers.0.self_attention.layernorm_qkv.weight" in names and "layers.3.layernorm_mlp.fc1_weight" in names
+    assert names["layers.0.layernorm_mlp.fc1_weight"].shape == (2 * 352, 128)  # SwiGLU: gate and up
+    assert names["layers.0.self_attention.layernorm_qkv.weight"].shape == (128 + 2 * 2 * 32, 128)  # GQA: 2 groups
+    s, n, layers, h = 128, recipe.non_embedding_parameters(), 4, 128
+    assert recipe.flops_per_sample() == s * (6 * n + 12 * layers * h * s)
+    # Causal: a token's logits do not depend on later tokens.
+    tokens = torch.randint(0, 258, (1, 12))
+    changed = tokens.clone()
+    changed[0, 8:] = (changed[0, 8:] + 1) % 258
+    assert torch.allclose(model(tokens)[0, :8], model(changed)[0, :8], atol=1e-5)
+
+
+def test_gpt_sanity_learns_on_two_processes(tmp_path):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "train.py"),
+           "--config-name", "gpt_sanity", "training.steps=40", "training.val_every_n_steps=40",
+           "training.log_every_n_steps=10", "logger.progress_bar=never", f"data.cache_dir={tmp_path}/cache",
+           f"hydra.run.dir={tmp_path}/run", f"checkpoint.path={tmp_path}/ckpt"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "split" not in r]
+    (val,) = [r for r in rows if r.get("split") == "val"]
+    assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.6 * train[0]["loss"]  # ln(258) = 5.55 at the start
+    assert val["perplexity"] < 20 and abs(val["perplexity"] - torch.tensor(val["loss"]).exp().item()) < 1e-3
+    assert train[-1]["tokens_per_sec_per_gpu"] == pytest.approx(train[-1]["samples_per_sec_per_gpu"] * 128)
