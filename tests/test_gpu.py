@@ -254,8 +254,8 @@ def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
     te_model, torch_model = build_gpt("te", small), build_gpt("torch", small)
     te_state = {k: v for k, v in te_model.state_dict().items() if not k.endswith("_extra_state")}
     assert te_state.keys() == torch_model.state_dict().keys()
-    for k, v in torch_model.state_dict().items():
-        assert torch.equal(te_state[k], v), k
+    for k, v in torch_model.state_dict().items():  # weights equal; TE computes the RoPE buffer on the GPU
+        assert torch.equal(te_state[k], v) if k != "rotary.inv_freq" else torch.allclose(te_state[k], v, rtol=1e-6), k
     tokens = torch.randint(0, 1024, (4, 256), device="cuda")
     outputs, grads = [], []
     for model in (te_model, torch_model):

@@ -215,7 +215,7 @@ class LayerNormMLP(nn.Module):
 
 
 class RotaryPositionEmbedding(nn.Module):
-    """te.RotaryPositionEmbedding: no parameters. forward(max_seq_len) gives the angles [s, 1, 1, dim]
+    """te.RotaryPositionEmbedding: no parameters; buffer `inv_freq`. forward(max_seq_len) gives the angles [s, 1, 1, dim]
     (float32), each frequency repeated for the two halves of the head dimension (TE's non-interleaved
     layout, applied by `apply_rotary_pos_emb`)."""
 
@@ -228,7 +228,7 @@ class RotaryPositionEmbedding(nn.Module):
                 pretrained_max_position_embeddings=pretrained_max_position_embeddings, interleaved=interleaved,
                 **unsupported)
         inv_freq = 1.0 / rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", inv_freq)  # in the state dict, as TE's is
 
     def forward(self, max_seq_len: int, offset: int = 0) -> torch.Tensor:
         positions = torch.arange(max_seq_len, device=self.inv_freq.device, dtype=self.inv_freq.dtype) + offset

@@ -23,7 +23,7 @@ class GPT(nn.Module):
                              "size must divide into the heads and the heads into the groups")
         self.cfg, self.vocab_size, self.layers_impl = cfg, vocab_size, layers
         self.embedding = nn.Embedding(vocab_size, h, device=device)
-        self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base)
+        self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
             layers.TransformerLayer(
                 hidden_size=h,
