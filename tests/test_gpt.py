@@ -141,3 +141,23 @@ def test_gpt_sanity_learns_on_two_processes(tmp_path):
     assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.6 * train[0]["loss"]  # ln(258) = 5.55 at the start
     assert val["perplexity"] < 20 and abs(val["perplexity"] - torch.tensor(val["loss"]).exp().item()) < 1e-3
     assert train[-1]["tokens_per_sec_per_gpu"] == pytest.approx(train[-1]["samples_per_sec_per_gpu"] * 128)
+
+
+def test_two_data_parallel_processes_match_one(tmp_path):
+    """gpt_sanity: 2 processes (fsdp2, 1 micro-batch each) and 1 process (2 accumulated micro-batches) train on
+    the same global batches and give the same losses."""
+    from tests.checkpoint_harness import run_phases
+    from tests.helpers import run_workers
+
+    common = ["training.steps=4", "training.log_every_n_steps=1", "training.val_at_end=false",
+              "training.val_every_n_steps=0", "data.num_workers=0", "logger.progress_bar=never",
+              f"data.cache_dir={tmp_path}/cache"]
+    runs = {}
+    for nproc in (1, 2):
+        phase = {"config": "gpt_sanity", "overrides": common + [f"checkpoint.path={tmp_path}/ckpt{nproc}"],
+                 "run_dir": f"{tmp_path}/run{nproc}"}
+        runs[nproc] = run_workers(nproc, run_phases, [phase])[0][0]["losses"]
+    assert sorted(runs[1]) == sorted(runs[2]) == [1, 2, 3, 4]
+    for step, loss in runs[1].items():
+        print(f"GPT step {step}: 1 process {loss!r}, 2 processes {runs[2][step]!r}")
+        assert abs(runs[2][step] - loss) <= 1e-5 * abs(loss), (step, loss, runs[2][step])
