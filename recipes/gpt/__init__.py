@@ -55,19 +55,20 @@ class GPTRecipe(Recipe):
     def unit_modules(self, layers: Layers) -> list[type]:
         return [layers.TransformerLayer]
 
-    def build_datasets(self) -> Datasets:
-        t = self.cfg.training
-        train, val, _ = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
-                                           t.steps * t.global_batch_size, self.vocab_size)
-        if train is None:
-            raise ValueError("the training split is empty: more data, or another data.split")
-        return Datasets(train, val)
-
-    def split(self, name: str):
+    def _splits(self) -> dict:
         t = self.cfg.training
         datasets = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
                                       t.steps * t.global_batch_size, self.vocab_size)
-        return dict(zip(("train", "val", "test"), datasets))[name]
+        return dict(zip(("train", "val", "test"), datasets))
+
+    def build_datasets(self) -> Datasets:
+        splits = self._splits()
+        if splits["train"] is None:
+            raise ValueError("the training split is empty: more data, or another data.split")
+        return Datasets(splits["train"], splits["val"])
+
+    def split(self, name: str):
+        return self._splits()[name]
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()
