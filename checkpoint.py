@@ -54,6 +54,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from core.config import CheckpointConfig, ConfigError
+from core.tensor_parallel import attach_pieces, local_pieces
 
 log = logging.getLogger("checkpoint")
 
@@ -250,19 +251,13 @@ def set_fp8_states(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], 
 
 
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the slice of `full` that this rank holds into `target` (a plain tensor or a DTensor,
-    evenly sharded by FSDP2 or unevenly by Megatron-FSDP: both describe their slices as DCP chunks)."""
+    """Copy the slices of `full` that this rank holds into `target` (a plain tensor or a DTensor, evenly
+    sharded by FSDP2 or unevenly by Megatron-FSDP, maybe tensor-parallel: all describe their slices as
+    DCP chunks)."""
     if tuple(target.shape) != tuple(full.shape):
         raise CheckpointError(f"shape {tuple(full.shape)} does not fit the model's {tuple(target.shape)}")
-    if not hasattr(target, "to_local"):
-        target.detach().copy_(full)
-        return
-    local = target._local_tensor
-    for chunk in target.__create_chunk_list__():
-        if local.numel() == 0:
-            continue
-        piece = full[tuple(slice(o, o + n) for o, n in zip(chunk.offsets, chunk.sizes))]
-        local.detach().copy_(piece.reshape(local.shape))
+    for offsets, local in local_pieces(target):
+        local.detach().copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
 
 
 def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
@@ -606,9 +601,12 @@ def stage_to_cpu(value: Any) -> Any:
     if isinstance(value, DTensor):
         local = value._local_tensor
         copy = local.detach().to("cpu", copy=True)
-        for hook in ("__create_chunk_list__", "__create_write_items__"):
-            if hook in local.__dict__:
-                setattr(copy, hook, local.__dict__[hook])
+        if hasattr(local, "_full_layout_pieces"):  # tensor-parallel GLU rows (core.tensor_parallel)
+            attach_pieces(copy, local._full_layout_pieces, value.shape)
+        else:
+            for hook in ("__create_chunk_list__", "__create_write_items__"):
+                if hook in local.__dict__:
+                    setattr(copy, hook, local.__dict__[hook])
         return DTensor(copy, value._spec, requires_grad=False)
     if torch.is_tensor(value):
         return value.detach().to("cpu", copy=True)

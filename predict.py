@@ -85,7 +85,7 @@ def _predict(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path) -> Predic
         OmegaConf.save(cfg, run_dir / "resolved_config.yaml")
 
     # 3. Model: built, sharded and loaded as in training (any checkpoint layout, any world size).
-    layers = layers_lib.get_layers(layer_backend)
+    layers = layers_lib.get_layers(layer_backend, env.tensor_parallel())
     model = recipe.build_model(layers, env.device)
     par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),
                          cfg.precision.param_dtype)

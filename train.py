@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpoint import CheckpointError, Checkpointer, load_weights, set_rng_state
 from core import config as config_lib
-from core import distributed, launch, optim, parallel, precision
+from core import distributed, launch, optim, parallel, precision, tensor_parallel
 from core import layers as layers_lib
 from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
 from core.datasets import MultiEpochDatasetResampler
@@ -101,7 +101,9 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     accum = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
     if t.on_nonfinite not in ("stop", "skip"):
         raise config_lib.ConfigError(f"training.on_nonfinite={t.on_nonfinite!r}: expected stop or skip")
-    autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend, amax_group=env.dp_group)
+    # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
+    autocast = precision.autocast_factory(cfg.precision, env.device, layer_backend,
+                                          amax_group=env.dp_group if env.tp == 1 else dist.group.WORLD)
     fp8_recipe = precision.fp8_recipe(cfg.precision.fp8) if cfg.precision.fp8.enabled else None
     checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.world_size, env.device, config=cfg,
                                 fp8_recipe=fp8_recipe)
@@ -121,10 +123,11 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             layer_backend, " (auto)" if cfg.model.backend == "auto" else "", run_dir,
         )
 
-    # 3. Model: built whole on this rank's device, weights drawn from cfg.seed (same on all ranks).
-    layers = layers_lib.get_layers(layer_backend)
+    # 3. Model: built on this rank's device, weights drawn from cfg.seed (the same full weights on every
+    #    rank; with distributed.tp > 1 each rank keeps its tensor-parallel part of them).
+    layers = layers_lib.get_layers(layer_backend, env.tensor_parallel())
     model = recipe.build_model(layers, env.device)
-    num_params = sum(p.numel() for p in model.parameters())
+    num_params = tensor_parallel.full_numel(model, env.tp)
 
     # 4. Shard: wrap for data parallelism; `par.module` is what we call, `par.inner` the bare model.
     par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),

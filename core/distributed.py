@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.config import ConfigError
+from core.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +57,13 @@ class DistEnv:
     @property
     def tp_group(self) -> dist.ProcessGroup:
         return self.mesh["tp"].get_group()
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh["tp"].get_local_rank()
+
+    def tensor_parallel(self) -> TensorParallel:
+        return TensorParallel(self.tp, self.tp_rank, self.tp_group if self.tp > 1 else None)
 
 
 def _export_slurm_env_if_needed() -> None:

@@ -3,7 +3,8 @@
 Each parameter is drawn on the CPU from its own generator, seeded from (seed, parameter name), then
 copied to wherever the parameter lives. So TE and plain-torch models built from the same seed hold the
 same weights, every rank starts identical before sharding, and adding a module does not shift the
-random numbers of the others.
+random numbers of the others. A tensor-parallel parameter is drawn whole (its TP=1 shape) and the rank
+keeps its part, so the weights do not depend on the tensor-parallel size either.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
+from core.tensor_parallel import TensorParallel, full_shape, local_part, splits
+
 # rule(name, cpu_tensor, generator) fills the tensor in place; return False to keep the module's own init.
 InitRule = Callable[[str, torch.Tensor, torch.Generator], Optional[bool]]
 
@@ -24,12 +27,13 @@ def param_generator(seed: int, name: str) -> torch.Generator:
 
 
 @torch.no_grad()
-def init_parameters(model: nn.Module, seed: int, rule: InitRule) -> None:
+def init_parameters(model: nn.Module, seed: int, rule: InitRule, tp: TensorParallel = TensorParallel()) -> None:
+    split = splits(model) if tp.size > 1 else {}
     for name, param in model.named_parameters():
-        values = torch.empty(param.shape, dtype=torch.float32)
+        values = torch.empty(full_shape(param.shape, split.get(name), tp.size), dtype=torch.float32)
         if rule(name, values, param_generator(seed, name)) is False:
             continue
-        param.copy_(values.to(param.dtype))
+        param.copy_(local_part(values, split.get(name), tp.rank, tp.size).to(param.dtype))
 
 
 def standard_rule(std: float, zero_init: tuple[str, ...] = ()) -> InitRule:

@@ -269,3 +269,43 @@ def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
     assert rel(outputs[0], outputs[1]) < rtol
     for name in grads[1]:
         assert rel(grads[0][name], grads[1][name]) < 5 * rtol, name
+
+
+def gpt_cli(nproc: int, tmp: Path, name: str, *overrides: str) -> list[dict]:
+    """train.py on gpt_125m (TE + Megatron-FSDP, bf16, mock data) through torchrun; the training rows."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+           "--config-name", "gpt_125m", f"hydra.run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache",
+           "logger.progress_bar=never", "training.log_every_n_steps=1", "training.val_every_n_steps=0",
+           "training.val_at_end=false", *overrides]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "split" not in r and "loss" in r]
+
+
+@needs_two
+def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path):
+    """TE's tensor-parallel layers + Megatron-FSDP (tp_dim): gpt_125m at TP=2 and at DP=2 follow the 1-GPU run
+    within bf16 tolerance (losses and gradient norms); the TP=2 checkpoint resumes at DP=2 and continues."""
+    common = ["training.steps=12", "training.global_batch_size=32", "training.micro_batch_size=8",
+              "scheduler.warmup_steps=4", "checkpoint.save_every_n_steps=6"]
+    runs = {"1 GPU": gpt_cli(1, tmp_path, "one", *common, f"checkpoint.path={tmp_path}/one"),
+            "TP=2": gpt_cli(2, tmp_path, "tp2", *common, "distributed.tp=2", f"checkpoint.path={tmp_path}/tp2"),
+            "DP=2": gpt_cli(2, tmp_path, "dp2", *common, f"checkpoint.path={tmp_path}/dp2")}
+    resumed = gpt_cli(2, tmp_path, "resumed", *common, f"checkpoint.resume={tmp_path}/tp2/step_6",
+                      f"checkpoint.path={tmp_path}/resumed")
+    rel = lambda a, b: abs(a - b) / abs(b)  # noqa: E731
+    reference = runs["1 GPU"]
+    for i, row in enumerate(reference):
+        line = " | ".join(f"{k} loss {r[i]['loss']:.5f} grad_norm {r[i]['grad_norm']:.4f}" for k, r in runs.items())
+        print(f"step {row['step']}: {line}")
+        for label in ("TP=2", "DP=2"):
+            assert rel(runs[label][i]["loss"], row["loss"]) < 1e-2, (label, row["step"])
+            assert rel(runs[label][i]["grad_norm"], row["grad_norm"]) < 5e-2, (label, row["step"])
+    assert [r["step"] for r in resumed] == list(range(7, 13))
+    for row in resumed:
+        tp2 = runs["TP=2"][row["step"] - 1]
+        print(f"step {row['step']}: resumed at DP=2 from the TP=2 step_6 loss {row['loss']:.5f}, TP=2 {tp2['loss']:.5f}")
+        assert rel(row["loss"], tp2["loss"]) < 1e-2
+    assert runs["TP=2"][-1]["loss"] < runs["TP=2"][0]["loss"] - 0.5  # it learns
+    print("tokens/s per GPU at the last step:", {k: round(r[-1]["tokens_per_sec_per_gpu"]) for k, r in runs.items()})

@@ -12,13 +12,14 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Callable, ContextManager
 
 import torch
 
 from core.config import ConfigError
 from core.layers import torch_twins
+from core.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,8 @@ class Layers:
     # Context that runs the enclosed modules outside FP8 (e.g. a classifier head whose size is not a
     # multiple of 16); a no-op for the torch backend.
     high_precision: Callable[[], ContextManager]
+    # The tensor-parallel group: models pass `tp.layer_kwargs()` to the layers that support it.
+    tp: TensorParallel = field(default_factory=TensorParallel)
 
 
 def te_available() -> bool:
@@ -84,6 +87,6 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     raise ConfigError(f"model.backend={backend!r}: expected auto, te or torch")
 
 
-def get_layers(backend: str) -> Layers:
-    """`backend` is a resolved name: te or torch."""
-    return _te_layers() if backend == "te" else TORCH_LAYERS
+def get_layers(backend: str, tp: TensorParallel = TensorParallel()) -> Layers:
+    """`backend` is a resolved name: te or torch; `tp` this rank's tensor-parallel group."""
+    return replace(_te_layers() if backend == "te" else TORCH_LAYERS, tp=tp)

@@ -5,6 +5,13 @@ shapes, and computes what TE computes (TE's defaults included: tanh GELU, LayerN
 softmax scale 1/sqrt(kv_channels), GLU gate in the first half of fc1), so a state dict moves between
 the two backends with only TE's `_extra_state` entries differing. Arguments these twins do not
 implement raise an error instead of being ignored.
+
+Tensor parallelism works as in TE (and Megatron): with `tp_size > 1` a column-parallel layer holds a
+block of output rows, a row-parallel one a block of input columns (marked with `partition_dim`, see
+core.tensor_parallel); the input of a column-parallel layer is all-reduced in the backward pass and the
+output of a row-parallel one in the forward pass, over `tp_group`. Parameters may be plain tensors
+(Megatron-FSDP hands the layers local tensors) or DTensors over the tensor-parallel mesh (FSDP2): the
+layers compute with the local part either way.
 """
 
 from __future__ import annotations
@@ -14,7 +21,11 @@ from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from core.tensor_parallel import GLU_ACTIVATIONS, mark_split
 
 # TE's default init_method: normal(0, 0.023) for every weight; biases start at zero.
 TE_DEFAULT_INIT_STD = 0.023
@@ -33,6 +44,53 @@ def _reject(module: str, **options) -> None:
 
 def _param(shape, dtype, device) -> nn.Parameter:
     return nn.Parameter(torch.empty(shape, dtype=dtype or torch.get_default_dtype(), device=device))
+
+
+def _local(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """This rank's part of a parameter (a DTensor's local tensor; a plain tensor itself)."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+class _CopyToTensorParallel(torch.autograd.Function):
+    """Identity forward; the backward sums the input's gradient over the tensor-parallel ranks (each
+    rank's column-parallel block contributed a part of it)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTensorParallel(torch.autograd.Function):
+    """Sum of the ranks' partial outputs (a row-parallel layer's); identity backward."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.contiguous().clone()
+        dist.all_reduce(x, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def _tp_size(tp_size: int, tp_group, module: str) -> int:
+    if tp_size > 1 and tp_group is None:
+        raise ValueError(f"{module}: tp_size={tp_size} needs tp_group")
+    return tp_size
+
+
+def _divide(n: int, tp_size: int, what: str) -> int:
+    if n % tp_size:
+        raise ValueError(f"{what}={n} is not divisible by the tensor-parallel size {tp_size}")
+    return n // tp_size
 
 
 def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
@@ -85,26 +143,45 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "qgeglu": _glu(_qgelu),
     "sreglu": _glu(_srelu),
 }
-GLU_ACTIVATIONS = {"geglu", "reglu", "swiglu", "qgeglu", "sreglu"}
 
 
 class Linear(nn.Module):
-    """te.Linear: `weight` [out, in], `bias` [out]."""
+    """te.Linear: `weight` [out, in], `bias` [out]. parallel_mode "column" splits the output rows over the
+    tensor-parallel ranks, "row" the input columns (the bias then stays whole, added after the sum)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True,
                  init_method: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
-                 device=None, parallel_mode: Optional[str] = None, tp_size: int = 1, **unsupported):
+                 device=None, parallel_mode: Optional[str] = None, tp_group=None, tp_size: int = 1,
+                 sequence_parallel: bool = False, **unsupported):
         super().__init__()
-        _reject("Linear", parallel_mode=parallel_mode, tp_size=tp_size > 1, **unsupported)
+        _reject("Linear", sequence_parallel=sequence_parallel, **unsupported)
+        if parallel_mode not in (None, "column", "row"):
+            raise ValueError(f"parallel_mode={parallel_mode!r}: expected None, 'column' or 'row'")
+        self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "Linear"), tp_group
+        self.parallel_mode = parallel_mode if self.tp_size > 1 else None
         self.in_features, self.out_features = in_features, out_features
-        self.weight = _param((out_features, in_features), params_dtype, device)
-        self.bias = _param((out_features,), params_dtype, device) if bias else None
+        rows = _divide(out_features, self.tp_size, "out_features") if self.parallel_mode == "column" else out_features
+        cols = _divide(in_features, self.tp_size, "in_features") if self.parallel_mode == "row" else in_features
+        self.weight = _param((rows, cols), params_dtype, device)
+        self.bias = _param((rows,), params_dtype, device) if bias else None
         (init_method or _default_init)(self.weight)
         if self.bias is not None:
             nn.init.zeros_(self.bias)
+        if self.parallel_mode == "column":
+            mark_split(self.weight, 0)
+            if self.bias is not None:
+                mark_split(self.bias, 0)
+        elif self.parallel_mode == "row":
+            mark_split(self.weight, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        weight, bias = _local(self.weight), _local(self.bias)
+        if self.parallel_mode == "column":
+            return F.linear(_CopyToTensorParallel.apply(x, self.tp_group), weight, bias)
+        if self.parallel_mode == "row":
+            y = _ReduceFromTensorParallel.apply(F.linear(x, weight), self.tp_group)
+            return y + bias if bias is not None else y
+        return F.linear(x, weight, bias)
 
 
 class LayerNorm(nn.Module):
@@ -120,7 +197,7 @@ class LayerNorm(nn.Module):
         _init_norm(self.weight, self.bias, zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _norm(x, "LayerNorm", self.weight, self.bias, self.eps, self.zero_centered_gamma)
+        return _norm(x, "LayerNorm", _local(self.weight), _local(self.bias), self.eps, self.zero_centered_gamma)
 
 
 class RMSNorm(nn.Module):
@@ -135,21 +212,27 @@ class RMSNorm(nn.Module):
         _init_norm(self.weight, None, zero_centered_gamma)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _norm(x, "RMSNorm", self.weight, None, self.eps, self.zero_centered_gamma)
+        return _norm(x, "RMSNorm", _local(self.weight), None, self.eps, self.zero_centered_gamma)
 
 
 class LayerNormLinear(nn.Module):
     """te.LayerNormLinear: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), then either one
     `weight`/`bias`, or with `parameters_split` one `<name>_weight`/`<name>_bias` per split (concatenated
-    along the output dimension in the given order)."""
+    along the output dimension in the given order). parallel_mode "column" splits every output block
+    over the tensor-parallel ranks."""
 
     def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", init_method: Optional[Callable] = None,
                  parameters_split: Optional[dict[str, int]] = None, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None,
-                 parallel_mode: Optional[str] = None, tp_size: int = 1, **unsupported):
+                 parallel_mode: Optional[str] = None, tp_group=None, tp_size: int = 1,
+                 sequence_parallel: bool = False, **unsupported):
         super().__init__()
-        _reject("LayerNormLinear", parallel_mode=parallel_mode, tp_size=tp_size > 1, **unsupported)
+        _reject("LayerNormLinear", sequence_parallel=sequence_parallel, **unsupported)
+        if parallel_mode not in (None, "column"):
+            raise NotImplementedError(f"LayerNormLinear: parallel_mode={parallel_mode!r} (the torch backend: None or 'column')")
+        self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "LayerNormLinear"), tp_group
+        self.column_parallel = parallel_mode == "column" and self.tp_size > 1
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.layer_norm_weight = _param((in_features,), params_dtype, device)
         self.layer_norm_bias = _param((in_features,), params_dtype, device) if normalization == "LayerNorm" else None
@@ -160,58 +243,79 @@ class LayerNormLinear(nn.Module):
         self._weight_names, self._bias_names = [], []
         for name, size in splits.items():
             prefix = f"{name}_" if name else ""
+            if self.column_parallel:
+                size = _divide(size, self.tp_size, f"output block {prefix + 'weight'!r}")
             w = _param((size, in_features), params_dtype, device)
             (init_method or _default_init)(w)
-            self.register_parameter(prefix + "weight", w)
+            self.register_parameter(prefix + "weight", mark_split(w, 0) if self.column_parallel else w)
             self._weight_names.append(prefix + "weight")
             if bias:
                 b = _param((size,), params_dtype, device)
                 nn.init.zeros_(b)
-                self.register_parameter(prefix + "bias", b)
+                self.register_parameter(prefix + "bias", mark_split(b, 0) if self.column_parallel else b)
                 self._bias_names.append(prefix + "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-        weight = torch.cat([getattr(self, n) for n in self._weight_names]) if len(self._weight_names) > 1 else getattr(self, self._weight_names[0])
-        bias = None
-        if self._bias_names:
-            bias = torch.cat([getattr(self, n) for n in self._bias_names]) if len(self._bias_names) > 1 else getattr(self, self._bias_names[0])
+        x = _norm(x, self.normalization, _local(self.layer_norm_weight), _local(self.layer_norm_bias), self.eps,
+                  self.zero_centered_gamma)
+        if self.column_parallel:
+            x = _CopyToTensorParallel.apply(x, self.tp_group)
+        weights = [_local(getattr(self, n)) for n in self._weight_names]
+        biases = [_local(getattr(self, n)) for n in self._bias_names]
+        weight = torch.cat(weights) if len(weights) > 1 else weights[0]
+        bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
         return F.linear(x, weight, bias)
 
 
 class LayerNormMLP(nn.Module):
     """te.LayerNormMLP: `layer_norm_weight`, `layer_norm_bias`, `fc1_weight` [ffn (x2 for GLU), hidden],
-    `fc1_bias`, `fc2_weight` [hidden, ffn], `fc2_bias`."""
+    `fc1_bias`, `fc2_weight` [hidden, ffn], `fc2_bias`. set_parallel_mode: fc1 column-parallel (a GLU's
+    rank holds [its gate rows; its up rows], as TE), fc2 row-parallel."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
                  normalization: str = "LayerNorm", activation: str = "gelu", init_method: Optional[Callable] = None,
                  output_layer_init_method: Optional[Callable] = None, zero_centered_gamma: bool = False,
                  params_dtype: Optional[torch.dtype] = None, device=None, set_parallel_mode: bool = False,
-                 tp_size: int = 1, **unsupported):
+                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False, **unsupported):
         super().__init__()
-        _reject("LayerNormMLP", set_parallel_mode=set_parallel_mode, tp_size=tp_size > 1, **unsupported)
+        _reject("LayerNormMLP", sequence_parallel=sequence_parallel, **unsupported)
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
+        self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "LayerNormMLP"), tp_group
+        self.parallel = set_parallel_mode and self.tp_size > 1
+        ffn = _divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size") if self.parallel else ffn_hidden_size
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
-        self.activation = ACTIVATIONS[activation]
-        fc1_out = 2 * ffn_hidden_size if activation in GLU_ACTIVATIONS else ffn_hidden_size
+        self.activation = activation  # TE's name (core.tensor_parallel reads it to find GLU weights)
+        self._activation = ACTIVATIONS[activation]
+        fc1_out = 2 * ffn if activation in GLU_ACTIVATIONS else ffn
         self.layer_norm_weight = _param((hidden_size,), params_dtype, device)
         self.layer_norm_bias = _param((hidden_size,), params_dtype, device) if normalization == "LayerNorm" else None
         _init_norm(self.layer_norm_weight, self.layer_norm_bias, zero_centered_gamma)
         self.fc1_weight = _param((fc1_out, hidden_size), params_dtype, device)
         self.fc1_bias = _param((fc1_out,), params_dtype, device) if bias else None
-        self.fc2_weight = _param((hidden_size, ffn_hidden_size), params_dtype, device)
+        self.fc2_weight = _param((hidden_size, ffn), params_dtype, device)
         self.fc2_bias = _param((hidden_size,), params_dtype, device) if bias else None
         (init_method or _default_init)(self.fc1_weight)
         (output_layer_init_method or _default_init)(self.fc2_weight)
         for b in (self.fc1_bias, self.fc2_bias):
             if b is not None:
                 nn.init.zeros_(b)
+        if self.parallel:
+            mark_split(self.fc1_weight, 0)
+            mark_split(self.fc2_weight, 1)
+            if self.fc1_bias is not None:
+                mark_split(self.fc1_bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _norm(x, self.normalization, self.layer_norm_weight, self.layer_norm_bias, self.eps, self.zero_centered_gamma)
-        x = self.activation(F.linear(x, self.fc1_weight, self.fc1_bias))
-        return F.linear(x, self.fc2_weight, self.fc2_bias)
+        x = _norm(x, self.normalization, _local(self.layer_norm_weight), _local(self.layer_norm_bias), self.eps,
+                  self.zero_centered_gamma)
+        if self.parallel:
+            x = _CopyToTensorParallel.apply(x, self.tp_group)
+        x = self._activation(F.linear(x, _local(self.fc1_weight), _local(self.fc1_bias)))
+        y = F.linear(x, _local(self.fc2_weight))
+        if self.parallel:
+            y = _ReduceFromTensorParallel.apply(y, self.tp_group)
+        return y + _local(self.fc2_bias) if self.fc2_bias is not None else y
 
 
 class RotaryPositionEmbedding(nn.Module):
@@ -254,6 +358,8 @@ class MultiheadAttention(nn.Module):
     fuse_qkv_params=False: `layernorm_qkv.{query,key,value}_{weight,bias}`.
     fuse_qkv_params=True: one `layernorm_qkv.weight` whose rows are grouped per KV group as
     [queries of the group, key, value] (TE's qkv_weight_interleaved=True layout).
+    set_parallel_mode: each tensor-parallel rank computes a block of the KV groups (with their query
+    heads): `layernorm_qkv` column-parallel, `proj` row-parallel.
     """
 
     def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
@@ -261,8 +367,10 @@ class MultiheadAttention(nn.Module):
                  output_layer_init_method=None, attn_mask_type: str = "causal", num_gqa_groups: Optional[int] = None,
                  fuse_qkv_params: bool = False, qkv_weight_interleaved: bool = True, bias: bool = True,
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
-                 qkv_format: str = "sbhd", params_dtype=None, device=None):
+                 qkv_format: str = "sbhd", params_dtype=None, device=None, set_parallel_mode: bool = False,
+                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False):
         super().__init__()
+        _reject("MultiheadAttention", sequence_parallel=sequence_parallel)
         if attn_mask_type not in ("no_mask", "causal"):
             raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal")
         if qkv_format not in ("sbhd", "bshd"):
@@ -274,20 +382,27 @@ class MultiheadAttention(nn.Module):
         if self.num_heads % self.num_groups:
             raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_groups}")
         self.head_dim = kv_channels or hidden_size // num_attention_heads
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        tp_size = _tp_size(tp_size, tp_group, "MultiheadAttention") if set_parallel_mode else 1
+        # This rank's heads and groups (all of them without tensor parallelism).
+        self.num_heads = _divide(self.num_heads, tp_size, "num_attention_heads")
+        self.num_groups = _divide(self.num_groups, tp_size, "num_gqa_groups")
         self.attention_dropout = attention_dropout
         self.causal = attn_mask_type == "causal"
         self.qkv_format = qkv_format
         self.fuse_qkv_params = fuse_qkv_params
-        q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        parallel = dict(tp_group=tp_group, tp_size=tp_size) if tp_size > 1 else {}
         common = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, init_method=init_method,
-                      zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device)
+                      zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
+                      parallel_mode="column" if parallel else None, **parallel)
         if fuse_qkv_params:
             self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, **common)
         else:
             split = {"query": q_size, "key": kv_size, "value": kv_size}
             self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, parameters_split=split, **common)
         self.proj = Linear(q_size, hidden_size, bias=bias, init_method=output_layer_init_method,
-                           params_dtype=params_dtype, device=device)
+                           params_dtype=params_dtype, device=device, parallel_mode="row" if parallel else None,
+                           **parallel)
 
     def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.qkv_format == "sbhd":
@@ -331,12 +446,13 @@ class TransformerLayer(nn.Module):
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
                  attn_input_format: str = "sbhd", params_dtype=None, device=None,
                  apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
-                 set_parallel_mode: bool = False, tp_size: int = 1, sequence_parallel: bool = False,
+                 set_parallel_mode: bool = False, tp_group=None, tp_size: int = 1, sequence_parallel: bool = False,
                  drop_path_rate: float = 0.0, **unsupported):
         super().__init__()
         _reject("TransformerLayer", apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
-                output_layernorm=output_layernorm, set_parallel_mode=set_parallel_mode, tp_size=tp_size > 1,
-                sequence_parallel=sequence_parallel, drop_path_rate=drop_path_rate, **unsupported)
+                output_layernorm=output_layernorm, sequence_parallel=sequence_parallel, drop_path_rate=drop_path_rate,
+                **unsupported)
+        parallel = dict(set_parallel_mode=set_parallel_mode, tp_group=tp_group, tp_size=tp_size)
         self.hidden_dropout = hidden_dropout
         self.self_attention = MultiheadAttention(
             hidden_size, num_attention_heads, kv_channels=kv_channels, attention_dropout=attention_dropout,
@@ -345,12 +461,12 @@ class TransformerLayer(nn.Module):
             num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
             qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
             zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
-            params_dtype=params_dtype, device=device,
+            params_dtype=params_dtype, device=device, **parallel,
         )
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, bias=bias, normalization=normalization,
             activation=activation, init_method=init_method, output_layer_init_method=output_layer_init_method,
-            zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
+            zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device, **parallel,
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,

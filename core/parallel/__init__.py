@@ -1,6 +1,7 @@
 """Data-parallel backends (`distributed.backend`): mfsdp, fsdp2, ddp, or auto.
 
-auto = Megatron-FSDP on CUDA, torch FSDP2 on CPU (gloo).
+auto = Megatron-FSDP on CUDA, torch FSDP2 on CPU (gloo). Tensor parallelism (distributed.tp > 1) combines
+with mfsdp (TE or plain-torch layers) and with fsdp2 (plain-torch layers), not with ddp.
 """
 
 from __future__ import annotations
@@ -13,12 +14,13 @@ from torch import nn
 
 from core.config import ConfigError, DistributedConfig
 from core.distributed import DistEnv
-from core.parallel.base import Parallel, full_tensor
+from core.parallel.base import Parallel
 from core.precision import DTYPES
+from core.tensor_parallel import splits
 
 BACKENDS = ("mfsdp", "fsdp2", "ddp")
 
-__all__ = ["BACKENDS", "Parallel", "full_tensor", "resolve_backend", "shard"]
+__all__ = ["BACKENDS", "Parallel", "resolve_backend", "shard"]
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:
@@ -47,20 +49,31 @@ def _unit_classes(names: list[str] | None, default: list[type]) -> list[type]:
 
 def shard(model: nn.Module, backend: str, env: DistEnv, cfg: DistributedConfig, default_units: list[type],
           param_dtype: str) -> Parallel:
-    """Wrap `model` (full, identical on every rank, already on env.device) for data parallelism."""
+    """Wrap `model` (identical on every rank, or on every rank of a tensor-parallel position; already on
+    env.device) for data parallelism."""
+    split = splits(model) if env.tp > 1 else {}
     if env.tp > 1:
-        raise ConfigError(f"distributed.tp={env.tp}: this recipe does not support tensor parallelism")
+        if not split:
+            raise ConfigError(f"distributed.tp={env.tp}: this recipe's model has no tensor-parallel layers")
+        if backend == "ddp":
+            raise ConfigError("distributed.tp > 1 needs distributed.backend=mfsdp or fsdp2 (ddp keeps whole replicas)")
     if backend == "fsdp2":
         from core.parallel.fsdp2 import FSDP2
 
-        return FSDP2(model, env, cfg.fsdp2, _unit_classes(cfg.fsdp2.fsdp_unit_modules, default_units), param_dtype)
-    # DDP and Megatron-FSDP compute with the model's own parameter dtype.
-    model.to(DTYPES[param_dtype])
-    if backend == "ddp":
-        from core.parallel.ddp import DDP
+        par: Parallel = FSDP2(model, env, cfg.fsdp2, _unit_classes(cfg.fsdp2.fsdp_unit_modules, default_units),
+                              param_dtype)
+    else:
+        # DDP and Megatron-FSDP compute with the model's own parameter dtype.
+        model.to(DTYPES[param_dtype])
+        if backend == "ddp":
+            from core.parallel.ddp import DDP
 
-        return DDP(model, env, cfg.ddp)
-    from core.parallel.mfsdp import MegatronFSDP
+            par = DDP(model, env, cfg.ddp)
+        else:
+            from core.parallel.mfsdp import MegatronFSDP
 
-    units: list[Union[type, str]] = _unit_classes(cfg.mfsdp.fsdp_unit_modules, default_units)
-    return MegatronFSDP(model, env, cfg.mfsdp, units)
+            units: list[Union[type, str]] = _unit_classes(cfg.mfsdp.fsdp_unit_modules, default_units)
+            par = MegatronFSDP(model, env, cfg.mfsdp, units)
+    # GLU weights are checkpointed in their TP=1 layout (core.tensor_parallel).
+    par.tp_size, par.glu = env.tp, {name for name, s in split.items() if s.glu}
+    return par

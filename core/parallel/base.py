@@ -6,14 +6,20 @@ import contextlib
 from typing import ContextManager, Iterator
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
+
+from core.tensor_parallel import local_pieces, use_full_layout
 
 
 class Parallel:
     """A model wrapped for data-parallel training.
 
     `module` is what the loop calls forward on; `inner` is the user's model (parameter names without
-    any wrapper prefix: the canonical names for optimizer groups and checkpoints).
+    any wrapper prefix: the canonical names for optimizer groups and checkpoints). With tensor
+    parallelism, `glu` names the GLU fc1 weights, whose state dict entries are described to DCP in
+    their TP=1 layout (see core.tensor_parallel).
     """
 
     name = ""
@@ -21,6 +27,8 @@ class Parallel:
     def __init__(self, module: nn.Module, inner: nn.Module):
         self.module = module
         self.inner = inner
+        self.tp_size = 1
+        self.glu: set[str] = set()
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(canonical name, parameter the optimizer must update)."""
@@ -39,10 +47,35 @@ class Parallel:
         """Make the reduced gradients available on the optimizer's parameters."""
 
     def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        """Clip the global gradient norm to max_norm (0: no clipping); return the norm before clipping."""
-        params = [p for _, p in self.named_parameters() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm > 0 else float("inf"), foreach=True)
-        return full_tensor(norm)
+        """Clip the global gradient norm to max_norm (0: no clipping); return the norm before clipping.
+
+        Sums the squares of each rank's local gradient pieces, per kind of sharding, and reduces each sum
+        over the mesh dimensions that shard it (a replica, e.g. over tensor-parallel ranks, counts once).
+        Works alike for plain tensors (DDP), even DTensor shards (FSDP2, 1-D or with TP 2-D) and Megatron-
+        FSDP's uneven ones, where a rank may hold no piece of a parameter (its .grad is then None)."""
+        params = [p for _, p in self.named_parameters()]
+        by_sharding: dict[tuple, list[torch.Tensor]] = {}
+        for p in params:
+            groups = ()
+            if isinstance(p, DTensor):  # (FSDP2's _StridedShard shards too, though is_shard() says no)
+                groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
+            grads = by_sharding.setdefault(groups, [])
+            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
+            if g is not None and g.numel():
+                grads.append(g)
+        sums = []
+        for groups, grads in by_sharding.items():  # the same keys in the same order on every rank
+            sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
+            if grads:
+                sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
+            for group in groups:
+                dist.all_reduce(sq, group=group)
+            sums.append(sq)
+        norm = torch.stack(sums).sum().sqrt()
+        local = [g for grads in by_sharding.values() for g in grads]
+        if max_norm > 0 and local:
+            torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
+        return norm
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
@@ -52,7 +85,22 @@ class Parallel:
 
     def model_state_dict(self) -> dict:
         """Sharded model weights for DCP, by canonical name (TE's `_extra_state` left out: the
-        checkpointer keeps it separately, for every backend alike)."""
+        checkpointer keeps it separately, for every backend alike); DCP fills them in place on load."""
+        state = self._model_state_dict()
+        for name in self.glu & set(state):
+            use_full_layout(state[name], self.tp_size)
+        return state
+
+    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+        """Sharded optimizer state for DCP, keyed by canonical parameter name."""
+        state = self._optimizer_state_dict(optimizer)
+        for name in self.glu & set(state["state"]):
+            for value in state["state"][name].values():
+                if isinstance(value, DTensor) and value.dim() == 2:  # exp_avg and the like, not the step count
+                    use_full_layout(value, self.tp_size)
+        return state
+
+    def _model_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
         return {k: v for k, v in get_model_state_dict(self.module).items() if not k.endswith("_extra_state")}
@@ -63,8 +111,7 @@ class Parallel:
 
         set_model_state_dict(self.module, state, options=StateDictOptions(strict=False))
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
-        """Sharded optimizer state for DCP, keyed by canonical parameter name."""
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         return get_optimizer_state_dict(self.module, optimizer)
@@ -75,11 +122,22 @@ class Parallel:
         set_optimizer_state_dict(self.module, optimizer, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded model weights by canonical name, on the CPU, on every rank (a collective)."""
-        return {k: full_tensor(v).detach().cpu() for k, v in self.inner.state_dict().items()
-                if not k.endswith("_extra_state")}
+        """Unsharded model weights by canonical name (TP=1 layout), on the CPU, on every rank (a collective).
 
+        Each rank sends the pieces it holds with their offsets, the way a checkpoint stores them, so this
+        works alike for even (FSDP2) and uneven (Megatron-FSDP) shards and tensor-parallel splits."""
+        out = {}
+        for name, value in self.model_state_dict().items():
+            if not isinstance(value, DTensor):
+                out[name] = value.detach().cpu()
+                continue
+            mine = [(offsets, piece.detach().cpu()) for offsets, piece in local_pieces(value)]
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, mine)
+            full = torch.empty(value.shape, dtype=value.dtype)
+            for pieces in everyone:
+                for offsets, piece in pieces:
+                    full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+            out[name] = full
+        return out
 
-def full_tensor(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's full value (a collective); a plain tensor unchanged."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t

@@ -1,4 +1,9 @@
-"""torch FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded as DTensors."""
+"""torch FSDP2 (`fully_shard`): parameters, gradients and optimizer state sharded as DTensors.
+
+With tensor parallelism, the tensor-parallel parameters become DTensors over the "tp" mesh dimension
+first (each rank's block, as the layers built it); FSDP2 then shards them over the data-parallel
+dimensions too, a 2-D layout that DCP reshards to any other mesh. Parameters the layers keep whole
+(norms, embedding) are sharded over the data-parallel dimensions only."""
 
 from __future__ import annotations
 
@@ -6,9 +11,11 @@ import contextlib
 from typing import ContextManager
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
-from core.config import FSDP2Config
+from core.config import ConfigError, FSDP2Config
 from core.distributed import DistEnv
 from core.parallel.base import Parallel
 from core.precision import DTYPES
@@ -20,7 +27,10 @@ class FSDP2(Parallel):
     def __init__(self, model: nn.Module, env: DistEnv, cfg: FSDP2Config, unit_modules: list[type],
                  param_dtype: str):
         if env.tp > 1:
-            raise NotImplementedError("fsdp2 with distributed.tp > 1 is not supported by this recipe")
+            if any(type(m).__module__.startswith("transformer_engine") for m in model.modules()):
+                raise ConfigError("distributed.tp > 1 with distributed.backend=fsdp2 needs model.backend=torch; "
+                                  "TE layers are tensor-parallel under distributed.backend=mfsdp")
+            _tensor_parallel_as_dtensors(model, env.mesh["tp"])
         # 1-d mesh (FSDP) or 2-d (HSDP: replicate over dp_outer, shard over dp_shard).
         mesh = env.mesh["dp_outer", "dp_shard"] if env.dp_outer > 1 else env.mesh["dp_shard"]
         mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
@@ -35,3 +45,19 @@ class FSDP2(Parallel):
         # Reduce-scatter gradients only after the last micro-batch; before that they accumulate unsharded.
         self.module.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
+
+
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def _tensor_parallel_as_dtensors(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Replace each tensor-parallel parameter (this rank's block) by a DTensor over the tp mesh."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if not getattr(param, "tensor_model_parallel", False):
+                continue
+            value = DTensor.from_local(param.data, tp_mesh, [Shard(param.partition_dim)], run_check=False)
+            new = nn.Parameter(value, requires_grad=param.requires_grad)
+            for attr in _TP_ATTRIBUTES:
+                setattr(new, attr, getattr(param, attr))
+            module.register_parameter(name, new)

@@ -21,7 +21,6 @@ from typing import ContextManager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from core.config import ConfigError, MFSDPConfig
 from core.distributed import DistEnv
@@ -121,30 +120,11 @@ class MegatronFSDP(Parallel):
     def finish_grad_sync(self) -> None:
         self.module.finish_grad_sync()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
-        # Megatron-FSDP shards unevenly: a rank may hold no slice of a parameter, and then its .grad
-        # is None. torch's clip_grad_norm_ would skip it there and run mismatched collectives, so
-        # sum the squares of the local slices and reduce once over the mesh dimensions that shard.
-        params = [p for _, p in self.named_parameters()]
-        local = [g._local_tensor if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
-        sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
-        if local:
-            sq = torch.stack(torch._foreach_norm(local)).float().square().sum()
-        first = params[0]
-        if isinstance(first, DTensor):
-            for dim, placement in enumerate(first.placements):
-                if placement.is_shard():
-                    torch.distributed.all_reduce(sq, group=first.device_mesh.get_group(dim))
-        norm = sq.sqrt()
-        if max_norm > 0 and local:
-            torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
-        return norm
-
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are already synchronised (finish_grad_sync, before clipping).
         optimizer.step(sync_grad_before_optimizer_step=False)
 
-    def model_state_dict(self) -> dict:
+    def _model_state_dict(self) -> dict:
         # The wrapper's state-dict hooks prepare the unevenly sharded DTensors for DCP (and drop TE's
         # _extra_state); its keys carry the wrapper's "module." prefix, which we remove.
         return {k.removeprefix("module."): v for k, v in self.module.state_dict().items()
@@ -155,7 +135,7 @@ class MegatronFSDP(Parallel):
         # because `state` may be a subset (init_from with skipped prefixes) and lacks `_extra_state`.
         self.module.load_state_dict({"module." + k: v for k, v in state.items()}, strict=False)
 
-    def optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
+    def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         # torch keys optimizer state by parameter index (order of appearance in param_groups);
         # re-key it by parameter name, like torch.distributed.checkpoint.state_dict does for FSDP2.
         sd = optimizer.state_dict()
@@ -177,24 +157,3 @@ class MegatronFSDP(Parallel):
         groups = [{**s, "params": [index_of[n] for n in c]} for s, c in zip(saved, current)]
         optimizer.load_state_dict({"state": {index_of[n]: v for n, v in state["state"].items()},
                                    "param_groups": groups})
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        # Megatron-FSDP's DTensors are unevenly sharded (slices of a flat buffer), which DTensor's
-        # full_tensor() and gloo's all_gather do not handle: gather each rank's slice with its offsets.
-        from megatron_fsdp.uneven_dtensor import gather_and_compute_chunk_metadata
-
-        out = {}
-        for name, value in self.inner.state_dict().items():
-            if name.endswith("_extra_state"):
-                continue
-            if not isinstance(value, DTensor):
-                out[name] = value.detach().cpu()
-                continue
-            offsets = gather_and_compute_chunk_metadata(value).offsets
-            pieces = [None] * torch.distributed.get_world_size()
-            torch.distributed.all_gather_object(pieces, (offsets, value.to_local().detach().cpu()))
-            full = torch.empty(value.shape, dtype=value.dtype)
-            for piece_offsets, piece in pieces:
-                full[tuple(slice(o, o + n) for o, n in zip(piece_offsets, piece.shape))] = piece
-            out[name] = full
-        return out

@@ -49,7 +49,7 @@ class GPTRecipe(Recipe):
         def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
             (scaled if name.endswith(("proj.weight", "fc2_weight")) else base)(name, t, g)
 
-        init_parameters(model, self.cfg.seed, rule)
+        init_parameters(model, self.cfg.seed, rule, layers.tp)
         return model
 
     def unit_modules(self, layers: Layers) -> list[type]:

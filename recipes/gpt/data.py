@@ -13,12 +13,10 @@ import fcntl
 import hashlib
 import json
 import logging
-import os
 import warnings
 from pathlib import Path
 from typing import Optional
 
-import torch
 from torch.utils.data import Dataset
 
 from recipes.gpt.config import GPTDataConfig

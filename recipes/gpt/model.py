@@ -2,6 +2,9 @@
 with grouped-query attention, SwiGLU MLP), final RMSNorm, output projection (or the tied embedding).
 
 Blocks are `layers.TransformerLayer` (TE's on GPUs, the plain-torch twin elsewhere: same parameter names).
+With distributed.tp > 1 the blocks are tensor-parallel (each rank holds a block of the KV groups with their
+query heads, and of the MLP's hidden units); the embedding, final norm and output projection stay whole
+on every rank (replicated over the tensor-parallel ranks).
 """
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from core.config import ConfigError
 from core.layers import Layers
 from recipes.gpt.config import GPTModelConfig
 
@@ -21,6 +25,11 @@ class GPT(nn.Module):
         if h % heads or heads % groups:
             raise ValueError(f"hidden_size={h}, num_attention_heads={heads}, num_query_groups={groups}: the hidden "
                              "size must divide into the heads and the heads into the groups")
+        tp = layers.tp.size
+        for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
+                        ("ffn_hidden_size", cfg.ffn_hidden_size)):
+            if n % tp:
+                raise ConfigError(f"model.{what}={n} is not divisible by distributed.tp={tp}")
         self.cfg, self.vocab_size, self.layers_impl = cfg, vocab_size, layers
         self.embedding = nn.Embedding(vocab_size, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
@@ -41,6 +50,7 @@ class GPT(nn.Module):
                 normalization="RMSNorm",
                 layer_number=i + 1,
                 device=device,
+                **layers.tp.layer_kwargs(),  # tensor parallelism: attention heads and MLP split over ranks
             )
             for i in range(cfg.num_layers)
         )
