@@ -8,19 +8,23 @@ training.time_phases=true to show where a step's time goes (device synchronised 
         --variant "mfsdp+te=distributed=mfsdp model.backend=te" \
         --variant "fsdp2+torch=distributed=fsdp2 model.backend=torch"
 
-Prints a table and writes JSON to benchmarks/results/.
+Prints a table and writes JSON to benchmarks/results/. `--data` picks the data config (synthetic images by
+default; e.g. `--data gpt_mock` for the GPT configs, or `--data ""` for the config's own); with
+`--concurrent K` and --nproc 1, K variants run at once, each on its own GPU.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import queue
 import json
 import os
 import shlex
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
@@ -29,14 +33,17 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
 
 
-def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool) -> dict:
+def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool, data: str = "synthetic",
+                gpus: str | None = None) -> dict:
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
-               "--config-name", config, "data=synthetic", f"training.steps={2 * steps}",
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               str(REPO / "train.py"), "--config-name", config, *([f"data={data}"] if data else []),
+               f"training.steps={2 * steps}",
                f"training.log_every_n_steps={steps}", "training.val_every_n_steps=0", "training.val_at_end=false",
                "checkpoint.save_final=false", "logger.progress_bar=never", f"training.time_phases={phases}",
                f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
         if proc.returncode != 0:
             return {"error": (proc.stdout + proc.stderr)[-2000:]}
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -53,26 +60,42 @@ def main() -> None:
                    help='"name=override override ..." (repeatable); default: the config as is')
     p.add_argument("--phases", action="store_true", help="also time forward/backward, grad sync, optimizer")
     p.add_argument("--extra", default="", help="overrides added to every variant")
+    p.add_argument("--data", default="synthetic", help='data config for every variant ("": the config\'s own)')
+    p.add_argument("--concurrent", type=int, default=1, help="with --nproc 1: variants run at once, one per GPU")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
+    if args.concurrent > 1 and args.nproc != 1:
+        p.error("--concurrent needs --nproc 1")
 
     variants = [v.split("=", 1) for v in (args.variant or ["default="])]
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    results = []
-    for name, overrides in variants:
-        for mb in args.micro_batch:
-            # No gradient accumulation: the global batch is micro-batch x ranks.
-            ov = shlex.split(overrides) + shlex.split(args.extra) + [
-                f"training.micro_batch_size={mb}", f"training.global_batch_size={mb * args.nproc}"]
-            row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
-                   **run_variant(args.config, args.nproc, args.steps, ov, False)}
-            if args.phases and "error" not in row:
-                timed = run_variant(args.config, args.nproc, args.steps, ov, True)
-                row.update({k: v for k, v in timed.items() if k.startswith("time_")})
-            results.append(row)
-            print(json.dumps(row), flush=True)
+    free_gpus: queue.Queue = queue.Queue()
+    for gpu in range(args.concurrent):
+        free_gpus.put(str(gpu) if args.concurrent > 1 else None)
 
-    header = f"{'variant':<22}{'mb':>5}{'img/s/gpu':>11}{'mfu':>7}{'step s':>9}{'data s':>8}{'mem GiB':>9}"
+    def measure(name: str, overrides: str, mb: int) -> dict:
+        # No gradient accumulation: the global batch is micro-batch x ranks.
+        ov = shlex.split(overrides) + shlex.split(args.extra) + [
+            f"training.micro_batch_size={mb}", f"training.global_batch_size={mb * args.nproc}"]
+        gpu = free_gpus.get()
+        try:
+            row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
+                   **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu)}
+            if args.phases and "error" not in row:
+                timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu)
+                row.update({k: v for k, v in timed.items() if k.startswith("time_")})
+        finally:
+            free_gpus.put(gpu)
+        print(json.dumps(row), flush=True)
+        return row
+
+    with ThreadPoolExecutor(args.concurrent) as pool:
+        jobs = [pool.submit(measure, name, overrides, mb) for name, overrides in variants for mb in args.micro_batch]
+        results = [job.result() for job in jobs]
+
+    tokens = any(r.get("tokens_per_sec_per_gpu", 0) > r.get("samples_per_sec_per_gpu", 0) for r in results)
+    unit = "tokens/s/gpu" if tokens else "img/s/gpu"
+    header = f"{'variant':<22}{'mb':>5}{unit:>13}{'mfu':>7}{'step s':>9}{'data s':>8}{'mem GiB':>9}"
     if args.phases:
         header += "".join(f"{ph[:12]:>14}" for ph in PHASES)
     print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps\n{header}")
@@ -80,7 +103,8 @@ def main() -> None:
         if "error" in r:
             print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {r['error'].splitlines()[-1][:80]}")
             continue
-        line = (f"{r['variant']:<22}{r['micro_batch']:>5}{r['samples_per_sec_per_gpu']:>11.0f}"
+        rate = r["tokens_per_sec_per_gpu"] if tokens else r["samples_per_sec_per_gpu"]
+        line = (f"{r['variant']:<22}{r['micro_batch']:>5}{rate:>13.0f}"
                 f"{100 * r.get('mfu', float('nan')):>6.1f}%{r['step_time']:>9.4f}{r['data_wait']:>8.4f}"
                 f"{r['peak_mem_gib']:>9.1f}")
         if args.phases:
