@@ -53,16 +53,36 @@ def mark_split(param: nn.Parameter, dim: int) -> nn.Parameter:
     return param
 
 
+def _splits_parameters(module: nn.Module) -> bool:
+    """Whether the module holds tensor-parallel blocks: TE marks the weights of every Linear as split,
+    also without a parallel mode (then they are whole), so the module's own settings decide."""
+    if getattr(module, "tp_size", 1) <= 1:
+        return False
+    return getattr(module, "parallel_mode", None) in ("column", "row") or bool(getattr(module, "set_parallel_mode", False))
+
+
 def splits(model: nn.Module) -> dict[str, Split]:
     """The split parameters of `model` by name."""
     out = {}
     for module_name, module in model.named_modules():
+        if not _splits_parameters(module):
+            continue
         glu = getattr(module, "activation", None) in GLU_ACTIVATIONS
         for name, param in module.named_parameters(recurse=False):
             if getattr(param, "tensor_model_parallel", False) and getattr(param, "partition_dim", -1) >= 0:
                 full_name = f"{module_name}.{name}" if module_name else name
                 out[full_name] = Split(param.partition_dim, glu and name.startswith("fc1_"))
     return out
+
+
+def unmark_whole_parameters(model: nn.Module) -> None:
+    """Clear the split mark of parameters that are whole (e.g. a TE Linear without parallel mode), so that
+    Megatron-FSDP keeps them replicated over the tensor-parallel ranks."""
+    for module in model.modules():
+        if not _splits_parameters(module):
+            for param in module.parameters(recurse=False):
+                if getattr(param, "tensor_model_parallel", False):
+                    param.tensor_model_parallel = False
 
 
 def full_numel(model: nn.Module, size: int) -> int:

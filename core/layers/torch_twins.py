@@ -233,6 +233,7 @@ class LayerNormLinear(nn.Module):
             raise NotImplementedError(f"LayerNormLinear: parallel_mode={parallel_mode!r} (the torch backend: None or 'column')")
         self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "LayerNormLinear"), tp_group
         self.column_parallel = parallel_mode == "column" and self.tp_size > 1
+        self.parallel_mode = "column" if self.column_parallel else None
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.layer_norm_weight = _param((in_features,), params_dtype, device)
         self.layer_norm_bias = _param((in_features,), params_dtype, device) if normalization == "LayerNorm" else None
@@ -282,7 +283,7 @@ class LayerNormMLP(nn.Module):
         if activation not in ACTIVATIONS:
             raise ValueError(f"activation {activation!r} is not one of {sorted(ACTIVATIONS)}")
         self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "LayerNormMLP"), tp_group
-        self.parallel = set_parallel_mode and self.tp_size > 1
+        self.parallel = self.set_parallel_mode = set_parallel_mode and self.tp_size > 1
         ffn = _divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size") if self.parallel else ffn_hidden_size
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
         self.activation = activation  # TE's name (core.tensor_parallel reads it to find GLU weights)

@@ -16,7 +16,7 @@ from core.config import ConfigError, DistributedConfig
 from core.distributed import DistEnv
 from core.parallel.base import Parallel
 from core.precision import DTYPES
-from core.tensor_parallel import splits
+from core.tensor_parallel import splits, unmark_whole_parameters
 
 BACKENDS = ("mfsdp", "fsdp2", "ddp")
 
@@ -57,6 +57,7 @@ def shard(model: nn.Module, backend: str, env: DistEnv, cfg: DistributedConfig, 
             raise ConfigError(f"distributed.tp={env.tp}: this recipe's model has no tensor-parallel layers")
         if backend == "ddp":
             raise ConfigError("distributed.tp > 1 needs distributed.backend=mfsdp or fsdp2 (ddp keeps whole replicas)")
+        unmark_whole_parameters(model)
     if backend == "fsdp2":
         from core.parallel.fsdp2 import FSDP2
 
