@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpoint import CheckpointError, Checkpointer, load_weights, set_rng_state
 from core import config as config_lib
-from core import distributed, launch, optim, parallel, precision, tensor_parallel
+from core import activation_checkpointing, distributed, launch, optim, parallel, precision, tensor_parallel
 from core import layers as layers_lib
 from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
 from core.datasets import MultiEpochDatasetResampler
@@ -128,6 +128,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     layers = layers_lib.get_layers(layer_backend, env.tensor_parallel())
     model = recipe.build_model(layers, env.device)
     num_params = tensor_parallel.full_numel(model, env.tp)
+    if t.activation_checkpointing:  # trade compute for memory: blocks recompute activations in backward
+        activation_checkpointing.apply(model, recipe.unit_modules(layers), layer_backend)
 
     # 4. Shard: wrap for data parallelism; `par.module` is what we call, `par.inner` the bare model.
     par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),

@@ -31,6 +31,9 @@ class TrainingConfig:
     # Log the seconds per step spent in forward+backward, gradient sync + clipping and the optimizer
     # step (synchronises the GPU at those boundaries: for benchmarks).
     time_phases: bool = False
+    # Recompute each transformer block's activations in the backward pass instead of keeping them
+    # (core/activation_checkpointing.py): less memory, about one more forward pass of compute.
+    activation_checkpointing: bool = False
     # A NaN/Inf loss or gradient norm: "stop" the run naming the step (checked at log and save steps,
     # never saved), or "skip" that optimizer step (costs one host sync per step to decide).
     on_nonfinite: str = "stop"

@@ -153,14 +153,16 @@ def _close(a: float, b: float) -> bool:
 
 def test_tensor_and_data_parallel_match_one_process(tmp_path):
     """gpt_sanity from the same initial weights: 2 processes at TP=2 (fsdp2 over DTensors, 2 accumulated
-    micro-batches), 2 at DP=2 (1 micro-batch each), 4 at DP=2 x TP=2 (2-D shards) and 1 process
-    (2 micro-batches) give the same losses and gradient norms."""
+    micro-batches), 2 at DP=2 (1 micro-batch each), 4 at DP=2 x TP=2 (2-D shards), 2 at TP=2 with activation
+    checkpointing (blocks recomputed in the backward pass) and 1 process (2 micro-batches) give the same
+    losses and gradient norms."""
     from tests.checkpoint_harness import run_phases
     from tests.helpers import run_workers
 
     runs = {}
     for label, nproc, extra in (("1 process", 1, []), ("DP=2", 2, []), ("TP=2", 2, ["distributed.tp=2"]),
-                                ("DP=2 x TP=2", 4, ["distributed.tp=2"])):
+                                ("DP=2 x TP=2", 4, ["distributed.tp=2"]),
+                                ("TP=2 recomputed", 2, ["distributed.tp=2", "training.activation_checkpointing=true"])):
         folder = tmp_path / label.replace(" ", "_").replace("=", "")
         phase = {"config": "gpt_sanity", "run_dir": str(folder),
                  "overrides": STEPS4 + extra + [f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={folder}/c"]}
@@ -169,7 +171,7 @@ def test_tensor_and_data_parallel_match_one_process(tmp_path):
         runs[label] = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "split" not in r}
     reference = runs["1 process"]
     assert sorted(reference) == [1, 2, 3, 4]
-    for label in ("DP=2", "TP=2", "DP=2 x TP=2"):
+    for label in ("DP=2", "TP=2", "DP=2 x TP=2", "TP=2 recomputed"):
         assert sorted(runs[label]) == [1, 2, 3, 4]
         for step, (loss, grad_norm) in reference.items():
             print(f"GPT step {step}: 1 process loss {loss!r} grad norm {grad_norm!r}, {label} {runs[label][step]!r}")
@@ -220,3 +222,20 @@ def test_tensor_parallel_is_refused_where_it_cannot_work():
     recipe = gpt_recipe(["model.num_query_groups=3", "model.num_attention_heads=6", "model.hidden_size=96"])
     with pytest.raises(ConfigError, match="num_query_groups=3 is not divisible by distributed.tp=2"):
         recipe.build_model(replace(TORCH_LAYERS, tp=TensorParallel(2, 0, object())), torch.device("cpu"))
+
+
+def test_activation_checkpointing_recomputes_each_block_and_keeps_the_names():
+    from core import activation_checkpointing
+    from core.layers import TORCH_LAYERS
+
+    recipe = gpt_recipe()
+    model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
+    names = [n for n, _ in model.named_parameters()]
+    calls = []
+    for i, block in enumerate(model.layers):  # count the blocks' computations
+        original = block.forward
+        block.forward = lambda *a, _f=original, _i=i, **k: (calls.append(_i), _f(*a, **k))[1]
+    assert activation_checkpointing.apply(model, recipe.unit_modules(TORCH_LAYERS), "torch") == 4
+    model(torch.randint(0, 258, (2, 16))).float().square().mean().backward()
+    assert calls == [0, 1, 2, 3, 3, 2, 1, 0]  # forward, then each block again during the backward pass
+    assert [n for n, _ in model.named_parameters()] == names and all(p.grad is not None for p in model.parameters())
