@@ -165,7 +165,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     if restored and resumed.get("dataset_len") not in (0, len(data.train)) and env.is_main:
         log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
                     "the interrupted run's", len(data.train), resumed["dataset_len"])
-    train_loader = make_loader(train_stream, sampler, cfg.data.num_workers, pin, cfg.seed + env.rank,
+    # Worker seeds follow the data-parallel rank: tensor-parallel peers must see the same batches.
+    train_loader = make_loader(train_stream, sampler, cfg.data.num_workers, pin, cfg.seed + env.dp_rank,
                                recipe.collate_fn(), stop_signals)
     val_loader = None
     if data.val is not None and t.limit_val_batches != 0:

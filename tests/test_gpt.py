@@ -239,3 +239,52 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_names():
     model(torch.randint(0, 258, (2, 16))).float().square().mean().backward()
     assert calls == [0, 1, 2, 3, 3, 2, 1, 0]  # forward, then each block again during the backward pass
     assert [n for n, _ in model.named_parameters()] == names and all(p.grad is not None for p in model.parameters())
+
+
+def _glu_layer_step(tmp: str, tp: int):
+    """One AdamW step of a biased SwiGLU twin block, sharded by fsdp2 at `tp`, saved with DCP to tmp/tp<tp>."""
+    import torch.distributed.checkpoint as dcp
+
+    from core import distributed, parallel
+    from core.config import DistributedConfig
+    from core.init import init_parameters, standard_rule
+    from core.layers.torch_twins import TransformerLayer
+
+    env = distributed.setup(1, -1, tp, 5)
+    try:
+        layer = torch.nn.Sequential(TransformerLayer(
+            16, 24, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0, bias=True, activation="swiglu",
+            normalization="RMSNorm", attn_input_format="bshd", **env.tensor_parallel().layer_kwargs()))
+        init_parameters(layer, 0, standard_rule(0.5), env.tensor_parallel())
+        par = parallel.shard(layer, "fsdp2", env, DistributedConfig(), [TransformerLayer], "fp32")
+        optimizer = torch.optim.AdamW([p for _, p in par.named_parameters()], lr=0.1)
+        torch.manual_seed(0)
+        par.module(torch.randn(2, 5, 16)).square().mean().backward()
+        optimizer.step()
+        dcp.save({"model": par.model_state_dict(), "optim": par.optimizer_state_dict(optimizer)},
+                 checkpoint_id=f"{tmp}/tp{tp}")
+    finally:
+        distributed.teardown()
+
+
+def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
+    """A biased SwiGLU block: fc1 weight, fc1 bias and their Adam moments saved at TP=2 equal those saved at TP=1."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from checkpoint import _empty_like_saved
+    from tests.helpers import run_workers
+    import torch.distributed.checkpoint as dcp
+
+    run_workers(1, _glu_layer_step, str(tmp_path), 1)
+    run_workers(2, _glu_layer_step, str(tmp_path), 2)
+    saved = {}
+    for tp in (1, 2):
+        metadata = FileSystemReader(f"{tmp_path}/tp{tp}").read_metadata()
+        keys = [k for k in metadata.state_dict_metadata if "fc1_" in k and not k.endswith(".step")]
+        state = {k: _empty_like_saved(metadata, k) for k in keys}
+        with pytest.warns(UserWarning, match="load in a single process"):
+            dcp.load(state, checkpoint_id=f"{tmp_path}/tp{tp}", no_dist=True)
+        saved[tp] = state
+    assert sorted(saved[1]) == sorted(saved[2]) and len(saved[1]) == 6  # weight, bias; value, exp_avg, exp_avg_sq
+    for key, value in saved[1].items():
+        assert torch.allclose(saved[2][key], value, rtol=1e-5, atol=1e-7), key

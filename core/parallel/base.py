@@ -96,7 +96,7 @@ class Parallel:
         state = self._optimizer_state_dict(optimizer)
         for name in self.glu & set(state["state"]):
             for value in state["state"][name].values():
-                if isinstance(value, DTensor) and value.dim() == 2:  # exp_avg and the like, not the step count
+                if isinstance(value, DTensor) and value.dim() >= 1:  # exp_avg and the like, not the step count
                     use_full_layout(value, self.tp_size)
         return state
 

@@ -59,6 +59,9 @@ class MegatronFSDP(Parallel):
 
         if cfg.zero_dp_strategy not in (0, 1, 2, 3):
             raise ConfigError(f"distributed.mfsdp.zero_dp_strategy={cfg.zero_dp_strategy}: expected 0, 1, 2 or 3")
+        if not cfg.preproc_state_dict_for_dcp_ckpt:
+            raise ConfigError("distributed.mfsdp.preproc_state_dict_for_dcp_ckpt=false: checkpoints (and full weights "
+                              "for tests) need the offsets of Megatron-FSDP's uneven shards that it provides; keep it true")
         if cfg.zero_dp_strategy >= 2 and not unit_modules:
             raise ConfigError("distributed.mfsdp.zero_dp_strategy>=2 needs fsdp_unit_modules")
         hsdp = env.dp_outer > 1
