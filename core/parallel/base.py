@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import ContextManager, Iterator
+from typing import ContextManager, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -29,6 +29,7 @@ class Parallel:
         self.inner = inner
         self.tp_size = 1
         self.glu: set[str] = set()
+        self._by_sharding: Optional[dict[tuple, list[nn.Parameter]]] = None
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(canonical name, parameter the optimizer must update)."""
@@ -53,18 +54,13 @@ class Parallel:
         over the mesh dimensions that shard it (a replica, e.g. over tensor-parallel ranks, counts once).
         Works alike for plain tensors (DDP), even DTensor shards (FSDP2, 1-D or with TP 2-D) and Megatron-
         FSDP's uneven ones, where a rank may hold no piece of a parameter (its .grad is then None)."""
-        params = [p for _, p in self.named_parameters()]
-        by_sharding: dict[tuple, list[torch.Tensor]] = {}
-        for p in params:
-            groups = ()
-            if isinstance(p, DTensor):  # (FSDP2's _StridedShard shards too, though is_shard() says no)
-                groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
-            grads = by_sharding.setdefault(groups, [])
-            g = p.grad._local_tensor if isinstance(p.grad, DTensor) else p.grad
-            if g is not None and g.numel():
-                grads.append(g)
+        by_sharding = self._params_by_sharding()
+        local: list[torch.Tensor] = []
         sums = []
-        for groups, grads in by_sharding.items():  # the same keys in the same order on every rank
+        for groups, params in by_sharding.items():  # the same keys in the same order on every rank
+            grads = [g._local_tensor if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+            grads = [g for g in grads if g.numel()]
+            local += grads
             sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
             if grads:
                 sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
@@ -72,10 +68,20 @@ class Parallel:
                 dist.all_reduce(sq, group=group)
             sums.append(sq)
         norm = torch.stack(sums).sum().sqrt()
-        local = [g for grads in by_sharding.values() for g in grads]
         if max_norm > 0 and local:
             torch._foreach_mul_(local, torch.clamp(max_norm / (norm + 1e-6), max=1.0))
         return norm
+
+    def _params_by_sharding(self) -> dict[tuple, list[nn.Parameter]]:
+        """The parameters grouped by the process groups that shard them (worked out once: they do not change)."""
+        if self._by_sharding is None:
+            self._by_sharding = {}
+            for _, p in self.named_parameters():
+                groups = ()
+                if isinstance(p, DTensor):  # (FSDP2's _StridedShard shards too, though is_shard() says no)
+                    groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
+                self._by_sharding.setdefault(groups, []).append(p)
+        return self._by_sharding
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         optimizer.step()
