@@ -32,12 +32,14 @@ from omegaconf import DictConfig, OmegaConf
 
 from checkpoint import CheckpointError, Checkpointer, load_weights, set_rng_state
 from core import config as config_lib
-from core import activation_checkpointing, distributed, launch, optim, parallel, precision, tensor_parallel
+from core import activation_checkpointing, compilation, distributed, launch, optim, parallel, precision, tensor_parallel
 from core import layers as layers_lib
-from core.data import EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader, to_device
+from core.data import (EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader,
+                       prefetch_to_device, to_device)
 from core.datasets import MultiEpochDatasetResampler
 from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
 from core.preemption import StopSignals, parse_signals
+from core.profiling import StepProfiler
 from recipes import get_recipe
 
 log = logging.getLogger("train")
@@ -130,6 +132,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     num_params = tensor_parallel.full_numel(model, env.tp)
     if t.activation_checkpointing:  # trade compute for memory: blocks recompute activations in backward
         activation_checkpointing.apply(model, recipe.unit_modules(layers), layer_backend)
+    if t.compile:  # torch.compile block by block: fused elementwise kernels, same parameter names
+        compilation.apply(model, recipe.unit_modules(layers))
 
     # 4. Shard: wrap for data parallelism; `par.module` is what we call, `par.inner` the bare model.
     par = parallel.shard(model, dist_backend, env, cfg.distributed, recipe.unit_modules(layers),
@@ -190,8 +194,9 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     # 8. The loop. `step` counts optimizer steps completed.
     model = par.module
     model.train()
-    train_iter = iter(train_loader)
+    train_iter = prefetch_to_device(iter(train_loader), env.device)  # next batch's copy overlaps this step
     timer = PhaseTimer(t.time_phases, env.device)
+    profiler = StepProfiler(t.profile, run_dir, env.rank, env.device, first_step=start_step + 1)
     last_loss, last_val, stopped_by = float("nan"), {}, None
     signals = StopSignals(stop_signals)
     # First step whose loss or gradient norm was NaN/Inf (inf: none), kept on the device: checking
@@ -213,7 +218,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
 
         # The loss is the mean over every loss term (sample or token) of the global batch, so count
         # them first. The backends average gradients over data-parallel ranks; dp_size undoes that.
-        count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)  # exact counts
+        count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)
         dist.all_reduce(count, group=env.dp_group)
         loss_scale = env.dp_size / count  # a device tensor: no host sync here
         loss_sum = torch.zeros((), device=env.device)
@@ -287,6 +292,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
                                       {f"val/{k}": v for k, v in step_val.items()}, force_sync=stop)
             logger.log({"step": step, "stall_s": stall}, prefix="checkpoint")
         excluded += time.perf_counter() - pause
+        profiler.step()
         if stop:
             stopped_by = signals.received or "a signal on another rank"
             if env.is_main:
@@ -295,6 +301,7 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
             break
 
     checkpointer.wait()  # an async save still in flight
+    profiler.close()
     signals.close()
     logger.close()
     model_state = par.full_state_dict() if return_model_state else None

@@ -18,6 +18,16 @@ from omegaconf.errors import OmegaConfBaseException
 
 
 @dataclass
+class ProfileConfig:
+    """torch.profiler over a few optimizer steps (core/profiling.py): a trace and a summary per rank."""
+    enabled: bool = False
+    start_step: int = 10  # first recorded step (counted like the loop's steps, from 1)
+    steps: int = 3
+    record_shapes: bool = False
+    with_stack: bool = False
+
+
+@dataclass
 class TrainingConfig:
     steps: int = MISSING
     micro_batch_size: int = MISSING
@@ -34,6 +44,10 @@ class TrainingConfig:
     # Recompute each transformer block's activations in the backward pass instead of keeping them
     # (core/activation_checkpointing.py): less memory, about one more forward pass of compute.
     activation_checkpointing: bool = False
+    # torch.compile each transformer block's forward (core/compilation.py): fuses the elementwise work
+    # of plain-torch blocks; TE blocks keep their own kernels (TE code is not traced).
+    compile: bool = False
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
     # A NaN/Inf loss or gradient norm: "stop" the run naming the step (checked at log and save steps,
     # never saved), or "skip" that optimizer step (costs one host sync per step to decide).
     on_nonfinite: str = "stop"
@@ -139,7 +153,7 @@ class OptimConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping (the norm is still logged)
-    # null: torch's default (foreach). true needs CUDA tensors.
+    # null: fused on CUDA, torch's default (foreach) on CPU.
     fused: Optional[bool] = None
 
 

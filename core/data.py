@@ -110,6 +110,41 @@ def to_device(batch, device: torch.device):
     return batch
 
 
+def prefetch_to_device(batches: Iterator, device: torch.device) -> Iterator:
+    """The batches of `batches`, on `device`. On CUDA the next batch's host-to-device copy is started on a
+    side stream before the current batch is handed out, so it overlaps the current step's compute instead
+    of waiting behind it on the compute stream (with pinned host memory the copy is asynchronous)."""
+    if device.type != "cuda":
+        yield from batches
+        return
+    copy_stream = torch.cuda.Stream(device)
+
+    def start_copy(batch):
+        with torch.cuda.stream(copy_stream):
+            return to_device(batch, device)
+
+    ahead = start_copy(next(batches, None))
+    while ahead is not None:
+        compute_stream = torch.cuda.current_stream(device)
+        compute_stream.wait_stream(copy_stream)
+        batch = ahead
+        _record_stream(batch, compute_stream)  # its memory was allocated on the copy stream
+        nxt = next(batches, None)
+        ahead = start_copy(nxt) if nxt is not None else None
+        yield batch
+
+
+def _record_stream(batch, stream) -> None:
+    if isinstance(batch, torch.Tensor):
+        batch.record_stream(stream)
+    elif isinstance(batch, dict):
+        for v in batch.values():
+            _record_stream(v, stream)
+    elif isinstance(batch, (list, tuple)):
+        for v in batch:
+            _record_stream(v, stream)
+
+
 def accumulation_steps(global_batch_size: int, micro_batch_size: int, dp_size: int) -> int:
     """Micro-batches per optimizer step on each rank; a clear error when the sizes don't divide."""
     per_step = micro_batch_size * dp_size

@@ -30,8 +30,10 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
         raise ConfigError(f"optim.name={cfg.name!r}: only adamw is available")
     if len(cfg.betas) != 2:
         raise ConfigError(f"optim.betas={list(cfg.betas)}: expected two values")
-    kwargs = {} if cfg.fused is None else {"fused": cfg.fused}
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, **kwargs)
+    fused = cfg.fused
+    if fused is None:  # one fused kernel for all tensors on GPUs; torch's default (foreach) elsewhere
+        fused = all(p.device.type == "cuda" for g in groups for p in g["params"]) or None
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:
