@@ -194,7 +194,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     # 8. The loop. `step` counts optimizer steps completed.
     model = par.module
     model.train()
-    train_iter = prefetch_to_device(iter(train_loader), env.device)  # next batch's copy overlaps this step
+    # The micro-batches this run takes; the next one's host-to-device copy overlaps the current step.
+    train_iter = prefetch_to_device(iter(train_loader), env.device, max(0, t.steps - start_step) * accum)
     timer = PhaseTimer(t.time_phases, env.device)
     profiler = StepProfiler(t.profile, run_dir, env.rank, env.device, first_step=start_step + 1)
     last_loss, last_val, stopped_by = float("nan"), {}, None

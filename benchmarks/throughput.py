@@ -34,7 +34,7 @@ PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
 
 
 def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool, data: str = "synthetic",
-                gpus: str | None = None) -> dict:
+                gpus: str | None = None, timeout: float | None = None) -> dict:
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
     with tempfile.TemporaryDirectory() as tmp:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
@@ -43,7 +43,10 @@ def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phase
                f"training.log_every_n_steps={steps}", "training.val_every_n_steps=0", "training.val_at_end=false",
                "checkpoint.save_final=false", "logger.progress_bar=never", f"training.time_phases={phases}",
                f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            return {"error": f"{(e.stderr or b'')[-2000:]!r}\ntimed out after {timeout:.0f} s"}
         if proc.returncode != 0:
             return {"error": (proc.stdout + proc.stderr)[-2000:]}
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -62,6 +65,7 @@ def main() -> None:
     p.add_argument("--extra", default="", help="overrides added to every variant")
     p.add_argument("--data", default="synthetic", help='data config for every variant ("": the config\'s own)')
     p.add_argument("--concurrent", type=int, default=1, help="with --nproc 1: variants run at once, one per GPU")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per variant run before it counts as failed")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
     if args.concurrent > 1 and args.nproc != 1:
@@ -80,9 +84,9 @@ def main() -> None:
         gpu = free_gpus.get()
         try:
             row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
-                   **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu)}
+                   **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout)}
             if args.phases and "error" not in row:
-                timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu)
+                timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu, args.timeout)
                 row.update({k: v for k, v in timed.items() if k.startswith("time_")})
         finally:
             free_gpus.put(gpu)

@@ -14,6 +14,7 @@ collectives) and padding never reaches the metrics.
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import signal
 from typing import Iterator
@@ -110,27 +111,28 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def prefetch_to_device(batches: Iterator, device: torch.device) -> Iterator:
-    """The batches of `batches`, on `device`. On CUDA the next batch's host-to-device copy is started on a
-    side stream before the current batch is handed out, so it overlaps the current step's compute instead
-    of waiting behind it on the compute stream (with pinned host memory the copy is asynchronous)."""
-    if device.type != "cuda":
-        yield from batches
-        return
-    copy_stream = torch.cuda.Stream(device)
+def prefetch_to_device(batches: Iterator, device: torch.device, count: int) -> Iterator:
+    """The first `count` batches of `batches`, on `device`, one fetched ahead (never more than `count`
+    are taken). On CUDA the next batch's host-to-device copy is started on a side stream before the
+    current batch is handed out, so it overlaps the current step's compute instead of waiting behind it
+    on the compute stream (with pinned host memory the copy is asynchronous)."""
+    batches = itertools.islice(batches, count)
+    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start_copy(batch):
+        if batch is None or copy_stream is None:
+            return batch
         with torch.cuda.stream(copy_stream):
             return to_device(batch, device)
 
     ahead = start_copy(next(batches, None))
     while ahead is not None:
-        compute_stream = torch.cuda.current_stream(device)
-        compute_stream.wait_stream(copy_stream)
         batch = ahead
-        _record_stream(batch, compute_stream)  # its memory was allocated on the copy stream
-        nxt = next(batches, None)
-        ahead = start_copy(nxt) if nxt is not None else None
+        if copy_stream is not None:
+            compute_stream = torch.cuda.current_stream(device)
+            compute_stream.wait_stream(copy_stream)
+            _record_stream(batch, compute_stream)  # its memory was allocated on the copy stream
+        ahead = start_copy(next(batches, None))
         yield batch
 
 

@@ -149,3 +149,20 @@ def test_synthetic_images_are_deterministic():
     a, b = ds[5], ds[5]
     assert torch.equal(a["image"], b["image"]) and a["label"] == b["label"]
     assert not torch.equal(ds[6]["image"], a["image"])
+
+
+def test_prefetch_takes_exactly_the_batches_the_run_needs():
+    """One batch is fetched ahead, but never past `count`: the training stream ends there (an
+    IndexError beyond it), so the last step must not ask for more."""
+    from core.data import prefetch_to_device
+
+    def stream(n):
+        for i in range(n):
+            yield {"x": torch.full((2,), float(i))}
+        raise AssertionError("asked for a batch past the end")
+
+    got = list(prefetch_to_device(stream(5), torch.device("cpu"), 5))
+    assert [int(b["x"][0]) for b in got] == [0, 1, 2, 3, 4]
+    assert list(prefetch_to_device(stream(5), torch.device("cpu"), 0)) == []
+    it = prefetch_to_device(iter([{"x": torch.ones(1)}] * 3), torch.device("cpu"), 10)
+    assert len(list(it)) == 3  # a shorter source simply ends
