@@ -1,7 +1,7 @@
 """`training.profile`: a torch.profiler trace of a few optimizer steps, to see where a step's time goes.
 
-The steps `start_step .. start_step + steps - 1` are recorded (one more step before them warms the
-profiler up). Each rank writes `<run dir>/profile/rank<R>.trace.json` (open it in https://ui.perfetto.dev
+The steps `start_step .. start_step + steps - 1` are recorded (the step before them warms the profiler
+up); in the trace they are the regions ProfilerStep#<step>. Each rank writes `<run dir>/profile/rank<R>.trace.json` (open it in https://ui.perfetto.dev
 or chrome://tracing) and `rank<R>.summary.txt`, the operators and kernels that took the most time.
 """
 
@@ -11,7 +11,7 @@ import logging
 from pathlib import Path
 
 import torch
-from torch.profiler import ProfilerActivity, profile, schedule
+from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
 from core.config import ConfigError, ProfileConfig
 
@@ -25,15 +25,25 @@ class StepProfiler:
             return
         if cfg.steps < 1 or cfg.start_step < 1:
             raise ConfigError(f"training.profile: start_step={cfg.start_step} and steps={cfg.steps} must be >= 1")
-        wait = cfg.start_step - first_step - 1  # steps before the warm-up step
-        if wait < 0:
-            log.warning("training.profile.start_step=%d is not after this run's first step %d: nothing is profiled",
+        if cfg.start_step < first_step:
+            log.warning("training.profile.start_step=%d is before this run's first step %d: nothing is profiled",
                         cfg.start_step, first_step)
             return
         self.out, self.rank, self.cuda = run_dir / "profile", rank, device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
-        self.prof = profile(activities=activities, schedule=schedule(wait=wait, warmup=1, active=cfg.steps, repeat=1),
-                            on_trace_ready=self._write, record_shapes=cfg.record_shapes, with_stack=cfg.with_stack)
+        first, last = cfg.start_step, cfg.start_step + cfg.steps - 1
+
+        def action(step: int) -> ProfilerAction:  # `step`: the loop's step number
+            if step == first - 1:
+                return ProfilerAction.WARMUP
+            if first <= step < last:
+                return ProfilerAction.RECORD
+            return ProfilerAction.RECORD_AND_SAVE if step == last else ProfilerAction.NONE
+
+        self.prof = profile(activities=activities, schedule=action, on_trace_ready=self._write,
+                            record_shapes=cfg.record_shapes, with_stack=cfg.with_stack)
+        # Count like the loop (trace regions are labelled ProfilerStep#<step>), from this run's first step.
+        self.prof.step_num, self.prof.current_action = first_step, action(first_step)
         self.prof.start()
 
     def _write(self, prof) -> None:

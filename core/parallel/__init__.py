@@ -51,6 +51,10 @@ def shard(model: nn.Module, backend: str, env: DistEnv, cfg: DistributedConfig, 
           param_dtype: str) -> Parallel:
     """Wrap `model` (identical on every rank, or on every rank of a tensor-parallel position; already on
     env.device) for data parallelism."""
+    if backend == "ddp" and param_dtype != "fp32":
+        raise ConfigError(f"distributed.backend=ddp with precision.param_dtype={param_dtype}: DDP would train the "
+                          "weights themselves in that dtype, with no fp32 master copy; use precision.param_dtype=fp32 "
+                          "with ddp, or mfsdp / fsdp2, which keep fp32 master weights")
     split = splits(model) if env.tp > 1 else {}
     if env.tp > 1:
         if not split:
