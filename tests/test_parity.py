@@ -118,9 +118,12 @@ def test_two_ranks_match_single_process_reference(overrides, shim, reference, tm
     assert_matches(results[0], reference)
 
 
-def test_single_process_loop_matches_reference(reference, tmp_path):
+@pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False),
+                                            (["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=3"], True)],
+                         ids=["fsdp2", "mfsdp-one-rank-runs-zero0"])
+def test_single_process_loop_matches_reference(overrides, shim, reference, tmp_path):
     # 1 rank x micro-batch 4 x 4 accumulation steps.
-    (result,) = run_workers(1, _train_worker, COMMON + ["distributed=fsdp2"], str(tmp_path), False)
+    (result,) = run_workers(1, _train_worker, COMMON + overrides, str(tmp_path), shim)
     assert_matches(result, reference)
 
 
