@@ -1,0 +1,119 @@
+"""Do two training settings learn the same? Train each for N steps from the same seed and data order,
+then compare the loss curves (e.g. FP8 against bf16).
+
+    python benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --nproc 1 \
+        --variant "bf16=" --variant "fp8_delayed=precision=fp8_delayed precision.param_dtype=bf16"
+
+Prints, for every variant after the first, the largest gap between its loss curve and the first
+variant's, both smoothed over --window steps, absolute and relative to the first variant's loss there,
+plus the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
+which needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def train_losses(config: str, nproc: int, steps: int, overrides: list[str], timeout: float) -> list[float]:
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               str(REPO / "train.py"), "--config-name", config, f"training.steps={steps}",
+               "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
+               "checkpoint.save_final=false", "logger.progress_bar=never", f"hydra.run.dir={tmp}/run",
+               f"checkpoint.path={tmp}/ckpt", *overrides]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+        return [r["loss"] for r in rows if "split" not in r and "loss" in r]
+
+
+def smooth(values: list[float], window: int) -> list[float]:
+    """Trailing mean over up to `window` values."""
+    out, total = [], 0.0
+    for i, v in enumerate(values):
+        total += v - (values[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", default="vit_base_patch16_224")
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--variant", action="append", required=True, help='"name=override ..."; the first is the reference')
+    p.add_argument("--extra", default="", help="overrides added to every variant")
+    p.add_argument("--window", type=int, default=20, help="steps of smoothing before comparing")
+    p.add_argument("--timeout", type=float, default=1800)
+    p.add_argument("--plot", action="store_true")
+    p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = p.parse_args()
+    if len(args.variant) < 2:
+        p.error("give at least two --variant")
+
+    curves = {}
+    for spec in args.variant:
+        name, _, overrides = spec.partition("=")
+        curves[name] = train_losses(args.config, args.nproc, args.steps,
+                                    shlex.split(overrides) + shlex.split(args.extra), args.timeout)
+        print(f"{name}: {len(curves[name])} steps, first loss {curves[name][0]:.4f}, last {curves[name][-1]:.4f}",
+              flush=True)
+
+    names = list(curves)
+    ref = smooth(curves[names[0]], args.window)
+    summary = {}
+    for name in names[1:]:
+        other = smooth(curves[name], args.window)
+        gaps = [abs(a - b) for a, b in zip(other, ref)]
+        worst = max(range(len(gaps)), key=gaps.__getitem__)
+        summary[name] = {"max_abs_gap": gaps[worst], "at_step": worst + 1, "max_rel_gap": gaps[worst] / abs(ref[worst]),
+                         "final_smoothed": other[-1], "reference_final_smoothed": ref[-1]}
+        print(f"{name} vs {names[0]}: largest gap of the {args.window}-step means {gaps[worst]:.4f} at step "
+              f"{worst + 1} ({100 * summary[name]['max_rel_gap']:.2f}% of the loss); final {other[-1]:.4f} vs "
+              f"{ref[-1]:.4f}")
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = out / f"loss_curves-{args.config}-{stamp}.json"
+    path.write_text(json.dumps({"config": args.config, "nproc": args.nproc, "date": stamp, "window": args.window,
+                                "command": " ".join(shlex.quote(a) for a in sys.argv), "curves": curves,
+                                "summary": summary}, indent=1))
+    print(f"wrote {path}")
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        for name, losses in curves.items():
+            ax.plot(range(1, len(losses) + 1), losses, alpha=0.25)
+            ax.plot(range(1, len(losses) + 1), smooth(losses, args.window), label=f"{name} ({args.window}-step mean)")
+        ax.set_xlabel("step")
+        ax.set_ylabel("training loss")
+        ax.set_title(f"{args.config}, {args.nproc} process(es)")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(path.with_suffix(".png"), dpi=120)
+        print(f"wrote {path.with_suffix('.png')}")
+    if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
+        for f in (path, path.with_suffix(".png")):
+            if f.exists():
+                (Path(os.environ["OUT"]) / f.name).write_bytes(f.read_bytes())
+
+
+if __name__ == "__main__":
+    main()
