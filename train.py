@@ -35,7 +35,7 @@ from core import config as config_lib
 from core import activation_checkpointing, compilation, distributed, launch, optim, parallel, precision, tensor_parallel
 from core import layers as layers_lib
 from core.data import (EvalBatchSampler, GlobalBatchSampler, PaddedEval, accumulation_steps, make_loader,
-                       prefetch_to_device, to_device)
+                       prefetch_to_device)
 from core.datasets import MultiEpochDatasetResampler
 from core.metrics import MetricsLogger, PhaseTimer, peak_bf16_flops, peak_memory_gib
 from core.preemption import StopSignals, parse_signals
@@ -195,7 +195,8 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
     model = par.module
     model.train()
     # The micro-batches this run takes; the next one's host-to-device copy overlaps the current step.
-    train_iter = prefetch_to_device(iter(train_loader), env.device, max(0, t.steps - start_step) * accum)
+    train_iter = prefetch_to_device(iter(train_loader), env.device, max(0, t.steps - start_step) * accum,
+                                    recipe.to_device)
     timer = PhaseTimer(t.time_phases, env.device)
     profiler = StepProfiler(t.profile, run_dir, env.rank, env.device, first_step=start_step + 1)
     last_loss, last_val, stopped_by = float("nan"), {}, None
@@ -225,7 +226,6 @@ def train(cfg: DictConfig, env: distributed.DistEnv, run_dir: Path, return_model
         loss_sum = torch.zeros((), device=env.device)
         with timer.phase("forward_backward"):
             for i, batch in enumerate(micro_batches):
-                batch = to_device(batch, env.device)
                 with par.micro_batch(is_last=i == accum - 1):
                     with autocast():
                         out = recipe.forward(model, batch, training=True)
@@ -333,7 +333,7 @@ def validate(recipe, model, loader, autocast, env: distributed.DistEnv) -> dict[
     sums: dict[str, torch.Tensor] = {}
     for batch in loader:
         valid = batch.pop("valid").to(env.device, torch.float64)
-        batch = to_device(batch, env.device)
+        batch = recipe.to_device(batch, env.device)
         with autocast():
             out = recipe.forward(model, batch, training=False)
         for key, value in out.items():

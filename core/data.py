@@ -111,19 +111,22 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def prefetch_to_device(batches: Iterator, device: torch.device, count: int) -> Iterator:
-    """The first `count` batches of `batches`, on `device`, one fetched ahead (never more than `count`
-    are taken). On CUDA the next batch's host-to-device copy is started on a side stream before the
+def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None) -> Iterator:
+    """The first `count` batches of `batches`, on `device` (moved by `move(batch, device)`, to_device by
+    default), one fetched ahead (never more than `count` are taken). On CUDA the next batch's host-to-device copy is started on a side stream before the
     current batch is handed out, so it overlaps the current step's compute instead of waiting behind it
     on the compute stream (with pinned host memory the copy is asynchronous)."""
     batches = itertools.islice(batches, count)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    move = move or to_device
 
     def start_copy(batch):
-        if batch is None or copy_stream is None:
-            return batch
+        if batch is None:
+            return None
+        if copy_stream is None:
+            return move(batch, device)
         with torch.cuda.stream(copy_stream):
-            return to_device(batch, device)
+            return move(batch, device)
 
     ahead = start_copy(next(batches, None))
     while ahead is not None:

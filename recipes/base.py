@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.data import to_device
 from core.layers import Layers
 
 
@@ -63,6 +64,11 @@ class Recipe:
 
     def collate_fn(self):
         return None  # torch's default_collate
+
+    def to_device(self, batch: dict, device: torch.device) -> dict:
+        """A collated batch onto the training device (the loop calls it on a side stream for training
+        batches). Recipes that finish preprocessing on the device (decoding, augmentation) do it here."""
+        return to_device(batch, device)
 
     # --- task --------------------------------------------------------------------------------
     def loss_count(self, batch: dict) -> torch.Tensor:

@@ -81,9 +81,12 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
                     raise
                 out.append({"error": f"{type(e).__name__}: {e}", "losses": train_losses(phase["run_dir"])})
                 continue
+            # The loop fetches one micro-batch ahead (core.data.prefetch_to_device): the micro-batches it
+            # trained on are the first ones drawn from the sampler, as many as forward passes ran.
+            trained = current["samples"][:len(current["idx"])]
             out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
                         "resumed_from": result.resumed_from,
-                        "stopped_by": result.stopped_by, "samples": current["samples"], "idx": current["idx"],
+                        "stopped_by": result.stopped_by, "samples": trained, "idx": current["idx"],
                         "skipped_steps": result.skipped_steps, "state": result.model_state})
     finally:
         MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward = original_log, original_iter, original_forward

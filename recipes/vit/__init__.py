@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -10,7 +12,7 @@ from core.init import init_parameters, standard_rule
 from core.layers import Layers
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import build_image_datasets
+from recipes.vit.data import Transform, build_image_datasets, collate_encoded, decode_batch
 from recipes.vit.model import VisionTransformer
 
 
@@ -32,6 +34,19 @@ class ViTRecipe(Recipe):
 
     def build_datasets(self) -> Datasets:
         return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed))
+
+    def collate_fn(self):
+        return collate_encoded if self.cfg.data.get("decode_on") == "device" else None
+
+    def to_device(self, batch: dict, device: torch.device) -> dict:
+        if "jpeg" not in batch:
+            return super().to_device(batch, device)
+        # data.decode_on=device: decode and augment here (the crops were drawn by the loader workers).
+        return decode_batch(batch, self._device_transform, device)
+
+    @functools.cached_property
+    def _device_transform(self) -> Transform:
+        return Transform(self.cfg.data, self.cfg.model.img_size, train=True)  # the crops say train or val
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return torch.full((), float(len(batch["label"])), device=batch["label"].device)  # no host-to-device copy

@@ -60,6 +60,11 @@ class ImageDataConfig:
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     num_workers: int = 4
     pin_memory: bool = True
+    # Where JPEGs are decoded: "workers" (PIL in the loader workers, then the augmentation there) or
+    # "device" (the workers only read the bytes and draw the crop/flip; the training device decodes with
+    # torchvision.io.decode_jpeg, nvJPEG on CUDA, and crops, resizes and normalizes there). JPEG only,
+    # no mixup/cutmix.
+    decode_on: str = "workers"
     # synthetic format only: number of samples per split
     synthetic_train_size: int = 100_000
     synthetic_val_size: int = 1_000

@@ -18,11 +18,13 @@ from typing import Optional
 
 import numpy as np
 import torch
+import torchvision
 from PIL import Image
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 from torchvision import datasets
 from torchvision.transforms import v2
 
+from core.config import ConfigError
 from core.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 
@@ -138,7 +140,12 @@ def random_resized_crop_box(height: int, width: int, scale: tuple[float, float],
 
 
 class Transform:
-    """uint8 [C, H, W] image + the sample's generator -> normalized float image of img_size."""
+    """uint8 [C, H, W] image + the sample's generator -> normalized float image of img_size.
+
+    In two halves, so the random draws can happen where the file is read and the pixel work where the
+    image is decoded (data.decode_on=device): `draw` picks the crop and flip from the image size alone,
+    `apply` does them. A crop is [top, left, height, width, flip]; height -1 means the validation
+    geometry (shorter side resized, centre crop)."""
 
     def __init__(self, data: ImageDataConfig, image_size: int, train: bool):
         self.train, self.size = train, image_size
@@ -147,10 +154,20 @@ class Transform:
         self.mean, self.std = list(data.mean), list(data.std)
 
     def __call__(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        if self.train:
-            top, left, h, w = random_resized_crop_box(image.shape[-2], image.shape[-1], self.scale, self.ratio, g)
+        return self.apply(image, self.draw(image.shape[-2], image.shape[-1], g))
+
+    def draw(self, height: int, width: int, g: torch.Generator) -> list[int]:
+        if not self.train:
+            return [0, 0, -1, -1, 0]
+        top, left, h, w = random_resized_crop_box(height, width, self.scale, self.ratio, g)
+        flip = self.hflip > 0 and float(torch.rand((), generator=g)) < self.hflip
+        return [top, left, h, w, int(flip)]
+
+    def apply(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
+        top, left, h, w, flip = crop
+        if h >= 0:
             image = v2.functional.resized_crop(image, top, left, h, w, [self.size, self.size], antialias=True)
-            if self.hflip > 0 and float(torch.rand((), generator=g)) < self.hflip:
+            if flip:
                 image = v2.functional.horizontal_flip(image)
         else:
             image = v2.functional.resize(image, self.resize, antialias=True)
@@ -159,7 +176,48 @@ class Transform:
         return v2.functional.normalize(image, self.mean, self.std)
 
 
+class EncodedImageSamples(ImageSamples):
+    """data.decode_on=device: {"jpeg": the file's bytes, "crop": the sample's augmentation drawn from
+    its (seed, epoch, idx) and the size in the JPEG header, "label", "idx"}; `decode_batch` finishes the
+    job on the training device. The same crops and flips as ImageSamples draws."""
+
+    def __getitem__(self, index: EpochIndex | int) -> dict:
+        epoch, idx = epoch_index(index)
+        path, label = self.files[idx]
+        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
+        if data.numel() < 2 or data[0] != 0xFF or data[1] != 0xD8:
+            raise ValueError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
+                             "(use data.decode_on=workers for other formats)")
+        with Image.open(path) as img:  # reads the header only
+            width, height = img.size
+        crop = self.transform.draw(height, width, sample_generator(self.seed, epoch, idx))
+        return {"jpeg": data, "crop": torch.tensor(crop), "label": label, "idx": idx}
+
+
+def collate_encoded(samples: list[dict]) -> dict:
+    """Encoded samples -> a batch: the JPEG byte strings joined into one tensor (one shared-memory block
+    from a loader worker, not one per image) with their lengths; the rest collated as usual."""
+    rest = default_collate([{k: v for k, v in s.items() if k != "jpeg"} for s in samples])
+    return {"jpeg": torch.cat([s["jpeg"] for s in samples]),
+            "jpeg_sizes": torch.tensor([s["jpeg"].numel() for s in samples]), **rest}
+
+
+def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dict:
+    """Decode a collate_encoded batch on `device` (nvJPEG on CUDA, libjpeg on CPU), then crop, resize, flip
+    and normalize each image there with the crops the workers drew."""
+    files = list(torch.split(batch["jpeg"], batch["jpeg_sizes"].tolist()))  # host tensors: no device sync
+    images = torchvision.io.decode_jpeg(files, mode=torchvision.io.ImageReadMode.RGB, device=device)
+    pixels = torch.stack([transform.apply(image, crop) for image, crop in zip(images, batch["crop"].tolist())])
+    rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in ("jpeg", "jpeg_sizes", "crop")}
+    return {"image": pixels, **rest}
+
+
 def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
+    if data.decode_on not in ("workers", "device"):
+        raise ConfigError(f"data.decode_on={data.decode_on!r}: expected workers or device")
+    if data.decode_on == "device" and (data.format == "synthetic" or data.mixup_alpha > 0 or data.cutmix_alpha > 0):
+        raise ConfigError("data.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
+                         "use data.decode_on=workers")
     train, val = _image_datasets(data, model, seed)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
         train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
@@ -192,8 +250,9 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
         raise ValueError(f"data.format={data.format!r}: expected imagefolder, tiny_imagenet or synthetic")
     if len(classes) != model.num_classes:
         raise ValueError(f"{root} has {len(classes)} classes but model.num_classes={model.num_classes}")
-    train = ImageSamples(train_files, Transform(data, size, train=True), seed)
-    val = ImageSamples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
+    samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
+    train = samples(train_files, Transform(data, size, train=True), seed)
+    val = samples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
     return train, val
 
 
