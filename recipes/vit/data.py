@@ -8,6 +8,7 @@ of the sample, never from the global RNGs (core/dataset_checks.py verifies that 
 from __future__ import annotations
 
 import fcntl
+import io
 import logging
 import math
 import os
@@ -164,16 +165,24 @@ class Transform:
         return [top, left, h, w, int(flip)]
 
     def apply(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
-        top, left, h, w, flip = crop
+        return self.finish(self.geometry(image, crop)[None], torch.tensor([crop[4]], dtype=torch.bool))[0]
+
+    def geometry(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
+        """The crop (training: random resized crop; validation: resize + centre crop) -> uint8 [C, S, S]."""
+        top, left, h, w, _ = crop
         if h >= 0:
-            image = v2.functional.resized_crop(image, top, left, h, w, [self.size, self.size], antialias=True)
-            if flip:
-                image = v2.functional.horizontal_flip(image)
-        else:
-            image = v2.functional.resize(image, self.resize, antialias=True)
-            image = v2.functional.center_crop(image, [self.size, self.size])
-        image = v2.functional.to_dtype(image, torch.float32, scale=True)
-        return v2.functional.normalize(image, self.mean, self.std)
+            return v2.functional.resized_crop(image, top, left, h, w, [self.size, self.size], antialias=True)
+        image = v2.functional.resize(image, self.resize, antialias=True)
+        return v2.functional.center_crop(image, [self.size, self.size])
+
+    def finish(self, images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
+        """A batch [N, C, S, S] of uint8 crops -> flipped where `flips` (a host bool tensor) says, as
+        normalized floats."""
+        if flips.any():
+            flips = flips.to(images.device, non_blocking=True)
+            images = torch.where(flips[:, None, None, None], images.flip(-1), images)
+        images = v2.functional.to_dtype(images, torch.float32, scale=True)
+        return v2.functional.normalize(images, self.mean, self.std)
 
 
 class EncodedImageSamples(ImageSamples):
@@ -184,12 +193,13 @@ class EncodedImageSamples(ImageSamples):
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
-        data = torch.frombuffer(bytearray(Path(path).read_bytes()), dtype=torch.uint8)
-        if data.numel() < 2 or data[0] != 0xFF or data[1] != 0xD8:
+        raw = Path(path).read_bytes()
+        if raw[:2] != b"\xff\xd8":
             raise ValueError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
                              "(use data.decode_on=workers for other formats)")
-        with Image.open(path) as img:  # reads the header only
+        with Image.open(io.BytesIO(raw)) as img:  # parses the header only
             width, height = img.size
+        data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         crop = self.transform.draw(height, width, sample_generator(self.seed, epoch, idx))
         return {"jpeg": data, "crop": torch.tensor(crop), "label": label, "idx": idx}
 
@@ -207,7 +217,9 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dic
     and normalize each image there with the crops the workers drew."""
     files = list(torch.split(batch["jpeg"], batch["jpeg_sizes"].tolist()))  # host tensors: no device sync
     images = torchvision.io.decode_jpeg(files, mode=torchvision.io.ImageReadMode.RGB, device=device)
-    pixels = torch.stack([transform.apply(image, crop) for image, crop in zip(images, batch["crop"].tolist())])
+    crops = batch["crop"]
+    pixels = transform.finish(torch.stack([transform.geometry(image, crop) for image, crop in zip(images, crops.tolist())]),
+                              crops[:, 4].bool())
     rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in ("jpeg", "jpeg_sizes", "crop")}
     return {"image": pixels, **rest}
 
