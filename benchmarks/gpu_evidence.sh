@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
-# Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all]
+# Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf]
+# perf (1 GPU, ~15 min): the performance issue's remaining measurements (docs/performance.md).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -19,4 +20,24 @@ if [[ $what == bench || $what == all ]]; then
     --variant "fsdp2+torch=distributed=fsdp2 model.backend=torch" --variant "ddp+te=distributed=ddp model.backend=te" 2>&1 | tee "$OUT/bench_1gpu_other.log" | tail -6
   python3 benchmarks/throughput.py "${common[@]}" --nproc 2 --micro-batch 128 256 \
     --variant "mfsdp+te=distributed=mfsdp model.backend=te" 2>&1 | tee "$OUT/bench_2gpu.log" | tail -7
+fi
+if [[ $what == perf ]]; then
+  fp8="precision=fp8_delayed precision.param_dtype=bf16"
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --steps 20 --nproc 1 --micro-batch 256 512 --out "$OUT" \
+    --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" \
+    --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
+    2>&1 | tee "$OUT/perf_vit.log" | tail -9
+  python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --steps 8 --nproc 1 --micro-batch 8 16 --out "$OUT" \
+    --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" 2>&1 | tee "$OUT/perf_gpt.log" | tail -7
+  python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --variant "bf16=" --variant "fp8_delayed=$fp8" \
+    --extra "training.global_batch_size=256" --out "$OUT" 2>&1 | tee "$OUT/perf_fp8_loss_curves.log" | tail -4
+  python3 benchmarks/checkpoint_stall.py --config vit_base_patch16_224 --steps 40 --every 10 --out "$OUT" \
+    2>&1 | tee "$OUT/perf_checkpoint_stall.log" | tail -3
+  python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
+  for decode in workers device; do  # PIL in 4-12 loader workers, or nvJPEG on the GPU
+    python3 benchmarks/input_pipeline.py --config vit_base_patch16_224 --batches 20 --out "$OUT" --device cuda \
+      --workers $([[ $decode == workers ]] && echo 4 8 12 || echo 2 4 8) \
+      -- data=imagefolder data.root=/tmp/jpegs data.num_classes=10 data.decode_on=$decode \
+      2>&1 | tee "$OUT/perf_jpeg_decode_on_$decode.log" | tail -5
+  done
 fi
