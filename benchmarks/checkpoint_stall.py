@@ -18,10 +18,10 @@ import json
 import os
 import re
 import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from train_runs import TrainRunFailed, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 SAVED = re.compile(r"saved checkpoint \S+ \((?P<mb>[\d.]+) MB in (?P<s>[\d.]+) s")
@@ -29,20 +29,16 @@ SAVED = re.compile(r"saved checkpoint \S+ \((?P<mb>[\d.]+) MB in (?P<s>[\d.]+) s
 
 def run(config: str, nproc: int, steps: int, every: int, async_save: bool, data: str, extra: list[str],
         timeout: float) -> dict:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-               str(REPO / "train.py"), "--config-name", config, *([f"data={data}"] if data else []),
-               f"training.steps={steps}", f"training.log_every_n_steps={every}", "training.val_every_n_steps=0",
-               "training.val_at_end=false", f"checkpoint.save_every_n_steps={every}", "checkpoint.save_final=false",
-               f"checkpoint.async_save={str(async_save).lower()}", "logger.progress_bar=never",
-               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *extra]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    try:
+        rows, output = run_train(config, nproc, [*([f"data={data}"] if data else []), f"training.steps={steps}",
+                                                 f"training.log_every_n_steps={every}",
+                                                 f"checkpoint.save_every_n_steps={every}",
+                                                 f"checkpoint.async_save={str(async_save).lower()}", *extra], timeout)
+    except TrainRunFailed as e:
+        raise SystemExit(str(e)) from None
     train = [r for r in rows if "split" not in r and "step_time" in r]
     stalls = [r["stall_s"] for r in rows if r.get("split") == "checkpoint"]
-    saves = [(float(m["mb"]), float(m["s"])) for m in SAVED.finditer(proc.stdout + proc.stderr)]
+    saves = [(float(m["mb"]), float(m["s"])) for m in SAVED.finditer(output)]
     # The first interval includes warm-up (compilation, allocator growth): report the later ones.
     later = train[1:] or train
     return {"async": async_save, "step_time": sum(r["step_time"] for r in later) / len(later),

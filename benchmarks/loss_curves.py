@@ -17,26 +17,21 @@ import datetime
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
+
+from train_runs import TrainRunFailed, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def train_losses(config: str, nproc: int, steps: int, overrides: list[str], timeout: float) -> list[float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-               str(REPO / "train.py"), "--config-name", config, f"training.steps={steps}",
-               "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
-               "checkpoint.save_final=false", "logger.progress_bar=never", f"hydra.run.dir={tmp}/run",
-               f"checkpoint.path={tmp}/ckpt", *overrides]
-        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=timeout)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} failed:\n{(proc.stdout + proc.stderr)[-3000:]}")
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        return [r["loss"] for r in rows if "split" not in r and "loss" in r]
+    try:
+        rows, _ = run_train(config, nproc, [f"training.steps={steps}", "training.log_every_n_steps=1", *overrides],
+                            timeout)
+    except TrainRunFailed as e:
+        raise SystemExit(str(e)) from None
+    return [r["loss"] for r in rows if "split" not in r and "loss" in r]
 
 
 def smooth(values: list[float], window: int) -> list[float]:

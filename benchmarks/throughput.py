@@ -21,13 +21,12 @@ import queue
 import json
 import os
 import shlex
-import subprocess
 import sys
-import tempfile
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+from train_runs import TrainRunFailed, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
@@ -35,22 +34,13 @@ PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
 
 def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool, data: str = "synthetic",
                 gpus: str | None = None, timeout: float | None = None) -> dict:
-    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
-    with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-               str(REPO / "train.py"), "--config-name", config, *([f"data={data}"] if data else []),
-               f"training.steps={2 * steps}",
-               f"training.log_every_n_steps={steps}", "training.val_every_n_steps=0", "training.val_at_end=false",
-               "checkpoint.save_final=false", "logger.progress_bar=never", f"training.time_phases={phases}",
-               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
-        try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            return {"error": f"{(e.stderr or b'')[-2000:]!r}\ntimed out after {timeout:.0f} s"}
-        if proc.returncode != 0:
-            return {"error": (proc.stdout + proc.stderr)[-2000:]}
-        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
-        return rows[-1]  # the timed interval (after the warm-up interval)
+    try:
+        rows, _ = run_train(config, nproc, [*([f"data={data}"] if data else []), f"training.steps={2 * steps}",
+                                            f"training.log_every_n_steps={steps}", f"training.time_phases={phases}",
+                                            *overrides], timeout, gpus)
+    except TrainRunFailed as e:
+        return {"error": str(e)[-2000:]}
+    return rows[-1]  # the timed interval (after the warm-up interval)
 
 
 def main() -> None:

@@ -113,9 +113,9 @@ def to_device(batch, device: torch.device):
 
 def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None) -> Iterator:
     """The first `count` batches of `batches`, on `device` (moved by `move(batch, device)`, to_device by
-    default), one fetched ahead (never more than `count` are taken). On CUDA the next batch's host-to-device copy is started on a side stream before the
-    current batch is handed out, so it overlaps the current step's compute instead of waiting behind it
-    on the compute stream (with pinned host memory the copy is asynchronous)."""
+    default), one fetched ahead (never more than `count` are taken). On CUDA the next batch's move is
+    started on a side stream before the current batch is handed out, so it overlaps the current step's
+    compute instead of waiting behind it on the compute stream (pinned host memory: asynchronous copies)."""
     batches = itertools.islice(batches, count)
     copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     move = move or to_device

@@ -1,8 +1,9 @@
 """`training.profile`: a torch.profiler trace of a few optimizer steps, to see where a step's time goes.
 
 The steps `start_step .. start_step + steps - 1` are recorded (the step before them warms the profiler
-up); in the trace they are the regions ProfilerStep#<step>. Each rank writes `<run dir>/profile/rank<R>.trace.json` (open it in https://ui.perfetto.dev
-or chrome://tracing) and `rank<R>.summary.txt`, the operators and kernels that took the most time.
+up); in the trace they are the regions ProfilerStep#<step>. Each rank writes
+`<run dir>/profile/rank<R>.trace.json` (open it in https://ui.perfetto.dev or chrome://tracing) and
+`rank<R>.summary.txt`, the operators and kernels that took the most time.
 """
 
 from __future__ import annotations

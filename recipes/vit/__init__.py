@@ -36,7 +36,7 @@ class ViTRecipe(Recipe):
         return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed))
 
     def collate_fn(self):
-        return collate_encoded if self.cfg.data.get("decode_on") == "device" else None
+        return collate_encoded if self.cfg.data.decode_on == "device" else None
 
     def to_device(self, batch: dict, device: torch.device) -> dict:
         if "jpeg" not in batch:

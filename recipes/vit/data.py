@@ -165,7 +165,8 @@ class Transform:
         return [top, left, h, w, int(flip)]
 
     def apply(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
-        return self.finish(self.geometry(image, crop)[None], torch.tensor([crop[4]], dtype=torch.bool))[0]
+        image = self.geometry(image, crop)
+        return self.normalize(image.flip(-1) if crop[4] else image)
 
     def geometry(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
         """The crop (training: random resized crop; validation: resize + centre crop) -> uint8 [C, S, S]."""
@@ -175,14 +176,9 @@ class Transform:
         image = v2.functional.resize(image, self.resize, antialias=True)
         return v2.functional.center_crop(image, [self.size, self.size])
 
-    def finish(self, images: torch.Tensor, flips: torch.Tensor) -> torch.Tensor:
-        """A batch [N, C, S, S] of uint8 crops -> flipped where `flips` (a host bool tensor) says, as
-        normalized floats."""
-        if flips.any():
-            flips = flips.to(images.device, non_blocking=True)
-            images = torch.where(flips[:, None, None, None], images.flip(-1), images)
-        images = v2.functional.to_dtype(images, torch.float32, scale=True)
-        return v2.functional.normalize(images, self.mean, self.std)
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        """uint8 image(s) -> normalized floats."""
+        return v2.functional.normalize(v2.functional.to_dtype(images, torch.float32, scale=True), self.mean, self.std)
 
 
 class EncodedImageSamples(ImageSamples):
@@ -217,9 +213,12 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dic
     and normalize each image there with the crops the workers drew."""
     files = list(torch.split(batch["jpeg"], batch["jpeg_sizes"].tolist()))  # host tensors: no device sync
     images = torchvision.io.decode_jpeg(files, mode=torchvision.io.ImageReadMode.RGB, device=device)
-    crops = batch["crop"]
-    pixels = transform.finish(torch.stack([transform.geometry(image, crop) for image, crop in zip(images, crops.tolist())]),
-                              crops[:, 4].bool())
+    crops = batch["crop"].tolist()  # a host tensor: no device sync
+    pixels = torch.stack([transform.geometry(image, crop) for image, crop in zip(images, crops)])
+    flips = [i for i, crop in enumerate(crops) if crop[4]]
+    if flips:  # one flip and one normalization for the whole batch
+        pixels[flips] = pixels[flips].flip(-1)
+    pixels = transform.normalize(pixels)
     rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in ("jpeg", "jpeg_sizes", "crop")}
     return {"image": pixels, **rest}
 

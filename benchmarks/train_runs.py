@@ -1,0 +1,39 @@
+"""One `torchrun ... train.py` run for a benchmark script, in a throwaway run and checkpoint folder, with
+its metrics read back (shared by throughput.py, loss_curves.py and checkpoint_stall.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+class TrainRunFailed(RuntimeError):
+    """The run exited with an error or ran past its time limit; the message ends with its output."""
+
+
+def run_train(config: str, nproc: int, overrides: list[str], timeout: float | None = None,
+              gpus: str | None = None) -> tuple[list[dict], str]:
+    """Train `config` with `overrides` (validation and the final save off unless they turn them on) on
+    `nproc` processes, optionally on the GPUs `gpus` only; return the metrics.jsonl rows and the output."""
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
+    with tempfile.TemporaryDirectory() as tmp:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
+               str(REPO / "train.py"), "--config-name", config, "training.val_every_n_steps=0",
+               "training.val_at_end=false", "checkpoint.save_final=false", "logger.progress_bar=never",
+               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired as e:
+            output = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+            raise TrainRunFailed(f"timed out after {timeout:.0f} s:\n{output[-2000:]}") from None
+        output = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            raise TrainRunFailed(f"{' '.join(cmd)} failed:\n{output[-3000:]}")
+        rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
+    return rows, output
