@@ -89,7 +89,10 @@ def test_mfsdp_matches_single_gpu_reference(nproc, layers, tmp_path):
     overrides = [o for o in COMMON if not o.startswith("model.backend")] + [f"model.backend={layers}", "distributed=mfsdp"]
     result = run_workers(nproc, _train_worker, overrides, str(tmp_path), False)[0]
     result["state"] = {k: v.to("cuda") for k, v in result["state"].items()}
-    assert_matches(result, reference, rtol=1e-4)
+    # The plain loop is bitwise reproducible run to run. With TE's bias+GELU GEMM epilogues
+    # (core/layers/te_transformer_layer.py) Megatron-FSDP's run, whose weights live in one flat buffer,
+    # differed from it by up to 1.3e-4 (one LayerNorm bias, 1 and 2 GPUs); by < 1e-4 with TE's Triton GELU.
+    assert_matches(result, reference, rtol=1e-4 if layers == "torch" else 2e-4)
 
 
 # ----------------------------------------------------------------------------- checkpoints on GPUs
@@ -313,3 +316,66 @@ def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path
         assert rel(row["loss"], tp2["loss"]) < 2e-2
     assert runs["TP=2"][-1]["loss"] < runs["TP=2"][0]["loss"] - 0.5  # it learns
     print("tokens/s per GPU at the last step:", {k: round(r[-1]["tokens_per_sec_per_gpu"]) for k, r in runs.items()})
+
+
+def test_tuned_transformer_layer_matches_te():
+    """Our TransformerLayer (copy-free packed-QKV gradient, bias+GELU in the GEMM epilogues) computes
+    exactly what te.TransformerLayer does in its epilogue mode, and within bf16 rounding of its default."""
+    import transformer_engine.pytorch as te
+
+    from core.layers import get_layers
+
+    kwargs = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, hidden_dropout=0.0,
+                  attention_dropout=0.0, self_attn_mask_type="no_mask", attn_input_format="bshd",
+                  fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda")
+    ours, stock, default = get_layers("te").TransformerLayer(**kwargs), *(te.TransformerLayer(**kwargs) for _ in "ab")
+    assert type(ours.self_attention.core_attention) is not te.DotProductAttention
+    stock.layernorm_mlp.bias_gelu_nvfusion = False  # TE's epilogue mode (NVTE_BIAS_GELU_NVFUSION=0)
+    stock.load_state_dict(ours.state_dict())
+    default.load_state_dict(ours.state_dict())
+    x = torch.randn(8, 197, 256, device="cuda", dtype=torch.bfloat16)
+    results = []
+    for layer in (ours, stock, default):
+        inp = x.clone().requires_grad_()
+        out = layer(inp)
+        out.float().square().mean().backward()
+        results.append([out, inp.grad] + [p.grad for p in layer.parameters()])
+    for a, b in zip(results[0], results[1]):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    for a, b in zip(results[0], results[2]):
+        assert rel(a, b) < 2e-2
+
+
+def test_te_token_cross_entropy_matches_torch():
+    from core.layers import TORCH_LAYERS, get_layers
+
+    logits = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16) * 4
+    labels = torch.randint(0, 1024, (4, 256), device="cuda")
+    weights = torch.rand(4, 256, device="cuda")
+    results = []
+    for layers in (get_layers("te"), TORCH_LAYERS):
+        inp = logits.clone().requires_grad_()
+        loss = layers.token_cross_entropy(inp, labels)
+        assert loss.dtype == torch.float32 and loss.shape == labels.shape
+        (loss * weights).sum().backward()
+        results.append((loss.detach(), inp.grad.float()))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-2, atol=1e-4)
+
+
+def test_host_stager_reuses_pinned_buffers_and_copies_exactly():
+    """Async saves stage into pinned buffers kept between saves; each staging holds that moment's values."""
+    from checkpoint import HostStager
+
+    stager = HostStager()
+    weights = torch.randn(4096, 1024, device="cuda")
+    state = {"model": {"w": weights, "b": torch.arange(10, device="cuda")}, "step": [3, torch.tensor(7)]}
+    first = stager.stage(state)
+    first_values = first["model"]["w"].clone()
+    assert first["model"]["w"].is_pinned() and torch.equal(first_values, weights.cpu())
+    weights.mul_(2)  # the training step changes the weights before the next save
+    second = stager.stage(state)
+    assert second["model"]["w"].data_ptr() == first["model"]["w"].data_ptr()  # the same buffer, reused
+    assert torch.equal(second["model"]["w"], weights.cpu()) and torch.equal(second["model"]["b"], torch.arange(10))
+    assert second["step"][0] == 3 and second["step"][1].item() == 7

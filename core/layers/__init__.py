@@ -18,7 +18,7 @@ from typing import Callable, ContextManager
 import torch
 
 from core.config import ConfigError
-from core.layers import torch_twins
+from core.layers import te_transformer_layer, torch_twins
 from core.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
@@ -37,6 +37,9 @@ class Layers:
     # Context that runs the enclosed modules outside FP8 (e.g. a classifier head whose size is not a
     # multiple of 16); a no-op for the torch backend.
     high_precision: Callable[[], ContextManager]
+    # (logits [..., vocab], labels [...]) -> fp32 cross-entropy per label; TE's fuses the softmax,
+    # its gradient and the fp32 upcast into one pass over the (bf16) logits.
+    token_cross_entropy: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
     # The tensor-parallel group: models pass `tp.layer_kwargs()` to the layers that support it.
     tp: TensorParallel = field(default_factory=TensorParallel)
 
@@ -57,13 +60,24 @@ def te_autocast(enabled: bool, recipe=None, amax_reduction_group=None) -> Contex
 def _te_layers() -> Layers:
     import transformer_engine.pytorch as te
 
+    # te.TransformerLayer, two kernel-level speed-ups (core/layers/te_transformer_layer.py).
     return Layers("te", te.Linear, te.LayerNorm, te.RMSNorm, te.LayerNormLinear, te.LayerNormMLP,
-                  te.TransformerLayer, te.RotaryPositionEmbedding, lambda: te_autocast(enabled=False))
+                  te_transformer_layer.te_transformer_layer_class(), te.RotaryPositionEmbedding,
+                  lambda: te_autocast(enabled=False), _te_token_cross_entropy)
+
+
+def _te_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    import transformer_engine.pytorch as te
+
+    # overwrite_input: the backward writes the gradient into the logits' memory (nothing reads the
+    # logits after the loss) instead of allocating another logits-sized tensor.
+    flat = logits.reshape(-1, 1, logits.shape[-1])
+    return te.parallel_cross_entropy(flat, labels.reshape(-1), overwrite_input=True).view(labels.shape)
 
 
 TORCH_LAYERS = Layers("torch", torch_twins.Linear, torch_twins.LayerNorm, torch_twins.RMSNorm,
                       torch_twins.LayerNormLinear, torch_twins.LayerNormMLP, torch_twins.TransformerLayer,
-                      torch_twins.RotaryPositionEmbedding, contextlib.nullcontext)
+                      torch_twins.RotaryPositionEmbedding, contextlib.nullcontext, torch_twins.token_cross_entropy)
 
 
 def resolve_backend(backend: str, device: torch.device) -> str:

@@ -477,3 +477,9 @@ class TransformerLayer(nn.Module):
         x = hidden_states
         x = x + F.dropout(self.self_attention(x, rotary_pos_emb), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
+
+
+def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy per label in fp32 (TE's parallel_cross_entropy computes in fp32 too)."""
+    flat = F.cross_entropy(logits.float().flatten(0, -2), labels.flatten(), reduction="none")
+    return flat.view(labels.shape)

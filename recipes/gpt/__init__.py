@@ -10,7 +10,6 @@ import functools
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.init import init_parameters, standard_rule
@@ -42,6 +41,7 @@ class GPTRecipe(Recipe):
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         m = self.cfg.model
+        self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
         model = GPT(m, self.vocab_size, layers, device=device)
         # Megatron's init: normal(0, init_std), the blocks' output projections scaled by 1/sqrt(2 layers).
         base, scaled = standard_rule(m.init_std), standard_rule(m.init_std / math.sqrt(2 * m.num_layers))
@@ -75,10 +75,9 @@ class GPTRecipe(Recipe):
 
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
-        logits = model(batch["tokens"]).float()
         mask = batch["loss_mask"].float()
-        token_loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), reduction="none")
-        return {"loss": (token_loss.view_as(mask) * mask).sum(dim=1), "count": mask.sum(dim=1)}
+        token_loss = self.token_cross_entropy(model(batch["tokens"]), batch["labels"])
+        return {"loss": (token_loss * mask).sum(dim=1), "count": mask.sum(dim=1)}
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         return {**means, "perplexity": math.exp(min(means["loss"], 50.0))}
