@@ -23,16 +23,20 @@ if [[ $what == bench || $what == all ]]; then
 fi
 if [[ $what == perf ]]; then
   fp8="precision=fp8_delayed precision.param_dtype=bf16"
-  python3 benchmarks/throughput.py --config vit_base_patch16_224 --steps 20 --nproc 1 --micro-batch 256 512 --out "$OUT" \
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --steps 20 --nproc 1 --micro-batch 256 384 512 --out "$OUT" \
     --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" \
     --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
     2>&1 | tee "$OUT/perf_vit.log" | tail -9
   python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --steps 8 --nproc 1 --micro-batch 8 16 --out "$OUT" \
     --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" 2>&1 | tee "$OUT/perf_gpt.log" | tail -7
-  python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --variant "bf16=" --variant "fp8_delayed=$fp8" \
-    --extra "training.global_batch_size=256" --out "$OUT" 2>&1 | tee "$OUT/perf_fp8_loss_curves.log" | tail -4
-  python3 benchmarks/checkpoint_stall.py --config vit_base_patch16_224 --steps 40 --every 10 --out "$OUT" \
+  # A second bf16 seed shows how far two bf16 runs drift apart on their own.
+  python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --variant "bf16=" \
+    --variant "bf16_seed1235=seed=1235" --variant "fp8_delayed=$fp8" \
+    --extra "training.global_batch_size=256" --out "$OUT" 2>&1 | tee "$OUT/perf_fp8_loss_curves.log" | tail -6
+  # Saves 20 steps apart: an async write (~2.5 s for ViT-B) finishes before the next save is due.
+  python3 benchmarks/checkpoint_stall.py --config vit_base_patch16_224 --steps 80 --every 20 --out "$OUT" \
     2>&1 | tee "$OUT/perf_checkpoint_stall.log" | tail -3
+  python3 benchmarks/te_layers.py --micro-batch 256 2>&1 | tee "$OUT/te_layers_mb256.log" | tail -40
   python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
   for decode in workers device; do  # PIL in 4-12 loader workers, or nvJPEG on the GPU
     python3 benchmarks/input_pipeline.py --config vit_base_patch16_224 --batches 20 --out "$OUT" --device cuda \

@@ -7,7 +7,7 @@ then compare the loss curves (e.g. FP8 against bf16).
 Prints, for every variant after the first, the largest gap between its loss curve and the first
 variant's, both smoothed over --window steps, absolute and relative to the first variant's loss there,
 plus the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
-which needs matplotlib).
+which needs matplotlib). `--replot RESULT.json --png FILE` draws the PNG of an earlier run's JSON.
 """
 
 from __future__ import annotations
@@ -43,18 +43,46 @@ def smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
+def plot(curves: dict[str, list[float]], window: int, title: str, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for name, losses in curves.items():
+        line, = ax.plot(range(1, len(losses) + 1), smooth(losses, window), label=f"{name} ({window}-step mean)")
+        ax.plot(range(1, len(losses) + 1), losses, alpha=0.2, color=line.get_color())
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss")
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png, dpi=120)
+    print(f"wrote {png}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="vit_base_patch16_224")
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--variant", action="append", required=True, help='"name=override ..."; the first is the reference')
+    p.add_argument("--variant", action="append", default=[], help='"name=override ..."; the first is the reference')
     p.add_argument("--extra", default="", help="overrides added to every variant")
     p.add_argument("--window", type=int, default=20, help="steps of smoothing before comparing")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--plot", action="store_true")
+    p.add_argument("--replot", type=Path, help="a JSON this script wrote: only draw its PNG (to --png)")
+    p.add_argument("--png", type=Path, help="with --replot: where the PNG goes")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = p.parse_args()
+    if args.replot:
+        if not args.png:
+            p.error("--replot needs --png")
+        saved = json.loads(args.replot.read_text())
+        plot(saved["curves"], saved["window"], f"{saved['config']}, {saved['nproc']} process(es), {saved['date']}",
+             args.png)
+        return
     if len(args.variant) < 2:
         p.error("give at least two --variant")
 
@@ -88,22 +116,7 @@ def main() -> None:
                                 "summary": summary}, indent=1))
     print(f"wrote {path}")
     if args.plot:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(figsize=(7, 4.5))
-        for name, losses in curves.items():
-            ax.plot(range(1, len(losses) + 1), losses, alpha=0.25)
-            ax.plot(range(1, len(losses) + 1), smooth(losses, args.window), label=f"{name} ({args.window}-step mean)")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_title(f"{args.config}, {args.nproc} process(es)")
-        ax.legend()
-        fig.tight_layout()
-        fig.savefig(path.with_suffix(".png"), dpi=120)
-        print(f"wrote {path.with_suffix('.png')}")
+        plot(curves, args.window, f"{args.config}, {args.nproc} process(es)", path.with_suffix(".png"))
     if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
         for f in (path, path.with_suffix(".png")):
             if f.exists():
