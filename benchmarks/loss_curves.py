@@ -5,8 +5,8 @@ then compare the loss curves (e.g. FP8 against bf16).
         --variant "bf16=" --variant "fp8_delayed=precision=fp8_delayed precision.param_dtype=bf16"
 
 Prints, for every variant after the first, the largest gap between its loss curve and the first
-variant's, both smoothed over --window steps, absolute and relative to the first variant's loss there,
-plus the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
+variant's, both smoothed over --window steps (absolute, and relative to the first variant's loss there),
+the largest relative gap, and the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
 which needs matplotlib). `--replot RESULT.json --png FILE` draws the PNG of an earlier run's JSON.
 """
 
@@ -100,12 +100,15 @@ def main() -> None:
     for name in names[1:]:
         other = smooth(curves[name], args.window)
         gaps = [abs(a - b) for a, b in zip(other, ref)]
+        rel = [g / abs(r) for g, r in zip(gaps, ref)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
-        summary[name] = {"max_abs_gap": gaps[worst], "at_step": worst + 1, "max_rel_gap": gaps[worst] / abs(ref[worst]),
+        worst_rel = max(range(len(rel)), key=rel.__getitem__)
+        summary[name] = {"max_abs_gap": gaps[worst], "at_step": worst + 1, "rel_gap_at_max_abs": rel[worst],
+                         "max_rel_gap": rel[worst_rel], "max_rel_at_step": worst_rel + 1,
                          "final_smoothed": other[-1], "reference_final_smoothed": ref[-1]}
         print(f"{name} vs {names[0]}: largest gap of the {args.window}-step means {gaps[worst]:.4f} at step "
-              f"{worst + 1} ({100 * summary[name]['max_rel_gap']:.2f}% of the loss); final {other[-1]:.4f} vs "
-              f"{ref[-1]:.4f}")
+              f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
+              f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -5,9 +5,12 @@ TE 2.20's MultiheadAttention hands the packed QKV output (shape [..., heads, 3, 
 DotProductAttention, which splits it with three `select`s. cuDNN's backward writes dQ, dK and dV into
 one packed buffer, but autograd's backward of each `select` zero-fills a tensor of the full packed
 size, copies one slice into it, and the three results are then added: three fills, three copies and two
-adds of the packed size per layer, ~10% of a ViT-B/16 step on an H200 (docs/performance.md).
+adds of the packed size per layer, 11% of 12 bare ViT-B/16 layers' step on an H200 (docs/performance.md).
 `PackedQKVSplit` returns the same views; its backward hands back the packed buffer itself when the three
-gradients are its slices (they are, from cuDNN), and stacks them otherwise.
+gradients are its slices (they are, from cuDNN), and stacks them otherwise. TE then recognises the views
+as the packed layout from their pointers and strides, as its MultiheadAttention relies on whenever RoPE
+is applied (the GPT blocks); TE 2.20 marks that detection deprecated in a warning we silence. Should a
+later TE drop it, the GPU test against te.TransformerLayer and benchmarks/te_layers.py show it.
 
 2. With bias and GELU (the ViT MLP) outside FP8, TE adds the fc1 bias and applies GELU in a separate
 Triton kernel, and their gradients in two more. cuBLASLt can do both in the fc1 GEMM's epilogue and the
@@ -18,8 +21,13 @@ GELU gradient in the fc2 dgrad GEMM's (TE's path when NVTE_BIAS_GELU_NVFUSION=0,
 from __future__ import annotations
 
 import functools
+import warnings
 
 import torch
+
+# TE 2.20 warns at every attention call that finds a packed layout from q/k/v pointers (see above).
+warnings.filterwarnings("ignore", message="Relying on pointer-based detection of packed q/k/v layouts",
+                        category=DeprecationWarning)
 
 
 def _packed_strides(qkv_shape: torch.Size) -> tuple[int, ...]:
