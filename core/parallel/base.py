@@ -65,7 +65,8 @@ class Parallel:
             if grads:
                 sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
             for group in groups:
-                dist.all_reduce(sq, group=group)
+                if dist.get_world_size(group) > 1:  # (a one-rank all-reduce still launches a kernel)
+                    dist.all_reduce(sq, group=group)
             sums.append(sq)
         norm = torch.stack(sums).sum().sqrt()
         if max_norm > 0 and local:
