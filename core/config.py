@@ -80,6 +80,9 @@ class MFSDPConfig:
     main_params_dtype: str = "fp32"
     main_grads_dtype: str = "fp32"
     grad_comm_dtype: Optional[str] = None
+    # Not a fully_shard_model argument: TE layers write weight gradients into these main gradients from
+    # their wgrad GEMMs (TE's fuse_wgrad_accumulation); off under ZeRO-1; no effect on torch layers.
+    te_fuse_wgrad_accumulation: bool = True
 
 
 @dataclass

@@ -81,12 +81,16 @@ def test_fp8_trains(precision, tmp_path):
     assert all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
 
 
-@pytest.mark.parametrize("layers", ["torch", "te"])
+@pytest.mark.parametrize("layers,fused_wgrad", [("torch", False), ("te", False), ("te", True)],
+                         ids=["torch", "te", "te-fused-wgrad"])
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
-def test_mfsdp_matches_single_gpu_reference(nproc, layers, tmp_path):
-    """Megatron-FSDP on 1 or 2 GPUs vs a plain loop on one GPU with the same layers (fp32)."""
+def test_mfsdp_matches_single_gpu_reference(nproc, layers, fused_wgrad, tmp_path):
+    """Megatron-FSDP on 1 or 2 GPUs vs a plain loop on one GPU with the same layers (fp32), with 4 (1 GPU,
+    ZeRO-0) or 2 (2 GPUs, ZeRO-3) accumulated micro-batches per step; fused_wgrad: TE's wgrad GEMMs write
+    into Megatron-FSDP's main gradients (accumulating on ZeRO-0, overwriting a fresh bucket on ZeRO-3)."""
     reference = reference_run(torch.device("cuda"), layers)
-    overrides = [o for o in COMMON if not o.startswith("model.backend")] + [f"model.backend={layers}", "distributed=mfsdp"]
+    overrides = [o for o in COMMON if not o.startswith("model.backend")] + [f"model.backend={layers}", "distributed=mfsdp",
+                                                                           f"distributed.mfsdp.te_fuse_wgrad_accumulation={fused_wgrad}"]
     result = run_workers(nproc, _train_worker, overrides, str(tmp_path), False)[0]
     result["state"] = {k: v.to("cuda") for k, v in result["state"].items()}
     # The plain loop is bitwise reproducible run to run. With TE's bias+GELU GEMM epilogues
@@ -318,26 +322,39 @@ def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path
     print("tokens/s per GPU at the last step:", {k: round(r[-1]["tokens_per_sec_per_gpu"]) for k, r in runs.items()})
 
 
-def test_tuned_transformer_layer_matches_te():
-    """Our TransformerLayer (copy-free packed-QKV gradient, bias+GELU in the GEMM epilogues) computes
-    exactly what te.TransformerLayer does in its epilogue mode, and within bf16 rounding of its default."""
+VIT_BLOCK = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, self_attn_mask_type="no_mask")
+# Grouped-query attention with RoPE, RMSNorm and SwiGLU, as in the GPT recipe.
+GPT_BLOCK = dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_gqa_groups=2, bias=False,
+                 normalization="RMSNorm", activation="swiglu", self_attn_mask_type="causal")
+
+
+@pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True)],
+                         ids=["vit", "gpt", "gpt-fp8"])
+def test_tuned_transformer_layer_matches_te(block, fp8):
+    """Our TransformerLayer (copy-free packed-QKV gradient, fused QKV split + RoPE, bias+GELU in the GEMM
+    epilogues) computes exactly what te.TransformerLayer does in its epilogue mode, and within bf16
+    rounding of its default."""
     import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe as te_recipe
 
-    from core.layers import get_layers
+    from core.layers import get_layers, te_autocast
 
-    kwargs = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, hidden_dropout=0.0,
-                  attention_dropout=0.0, self_attn_mask_type="no_mask", attn_input_format="bshd",
+    kwargs = dict(**block, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
                   fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda")
     ours, stock, default = get_layers("te").TransformerLayer(**kwargs), *(te.TransformerLayer(**kwargs) for _ in "ab")
     assert type(ours.self_attention.core_attention) is not te.DotProductAttention
+    assert type(ours.self_attention) is not te.MultiheadAttention
     stock.layernorm_mlp.bias_gelu_nvfusion = False  # TE's epilogue mode (NVTE_BIAS_GELU_NVFUSION=0)
     stock.load_state_dict(ours.state_dict())
     default.load_state_dict(ours.state_dict())
-    x = torch.randn(8, 197, 256, device="cuda", dtype=torch.bfloat16)
+    seq = 192 if fp8 else 197  # FP8 GEMMs need the token count to be a multiple of 16
+    x = torch.randn(8, seq, 256, device="cuda", dtype=torch.bfloat16)
+    rope = te.RotaryPositionEmbedding(256 // 4)(seq) if "num_gqa_groups" in block else None
     results = []
     for layer in (ours, stock, default):
         inp = x.clone().requires_grad_()
-        out = layer(inp)
+        with te_autocast(enabled=fp8, recipe=te_recipe.DelayedScaling() if fp8 else None):
+            out = layer(inp, rotary_pos_emb=rope)
         out.float().square().mean().backward()
         results.append([out, inp.grad] + [p.grad for p in layer.parameters()])
     for a, b in zip(results[0], results[1]):

@@ -101,6 +101,24 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     raise ConfigError(f"model.backend={backend!r}: expected auto, te or torch")
 
 
+def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
+    """Make every TE layer of `model` write its weight gradients straight into the parameter's fp32
+    main gradient (Megatron-FSDP's `get_main_grad()` buffer) from the wgrad GEMM, instead of returning a
+    bf16 gradient that Megatron-FSDP then adds into that buffer in a separate kernel. The attribute is
+    read at every forward, so setting it after construction is the same as passing it to the
+    constructor. Returns how many modules were switched (0 without TransformerEngine layers)."""
+    if not te_available():
+        return 0
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    switched = 0
+    for module in model.modules():
+        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
+            module.fuse_wgrad_accumulation = True
+            switched += 1
+    return switched
+
+
 def get_layers(backend: str, tp: TensorParallel = TensorParallel()) -> Layers:
     """`backend` is a resolved name: te or torch; `tp` this rank's tensor-parallel group."""
     return replace(_te_layers() if backend == "te" else TORCH_LAYERS, tp=tp)
