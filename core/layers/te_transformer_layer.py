@@ -1,4 +1,4 @@
-"""te.TransformerLayer as the recipes run it: the same modules and parameter names, two kernels fewer.
+"""te.TransformerLayer as the recipes run it: the same modules and parameter names, fewer kernels.
 
 1. Q, K and V as views of one packed projection output, with a gradient that needs no copies.
 TE 2.20's MultiheadAttention hands the packed QKV output (shape [..., heads, 3, head_dim]) to
@@ -12,7 +12,16 @@ as the packed layout from their pointers and strides, as its MultiheadAttention 
 is applied (the GPT blocks); TE 2.20 marks that detection deprecated in a warning we silence. Should a
 later TE drop it, the GPU test against te.TransformerLayer and benchmarks/te_layers.py show it.
 
-2. With bias and GELU (the ViT MLP) outside FP8, TE adds the fc1 bias and applies GELU in a separate
+2. Grouped-query attention with RoPE (the GPT blocks) in one kernel each way. TE's MultiheadAttention
+splits the projection output [.., groups, (heads per group + 2) x head_dim] into Q, K and V, copies Q into
+[.., heads, head_dim], runs one RoPE kernel for Q and one for K, and in the backward runs two RoPE
+kernels more and concatenates dQ, dK and dV back with a strided copy: ~18 ms of a 340 ms gpt_1b step on
+an H200. `MultiheadAttention` hands the projection output to TE's fused QKV-RoPE function instead
+(what Megatron-Core's `fused_single_qkv_rope` uses): one kernel splits and rotates, one writes the
+packed gradient. Outside that case (FP8 attention, no RoPE, KV cache, context parallelism, QK norms,
+...) it is TE's own forward.
+
+3. With bias and GELU (the ViT MLP) outside FP8, TE adds the fc1 bias and applies GELU in a separate
 Triton kernel, and their gradients in two more. cuBLASLt can do both in the fc1 GEMM's epilogue and the
 GELU gradient in the fc2 dgrad GEMM's (TE's path when NVTE_BIAS_GELU_NVFUSION=0, and under FP8):
 ~4% faster on 12 ViT-B/16 layers (H200), same math up to bf16 rounding of the pre-activation.
@@ -94,20 +103,70 @@ def te_dot_product_attention_class():
 
 
 @functools.cache
-def te_transformer_layer_class():
-    """te.TransformerLayer whose self-attention splits packed QKV with `PackedQKVSplit` and whose MLP
-    fuses bias and GELU into its GEMMs.
+def te_multihead_attention_class():
+    """TE's MultiheadAttention, with Q/K/V split and RoPE fused into one kernel where it can (see 2.)."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+    from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
-    Same constructor, modules and parameter names as te.TransformerLayer; only the class of
-    `self_attention.core_attention` changes (to a subclass that adds no state).
+    def _fp8_attention_or_custom() -> bool:
+        recipe = FP8GlobalStateManager.get_fp8_recipe()
+        return recipe.fp8_dpa or recipe.fp8_mha or recipe.custom()
+
+    class MultiheadAttention(te.MultiheadAttention):
+        def _fused_qkv_rope_applies(self, rotary_pos_emb, inference_params, kwargs) -> bool:
+            return (rotary_pos_emb is not None and inference_params is None
+                    and self.attention_type == "self" and self.input_layernorm and not self.return_layernorm_output
+                    and self.qkv_format in ("sbhd", "bshd") and self.qkv_weight_interleaved
+                    and self.q_norm is None and self.k_norm is None and self.cp_size == 1
+                    and kwargs.get("thd_attention_policies") is None and not is_cpu_offload_enabled()
+                    and not (FP8GlobalStateManager.is_fp8_enabled() and _fp8_attention_or_custom()))
+
+        # (TransformerLayer passes everything after hidden_states by keyword)
+        def forward(self, hidden_states, *args, attention_mask=None, attn_mask_type=None, rotary_pos_emb=None,
+                    is_first_microbatch=None, inference_params=None, softcap=None, **kwargs):
+            if args or not self._fused_qkv_rope_applies(rotary_pos_emb, inference_params, kwargs):
+                return super().forward(hidden_states, *args, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
+                                       rotary_pos_emb=rotary_pos_emb, is_first_microbatch=is_first_microbatch,
+                                       inference_params=inference_params, softcap=softcap, **kwargs)
+            # What TE's forward sets when neither Q/K/V nor the attention output are FP8 (always so here).
+            self._update_output_quantizer_roles(False, False, False)
+            groups, head_dim = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
+            per_group = self.num_attention_heads_per_partition // groups
+            qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+            qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            query, key, value = apply_fused_qkv_rotary_pos_emb(
+                qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=self.qkv_format,
+                interleaved=self.rotary_pos_interleaved)
+            context = self.core_attention(query, key, value, qkv_format=self.qkv_format, attention_mask=attention_mask,
+                                          attn_mask_type=attn_mask_type,
+                                          softcap=self.softcap if softcap is None else softcap, **kwargs)
+            # (output, bias) when return_bias, as TE's forward returns them
+            return self.proj(context, is_first_microbatch=is_first_microbatch)
+
+    return MultiheadAttention
+
+
+@functools.cache
+def te_transformer_layer_class():
+    """te.TransformerLayer whose self-attention splits packed QKV with `PackedQKVSplit` or fuses the
+    Q/K/V split with RoPE, and whose MLP fuses bias and GELU into its GEMMs.
+
+    Same constructor, modules and parameter names as te.TransformerLayer; only the classes of
+    `self_attention` and `self_attention.core_attention` change (to subclasses that add no state).
     """
     import transformer_engine.pytorch as te
 
     attention_class = te_dot_product_attention_class()
+    multihead_class = te_multihead_attention_class()
 
     class TransformerLayer(te.TransformerLayer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
+            if type(self.self_attention) is te.MultiheadAttention:
+                self.self_attention.__class__ = multihead_class
             core_attention = self.self_attention.core_attention
             if type(core_attention) is te.DotProductAttention:
                 core_attention.__class__ = attention_class
