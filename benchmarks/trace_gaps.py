@@ -5,6 +5,8 @@
 Per ProfilerStep: wall time, GPU busy time (the union of kernels, copies and memsets on all streams),
 kernel time by kind (GEMM, attention, normalization, ...), the host calls that block on the GPU, and the
 longest idle gaps with the operator whose kernel ended each gap (the host was still launching it).
+A ProfilerStep is a span of host time; GPU work is counted where it ran in that span, so when the host
+runs a step ahead of the GPU, a span holds parts of two steps (their sum over the spans is exact).
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from tests.helpers import run_workers
+from tests.helpers import REPO, run_workers
 from tests.test_parity import COMMON, _train_worker
 
 
@@ -60,3 +60,34 @@ def test_profiler_writes_a_trace_and_a_summary_of_the_chosen_steps(tmp_path):
 def test_ddp_refuses_bf16_weights_without_a_master_copy(tmp_path):
     with pytest.raises(AssertionError, match="no fp32 master copy"):
         run_workers(1, _train_worker, COMMON + ["distributed=ddp", "precision.param_dtype=bf16"], str(tmp_path), False)
+
+
+def test_trace_gaps_reports_busy_time_kinds_and_idle_gaps(tmp_path, capsys, monkeypatch):
+    import runpy
+    import sys
+
+    def kernel(name, ts, dur, corr):
+        return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
+
+    events = [
+        {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000},
+        {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cpu_op", "name": "FusedRoPEFunc", "ts": 600, "dur": 50, "tid": 1},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5, "tid": 1,
+         "args": {"correlation": 1}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 5, "tid": 1,
+         "args": {"correlation": 3}},
+        kernel("nvjet_sm90_gemm", 100, 200, 1),  # 100-300
+        kernel("vectorized_elementwise_kernel<add>", 250, 150, 2),  # overlaps: busy 100-400
+        kernel("fused_rope_forward_kernel", 700, 100, 3),  # 700-800
+    ]
+    trace = tmp_path / "rank0.trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    monkeypatch.setattr(sys, "argv", ["trace_gaps.py", str(trace), "--min-gap-ms", "0.15"])
+    runpy.run_path(str(REPO / "benchmarks" / "trace_gaps.py"), run_name="__main__")
+    out = capsys.readouterr().out
+    assert "ProfilerStep#3: wall 1.0 ms, GPU busy 0.4 ms (40%), 3 GPU activities" in out
+    assert "gemm" in out and "rope" in out and "elementwise/other" in out
+    # 400-700 before the RoPE kernel (launched in FusedRoPEFunc) and 800-1000 at the end; 0-100 is too short.
+    assert "idle gaps >= 0.15 ms: 2, 0.5 ms in total" in out
+    assert "0.30 ms at +    0.4 ms  before fused_rope_forward_kernel (launched in FusedRoPEFunc)" in out
