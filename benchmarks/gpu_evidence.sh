@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf]
-# perf (1 GPU, ~15 min): the performance issue's remaining measurements (docs/performance.md).
+# perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -27,8 +27,15 @@ if [[ $what == perf ]]; then
     --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" \
     --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
     2>&1 | tee "$OUT/perf_vit.log" | tail -9
-  python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --steps 8 --nproc 1 --micro-batch 8 16 --out "$OUT" \
-    --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" 2>&1 | tee "$OUT/perf_gpt.log" | tail -7
+  python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --steps 8 --nproc 1 --micro-batch 8 16 32 --out "$OUT" \
+    --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" 2>&1 | tee "$OUT/perf_gpt.log" | tail -9
+  # Where a gpt_1b step's GPU time goes (3 profiled steps), summarised by kernel kind and idle gaps.
+  python3 train.py --config-name gpt_1b training.steps=12 training.global_batch_size=16 training.val_every_n_steps=0 \
+    training.val_at_end=false checkpoint.save_final=false logger.progress_bar=never hydra.run.dir=/tmp/gpt_prof \
+    checkpoint.path=/tmp/gpt_prof/ckpt training.profile.enabled=true training.profile.start_step=9 training.profile.steps=3 \
+    > "$OUT/perf_gpt_profile.log" 2>&1
+  python3 benchmarks/trace_gaps.py /tmp/gpt_prof/profile/rank0.trace.json > "$OUT/perf_gpt_trace_gaps.txt" 2>&1
+  cp /tmp/gpt_prof/profile/rank0.summary.txt "$OUT/perf_gpt_profile_summary.txt"
   # A second bf16 seed shows how far two bf16 runs drift apart on their own.
   python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --variant "bf16=" \
     --variant "bf16_seed1235=seed=1235" --variant "fp8_delayed=$fp8" \
