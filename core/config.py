@@ -81,7 +81,8 @@ class MFSDPConfig:
     main_grads_dtype: str = "fp32"
     grad_comm_dtype: Optional[str] = None
     # Not a fully_shard_model argument: TE layers write weight gradients into these main gradients from
-    # their wgrad GEMMs (TE's fuse_wgrad_accumulation); off under ZeRO-1; no effect on torch layers.
+    # their wgrad GEMMs (TE's fuse_wgrad_accumulation); off for ZeRO-1 and for ZeRO-2/3 over one dp_shard rank
+    # (see core/parallel/mfsdp.py); no effect on torch layers.
     te_fuse_wgrad_accumulation: bool = True
 
 

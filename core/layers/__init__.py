@@ -113,6 +113,10 @@ def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
 
     switched = 0
     for module in model.modules():
+        # Weights split into several parameters (fuse_qkv_params=false) reach TE's GEMM concatenated, as a
+        # tensor that has no main gradient of its own: those modules keep their unfused path.
+        if len(getattr(module, "weight_names", ())) > 1:
+            continue
         if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
             module.fuse_wgrad_accumulation = True
             switched += 1

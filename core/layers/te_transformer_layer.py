@@ -106,30 +106,36 @@ def te_dot_product_attention_class():
 def te_multihead_attention_class():
     """TE's MultiheadAttention, with Q/K/V split and RoPE fused into one kernel where it can (see 2.)."""
     import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.attention import multi_head_attention
     from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
     def _fp8_attention_or_custom() -> bool:
+        if getattr(multi_head_attention, "_dpa_fp8_recipe", ""):  # NVTE_DPA_FP8_RECIPE overrides the recipe
+            return True
         recipe = FP8GlobalStateManager.get_fp8_recipe()
         return recipe.fp8_dpa or recipe.fp8_mha or recipe.custom()
 
     class MultiheadAttention(te.MultiheadAttention):
-        def _fused_qkv_rope_applies(self, rotary_pos_emb, inference_params, kwargs) -> bool:
-            return (rotary_pos_emb is not None and inference_params is None
+        def _fused_qkv_rope_applies(self, kwargs) -> bool:
+            return (kwargs.get("rotary_pos_emb") is not None and kwargs.get("inference_params") is None
+                    and kwargs.get("encoder_output") is None and kwargs.get("thd_attention_policies") is None
                     and self.attention_type == "self" and self.input_layernorm and not self.return_layernorm_output
                     and self.qkv_format in ("sbhd", "bshd") and self.qkv_weight_interleaved
                     and self.q_norm is None and self.k_norm is None and self.cp_size == 1
-                    and kwargs.get("thd_attention_policies") is None and not is_cpu_offload_enabled()
+                    and not is_cpu_offload_enabled()
                     and not (FP8GlobalStateManager.is_fp8_enabled() and _fp8_attention_or_custom()))
 
-        # (TransformerLayer passes everything after hidden_states by keyword)
-        def forward(self, hidden_states, *args, attention_mask=None, attn_mask_type=None, rotary_pos_emb=None,
-                    is_first_microbatch=None, inference_params=None, softcap=None, **kwargs):
-            if args or not self._fused_qkv_rope_applies(rotary_pos_emb, inference_params, kwargs):
-                return super().forward(hidden_states, *args, attention_mask=attention_mask, attn_mask_type=attn_mask_type,
-                                       rotary_pos_emb=rotary_pos_emb, is_first_microbatch=is_first_microbatch,
-                                       inference_params=inference_params, softcap=softcap, **kwargs)
+        def forward(self, hidden_states, *args, **kwargs):
+            # (TransformerLayer passes everything after hidden_states by keyword)
+            if args or not self._fused_qkv_rope_applies(kwargs):
+                return super().forward(hidden_states, *args, **kwargs)
+            rotary_pos_emb = kwargs.pop("rotary_pos_emb")
+            is_first_microbatch = kwargs.pop("is_first_microbatch", None)
+            softcap = kwargs.pop("softcap", None)
+            for unused in ("inference_params", "encoder_output"):  # both None here
+                kwargs.pop(unused, None)
             # What TE's forward sets when neither Q/K/V nor the attention output are FP8 (always so here).
             self._update_output_quantizer_roles(False, False, False)
             groups, head_dim = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
@@ -140,8 +146,7 @@ def te_multihead_attention_class():
             query, key, value = apply_fused_qkv_rotary_pos_emb(
                 qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=self.qkv_format,
                 interleaved=self.rotary_pos_interleaved)
-            context = self.core_attention(query, key, value, qkv_format=self.qkv_format, attention_mask=attention_mask,
-                                          attn_mask_type=attn_mask_type,
+            context = self.core_attention(query, key, value, qkv_format=self.qkv_format,
                                           softcap=self.softcap if softcap is None else softcap, **kwargs)
             # (output, bias) when return_bias, as TE's forward returns them
             return self.proj(context, is_first_microbatch=is_first_microbatch)
