@@ -101,26 +101,20 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     raise ConfigError(f"model.backend={backend!r}: expected auto, te or torch")
 
 
-def fuse_wgrad_accumulation(model: torch.nn.Module) -> int:
-    """Make every TE layer of `model` write its weight gradients straight into the parameter's fp32
+def te_wgrad_fusable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The TE layers of `model` that can write their weight gradients straight into the parameter's fp32
     main gradient (Megatron-FSDP's `get_main_grad()` buffer) from the wgrad GEMM, instead of returning a
-    bf16 gradient that Megatron-FSDP then adds into that buffer in a separate kernel. The attribute is
-    read at every forward, so setting it after construction is the same as passing it to the
-    constructor. Returns how many modules were switched (0 without TransformerEngine layers)."""
+    bf16 gradient that Megatron-FSDP then adds into that buffer in a separate kernel: set their
+    `fuse_wgrad_accumulation = True`. TE reads that attribute at every forward, so setting it after
+    construction is the same as passing it to the constructor. Empty without TransformerEngine layers."""
     if not te_available():
-        return 0
+        return []
     from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
 
-    switched = 0
-    for module in model.modules():
-        # Weights split into several parameters (fuse_qkv_params=false) reach TE's GEMM concatenated, as a
-        # tensor that has no main gradient of its own: those modules keep their unfused path.
-        if len(getattr(module, "weight_names", ())) > 1:
-            continue
-        if isinstance(module, TransformerEngineBaseModule) and hasattr(module, "fuse_wgrad_accumulation"):
-            module.fuse_wgrad_accumulation = True
-            switched += 1
-    return switched
+    # Weights split into several parameters (fuse_qkv_params=false) reach TE's GEMM concatenated, as a
+    # tensor that has no main gradient of its own: those modules keep their unfused path.
+    return [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)
+            and hasattr(m, "fuse_wgrad_accumulation") and len(getattr(m, "weight_names", ())) <= 1]
 
 
 def get_layers(backend: str, tp: TensorParallel = TensorParallel()) -> Layers:

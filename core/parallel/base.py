@@ -65,8 +65,7 @@ class Parallel:
             if grads:
                 sq = torch.stack(torch._foreach_norm(grads)).float().square().sum()
             for group in groups:
-                if dist.get_world_size(group) > 1:  # (a one-rank all-reduce still launches a kernel)
-                    dist.all_reduce(sq, group=group)
+                dist.all_reduce(sq, group=group)
             sums.append(sq)
         norm = torch.stack(sums).sum().sqrt()
         if max_norm > 0 and local:
@@ -81,6 +80,8 @@ class Parallel:
                 groups = ()
                 if isinstance(p, DTensor):  # (FSDP2's _StridedShard shards too, though is_shard() says no)
                     groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
+                    # (a one-rank group has nothing to add, though its all-reduce would still launch a kernel)
+                    groups = tuple(g for g in groups if dist.get_world_size(g) > 1)
                 self._by_sharding.setdefault(groups, []).append(p)
         return self._by_sharding
 

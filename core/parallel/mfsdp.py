@@ -24,6 +24,7 @@ from torch import nn
 
 from core.config import ConfigError, MFSDPConfig
 from core.distributed import DistEnv
+from core.layers import te_wgrad_fusable_modules
 from core.parallel.base import Parallel
 from core.precision import dtype
 
@@ -71,18 +72,17 @@ class MegatronFSDP(Parallel):
             # gather and reduce hooks (measured 5-15% faster for ViT-B on one H200, docs/performance.md).
             log.info("one GPU: Megatron-FSDP runs ZeRO-0 (zero_dp_strategy=%d has nothing to shard)", zero)
             zero = 0
-        if cfg.te_fuse_wgrad_accumulation:
+        fusable = te_wgrad_fusable_modules(model) if cfg.te_fuse_wgrad_accumulation else []
+        if fusable:
             # 0.6.1 tells TE to overwrite main_grad whenever it gathers parameters (ZeRO 1-3). That is right
             # only where main_grad is a fresh bucket per backward, later reduce-scattered and accumulated:
             # ZeRO-2/3 over more than one dp_shard rank. Where the buffer is the persistent one that adds up
             # the micro-batches (ZeRO-1; ZeRO-2/3 with one dp_shard rank, e.g. tensor parallelism only), it
             # would keep only the last micro-batch. ZeRO-0 gathers nothing, so TE accumulates there.
             if zero == 0 or (zero >= 2 and env.dp_shard > 1):
-                from core.layers import fuse_wgrad_accumulation
-
-                switched = fuse_wgrad_accumulation(model)
-                if switched:
-                    log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", switched)
+                for module in fusable:
+                    module.fuse_wgrad_accumulation = True
+                log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", len(fusable))
             else:
                 log.warning("distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
                             "rank(s): Megatron-FSDP 0.6.1 would make TE overwrite the gradients accumulated over "
