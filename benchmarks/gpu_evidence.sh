@@ -1,12 +1,29 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
-# Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf]
+# Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
+# gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
+# optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
+# attention backends at the recipes' shapes; a profiled gpt_1b step.
+# vit (1 H200, ~6 min): ViT-B/16 bf16 and FP8 from micro-batch 512 to 2048 (118 GiB: an H200, not an
+# H100), and the compiled FSDP2 baseline at 1024.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 what=${1:-all}
+fp8="precision=fp8_delayed precision.param_dtype=bf16"
+# Where a gpt_1b step's GPU time goes (3 profiled steps of one micro-batch of 16), summarised by kernel kind
+# and idle gaps: $OUT/<prefix>_profile.log, _trace_gaps.txt, _profile_summary.txt.
+profile_gpt_1b() {
+  rm -rf /tmp/gpt_prof
+  python3 train.py --config-name gpt_1b training.steps=12 training.global_batch_size=16 training.val_every_n_steps=0 \
+    training.val_at_end=false checkpoint.save_final=false logger.progress_bar=never hydra.run.dir=/tmp/gpt_prof \
+    checkpoint.path=/tmp/gpt_prof/ckpt training.profile.enabled=true training.profile.start_step=9 training.profile.steps=3 \
+    > "$OUT/$1_profile.log" 2>&1
+  python3 benchmarks/trace_gaps.py /tmp/gpt_prof/profile/rank0.trace.json > "$OUT/$1_trace_gaps.txt" 2>&1
+  cp /tmp/gpt_prof/profile/rank0.summary.txt "$OUT/$1_profile_summary.txt"
+}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| megatron-fsdp', getattr(megatron_fsdp, '__version__', '0.6.1?'))" | tee -a "$OUT/gpu_info.txt"
 if [[ $what == tests || $what == all ]]; then
@@ -21,21 +38,39 @@ if [[ $what == bench || $what == all ]]; then
   python3 benchmarks/throughput.py "${common[@]}" --nproc 2 --micro-batch 128 256 \
     --variant "mfsdp+te=distributed=mfsdp model.backend=te" 2>&1 | tee "$OUT/bench_2gpu.log" | tail -7
 fi
+if [[ $what == gpt ]]; then
+  python3 benchmarks/attention_backends.py 2>&1 | tee "$OUT/attention_backends.log"
+  profile_gpt_1b gpt
+  gpt=(--config gpt_1b --data gpt_mock --nproc 1 --out "$OUT" --timeout 300)
+  python3 benchmarks/throughput.py "${gpt[@]}" --steps 4 --micro-batch 16 --variant "recipe=" 2>&1 | tee "$OUT/gpt_no_accumulation.log" | tail -3
+  python3 benchmarks/throughput.py "${gpt[@]}" --steps 3 --micro-batch 16 32 --global-batch 128 --variant "recipe=" \
+    2>&1 | tee "$OUT/gpt_global128.log" | tail -4
+  python3 benchmarks/throughput.py "${gpt[@]}" --steps 3 --micro-batch 8 --global-batch 64 \
+    --variant "seq4096=model.seq_length=4096" --variant "seq4096_fp8=model.seq_length=4096 $fp8" \
+    2>&1 | tee "$OUT/gpt_seq4096.log" | tail -4
+  NVTE_NORM_FWD_USE_CUDNN=1 NVTE_NORM_BWD_USE_CUDNN=1 python3 benchmarks/throughput.py "${gpt[@]}" --steps 3 \
+    --micro-batch 16 --global-batch 128 --variant "cudnn_norms=" 2>&1 | tee "$OUT/gpt_cudnn_norms.log" | tail -3
+  python3 benchmarks/throughput.py "${gpt[@]}" --steps 3 --micro-batch 16 --global-batch 128 \
+    --variant "fp8_delayed=$fp8" 2>&1 | tee "$OUT/gpt_fp8.log" | tail -3
+fi
+if [[ $what == vit ]]; then
+  vit=(--config vit_base_patch16_224 --nproc 1 --out "$OUT" --timeout 200)
+  python3 benchmarks/throughput.py "${vit[@]}" --steps 15 --micro-batch 512 768 1024 \
+    --variant "recipe=" --variant "fp8=$fp8" 2>&1 | tee "$OUT/vit_batch.log" | tail -8
+  python3 benchmarks/throughput.py "${vit[@]}" --steps 8 --micro-batch 1536 2048 \
+    --variant "recipe=" --variant "fp8=$fp8" 2>&1 | tee "$OUT/vit_batch_large.log" | tail -6
+  python3 benchmarks/throughput.py "${vit[@]}" --steps 10 --micro-batch 1024 \
+    --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
+    2>&1 | tee "$OUT/vit_baseline.log" | tail -3
+fi
 if [[ $what == perf ]]; then
-  fp8="precision=fp8_delayed precision.param_dtype=bf16"
   python3 benchmarks/throughput.py --config vit_base_patch16_224 --steps 20 --nproc 1 --micro-batch 256 384 512 --out "$OUT" \
     --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" \
     --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
     2>&1 | tee "$OUT/perf_vit.log" | tail -9
   python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --steps 8 --nproc 1 --micro-batch 8 16 32 --out "$OUT" \
     --variant "recipe=" --variant "recipe+fp8_delayed=$fp8" 2>&1 | tee "$OUT/perf_gpt.log" | tail -9
-  # Where a gpt_1b step's GPU time goes (3 profiled steps), summarised by kernel kind and idle gaps.
-  python3 train.py --config-name gpt_1b training.steps=12 training.global_batch_size=16 training.val_every_n_steps=0 \
-    training.val_at_end=false checkpoint.save_final=false logger.progress_bar=never hydra.run.dir=/tmp/gpt_prof \
-    checkpoint.path=/tmp/gpt_prof/ckpt training.profile.enabled=true training.profile.start_step=9 training.profile.steps=3 \
-    > "$OUT/perf_gpt_profile.log" 2>&1
-  python3 benchmarks/trace_gaps.py /tmp/gpt_prof/profile/rank0.trace.json > "$OUT/perf_gpt_trace_gaps.txt" 2>&1
-  cp /tmp/gpt_prof/profile/rank0.summary.txt "$OUT/perf_gpt_profile_summary.txt"
+  profile_gpt_1b perf_gpt
   # A second bf16 seed shows how far two bf16 runs drift apart on their own.
   python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --variant "bf16=" \
     --variant "bf16_seed1235=seed=1235" --variant "fp8_delayed=$fp8" \

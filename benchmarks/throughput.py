@@ -8,6 +8,9 @@ training.time_phases=true to show where a step's time goes (device synchronised 
         --variant "mfsdp+te=distributed=mfsdp model.backend=te" \
         --variant "fsdp2+torch=distributed=fsdp2 model.backend=torch"
 
+Each optimizer step takes one micro-batch per GPU, unless --global-batch asks for the accumulation a real run
+does (e.g. `--global-batch 128` for gpt_1b as configured, 8 micro-batches of 16 on one GPU).
+
 Prints a table and writes JSON to benchmarks/results/. `--data` picks the data config (synthetic images by
 default; e.g. `--data gpt_mock` for the GPT configs, or `--data ""` for the config's own); with
 `--concurrent K` and --nproc 1, K variants run at once, each on its own GPU.
@@ -49,6 +52,9 @@ def main() -> None:
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
     p.add_argument("--steps", type=int, default=20, help="warm-up steps, then as many timed steps")
     p.add_argument("--micro-batch", type=int, nargs="+", default=[64])
+    p.add_argument("--global-batch", type=int, default=None,
+                   help="samples per optimizer step, accumulated over micro-batches (default: micro-batch x ranks, "
+                        "no accumulation); e.g. the config's own training.global_batch_size")
     p.add_argument("--variant", action="append", default=None,
                    help='"name=override override ..." (repeatable); default: the config as is')
     p.add_argument("--phases", action="store_true", help="also time forward/backward, grad sync, optimizer")
@@ -67,13 +73,18 @@ def main() -> None:
     for gpu in range(args.concurrent):
         free_gpus.put(str(gpu) if args.concurrent > 1 else None)
 
+    for mb in args.micro_batch:
+        if args.global_batch and args.global_batch % (mb * args.nproc):
+            p.error(f"--global-batch {args.global_batch} is not a multiple of micro-batch {mb} x {args.nproc} ranks")
+
     def measure(name: str, overrides: str, mb: int) -> dict:
-        # No gradient accumulation: the global batch is micro-batch x ranks.
+        # Without --global-batch no gradient accumulation: the global batch is micro-batch x ranks.
         ov = shlex.split(overrides) + shlex.split(args.extra) + [
-            f"training.micro_batch_size={mb}", f"training.global_batch_size={mb * args.nproc}"]
+            f"training.micro_batch_size={mb}", f"training.global_batch_size={args.global_batch or mb * args.nproc}"]
         gpu = free_gpus.get()
         try:
             row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
+               "accumulation": (args.global_batch or mb * args.nproc) // (mb * args.nproc),
                    **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout)}
             if args.phases and "error" not in row:
                 timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu, args.timeout)
@@ -92,7 +103,8 @@ def main() -> None:
     header = f"{'variant':<22}{'mb':>5}{unit:>13}{'mfu':>7}{'step s':>9}{'data s':>8}{'mem GiB':>9}"
     if args.phases:
         header += "".join(f"{ph[:12]:>14}" for ph in PHASES)
-    print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps\n{header}")
+    batch = f"global batch {args.global_batch}" if args.global_batch else "no accumulation"
+    print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps, {batch}\n{header}")
     for r in results:
         if "error" in r:
             print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {r['error'].splitlines()[-1][:80]}")

@@ -4,6 +4,8 @@ fp32 master weights."""
 from __future__ import annotations
 
 import json
+import runpy
+import sys
 
 import pytest
 
@@ -63,9 +65,6 @@ def test_ddp_refuses_bf16_weights_without_a_master_copy(tmp_path):
 
 
 def test_trace_gaps_reports_busy_time_kinds_and_idle_gaps(tmp_path, capsys, monkeypatch):
-    import runpy
-    import sys
-
     def kernel(name, ts, dur, corr):
         return {"ph": "X", "cat": "kernel", "name": name, "ts": ts, "dur": dur, "args": {"correlation": corr}}
 
@@ -91,3 +90,44 @@ def test_trace_gaps_reports_busy_time_kinds_and_idle_gaps(tmp_path, capsys, monk
     # 400-700 before the RoPE kernel (launched in FusedRoPEFunc) and 800-1000 at the end; 0-100 is too short.
     assert "idle gaps >= 0.15 ms: 2, 0.5 ms in total" in out
     assert "0.30 ms at +    0.4 ms  before fused_rope_forward_kernel (launched in FusedRoPEFunc)" in out
+
+
+def test_throughput_global_batch_accumulates_like_a_real_run(tmp_path, monkeypatch):
+    """benchmarks/throughput.py --global-batch: every run trains that global batch (accumulating micro-batches)
+    and its rows say how many; a global batch the micro-batches do not divide is refused before any run."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import train_runs
+
+    runs = []
+
+    def fake_run_train(config, nproc, overrides, timeout=None, gpus=None):
+        runs.append(overrides)
+        timed = {"step": 6, "samples_per_sec_per_gpu": 50.0, "tokens_per_sec_per_gpu": 102400.0, "step_time": 2.5,
+                 "data_wait": 0.0, "peak_mem_gib": 48.0}
+        return [{"step": 3}, timed], ""
+
+    monkeypatch.setattr(train_runs, "run_train", fake_run_train)
+    script = str(REPO / "benchmarks" / "throughput.py")
+    common = ["throughput.py", "--config", "gpt_1b", "--data", "gpt_mock", "--nproc", "1", "--steps", "3",
+              "--out", str(tmp_path)]
+    monkeypatch.setattr(sys, "argv", common + ["--micro-batch", "16", "32", "--global-batch", "128"])
+    runpy.run_path(script, run_name="__main__")
+    assert len(runs) == 2
+    for overrides, micro in zip(runs, (16, 32)):
+        assert f"training.micro_batch_size={micro}" in overrides and "training.global_batch_size=128" in overrides
+    (written,) = tmp_path.glob("gpt_1b-1gpu-*.json")
+    rows = json.loads(written.read_text())["results"]
+    assert [(r["micro_batch"], r["accumulation"]) for r in rows] == [(16, 8), (32, 4)]
+
+    # Without --global-batch: one micro-batch per step.
+    runs.clear()
+    monkeypatch.setattr(sys, "argv", common + ["--micro-batch", "16"])
+    runpy.run_path(script, run_name="__main__")
+    assert "training.global_batch_size=16" in runs[0]
+
+    runs.clear()
+    monkeypatch.setattr(sys, "argv", common + ["--micro-batch", "48", "--global-batch", "128"])
+    with pytest.raises(SystemExit) as refused:
+        runpy.run_path(script, run_name="__main__")
+    assert refused.value.code == 2 and runs == []
