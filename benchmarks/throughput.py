@@ -79,12 +79,13 @@ def main() -> None:
 
     def measure(name: str, overrides: str, mb: int) -> dict:
         # Without --global-batch no gradient accumulation: the global batch is micro-batch x ranks.
+        global_batch = args.global_batch or mb * args.nproc
         ov = shlex.split(overrides) + shlex.split(args.extra) + [
-            f"training.micro_batch_size={mb}", f"training.global_batch_size={args.global_batch or mb * args.nproc}"]
+            f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
         gpu = free_gpus.get()
         try:
             row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
-               "accumulation": (args.global_batch or mb * args.nproc) // (mb * args.nproc),
+                   "accumulation": global_batch // (mb * args.nproc),
                    **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout)}
             if args.phases and "error" not in row:
                 timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu, args.timeout)
