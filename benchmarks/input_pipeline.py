@@ -28,7 +28,8 @@ sys.path.insert(0, str(REPO))
 def measure(dataset, batch_size: int, workers: int, batches: int, warmup: int, collate, finish=None) -> float:
     import torch
 
-    from core.data import GlobalBatchSampler, make_loader
+    from core.data.loading import make_loader
+    from core.data.sampling import GlobalBatchSampler
 
     loader = make_loader(dataset, GlobalBatchSampler(batch_size, batch_size, 1, 0), workers, False, 0, collate)
     it = iter(loader)
@@ -62,10 +63,13 @@ def main() -> None:
 
     from hydra import compose, initialize_config_dir
 
-    import train  # noqa: F401  (registers schemas and resolvers)
-    from core.config import validate
-    from core.datasets import MultiEpochDatasetResampler
-    from recipes import get_recipe
+    from core.config.validation import validate
+    from core.data.datasets import MultiEpochDatasetResampler
+    from core.distributed import launch
+    from recipes.registry import get_recipe, register_configs
+
+    register_configs()
+    launch.register_resolvers()
 
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = validate(compose(config_name=args.config, overrides=args.overrides + ["checkpoint.path=unused"]))

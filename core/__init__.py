@@ -1,2 +1,13 @@
-"""The training loop's building blocks: config schemas, distributed setup, layers, data-parallel
-backends, optimizer, data sampling, precision and metrics."""
+"""The training loop's building blocks, by concern (docs/architecture.md walks through them):
+
+  config/         schemas (defaults and their documentation), validation
+  distributed/    processes, devices and the device mesh; launcher glue; stop signals
+  parallel/       data-parallel backends, tensor parallelism, parallelize() (TP, recompute, compile, shard)
+  layers/         TransformerEngine layers or their plain-torch twins; deterministic weight init
+  data/           sampling the global batch, loaders, deterministic dataset utilities and their checker
+  training/       optimizer and schedule, precision, the non-finite policy, evaluation, the train state
+  checkpointing/  DCP checkpoints: layout, state parts, staging, retention, manager, conversion
+  metrics/        logger, throughput meter, profiler
+  runtime.py      every device and backend decision, made once
+  session.py      the setup every entry point (train, predict) shares
+"""

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.data import to_device
-from core.layers import Layers
+from core.data.loading import to_device
+from core.layers.namespace import Layers
 
 
 @dataclass

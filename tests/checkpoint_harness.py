@@ -1,5 +1,5 @@
-"""Test-side tools for checkpoint tests: run train.run in several phases inside one worker process, with
-optional instrumentation (a signal sent at a given step, the sample indices each rank trained on)."""
+"""Test-side tools for checkpoint tests: train in several phases inside one worker process, with optional
+instrumentation (a signal sent at a given step, the sample indices each rank trained on)."""
 
 from __future__ import annotations
 
@@ -34,19 +34,17 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     """Worker body: for each phase {"overrides", "run_dir", "signal_at": step, "state": bool,
-    "expect_error": bool}, run train.run and report losses (rank 0), start_step, resumed_from,
+    "expect_error": bool}, train and report losses (rank 0), start_step, resumed_from,
     stopped_by, the micro-batches trained on (stream positions from the sampler, "samples"; the
     dataset indices of the samples, "idx"), and the full weights (state=True) or the error."""
     if shim:
         from tests.mfsdp_cpu_shim import install
 
         install()
-    import train
-    from core.data import GlobalBatchSampler
-    from core.metrics import MetricsLogger
-    from tests.helpers import compose_config
-
-    from recipes.vit import ViTRecipe
+    from core.data.sampling import GlobalBatchSampler
+    from core.metrics.logger import MetricsLogger
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import compose_config, train_run
 
     current: dict = {}
     original_log, original_iter, original_forward = MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward
@@ -75,19 +73,20 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
             current.update(signal_at=phase.get("signal_at"), samples=[], idx=[])
             cfg = compose_config(phase.get("config", "vit_sanity"), phase["overrides"])
             try:
-                result = train.run(cfg, Path(phase["run_dir"]), return_model_state=phase.get("state", False))
+                trained_run = train_run(cfg, phase["run_dir"], full_state=phase.get("state", False))
             except Exception as e:  # noqa: BLE001
                 if not phase.get("expect_error"):
                     raise
                 out.append({"error": f"{type(e).__name__}: {e}", "losses": train_losses(phase["run_dir"])})
                 continue
-            # The loop fetches one micro-batch ahead (core.data.prefetch_to_device): the micro-batches it
-            # trained on are the first ones drawn from the sampler, as many as forward passes ran.
+            # The loop fetches one micro-batch ahead (core/data/loading.py): the micro-batches it trained
+            # on are the first ones drawn from the sampler, as many as forward passes ran.
             trained = current["samples"][:len(current["idx"])]
+            result = trained_run["result"]
             out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
                         "resumed_from": result.resumed_from,
                         "stopped_by": result.stopped_by, "samples": trained, "idx": current["idx"],
-                        "skipped_steps": result.skipped_steps, "state": result.model_state})
+                        "skipped_steps": result.skipped_steps, "state": trained_run["state"]})
     finally:
         MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward = original_log, original_iter, original_forward
     return out

@@ -1,4 +1,5 @@
-"""Shared test utilities: composing configs and running train.run in gloo worker processes."""
+"""Shared test utilities: composing configs, training through train.py's building blocks, and running
+functions in gloo worker processes."""
 
 from __future__ import annotations
 
@@ -15,11 +16,40 @@ REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
 
 
-def compose_config(name: str, overrides: list[str]):
-    import train  # noqa: F401  (registers the schemas and resolvers)
+def register() -> None:
+    """What the entry points do before Hydra composes: the schemas and the resolvers."""
+    from core.distributed import launch
+    from recipes.registry import register_configs
 
+    register_configs()
+    launch.register_resolvers()
+
+
+def compose_config(name: str, overrides: list[str]):
+    register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         return compose(config_name=name, overrides=overrides)
+
+
+def validated_config(name: str, overrides: list[str]):
+    from core.config.validation import validate
+
+    return validate(compose_config(name, overrides))
+
+
+def train_run(cfg, run_dir, full_state: bool = False) -> dict:
+    """train.py's run, from its parts, in this process: {"result": RunResult, "state": the full weights
+    (full_state=True), "param_groups": [(name, tensors, weight decay)] as optimized}."""
+    import train
+    from core import session
+    from recipes.registry import get_recipe
+
+    with session.start(cfg, Path(run_dir), get_recipe) as s:
+        run = train.setup(s)
+        result = train.train(run)
+        state = run.parallel.full_state_dict() if full_state else None  # a collective: before teardown
+        groups = [(g["name"], len(g["params"]), g["weight_decay"]) for g in run.optimizer.param_groups]
+    return {"result": result, "state": state, "param_groups": groups}
 
 
 def free_port() -> int:

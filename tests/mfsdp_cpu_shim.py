@@ -42,7 +42,8 @@ class _NoStream:
 def install() -> None:
     import importlib
 
-    import core.parallel
+    import core.runtime
+    from core.config.schema import ParallelBackend
 
     # (the package re-exports a function named fully_shard, hiding the module of that name)
     fully_shard_module = importlib.import_module("megatron_fsdp.fully_shard")
@@ -70,5 +71,6 @@ def install() -> None:
     config_cls.__init__ = init_without_div_fusion
 
     # The product refuses mfsdp without CUDA; the shimmed worker is the one place it may run.
-    original_resolve = core.parallel.resolve_backend
-    core.parallel.resolve_backend = lambda backend, device: backend if backend == "mfsdp" else original_resolve(backend, device)
+    original_resolve = core.runtime.resolve_parallel_backend
+    core.runtime.resolve_parallel_backend = lambda backend, machine: (
+        ParallelBackend.mfsdp if backend == ParallelBackend.mfsdp else original_resolve(backend, machine))

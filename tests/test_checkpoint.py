@@ -114,11 +114,11 @@ def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
 
     finish = checkpoint.Checkpointer._finish
 
-    def slow(self, target, step, metrics, start):
-        if step == slow_step and self.is_main:
+    def slow(self, save):
+        if save.step == slow_step and self.is_main:
             Path(sentinel).write_text("writing the marker")
             time.sleep(600)
-        finish(self, target, step, metrics, start)
+        finish(self, save)
 
     checkpoint.Checkpointer._finish = slow
     run_phases(phases)
@@ -211,7 +211,7 @@ def test_a_failing_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
 
 
 def _nan_at_step(phases: list[dict], bad_step: int, micro_batches_per_step: int) -> list[dict]:
-    from recipes.vit import ViTRecipe
+    from recipes.vit.recipe import ViTRecipe
 
     forward, calls = ViTRecipe.forward, {"n": 0}
 
@@ -327,11 +327,11 @@ def _export(step_dir: str, out_dir: str) -> None:
 
 
 def _unsharded_vit():
-    from core.config import validate
-    from core.layers import get_layers
-    from recipes.vit import ViTRecipe
+    from core.layers.namespace import get_layers
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import validated_config
 
-    cfg = validate(compose_config("vit_sanity", TINY + ["checkpoint.path=unused"]))
+    cfg = validated_config("vit_sanity", TINY + ["checkpoint.path=unused"])
     return ViTRecipe(cfg).build_model(get_layers("torch"), torch.device("cpu"))
 
 

@@ -7,9 +7,10 @@ import sys
 
 import pytest
 
-from core.config import ConfigError, validate
-from core.distributed import mesh_shape
-from core.data import accumulation_steps
+from core.config.errors import ConfigError
+from core.config.validation import validate
+from core.data.sampling import accumulation_steps
+from core.distributed.env import mesh_shape
 from tests.helpers import REPO, compose_config
 
 

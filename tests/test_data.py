@@ -11,8 +11,8 @@ import pytest
 import torch
 from PIL import Image
 
-from core.data import EvalBatchSampler, GlobalBatchSampler
-from core.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
+from core.data.sampling import EvalBatchSampler, GlobalBatchSampler
+from core.data.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted, tiny_imagenet_files
 from tests.helpers import REPO
@@ -154,7 +154,7 @@ def test_synthetic_images_are_deterministic():
 def test_prefetch_takes_exactly_the_batches_the_run_needs():
     """One batch is fetched ahead, but never past `count`: the training stream ends there (an
     IndexError beyond it), so the last step must not ask for more."""
-    from core.data import prefetch_to_device
+    from core.data.loading import prefetch_to_device
 
     def stream(n):
         for i in range(n):

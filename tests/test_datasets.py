@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch.utils.data import Dataset
 
-from core.dataset_checks import assert_dataset_compatible_with_megatron, assert_dataset_deterministic
-from core.datasets import (EpochIndex, IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler,
+from core.data.checks import assert_dataset_compatible_with_megatron, assert_dataset_deterministic
+from core.data.datasets import (EpochIndex, IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler,
                            PRNGResampleDataset, sample_generator)
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets

@@ -11,13 +11,14 @@ import sys
 import numpy as np
 import pytest
 import torch
+from hydra.errors import ConfigCompositionException
 from PIL import Image
 
-from core.config import ConfigError
-from core.datasets import EpochIndex
+from core.config.errors import ConfigError
+from core.data.datasets import EpochIndex
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
-from tests.helpers import REPO
+from tests.helpers import REPO, compose_config
 
 SIZES = [(40, 56), (64, 48), (33, 33), (80, 120), (50, 70), (45, 90)]
 
@@ -61,8 +62,9 @@ def test_device_decoding_gives_the_workers_images(tmp_path):
 def test_device_decoding_refuses_what_it_cannot_do(tmp_path):
     with pytest.raises(ConfigError, match="needs JPEG files and no mixup"):
         datasets(tmp_path, "device", mixup_alpha=0.8)
-    with pytest.raises(ConfigError, match="expected workers or device"):
-        datasets(tmp_path, "gpu")
+    with pytest.raises(ConfigCompositionException, match="data.decode_on=gpu") as refused:  # while composing
+        compose_config("vit_sanity", ["checkpoint.path=unused", "data.decode_on=gpu"])
+    assert "expected one of [workers, device]" in str(refused.value.__cause__)
     digits = REPO / "data" / "digits"  # PNG files
     train = build_image_datasets(ImageDataConfig(format="imagefolder", root=str(digits), num_classes=10,
                                                  decode_on="device"), ViTModelConfig(img_size=32, num_classes=10), seed=0)[0]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.dataset_checks import assert_dataset_deterministic
-from core.datasets import EpochIndex
-from tests.helpers import REPO, compose_config
+from core.data.checks import assert_dataset_deterministic
+from core.data.datasets import EpochIndex
+from tests.helpers import REPO
 
 DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
 
@@ -79,10 +79,10 @@ def test_a_local_hugging_face_tokenizer_works_too(tmp_path):
 
 
 def gpt_recipe(overrides: list[str] = ()):
-    from core.config import validate
-    from recipes.gpt import GPTRecipe
+    from recipes.gpt.recipe import GPTRecipe
+    from tests.helpers import validated_config
 
-    return GPTRecipe(validate(compose_config("gpt_sanity", ["checkpoint.path=unused", *overrides])))
+    return GPTRecipe(validated_config("gpt_sanity", ["checkpoint.path=unused", *overrides]))
 
 
 def test_datasets_come_from_megatron_core_and_are_deterministic(tmp_path):
@@ -105,7 +105,7 @@ def test_datasets_come_from_megatron_core_and_are_deterministic(tmp_path):
 
 
 def test_model_shapes_parameter_count_and_flops():
-    from core.layers import TORCH_LAYERS
+    from core.layers.namespace import TORCH_LAYERS
 
     for tied in (False, True):
         recipe = gpt_recipe([f"model.tie_embeddings={str(tied).lower()}"])
@@ -214,9 +214,9 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
 
 
 def test_tensor_parallel_is_refused_where_it_cannot_work():
-    from core.config import ConfigError
-    from core.layers import TORCH_LAYERS
-    from core.tensor_parallel import TensorParallel
+    from core.config.errors import ConfigError
+    from core.layers.namespace import TORCH_LAYERS
+    from core.parallel.tensor_parallel import TensorParallel
     from dataclasses import replace
 
     recipe = gpt_recipe(["model.num_query_groups=3", "model.num_attention_heads=6", "model.hidden_size=96"])
@@ -225,8 +225,8 @@ def test_tensor_parallel_is_refused_where_it_cannot_work():
 
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_the_names():
-    from core import activation_checkpointing
-    from core.layers import TORCH_LAYERS
+    from core.parallel import activation_checkpointing
+    from core.layers.namespace import TORCH_LAYERS
 
     recipe = gpt_recipe()
     model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
@@ -235,7 +235,7 @@ def test_activation_checkpointing_recomputes_each_block_and_keeps_the_names():
     for i, block in enumerate(model.layers):  # count the blocks' computations
         original = block.forward
         block.forward = lambda *a, _f=original, _i=i, **k: (calls.append(_i), _f(*a, **k))[1]
-    assert activation_checkpointing.apply(model, recipe.unit_modules(TORCH_LAYERS), "torch") == 4
+    assert activation_checkpointing.apply(model, recipe.unit_modules(TORCH_LAYERS), TORCH_LAYERS.checkpoint) == 4
     model(torch.randint(0, 258, (2, 16))).float().square().mean().backward()
     assert calls == [0, 1, 2, 3, 3, 2, 1, 0]  # forward, then each block again during the backward pass
     assert [n for n, _ in model.named_parameters()] == names and all(p.grad is not None for p in model.parameters())
@@ -245,10 +245,13 @@ def _glu_layer_step(tmp: str, tp: int):
     """One AdamW step of a biased SwiGLU twin block, sharded by fsdp2 at `tp`, saved with DCP to tmp/tp<tp>."""
     import torch.distributed.checkpoint as dcp
 
-    from core import distributed, parallel
-    from core.config import DistributedConfig
-    from core.init import init_parameters, standard_rule
+    from core.config.schema import DistributedConfig, ParallelBackend
+    from core.distributed import env as distributed
+    from core.layers.namespace import TORCH_LAYERS
     from core.layers.torch_twins import TransformerLayer
+    from core.layers.weight_init import init_parameters, standard_rule
+    from core.parallel.parallelize import parallelize
+    from core.runtime import Runtime
 
     env = distributed.setup(1, -1, tp, 5)
     try:
@@ -256,10 +259,11 @@ def _glu_layer_step(tmp: str, tp: int):
             16, 24, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0, bias=True, activation="swiglu",
             normalization="RMSNorm", attn_input_format="bshd", **env.tensor_parallel().layer_kwargs()))
         init_parameters(layer, 0, standard_rule(0.5), env.tensor_parallel())
-        par = parallel.shard(layer, "fsdp2", env, DistributedConfig(), [TransformerLayer], "fp32")
+        runtime = Runtime("cpu", ParallelBackend.fsdp2, TORCH_LAYERS.name, None, torch.float32)
+        par = parallelize(layer, runtime, env, DistributedConfig(), TORCH_LAYERS, [TransformerLayer])
         optimizer = torch.optim.AdamW([p for _, p in par.named_parameters()], lr=0.1)
         torch.manual_seed(0)
-        par.module(torch.randn(2, 5, 16)).square().mean().backward()
+        par.wrapped(torch.randn(2, 5, 16)).square().mean().backward()
         optimizer.step()
         dcp.save({"model": par.model_state_dict(), "optim": par.optimizer_state_dict(optimizer)},
                  checkpoint_id=f"{tmp}/tp{tp}")
@@ -271,7 +275,7 @@ def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     """A biased SwiGLU block: fc1 weight, fc1 bias and their Adam moments saved at TP=2 equal those saved at TP=1."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from checkpoint import _empty_like_saved
+    from checkpoint import empty_like_saved
     from tests.helpers import run_workers
     import torch.distributed.checkpoint as dcp
 
@@ -281,7 +285,7 @@ def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     for tp in (1, 2):
         metadata = FileSystemReader(f"{tmp_path}/tp{tp}").read_metadata()
         keys = [k for k in metadata.state_dict_metadata if "fc1_" in k and not k.endswith(".step")]
-        state = {k: _empty_like_saved(metadata, k) for k in keys}
+        state = {k: empty_like_saved(metadata, k) for k in keys}
         with pytest.warns(UserWarning, match="load in a single process"):
             dcp.load(state, checkpoint_id=f"{tmp_path}/tp{tp}", no_dist=True)
         saved[tp] = state

@@ -19,12 +19,11 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GP
 
 
 def build_vit(backend: str, overrides: list[str]):
-    import train  # noqa: F401
-    from core.config import validate
-    from core.layers import get_layers
-    from recipes.vit import ViTRecipe
+    from core.layers.namespace import get_layers
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import validated_config
 
-    cfg = validate(compose_config("vit_base_patch16_224", ["checkpoint.path=unused", "data=synthetic", *overrides]))
+    cfg = validated_config("vit_base_patch16_224", ["checkpoint.path=unused", "data=synthetic", *overrides])
     return ViTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
 
 
@@ -184,13 +183,13 @@ def _capture_amax(phases: list[dict]) -> list[dict]:
     seen = {}
     save, restore = checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore
 
-    def capturing_save(self, step, par, *args, **kwargs):
-        seen["saved"] = _amax_histories(par.inner)
-        return save(self, step, par, *args, **kwargs)
+    def capturing_save(self, step, parts, *args, **kwargs):
+        seen["saved"] = _amax_histories(parts["model"].parallel.model)
+        return save(self, step, parts, *args, **kwargs)
 
-    def capturing_restore(self, par, *args):
-        result = restore(self, par, *args)
-        seen["restored"] = _amax_histories(par.inner)
+    def capturing_restore(self, parts):
+        result = restore(self, parts)
+        seen["restored"] = _amax_histories(parts["model"].parallel.model)
         return result
 
     checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore = capturing_save, capturing_restore
@@ -245,12 +244,11 @@ def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
 
 
 def build_gpt(backend: str, overrides: list[str]):
-    import train  # noqa: F401
-    from core.config import validate
-    from core.layers import get_layers
-    from recipes.gpt import GPTRecipe
+    from core.layers.namespace import get_layers
+    from recipes.gpt.recipe import GPTRecipe
+    from tests.helpers import validated_config
 
-    cfg = validate(compose_config("gpt_125m", ["checkpoint.path=unused", *overrides]))
+    cfg = validated_config("gpt_125m", ["checkpoint.path=unused", *overrides])
     return GPTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
 
 
@@ -337,7 +335,7 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as te_recipe
 
-    from core.layers import get_layers, te_autocast
+    from core.layers.namespace import get_layers, te_autocast
 
     kwargs = dict(**block, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
                   fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda")
@@ -365,7 +363,7 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
 
 
 def test_te_token_cross_entropy_matches_torch():
-    from core.layers import TORCH_LAYERS, get_layers
+    from core.layers.namespace import TORCH_LAYERS, get_layers
 
     logits = torch.randn(4, 256, 1024, device="cuda", dtype=torch.bfloat16) * 4
     labels = torch.randint(0, 1024, (4, 256), device="cuda")

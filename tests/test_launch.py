@@ -18,8 +18,8 @@ SLURM_RANK_3_OF_4 = {
 }
 PROBE = """
 import json, os
-from core.distributed import _export_slurm_env_if_needed
-from core import launch
+from core.distributed.env import _export_slurm_env_if_needed
+from core.distributed import launch
 _export_slurm_env_if_needed()
 print(json.dumps({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")}
                  | {"run_id": launch.run_id(), "rank": launch.global_rank()}))
@@ -47,8 +47,9 @@ def test_torchrun_rendezvous_id_names_the_run_without_agent_store():
 
 
 def test_slurm_launcher_config_composes():
-    import train  # noqa: F401
+    from tests.helpers import register
 
+    register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="vit_base_patch16_224", return_hydra_config=True,
                       overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=gpu"])

@@ -9,9 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from core.config import ConfigError
-from core.layers import TORCH_LAYERS, resolve_backend
+from core.config.errors import ConfigError
 from core.layers import torch_twins as tt
+from core.layers.namespace import TORCH_LAYERS
+from core.runtime import Machine, resolve_layer_backend
 
 H, FFN, HEADS = 16, 24, 4
 
@@ -161,11 +162,11 @@ def test_unsupported_options_are_errors():
 
 
 def test_backend_choice_on_cpu():
-    cpu = torch.device("cpu")
-    assert resolve_backend("auto", cpu) == "torch"
-    assert resolve_backend("torch", cpu) == "torch"
+    cpu = Machine(cuda=False, te=False)
+    assert resolve_layer_backend("auto", cpu) == "torch"
+    assert resolve_layer_backend("torch", cpu) == "torch"
     with pytest.raises(ConfigError, match="needs a CUDA device"):
-        resolve_backend("te", cpu)
+        resolve_layer_backend("te", cpu)
     assert TORCH_LAYERS.TransformerLayer is tt.TransformerLayer
 
 

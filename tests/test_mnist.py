@@ -14,20 +14,20 @@ from pathlib import Path
 import pytest
 import torch
 
-from core.dataset_checks import assert_dataset_deterministic
-from core.datasets import MultiEpochDatasetResampler
+from core.data.checks import assert_dataset_deterministic
+from core.data.datasets import MultiEpochDatasetResampler
 from tests.checkpoint_harness import run_phases
-from tests.helpers import REPO, compose_config, run_workers
+from tests.helpers import REPO, run_workers
 
 RAW = REPO / "data" / "mnist_5k" / "MNIST" / "raw"
 QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num_workers=0"]
 
 
 def mnist_recipe(config: str = "mnist_pretrain", overrides: list[str] = ()):
-    from core.config import validate
-    from recipes.mnist import MNISTRecipe
+    from recipes.mnist.recipe import MNISTRecipe
+    from tests.helpers import validated_config
 
-    return MNISTRecipe(validate(compose_config(config, ["checkpoint.path=unused", *overrides])))
+    return MNISTRecipe(validated_config(config, ["checkpoint.path=unused", *overrides]))
 
 
 def test_splits_are_fixed_disjoint_and_deterministic():

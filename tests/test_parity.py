@@ -32,11 +32,11 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
         from tests.mfsdp_cpu_shim import install
 
         install()
-    import train
+    from tests.helpers import train_run
 
     cfg = compose_config("vit_sanity", overrides + [f"checkpoint.path={run_dir}/ckpt"])
-    result = train.run(cfg, Path(run_dir), return_model_state=True)
-    out = {"state": result.model_state, "param_groups": result.param_groups}
+    trained = train_run(cfg, run_dir, full_state=True)
+    out = {"state": trained["state"], "param_groups": trained["param_groups"]}
     metrics = Path(run_dir) / "metrics.jsonl"
     if metrics.exists():
         rows = [json.loads(line) for line in metrics.read_text().splitlines()]
@@ -46,17 +46,14 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
 
 def reference_run(device: torch.device = torch.device("cpu"), layers: str = "torch") -> dict:
     """Plain PyTorch: no process group, no wrapper, one forward per optimizer step."""
-    import train  # noqa: F401
-    from core.data import GlobalBatchSampler
-    from core.datasets import MultiEpochDatasetResampler
-    from core.layers import get_layers
-    from core.optim import lr_multiplier
-    from recipes.vit import ViTRecipe
+    from core.data.datasets import MultiEpochDatasetResampler
+    from core.data.sampling import GlobalBatchSampler
+    from core.layers.namespace import get_layers
+    from core.training.optim import lr_multiplier
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import validated_config
 
-    cfg = compose_config("vit_sanity", COMMON + ["checkpoint.path=unused"])
-    from core.config import validate
-
-    cfg = validate(cfg)
+    cfg = validated_config("vit_sanity", COMMON + ["checkpoint.path=unused"])
     recipe = ViTRecipe(cfg)
     torch.manual_seed(0)
     model = recipe.build_model(get_layers(layers), device)

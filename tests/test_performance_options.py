@@ -31,13 +31,12 @@ def test_compile_replaces_each_block_forward_and_runs_compiled():
     import torch
     import torch._dynamo
 
-    from core import compilation
-    from core.layers import TORCH_LAYERS
-    from recipes.vit import ViTRecipe
-    from tests.helpers import compose_config
-    from core.config import validate
+    from core.layers.namespace import TORCH_LAYERS
+    from core.parallel import compilation
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import validated_config
 
-    recipe = ViTRecipe(validate(compose_config("vit_sanity", COMMON + ["checkpoint.path=unused"])))
+    recipe = ViTRecipe(validated_config("vit_sanity", COMMON + ["checkpoint.path=unused"]))
     model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
     names = [n for n, _ in model.named_parameters()]
     torch._dynamo.reset()

@@ -85,3 +85,24 @@ def test_checkpoints_move_between_mfsdp_and_fsdp2(tmp_path):
         assert resumed["start_step"] == 4 and sorted(resumed["losses"]) == [5, 6, 7, 8]
         for step, loss in resumed["losses"].items():
             assert loss == pytest.approx(ref["losses"][step], rel=1e-5)
+
+
+def test_a_checkpoint_written_by_the_previous_code_resumes_exactly(tmp_path):
+    """tests/fixtures/previous_main: step_4 of a 2-rank fsdp2 run with dropout, saved by the code before the
+    checkpointing package (commit 18e2495), and that code's losses for the uninterrupted 8 steps. This code
+    resumes it and continues with those losses (bit for bit on the machine that wrote them; 1e-6 leaves room
+    for another CPU's kernels)."""
+    import json
+    import shutil
+
+    from tests.helpers import REPO
+
+    fixture = REPO / "tests" / "fixtures" / "previous_main"
+    shutil.copytree(fixture / "step_4", tmp_path / "ckpt" / "step_4")
+    expected = {int(k): v for k, v in json.loads((fixture / "losses.json").read_text())["losses"].items()}
+    resumed = run_workers(2, run_phases, [phase(tmp_path, "resumed", "ckpt", DROPOUT + ["distributed=fsdp2"])])[0][0]
+    assert resumed["start_step"] == 4 and resumed["resumed_from"] == str(tmp_path / "ckpt" / "step_4")
+    assert sorted(resumed["losses"]) == [5, 6, 7, 8]
+    for step, loss in resumed["losses"].items():
+        assert loss == pytest.approx(expected[step], rel=1e-6, abs=0), step
+    print("resumed losses", resumed["losses"], "previous code's", {s: expected[s] for s in range(5, 9)})

@@ -1,30 +1,30 @@
-"""te.TransformerLayer as the recipes run it: the same modules and parameter names, fewer kernels.
+"""te.TransformerLayer as the recipes run it: the same modules and parameter names, fewer kernels
+(what each change saves: docs/performance.md).
 
 1. Q, K and V as views of one packed projection output, with a gradient that needs no copies.
-TE 2.20's MultiheadAttention hands the packed QKV output (shape [..., heads, 3, head_dim]) to
+TE's MultiheadAttention (the pinned TransformerEngine) hands the packed QKV output (shape [..., heads, 3, head_dim]) to
 DotProductAttention, which splits it with three `select`s. cuDNN's backward writes dQ, dK and dV into
 one packed buffer, but autograd's backward of each `select` zero-fills a tensor of the full packed
 size, copies one slice into it, and the three results are then added: three fills, three copies and two
-adds of the packed size per layer, 11% of 12 bare ViT-B/16 layers' step on an H200 (docs/performance.md).
+adds of the packed size per layer.
 `PackedQKVSplit` returns the same views; its backward hands back the packed buffer itself when the three
 gradients are its slices (they are, from cuDNN), and stacks them otherwise. TE then recognises the views
 as the packed layout from their pointers and strides, as its MultiheadAttention relies on whenever RoPE
-is applied (the GPT blocks); TE 2.20 marks that detection deprecated in a warning we silence. Should a
+is applied (the GPT blocks); TE marks that detection deprecated in a warning we silence. Should a
 later TE drop it, the GPU test against te.TransformerLayer and benchmarks/te_layers.py show it.
 
 2. Grouped-query attention with RoPE (the GPT blocks) in one kernel each way. TE's MultiheadAttention
 splits the projection output [.., groups, (heads per group + 2) x head_dim] into Q, K and V, copies Q into
 [.., heads, head_dim], runs one RoPE kernel for Q and one for K, and in the backward runs two RoPE
-kernels more and concatenates dQ, dK and dV back with a strided copy: ~18 ms of a 340 ms gpt_1b step on
-an H200. `MultiheadAttention` hands the projection output to TE's fused QKV-RoPE function instead
+kernels more and concatenates dQ, dK and dV back with a strided copy. `MultiheadAttention` hands the projection output to TE's fused QKV-RoPE function instead
 (what Megatron-Core's `fused_single_qkv_rope` uses): one kernel splits and rotates, one writes the
 packed gradient. Outside that case (FP8 attention, no RoPE, KV cache, context parallelism, QK norms,
 ...) it is TE's own forward.
 
 3. With bias and GELU (the ViT MLP) outside FP8, TE adds the fc1 bias and applies GELU in a separate
 Triton kernel, and their gradients in two more. cuBLASLt can do both in the fc1 GEMM's epilogue and the
-GELU gradient in the fc2 dgrad GEMM's (TE's path when NVTE_BIAS_GELU_NVFUSION=0, and under FP8):
-~4% faster on 12 ViT-B/16 layers (H200), same math up to bf16 rounding of the pre-activation.
+GELU gradient in the fc2 dgrad GEMM's (TE's path when NVTE_BIAS_GELU_NVFUSION=0, and under FP8): the
+same math up to bf16 rounding of the pre-activation.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import warnings
 
 import torch
 
-# TE 2.20 warns at every attention call that finds a packed layout from q/k/v pointers (see above).
+# TE warns at every attention call that finds a packed layout from q/k/v pointers (see above).
 warnings.filterwarnings("ignore", message="Relying on pointer-based detection of packed q/k/v layouts",
                         category=DeprecationWarning)
 

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.tensor_parallel import GLU_ACTIVATIONS, mark_split
+from core.parallel.tensor_parallel import GLU_ACTIVATIONS, mark_split
 
 # TE's default init_method: normal(0, 0.023) for every weight; biases start at zero.
 TE_DEFAULT_INIT_STD = 0.023

@@ -10,30 +10,30 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.tensor_parallel import local_pieces, use_full_layout
+from core.parallel.tensor_parallel import local_pieces, use_full_layout
 
 
 class Parallel:
     """A model wrapped for data-parallel training.
 
-    `module` is what the loop calls forward on; `inner` is the user's model (parameter names without
-    any wrapper prefix: the canonical names for optimizer groups and checkpoints). With tensor
-    parallelism, `glu` names the GLU fc1 weights, whose state dict entries are described to DCP in
-    their TP=1 layout (see core.tensor_parallel).
+    `wrapped` is what the loop calls forward on (the backend's wrapper); `model` is the user's model
+    (parameter names without any wrapper prefix: the canonical names for optimizer groups and
+    checkpoints). With tensor parallelism, `glu` names the GLU fc1 weights, whose state dict entries are
+    described to DCP in their TP=1 layout (see core/parallel/tensor_parallel.py).
     """
 
     name = ""
 
-    def __init__(self, module: nn.Module, inner: nn.Module):
-        self.module = module
-        self.inner = inner
+    def __init__(self, wrapped: nn.Module, model: nn.Module):
+        self.wrapped = wrapped
+        self.model = model
         self.tp_size = 1
         self.glu: set[str] = set()
         self._by_sharding: Optional[dict[tuple, list[nn.Parameter]]] = None
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
         """(canonical name, parameter the optimizer must update)."""
-        return self.inner.named_parameters()
+        return self.model.named_parameters()
 
     def finalize_optimizer(self, optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
         """Hook for backends that wrap the optimizer (Megatron-FSDP)."""
@@ -111,23 +111,23 @@ class Parallel:
     def _model_state_dict(self) -> dict:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        return {k: v for k, v in get_model_state_dict(self.module).items() if not k.endswith("_extra_state")}
+        return {k: v for k, v in get_model_state_dict(self.wrapped).items() if not k.endswith("_extra_state")}
 
     def load_model_state_dict(self, state: dict) -> None:
         """Load the given entries of `model_state_dict()` (possibly a subset) into the model."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        set_model_state_dict(self.module, state, options=StateDictOptions(strict=False))
+        set_model_state_dict(self.wrapped, state, options=StateDictOptions(strict=False))
 
     def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
-        return get_optimizer_state_dict(self.module, optimizer)
+        return get_optimizer_state_dict(self.wrapped, optimizer)
 
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        set_optimizer_state_dict(self.module, optimizer, state)
+        set_optimizer_state_dict(self.wrapped, optimizer, state)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded model weights by canonical name (TP=1 layout), on the CPU, on every rank (a collective).

@@ -8,8 +8,8 @@ import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from core.config import DDPConfig
-from core.distributed import DistEnv
+from core.config.schema import DDPConfig
+from core.distributed.env import DistEnv
 from core.parallel.base import Parallel
 
 
@@ -30,4 +30,4 @@ class DDP(Parallel):
 
     def micro_batch(self, is_last: bool) -> ContextManager:
         # Skip the all-reduce on all but the last micro-batch; gradients accumulate locally.
-        return contextlib.nullcontext() if is_last else self.module.no_sync()
+        return contextlib.nullcontext() if is_last else self.wrapped.no_sync()

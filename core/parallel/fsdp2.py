@@ -10,30 +10,28 @@ from __future__ import annotations
 import contextlib
 from typing import ContextManager
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
-from core.config import ConfigError, FSDP2Config
-from core.distributed import DistEnv
+from core.config.schema import FSDP2Config
+from core.distributed.env import DistEnv
 from core.parallel.base import Parallel
-from core.precision import DTYPES
+from core.training.precision import DTYPES
 
 
 class FSDP2(Parallel):
     name = "fsdp2"
 
     def __init__(self, model: nn.Module, env: DistEnv, cfg: FSDP2Config, unit_modules: list[type],
-                 param_dtype: str):
+                 param_dtype: torch.dtype):
         if env.tp > 1:
-            if any(type(m).__module__.startswith("transformer_engine") for m in model.modules()):
-                raise ConfigError("distributed.tp > 1 with distributed.backend=fsdp2 needs model.backend=torch; "
-                                  "TE layers are tensor-parallel under distributed.backend=mfsdp")
             _tensor_parallel_as_dtensors(model, env.mesh["tp"])
         # 1-d mesh (FSDP) or 2-d (HSDP: replicate over dp_outer, shard over dp_shard).
         mesh = env.mesh["dp_outer", "dp_shard"] if env.dp_outer > 1 else env.mesh["dp_shard"]
-        mp = MixedPrecisionPolicy(param_dtype=DTYPES[param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype])
+        mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
         units = tuple(unit_modules)
         for module in model.modules():
             if units and isinstance(module, units):
@@ -43,7 +41,7 @@ class FSDP2(Parallel):
 
     def micro_batch(self, is_last: bool) -> ContextManager:
         # Reduce-scatter gradients only after the last micro-batch; before that they accumulate unsharded.
-        self.module.set_requires_gradient_sync(is_last)
+        self.wrapped.set_requires_gradient_sync(is_last)
         return contextlib.nullcontext()
 
 

@@ -1,9 +1,9 @@
-"""Megatron-FSDP (megatron-fsdp 0.6.1): ZeRO 0-3 and HSDP over the ("dp_outer", "dp_shard", "tp") mesh.
+"""Megatron-FSDP: ZeRO 0-3 and HSDP over the ("dp_outer", "dp_shard", "tp") mesh.
 
 Follows `fully_shard_model` + an optimizer built over the wrapped module's parameters +
 `fully_shard_optimizer`, rather than `fully_shard(model, optimizer)`, because the latter replaces the
 optimizer's parameter groups with a single one and so loses weight-decay groups. Two more traps of
-0.6.1 are handled here (see ../shared/notes/megatron-fsdp-and-te.md):
+the pinned megatron-fsdp (requirements.txt) are handled here; the parity tests check all three:
   * `fully_shard_optimizer` runs one optimizer step on zero gradients to create the optimizer state;
     with AdamW that applies weight decay once and advances the step count. We run it at lr 0 and
     reset the step count, so training starts exactly where a plain optimizer would.
@@ -22,11 +22,12 @@ from typing import ContextManager
 import torch
 from torch import nn
 
-from core.config import ConfigError, MFSDPConfig
-from core.distributed import DistEnv
-from core.layers import te_wgrad_fusable_modules
+from core.config.errors import ConfigError
+from core.config.schema import MFSDPConfig
+from core.distributed.env import DistEnv
+from core.layers.namespace import te_wgrad_fusable_modules
 from core.parallel.base import Parallel
-from core.precision import dtype
+from core.training.precision import dtype
 
 log = logging.getLogger(__name__)
 # Megatron-FSDP reports every FSDP unit's buffers at INFO (a screenful per model); keep warnings only.
@@ -35,10 +36,10 @@ logging.getLogger("megatron_fsdp").setLevel(logging.WARNING)
 
 def use_own_ddp_config_if_needed() -> None:
     """With megatron-core installed, megatron-fsdp builds megatron-core's DistributedDataParallelConfig
-    instead of its own, and that class's fields follow megatron-core's version: megatron-core 0.16.1 (the
-    newest for Python 3.11) lacks fields megatron-fsdp 0.6.1 passes, a TypeError in fully_shard_model.
+    instead of its own, and that class's fields follow megatron-core's version: the megatron-core pinned for
+    Python 3.11 (requirements.txt) lacks fields that megatron-fsdp passes, a TypeError in fully_shard_model.
     Where megatron-core's class lacks any of them, give megatron-fsdp back its own class (the one it was
-    written against); a megatron-core that has them all (0.19 on Python 3.12) is left in use."""
+    written against); a megatron-core that has them all is left in use."""
     from megatron_fsdp import distributed_data_parallel_config as bundled
 
     own = bundled.DistributedDataParallelConfig
@@ -58,23 +59,18 @@ class MegatronFSDP(Parallel):
 
         use_own_ddp_config_if_needed()
 
-        if cfg.zero_dp_strategy not in (0, 1, 2, 3):
-            raise ConfigError(f"distributed.mfsdp.zero_dp_strategy={cfg.zero_dp_strategy}: expected 0, 1, 2 or 3")
-        if not cfg.preproc_state_dict_for_dcp_ckpt:
-            raise ConfigError("distributed.mfsdp.preproc_state_dict_for_dcp_ckpt=false: checkpoints (and full weights "
-                              "for tests) need the offsets of Megatron-FSDP's uneven shards that it provides; keep it true")
         if cfg.zero_dp_strategy >= 2 and not unit_modules:
             raise ConfigError("distributed.mfsdp.zero_dp_strategy>=2 needs fsdp_unit_modules")
         hsdp = env.dp_outer > 1
-        zero = cfg.zero_dp_strategy
+        zero = int(cfg.zero_dp_strategy)
         if env.world_size == 1 and zero > 0:
             # One rank: nothing to shard, so every ZeRO level trains the same; ZeRO-0 skips the per-block
-            # gather and reduce hooks (measured 5-15% faster for ViT-B on one H200, docs/performance.md).
+            # gather and reduce hooks (faster: docs/performance.md).
             log.info("one GPU: Megatron-FSDP runs ZeRO-0 (zero_dp_strategy=%d has nothing to shard)", zero)
             zero = 0
         fusable = te_wgrad_fusable_modules(model) if cfg.te_fuse_wgrad_accumulation else []
         if fusable:
-            # 0.6.1 tells TE to overwrite main_grad whenever it gathers parameters (ZeRO 1-3). That is right
+            # Megatron-FSDP tells TE to overwrite main_grad whenever it gathers parameters (ZeRO 1-3). That is right
             # only where main_grad is a fresh bucket per backward, later reduce-scattered and accumulated:
             # ZeRO-2/3 over more than one dp_shard rank. Where the buffer is the persistent one that adds up
             # the micro-batches (ZeRO-1; ZeRO-2/3 with one dp_shard rank, e.g. tensor parallelism only), it
@@ -85,12 +81,12 @@ class MegatronFSDP(Parallel):
                 log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", len(fusable))
             else:
                 log.warning("distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
-                            "rank(s): Megatron-FSDP 0.6.1 would make TE overwrite the gradients accumulated over "
+                            "rank(s): Megatron-FSDP would make TE overwrite the gradients accumulated over "
                             "earlier micro-batches", zero, env.dp_shard)
         policy = megatron_fsdp.MixedPrecisionPolicy(
-            main_params_dtype=dtype(cfg.main_params_dtype, "distributed.mfsdp.main_params_dtype"),
-            main_grads_dtype=dtype(cfg.main_grads_dtype, "distributed.mfsdp.main_grads_dtype"),
-            grad_comm_dtype=dtype(cfg.grad_comm_dtype, "distributed.mfsdp.grad_comm_dtype"),
+            main_params_dtype=dtype(cfg.main_params_dtype),
+            main_grads_dtype=dtype(cfg.main_grads_dtype),
+            grad_comm_dtype=dtype(cfg.grad_comm_dtype),
         )
         wrapper = megatron_fsdp.fully_shard_model(
             model,
@@ -101,7 +97,7 @@ class MegatronFSDP(Parallel):
             hybrid_fsdp_group=env.dp_group if hsdp else None,
             fsdp_unit_modules=unit_modules,
             zero_dp_strategy=zero,
-            outer_dp_sharding_strategy=cfg.outer_dp_sharding_strategy,
+            outer_dp_sharding_strategy=int(cfg.outer_dp_sharding_strategy),
             device=env.device,
             init_model_with_meta_device=cfg.init_model_with_meta_device,
             mixed_precision_policy=policy,
@@ -118,8 +114,7 @@ class MegatronFSDP(Parallel):
         )
         self.cfg = cfg
         # One data-parallel rank without sharding: the gradients are already complete in the main-gradient
-        # buffer, and "reducing" them would only copy 4 bytes per parameter through a one-rank all-reduce
-        # (~5 ms per step for gpt_1b on an H200).
+        # buffer, and "reducing" them would only copy 4 bytes per parameter through a one-rank all-reduce.
         self.nothing_to_reduce = zero == 0 and env.dp_size == 1
         # wrapper.module is the user's model; its parameters are now Megatron-FSDP's distributed
         # (DTensor) optimizer parameters under their original names.
@@ -141,13 +136,13 @@ class MegatronFSDP(Parallel):
 
     def micro_batch(self, is_last: bool) -> ContextManager:
         if not is_last or self.nothing_to_reduce:
-            return self.module.no_sync()
+            return self.wrapped.no_sync()
         # The root post-backward hook reduces gradients (ZeRO 0/1) only when this flag is set.
-        self.module.is_last_microbatch = True
+        self.wrapped.is_last_microbatch = True
         return contextlib.nullcontext()
 
     def finish_grad_sync(self) -> None:
-        self.module.finish_grad_sync()
+        self.wrapped.finish_grad_sync()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         # Gradients are already synchronised (finish_grad_sync, before clipping).
@@ -156,19 +151,19 @@ class MegatronFSDP(Parallel):
     def _model_state_dict(self) -> dict:
         # The wrapper's state-dict hooks prepare the unevenly sharded DTensors for DCP (and drop TE's
         # _extra_state); its keys carry the wrapper's "module." prefix, which we remove.
-        return {k.removeprefix("module."): v for k, v in self.module.state_dict().items()
+        return {k.removeprefix("module."): v for k, v in self.wrapped.state_dict().items()
                 if not k.endswith("_extra_state")}
 
     def load_model_state_dict(self, state: dict) -> None:
         # The wrapper's load hook copies the loaded main weights into its compute buffers; strict=False
         # because `state` may be a subset (init_from with skipped prefixes) and lacks `_extra_state`.
-        self.module.load_state_dict({"module." + k: v for k, v in state.items()}, strict=False)
+        self.wrapped.load_state_dict({"module." + k: v for k, v in state.items()}, strict=False)
 
     def _optimizer_state_dict(self, optimizer: torch.optim.Optimizer) -> dict:
         # torch keys optimizer state by parameter index (order of appearance in param_groups);
         # re-key it by parameter name, like torch.distributed.checkpoint.state_dict does for FSDP2.
         sd = optimizer.state_dict()
-        name_of = {id(p): n for n, p in self.inner.named_parameters()}
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
         ordered = list(dict.fromkeys(id(p) for g in optimizer.param_groups for p in g["params"]))
         index_to_name = {i: name_of[pid] for i, pid in enumerate(ordered)}
         groups = [{**g, "params": [index_to_name[i] for i in g["params"]]} for g in sd["param_groups"]]
@@ -177,7 +172,7 @@ class MegatronFSDP(Parallel):
     def load_optimizer_state_dict(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
         # Back from parameter names to torch's indices, in this optimizer's own order (torch matches
         # saved and current parameters by position within each group).
-        name_of = {id(p): n for n, p in self.inner.named_parameters()}
+        name_of = {id(p): n for n, p in self.model.named_parameters()}
         current = [[name_of[id(p)] for p in g["params"]] for g in optimizer.param_groups]
         saved = state["param_groups"]
         if len(saved) != len(current) or any(set(s["params"]) != set(c) for s, c in zip(saved, current)):

@@ -3,14 +3,30 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional
 
 from omegaconf import MISSING
 
+from core.config.schema import DataConfig, ModelConfig
+
+
+class TextFormat(StrEnum):
+    text = "text"  # raw text files (.txt / .jsonl / .parquet) tokenized on first use into cache_dir
+    indexed = "indexed"  # Megatron .bin/.idx datasets (`python -m recipes.gpt.preprocess`), blended by weights
+    mock = "mock"  # Megatron-Core's MockGPTDataset (synthetic, for throughput)
+
+
+class TextDocument(StrEnum):
+    """What one document of a .txt file is."""
+
+    paragraph = "paragraph"
+    line = "line"
+    file = "file"
+
 
 @dataclass
-class GPTModelConfig:
-    backend: str = "auto"  # auto | te | torch (see core/layers)
+class GPTModelConfig(ModelConfig):
     # null: the tokenizer's vocabulary, rounded up to a multiple of make_vocab_size_divisible_by
     # (mock data: must be given).
     vocab_size: Optional[int] = None
@@ -31,21 +47,16 @@ class GPTModelConfig:
 
 
 @dataclass
-class GPTDataConfig:
-    # text:    raw text files (.txt / .jsonl / .parquet) tokenized on first use into cache_dir
-    # indexed: Megatron .bin/.idx datasets (see `python -m recipes.gpt.preprocess`), blended by weights
-    # mock:    Megatron-Core's MockGPTDataset (synthetic, for throughput)
-    format: str = "text"
-    text_files: list[str] = field(default_factory=list)
-    text_document: str = "paragraph"  # .txt: paragraph | line | file is one document
-    text_key: str = "text"  # .jsonl key / .parquet column
+class GPTDataConfig(DataConfig):
+    format: TextFormat = TextFormat.text
+    text_files: list[str] = field(default_factory=list)  # text: the files
+    text_document: TextDocument = TextDocument.paragraph  # text, .txt files
+    text_key: str = "text"  # text: .jsonl key / .parquet column
     prefixes: list[str] = field(default_factory=list)  # indexed: <prefix>.bin/.idx, one per dataset
-    weights: Optional[list[float]] = None  # indexed: blending weights (null: by size)
-    tokenizer: str = "byte"  # byte | path of a local Hugging Face tokenizer folder
+    weights: Optional[list[float]] = None  # indexed: blending weights, one per prefix (null: by size)
+    tokenizer: str = "byte"  # byte | path of a local Hugging Face tokenizer folder (the one the files were made with)
     eod_token: Optional[str] = None  # HF tokenizers: the end-of-document token (null: its eos_token)
     split: str = "949,50,1"  # train, validation, test shares of the documents
-    cache_dir: str = MISSING  # tokenized text and Megatron-Core's sample index caches
+    cache_dir: str = "${repo_dir:}/outputs/data_cache"  # tokenized text and Megatron-Core's sample index caches
     eod_mask_loss: bool = False  # no loss on predicting the token after an end-of-document
     val_num_samples: Optional[int] = None  # null: the validation split once
-    num_workers: int = 2
-    pin_memory: bool = True

@@ -24,8 +24,6 @@ from recipes.gpt.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
-FORMATS = ("text", "indexed", "mock")
-
 
 def megatron_datasets():
     """Megatron-Core's dataset modules (quietly: without TE/Apex it warns about its optimizers)."""
@@ -56,7 +54,7 @@ class Samples(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, index) -> dict:
-        from core.datasets import epoch_index
+        from core.data.datasets import epoch_index
 
         idx = epoch_index(index).idx
         sample = {k: v for k, v in self.dataset[idx].items() if k in ("tokens", "labels", "loss_mask", "position_ids")}
@@ -97,8 +95,6 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
 def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_train_samples: int,
                        vocab_size: Optional[int]) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
     """(train, validation, test) for `num_train_samples` training samples of `seq_length` tokens."""
-    if data.format not in FORMATS:
-        raise ValueError(f"data.format={data.format!r}: expected {', '.join(FORMATS)}")
     gpt_dataset, builder = megatron_datasets()
     if data.format == "mock":
         if vocab_size is None:

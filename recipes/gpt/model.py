@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.config import ConfigError
-from core.layers import Layers
+from core.config.errors import ConfigError
+from core.layers.namespace import Layers
 from recipes.gpt.config import GPTModelConfig
 
 
@@ -30,7 +30,8 @@ class GPT(nn.Module):
                         ("ffn_hidden_size", cfg.ffn_hidden_size)):
             if n % tp:
                 raise ConfigError(f"model.{what}={n} is not divisible by distributed.tp={tp}")
-        self.cfg, self.vocab_size, self.layers_impl = cfg, vocab_size, layers
+        self.cfg, self.vocab_size = cfg, vocab_size
+        self.high_precision = layers.high_precision  # the logits stay out of FP8: see forward
         self.embedding = nn.Embedding(vocab_size, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
@@ -65,7 +66,7 @@ class GPT(nn.Module):
             x = block(x, rotary_pos_emb=angles)
         x = self.final_norm(x)
         # The logits stay out of FP8: the vocabulary GEMM is the most sensitive one.
-        with self.layers_impl.high_precision():
+        with self.high_precision():
             if self.output_layer is None:
                 return torch.nn.functional.linear(x, self.embedding.weight.to(x.dtype))
             return self.output_layer(x)

@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Optional
 
 from omegaconf import MISSING
 
+from core.config.schema import DataConfig, ModelConfig
+
+
+class MNISTTask(StrEnum):
+    autoencoder = "autoencoder"  # trunk + decoder, MSE reconstruction (pretraining)
+    classifier = "classifier"  # trunk + digit_classifier, cross-entropy (fine-tuning)
+
 
 @dataclass
-class MNISTModelConfig:
-    backend: str = "auto"  # auto | te | torch (see core/layers)
-    # autoencoder: trunk + decoder, MSE reconstruction (pretraining)
-    # classifier:  trunk + digit_classifier, cross-entropy (fine-tuning)
-    task: str = MISSING
+class MNISTModelConfig(ModelConfig):
+    task: MNISTTask = MISSING
     image_size: int = 28  # images are image_size x image_size, one channel
     hidden_size: int = 64  # trunk: pixels -> hidden -> ReLU -> latent; decoder mirrors it
     latent_size: int = 3
@@ -21,8 +26,8 @@ class MNISTModelConfig:
 
 
 @dataclass
-class MNISTDataConfig:
-    # torchvision's MNIST layout: <root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte
+class MNISTDataConfig(DataConfig):
+    # torchvision's MNIST layout: <root>/MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte[.gz]
     root: str = MISSING
     download: bool = False  # fetch the real MNIST into root when it is not there (needs network)
     # Samples of the training file held out for validation, by a fixed generator (split_seed);
@@ -34,4 +39,3 @@ class MNISTDataConfig:
     val_seed: int = 44
     test_seed: int = 45
     num_workers: int = 0  # the images are decoded once into memory; workers rarely help
-    pin_memory: bool = True

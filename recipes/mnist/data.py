@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
-from core.datasets import PRNGResampleDataset, epoch_index
+from core.data.datasets import PRNGResampleDataset, epoch_index
 from recipes.mnist.config import MNISTDataConfig
 
 log = logging.getLogger(__name__)

@@ -14,11 +14,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.layers import Layers
+from core.layers.namespace import Layers
 from recipes.mnist.config import MNISTModelConfig
-
-TASKS = ("autoencoder", "classifier")
-
 
 class MLP(nn.Module):
     """fc1 -> ReLU -> fc2."""
@@ -35,8 +32,6 @@ class MLP(nn.Module):
 class MNISTModel(nn.Module):
     def __init__(self, cfg: MNISTModelConfig, layers: Layers, device: torch.device | str = "cpu"):
         super().__init__()
-        if cfg.task not in TASKS:
-            raise ValueError(f"model.task={cfg.task!r}: expected {' or '.join(TASKS)}")
         self.task = cfg.task
         pixels = cfg.image_size * cfg.image_size
         self.trunk = MLP(layers, (pixels, cfg.hidden_size, cfg.latent_size), device)

@@ -1,23 +1,39 @@
-"""Schemas of the ViT recipe's `model` and `data` config groups."""
+"""Schemas of the ViT recipe's `model` and `data` config groups (defaults: ViT-B/16 at 224 px)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Optional
 
 from omegaconf import MISSING
+
+from core.config.errors import require
+from core.config.schema import DataConfig, ModelConfig
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
 IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
+class ImageFormat(StrEnum):
+    imagefolder = "imagefolder"  # <root>/<train_split>/<class>/*.png|jpg ...
+    tiny_imagenet = "tiny_imagenet"  # <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
+    synthetic = "synthetic"  # random images and labels, for throughput measurements
+
+
+class DecodeOn(StrEnum):
+    workers = "workers"  # PIL in the loader workers, then the augmentation there
+    # The workers only read the bytes and draw the crop/flip; the training device decodes (torchvision's
+    # decode_jpeg, nvJPEG on CUDA) and crops, resizes and normalizes. JPEG only, no mixup/cutmix.
+    device = "device"
+
+
 @dataclass
-class ViTModelConfig:
-    backend: str = "auto"  # auto | te | torch (see core/layers)
+class ViTModelConfig(ModelConfig):
     img_size: int = 224
     patch_size: int = 16
     in_chans: int = 3
-    num_classes: int = 1000
+    num_classes: int = 1000  # the configs set ${data.num_classes}
     hidden_size: int = 768
     depth: int = 12
     num_heads: int = 12
@@ -33,11 +49,8 @@ class ViTModelConfig:
 
 
 @dataclass
-class ImageDataConfig:
-    # imagefolder: <root>/<train_split>/<class>/*.png|jpg ...
-    # tiny_imagenet: <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
-    # synthetic: random images and labels, for throughput measurements
-    format: str = "imagefolder"
+class ImageDataConfig(DataConfig):
+    format: ImageFormat = ImageFormat.imagefolder
     num_classes: int = MISSING  # the model's head size follows this (model.num_classes: ${data.num_classes})
     # A missing root with <root>.tar.gz (or .tgz / .tar) beside it is extracted there on first use.
     root: Optional[str] = None
@@ -49,7 +62,7 @@ class ImageDataConfig:
     hflip: float = 0.5
     # Mixup / CutMix, per sample: a training image is blended with (mixup) or gets a box pasted from
     # (cutmix) a partner image drawn from the sample's own (seed, epoch, idx), with weight / box area
-    # from Beta(alpha, alpha); the sample then carries a soft "target". 0 turns each off.
+    # from Beta(alpha, alpha); the sample then carries a soft "target". 0 turns each off (e.g. 0.8, 1.0).
     mixup_alpha: float = 0.0
     cutmix_alpha: float = 0.0
     mix_prob: float = 1.0  # the share of training samples that are mixed
@@ -59,12 +72,15 @@ class ImageDataConfig:
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     num_workers: int = 4
-    pin_memory: bool = True
-    # Where JPEGs are decoded: "workers" (PIL in the loader workers, then the augmentation there) or
-    # "device" (the workers only read the bytes and draw the crop/flip; the training device decodes with
-    # torchvision.io.decode_jpeg, nvJPEG on CUDA, and crops, resizes and normalizes there). JPEG only,
-    # no mixup/cutmix.
-    decode_on: str = "workers"
+    decode_on: DecodeOn = DecodeOn.workers
     # synthetic format only: number of samples per split
     synthetic_train_size: int = 100_000
     synthetic_val_size: int = 1_000
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        DataConfig.check(c, key)
+        mixes = c.mixup_alpha > 0 or c.cutmix_alpha > 0
+        require(not (c.decode_on == DecodeOn.device and (c.format == ImageFormat.synthetic or mixes)),
+                f"{key}.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
+                f"use {key}.decode_on=workers")

@@ -1,8 +1,8 @@
 """Image-classification datasets for the ViT recipe: ImageFolder, Tiny-ImageNet and synthetic.
 
 Every dataset returns dict samples {"image": float tensor [C, H, W], normalized; "label": int; "idx": int}
-and takes an int or a core.datasets.EpochIndex. Random augmentation comes from the (seed, epoch, idx)
-of the sample, never from the global RNGs (core/dataset_checks.py verifies that in the tests).
+and takes an int or a core.data.datasets.EpochIndex. Random augmentation comes from the (seed, epoch, idx)
+of the sample, never from the global RNGs (core/data/checks.py verifies that in the tests).
 """
 
 from __future__ import annotations
@@ -25,8 +25,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision import datasets
 from torchvision.transforms import v2
 
-from core.config import ConfigError
-from core.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
+from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 
 log = logging.getLogger(__name__)
@@ -224,11 +223,7 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dic
 
 
 def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
-    if data.decode_on not in ("workers", "device"):
-        raise ConfigError(f"data.decode_on={data.decode_on!r}: expected workers or device")
-    if data.decode_on == "device" and (data.format == "synthetic" or data.mixup_alpha > 0 or data.cutmix_alpha > 0):
-        raise ConfigError("data.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
-                         "use data.decode_on=workers")
+    ImageDataConfig.check(data, "data")  # also for configs that did not come through validation
     train, val = _image_datasets(data, model, seed)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
         train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from core.layers import Layers
+from core.layers.namespace import Layers
 from recipes.vit.config import ViTModelConfig
 
 
@@ -41,7 +41,7 @@ class VisionTransformer(nn.Module):
         h = cfg.hidden_size
         if h % cfg.num_heads:
             raise ValueError(f"hidden_size={h} is not divisible by num_heads={cfg.num_heads}")
-        self.layers = layers
+        self.high_precision = layers.high_precision  # outside FP8: see forward
         self.patch_embed = PatchEmbed(layers, cfg.img_size, cfg.patch_size, cfg.in_chans, h, device)
         self.cls_token = nn.Parameter(torch.zeros(1, 1, h, device=device))
         self.pos_embed = nn.Parameter(torch.zeros(1, self.patch_embed.num_patches + 1, h, device=device))
@@ -70,11 +70,11 @@ class VisionTransformer(nn.Module):
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         # Embedding and head stay in bf16/fp32 under FP8: the first and last GEMMs are the most
         # sensitive and the head's width (classes) need not be a multiple of 16.
-        with self.layers.high_precision():
+        with self.high_precision():
             x = self.patch_embed(images)
         x = torch.cat([self.cls_token.expand(x.shape[0], -1, -1).to(x.dtype), x], dim=1)
         x = x + self.pos_embed.to(x.dtype)
         for block in self.blocks:
             x = block(x)
-        with self.layers.high_precision():
+        with self.high_precision():
             return self.head(self.norm(x[:, 0]))

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity, profile
 
-from core.config import ConfigError, ProfileConfig
+from core.config.schema import ProfileConfig
 
 log = logging.getLogger(__name__)
 
@@ -24,8 +24,6 @@ class StepProfiler:
         self.prof = None
         if not cfg.enabled:
             return
-        if cfg.steps < 1 or cfg.start_step < 1:
-            raise ConfigError(f"training.profile: start_step={cfg.start_step} and steps={cfg.steps} must be >= 1")
         if cfg.start_step < first_step:
             log.warning("training.profile.start_step=%d is before this run's first step %d: nothing is profiled",
                         cfg.start_step, first_step)

@@ -1,6 +1,6 @@
 """Check that a dataset is deterministic, as Megatron-style training needs; usable in users' own tests.
 
-    from core.dataset_checks import assert_dataset_deterministic
+    from core.data.checks import assert_dataset_deterministic
     assert_dataset_deterministic(my_dataset, indices=range(10))
 """
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-REPO_DIR = Path(__file__).resolve().parents[1]
+REPO_DIR = Path(__file__).resolve().parents[2]
 _RUN_ID: str | None = None
 
 
@@ -99,3 +99,12 @@ def exit_process(code: int = 0) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+def run_hydra(hydra_main) -> None:
+    """Run a @hydra.main entry point on this rank: the resolvers registered, Hydra quiet on ranks > 0, and
+    a clean exit when it returns."""
+    register_resolvers()
+    prepare_argv()
+    hydra_main()
+    exit_process(0)

@@ -1,0 +1,44 @@
+"""Conversion between step folders and plain weight files (one process, no GPU needed)."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import torch.distributed.checkpoint as dcp
+
+from core.checkpointing.layout import write_marker
+from core.checkpointing.weights import load_weights_file, read_model_weights
+from core.training.state import TrainState
+
+
+def to_torch(step_dir: str, out: str) -> None:
+    """A step folder's full model weights -> one torch.save file ({name: tensor})."""
+    import torch
+
+    weights = read_model_weights(Path(step_dir))
+    torch.save(weights, out)
+    print(f"wrote {len(weights)} tensors to {out}")
+
+
+def to_safetensors(step_dir: str, out: str) -> None:
+    """A step folder's full model weights -> one .safetensors file."""
+    from safetensors.torch import save_file
+
+    weights = read_model_weights(Path(step_dir))
+    save_file({k: v.contiguous() for k, v in weights.items()}, out)
+    print(f"wrote {len(weights)} tensors to {out}")
+
+
+def from_torch(source: str, step_dir: str) -> None:
+    """A step folder holding only model weights (resuming from it starts a fresh optimizer at step 0)."""
+    target = Path(step_dir)
+    if target.exists():
+        raise SystemExit(f"{target} exists; choose a new folder")
+    weights = load_weights_file(Path(source))
+    weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({"model": weights, "train_state": TrainState().state_dict()}, checkpoint_id=str(target), no_dist=True)
+    write_marker(target, {"step": 0, "metrics": {}, "converted_from": str(source)})
+    print(f"wrote {len(weights)} tensors to {target}")

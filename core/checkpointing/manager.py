@@ -1,0 +1,238 @@
+"""The Checkpointer: everything the training loop does with checkpoints.
+
+    checkpointer = Checkpointer(cfg.checkpoint, rank, device, config=cfg)   # no I/O
+    checkpointer.prepare()              # where to resume from, decided before any work
+    checkpointer.restore(parts)         # the newest usable checkpoint into the parts, or None
+    checkpointer.save(step, parts, ...) # step_<N>/ (async or not); COMPLETE once every rank is done
+
+`parts` maps the checkpoint's top-level keys to stateful parts (core/checkpointing/parts.py); the
+Checkpointer never reaches into them. Methods are collectives (call them on every rank) unless noted.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from omegaconf import DictConfig, OmegaConf
+
+from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, complete_checkpoints, describe, is_complete,
+                                       read_marker, step_dirs, step_of, verify, write_marker)
+from core.checkpointing.parts import CheckpointPart, Saved
+from core.checkpointing.retention import checkpoints_to_keep
+from core.checkpointing.staging import AlreadyStaged, HostStager
+from core.config.errors import ConfigError
+from core.config.schema import CheckpointConfig
+from core.config.validation import save_config, to_plain
+
+log = logging.getLogger("checkpoint")
+
+
+@dataclass
+class PendingSave:
+    """An async save whose files are still being written; completed by `wait`."""
+
+    future: Future
+    target: Path
+    step: int
+    metrics: dict
+    started: float  # perf_counter() when the save began
+
+
+class Checkpointer:
+    def __init__(self, cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None):
+        self.cfg, self.rank, self.device = cfg, rank, device
+        self.is_main = rank == 0
+        self.config = config  # the run's resolved config, saved beside each checkpoint
+        self.path = Path(cfg.path)
+        self.candidates: list[Path] = []  # checkpoints to try, newest first (prepare)
+        self.auto = False  # resume=auto|true: a corrupt newest checkpoint falls back to the one before
+        self.pending: Optional[PendingSave] = None
+        self.protected: set[int] = set()  # steps retention must keep (the one resumed from)
+        self._async_group = None
+        self._stager = HostStager()
+
+    # ---- where to resume from
+
+    def prepare(self) -> None:
+        """Decide which checkpoints `restore` tries (newest first), before any work: an explicit folder must
+        be complete; resume=false refuses existing checkpoints unless overwrite=true, which deletes them."""
+        resume = self.cfg.resume
+        mode = resume.lower() if isinstance(resume, str) else resume
+        existing = step_dirs(self.path)
+        if mode in (False, "false", "no", "none", ""):
+            if existing and not self.cfg.overwrite:
+                raise ConfigError(
+                    f"checkpoint.path={self.path} already holds checkpoints ({existing[-1].name}, ...) and "
+                    "checkpoint.resume=false: set checkpoint.overwrite=true to delete them, or use another path")
+            if existing and self.is_main:
+                log.warning("checkpoint.overwrite=true: deleting %d step folders under %s", len(existing), self.path)
+                for p in existing:
+                    shutil.rmtree(p)
+            self.candidates = []
+        elif mode in (True, "auto", "true"):
+            self.auto = True
+            complete = complete_checkpoints(self.path)
+            partial = [p.name for p in existing if not is_complete(p)]
+            if partial and self.is_main:
+                log.warning("ignoring incomplete checkpoints (interrupted saves) under %s: %s", self.path,
+                            ", ".join(partial))
+            if not complete and mode in (True, "true"):
+                raise ConfigError(f"checkpoint.resume=true but {self.path} holds no complete checkpoint")
+            self.candidates = complete[::-1]
+        else:
+            verify(Path(resume))  # an explicit choice never falls back: missing or incomplete is an error
+            self.candidates = [Path(resume)]
+
+    # ---- loading
+
+    def restore(self, parts: Mapping[str, CheckpointPart]) -> Optional[Path]:
+        """Load the newest usable checkpoint into `parts`; its path, or None to start fresh.
+
+        Automatic resume skips a corrupt checkpoint with a warning and uses the one before it."""
+        for i, path in enumerate(self.candidates):
+            try:
+                self._load(path, parts)
+            except CheckpointError as e:
+                if not self.auto or i == len(self.candidates) - 1:
+                    raise
+                log.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
+                continue
+            self.protected.add(step_of(path) or -1)
+            return path
+        return None
+
+    def _load(self, path: Path, parts: Mapping[str, CheckpointPart]) -> None:
+        start = time.perf_counter()
+        metadata = verify(path)
+        targets = {key: part.load_target(Saved(path, metadata, key)) for key, part in parts.items()}
+        state = {key: target for key, target in targets.items() if target is not None}
+        try:
+            dcp.load(state, checkpoint_id=str(path))
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"{path}: loading failed ({describe(e)})") from None
+        for key, loaded in state.items():
+            parts[key].load_state_dict(loaded)
+        if self.is_main:
+            log.info("resumed from %s in %.1f s", path, time.perf_counter() - start)
+            self._report_config_changes(path)
+
+    def _report_config_changes(self, path: Path) -> None:
+        saved_file = path / "config.yaml"
+        if not saved_file.is_file() or self.config is None:
+            return
+        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
+        now = _flatten(to_plain(self.config))
+        changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
+        if changed:
+            log.warning("config differs from the checkpoint's: %s", ", ".join(
+                f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:20]))
+
+    # ---- saving
+
+    def should_save(self, step: int, last_step: int) -> bool:
+        """Whether `step` is a save step (not a collective)."""
+        periodic = self.cfg.save_every_n_steps > 0 and step % self.cfg.save_every_n_steps == 0
+        return periodic or (self.cfg.save_final and step == last_step)
+
+    def save(self, step: int, parts: Mapping[str, CheckpointPart], metrics: dict, force_sync: bool = False) -> float:
+        """Save step_<step>; return the seconds the training loop was held up."""
+        start = time.perf_counter()
+        self.wait()  # at most one save in flight
+        target = self.path / f"step_{step}"
+        if self.is_main:
+            if target.exists():  # an interrupted save of this step (resumed from an earlier one)
+                log.warning("removing %s %s before saving it again", "complete" if is_complete(target) else
+                            "incomplete", target)
+                shutil.rmtree(target)
+            self.path.mkdir(parents=True, exist_ok=True)
+        dist.barrier()
+        state = {key: part.state_dict() for key, part in parts.items()}
+        state = {key: value for key, value in state.items() if value}
+        if self.cfg.async_save and not force_sync:
+            if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
+                self._async_group = dist.new_group(backend="gloo")
+            # We copy to host memory ourselves (core/checkpointing/staging.py) and hand DCP the copy as staged.
+            future = dcp.async_save(self._stager.stage(state), checkpoint_id=str(target),
+                                    process_group=self._async_group, async_stager=AlreadyStaged())
+            self.pending = PendingSave(future, target, step, metrics, start)
+        else:
+            try:
+                dcp.save(state, checkpoint_id=str(target))
+            except DCP_ERRORS as e:  # disk full, permissions: fail loudly, keep the older checkpoints
+                raise CheckpointError(f"saving {target} failed ({describe(e)})") from None
+            dist.barrier()  # every rank's files are on disk before the marker says so
+            self._finish(PendingSave(None, target, step, metrics, start))
+        return time.perf_counter() - start
+
+    def poll(self) -> None:
+        """Complete an async save if its writes are done (not a collective; cheap)."""
+        if self.pending is not None and self.pending.future.done():
+            self.wait()
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is written, and complete it."""
+        if self.pending is None:
+            return
+        save, self.pending = self.pending, None
+        try:
+            save.future.result()
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"saving {save.target} failed ({describe(e)})") from None
+        # On rank 0 the future ends after DCP wrote .metadata, which it does only once every rank has
+        # reported its writes done: rank 0 may write the marker now.
+        self._finish(save)
+
+    def _finish(self, save: PendingSave) -> None:
+        if not self.is_main:
+            return
+        if self.config is not None:
+            save_config(self.config, save.target / "config.yaml")
+        write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time()})
+        size = sum(p.stat().st_size for p in save.target.iterdir() if p.is_file())
+        log.info("saved checkpoint %s (%.1f MB in %.2f s%s)", save.target, size / 2**20,
+                 time.perf_counter() - save.started, ", async" if self.cfg.async_save else "")
+        self._apply_retention()
+
+    def _apply_retention(self) -> None:
+        """Rank 0, after a checkpoint completed: drop interrupted saves and what the keep_* rules release."""
+        in_flight = self.pending.target if self.pending is not None else None
+        entries = []
+        for p in step_dirs(self.path):
+            if p == in_flight:
+                continue
+            if not is_complete(p):
+                log.info("deleting incomplete checkpoint %s", p)
+                shutil.rmtree(p, ignore_errors=True)
+                continue
+            value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
+            entries.append((step_of(p), value))
+        keep = checkpoints_to_keep(entries, self.cfg.keep_last_n, self.cfg.keep_every_n_steps,
+                                   self.cfg.keep_best_k, self.cfg.monitor_mode, self.protected)
+        for step, _ in entries:
+            if step not in keep:
+                log.info("deleting checkpoint step_%d (retention)", step)
+                shutil.rmtree(self.path / f"step_{step}", ignore_errors=True)
+
+    def check_monitor(self, metrics: dict) -> None:
+        """checkpoint.monitor must name one of the validation metrics (not a collective)."""
+        if self.cfg.monitor and metrics and self.cfg.monitor not in metrics:
+            raise ConfigError(f"checkpoint.monitor={self.cfg.monitor!r} is not a validation metric; "
+                              f"there are: {', '.join(sorted(metrics))}")
+
+
+def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flatten(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}

@@ -1,0 +1,161 @@
+"""The stateful parts of a checkpoint. The loop hands the manager a mapping {key: part}; each part says
+what it saves, what it loads into (given what the checkpoint holds under its key) and how it takes the
+loaded state back. Adding state to checkpoints is adding a part: save and restore do not change.
+
+    parts = {"model": ModelPart(parallel), "optim": OptimizerPart(parallel, optimizer),
+             "scheduler": StatefulPart(scheduler), "train_state": TrainStatePart(state), ...}
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata
+
+from core.checkpointing.fp8 import fp8_states, set_fp8_states
+from core.checkpointing.layout import empty_like_saved, saved_weights
+from core.checkpointing.rng import rng_state, set_rng_state
+from core.checkpointing.weights import check_weights_fit
+
+log = logging.getLogger("checkpoint")
+
+
+class Saved:
+    """What a checkpoint holds under one part's key: its DCP keys without the `<key>.` prefix."""
+
+    def __init__(self, path: Path, metadata: Metadata, key: str):
+        self.path, self.metadata, self.prefix = Path(path), metadata, key + "."
+        self.keys = [k[len(self.prefix):] for k in metadata.state_dict_metadata if k.startswith(self.prefix)]
+
+    def __bool__(self) -> bool:
+        return bool(self.keys)
+
+    def top_level(self) -> set[str]:
+        return {k.split(".", 1)[0] for k in self.keys}
+
+    def empty(self, key: str) -> torch.Tensor:
+        """A tensor of the saved shape and dtype under `key` (relative to the part), for DCP to fill."""
+        return empty_like_saved(self.metadata, self.prefix + key)
+
+
+class CheckpointPart(Protocol):
+    def state_dict(self) -> dict:
+        """What to save now (tensors, sharded DTensors, plain values); empty: nothing to save."""
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        """The state dict DCP should fill in place from `saved`; None: nothing to load for this part."""
+
+    def load_state_dict(self, state: dict) -> None:
+        """Take the loaded state (the filled target)."""
+
+
+class ModelPart:
+    """The (sharded) model weights by canonical name; a checkpoint that does not fit is an error."""
+
+    def __init__(self, parallel):
+        self.parallel = parallel
+
+    def state_dict(self) -> dict:
+        return self.parallel.model_state_dict()
+
+    def load_target(self, saved: Saved) -> dict:
+        model = self.parallel.model_state_dict()
+        check_weights_fit(str(saved.path), model, saved_weights(saved.metadata))
+        return model
+
+    def load_state_dict(self, state: dict) -> None:
+        self.parallel.load_model_state_dict(state)
+
+
+class OptimizerPart:
+    """The optimizer state keyed by parameter name; a checkpoint without it starts the optimizer fresh."""
+
+    def __init__(self, parallel, optimizer: torch.optim.Optimizer, is_main: bool):
+        self.parallel, self.optimizer, self.is_main = parallel, optimizer, is_main
+
+    def state_dict(self) -> dict:
+        return self.parallel.optimizer_state_dict(self.optimizer)
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        if not saved:
+            if self.is_main:
+                log.warning("%s has no optimizer state: the optimizer starts fresh", saved.path)
+            return None
+        return self.parallel.optimizer_state_dict(self.optimizer)
+
+    def load_state_dict(self, state: dict) -> None:
+        self.parallel.load_optimizer_state_dict(self.optimizer, state)
+
+
+class StatefulPart:
+    """Anything with state_dict() / load_state_dict() (e.g. the LR scheduler), loaded when saved."""
+
+    def __init__(self, obj: Any):
+        self.obj = obj
+
+    def state_dict(self) -> dict:
+        return self.obj.state_dict()
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        return self.obj.state_dict() if saved else None
+
+    def load_state_dict(self, state: dict) -> None:
+        self.obj.load_state_dict(state)
+
+
+class TrainStatePart(StatefulPart):
+    """The loop's counters (core/training/state.py); a counter the checkpoint lacks keeps its default."""
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        present = saved.top_level()
+        return {k: v for k, v in self.obj.state_dict().items() if k in present} or None
+
+
+class RNGPart:
+    """Each rank's RNG states under rank_<r>; resumed on more ranks than saved, the others keep their seed."""
+
+    def __init__(self, rank: int, world_size: int, device: torch.device, is_main: bool):
+        self.rank, self.world_size, self.device, self.is_main = rank, world_size, device, is_main
+
+    def state_dict(self) -> dict:
+        return {f"rank_{self.rank}": rng_state(self.device)}
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        if len(saved.top_level()) < self.world_size and self.is_main:
+            log.warning("the checkpoint has no RNG state for some ranks (saved on fewer ranks): they keep their "
+                        "seeded state")
+        mine = f"rank_{self.rank}."
+        target = {k[len(mine):]: saved.empty(k) for k in saved.keys if k.startswith(mine)}
+        return {f"rank_{self.rank}": target} if target else None
+
+    def load_state_dict(self, state: dict) -> None:
+        set_rng_state(state[f"rank_{self.rank}"], self.device)  # dropout etc. continue as uninterrupted
+
+
+class FP8Part:
+    """TransformerEngine's FP8 scaling state per module (core/checkpointing/fp8.py)."""
+
+    def __init__(self, model: nn.Module, fp8_recipe: Any):
+        self.model, self.fp8_recipe = model, fp8_recipe
+
+    def state_dict(self) -> dict:
+        return fp8_states(self.model)
+
+    def load_target(self, saved: Saved) -> Optional[dict]:
+        if not saved:
+            return None
+        if self.fp8_recipe is None:
+            log.warning("%s holds FP8 scaling state, but this run does not use TE FP8: not loaded", saved.path)
+            return None
+        target: dict[str, dict[str, torch.Tensor]] = {}
+        for key in saved.keys:
+            module, tensor = key.rsplit(".", 1)
+            target.setdefault(module, {})[tensor] = saved.empty(key)
+        return target
+
+    def load_state_dict(self, state: dict) -> None:
+        set_fp8_states(self.model, state, self.fp8_recipe)

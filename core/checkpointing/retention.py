@@ -1,0 +1,19 @@
+"""Which complete checkpoints to keep after a save (`checkpoint.keep_*`)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+
+def checkpoints_to_keep(entries: list[tuple[int, Optional[float]]], keep_last_n: int, keep_every_n_steps: int,
+                        keep_best_k: int, mode: str, protected: set[int]) -> set[int]:
+    """Steps to keep among complete checkpoints `entries` = [(step, monitored value or None)]."""
+    steps = sorted(step for step, _ in entries)
+    keep = set(protected) | (set(steps) if keep_last_n < 0 else set(steps[-keep_last_n:]))
+    if keep_every_n_steps > 0:
+        keep |= {s for s in steps if s % keep_every_n_steps == 0}
+    scored = [(value if mode == "min" else -value, step) for step, value in entries if value is not None]
+    keep |= {step for _, step in sorted(scored)[:keep_best_k]}
+    if steps:
+        keep.add(steps[-1])  # the newest: what a restart resumes from
+    return keep

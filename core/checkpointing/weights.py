@@ -1,0 +1,115 @@
+"""Model weights only: `checkpoint.init_from` (a step folder, .pt or .safetensors into a sharded model),
+plain weight files, and the full weights of a step folder in one process."""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from core.checkpointing.layout import DCP_ERRORS, CheckpointError, describe, saved_weights, verify
+from core.parallel.tensor_parallel import local_pieces
+
+log = logging.getLogger("checkpoint")
+
+
+def check_weights_fit(source: str, model: dict[str, torch.Tensor], saved: dict[str, Any]) -> None:
+    """Raise, listing them, if weights are missing from `saved`, unexpected in it, or of another shape.
+    `saved` maps names to tensors or to DCP metadata."""
+    missing, unexpected = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
+    shapes = [f"{k}: {tuple(_shape(saved[k]))} vs model {tuple(model[k].shape)}" for k in sorted(set(saved) & set(model))
+              if tuple(_shape(saved[k])) != tuple(model[k].shape)]
+    if missing or unexpected or shapes:
+        raise CheckpointError(
+            f"{source} does not fit the model:\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in "
+            f"the checkpoint: {unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
+
+
+def _shape(value) -> torch.Size:
+    return value.size if isinstance(value, TensorStorageMetadata) else value.shape
+
+
+def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the slices of `full` that this rank holds into `target` (a plain tensor or a DTensor, evenly
+    sharded by FSDP2 or unevenly by Megatron-FSDP, maybe tensor-parallel: all describe their slices as
+    DCP chunks)."""
+    if tuple(target.shape) != tuple(full.shape):
+        raise CheckpointError(f"shape {tuple(full.shape)} does not fit the model's {tuple(target.shape)}")
+    for offsets, local in local_pieces(target):
+        local.detach().copy_(full[tuple(slice(o, o + n) for o, n in zip(offsets, local.shape))])
+
+
+def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
+    """A flat {name: tensor} from a .pt/.pth (also a {"model": {...}} nest) or .safetensors file."""
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise CheckpointError(f"{path}: cannot read as a torch file ({type(e).__name__}: {e})") from None
+    if isinstance(state, dict) and isinstance(state.get("model"), dict):
+        state = state["model"]
+    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
+        raise CheckpointError(f"{path}: expected a dict of tensors (a model state dict)")
+    return state
+
+
+def _skipped(name: str, prefixes: list[str]) -> bool:
+    return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
+
+
+def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_unexpected: bool = False,
+                 is_main: bool = True) -> None:
+    """Model weights only from a step folder or a .pt/.safetensors file, into the (sharded) model `parallel`
+    (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
+    otherwise: every other weight must be in the source and fit; weights the source has but the model
+    does not are an error, or with `ignore_unexpected` listed in the log and left out."""
+    src = Path(source)
+    model = parallel.model_state_dict()
+    wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
+    if src.is_dir():
+        saved = saved_weights(verify(src))
+        full = None
+    elif src.is_file():
+        full = load_weights_file(src)
+        saved = full
+    else:
+        raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
+    saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
+    unused = sorted(set(saved) - set(model)) if ignore_unexpected else []
+    check_weights_fit(f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={list(skip_prefixes)})", wanted,
+                      {k: v for k, v in saved.items() if k not in unused})
+    if full is None:
+        try:
+            dcp.load({"model": wanted}, checkpoint_id=str(src))
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
+    else:
+        for k, v in wanted.items():
+            copy_full_into(v, full[k].to(v.dtype))
+    parallel.load_model_state_dict(wanted)
+    if is_main:
+        kept = sorted(set(model) - set(wanted))
+        log.info("initialised %d weights from %s%s%s", len(wanted), source,
+                 f"; kept the fresh init of {kept}" if kept else "",
+                 f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "")
+
+
+def read_model_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+    """The full (unsharded) model weights of a checkpoint, in one process, by canonical name."""
+    metadata = verify(step_dir)
+    weights = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype)
+               for k, m in metadata.state_dict_metadata.items()
+               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    state: dict[str, Any] = {"model": weights}
+    with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return weights

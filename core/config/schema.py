@@ -1,0 +1,398 @@
+"""Config schemas: one dataclass per config group. Every default and its meaning lives here once.
+
+`configs/train_defaults.yaml` starts with `base_train` (`TrainConfig` below), so Hydra rejects an unknown
+key, a value of the wrong type or a value outside a closed set (the `StrEnum` fields, which list their
+choices) while composing, before any work. The YAML files under `configs/` hold only the choices that
+differ from these defaults. The `model` and `data` groups belong to a recipe (`recipes/<name>/config.py`);
+`validation.validate` checks them against the recipe's schemas and runs the value checks (`check`
+methods below) that a type alone cannot express.
+"""
+
+from __future__ import annotations
+
+import signal
+from dataclasses import dataclass, field
+from enum import IntEnum, StrEnum
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+from core.config.errors import ConfigError, require
+
+
+class ParallelBackend(StrEnum):
+    auto = "auto"  # mfsdp on CUDA, fsdp2 on CPU
+    mfsdp = "mfsdp"  # Megatron-FSDP (CUDA only)
+    fsdp2 = "fsdp2"  # torch.distributed.fsdp.fully_shard
+    ddp = "ddp"  # torch DistributedDataParallel
+
+
+class LayerBackend(StrEnum):
+    auto = "auto"  # te on CUDA when TransformerEngine is installed, torch otherwise
+    te = "te"  # transformer_engine.pytorch (CUDA only; FP8 capable)
+    torch = "torch"  # core/layers/torch_twins.py: any device, the same parameter names and numerics
+
+
+class DType(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+
+class ZeroStrategy(IntEnum):
+    """What Megatron-FSDP shards over the data-parallel ranks (also given by number, 0-3)."""
+
+    no_shard = 0
+    optim = 1
+    optim_grads = 2
+    optim_grads_params = 3
+
+
+class OuterShardingStrategy(IntEnum):
+    """HSDP: what is sharded over dp_outer (also given by number, 0-1)."""
+
+    no_shard = 0  # replicate
+    optim = 1  # shard the optimizer state there too
+
+
+class NonFinitePolicy(StrEnum):
+    stop = "stop"  # stop the run naming the step (checked at log and save steps), never save it
+    skip = "skip"  # skip that optimizer step (one host sync per step to decide)
+
+
+class MonitorMode(StrEnum):
+    min = "min"
+    max = "max"
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"
+
+
+class ScheduleName(StrEnum):
+    cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * optim.lr at training.steps
+    linear = "linear"  # linear warmup, then linear decay to min_lr_ratio * optim.lr
+    constant = "constant"  # linear warmup, then constant
+
+
+class FP8RecipeName(StrEnum):
+    delayed = "delayed"  # scales from an amax history (Hopper+)
+    current = "current"  # per-tensor, just-in-time scaling (Hopper+)
+    block = "block"  # 1x128 blocks (Hopper, CUDA >= 12.9)
+    mxfp8 = "mxfp8"  # Blackwell
+
+
+class FP8Format(StrEnum):
+    hybrid = "hybrid"  # E4M3 forward, E5M2 gradients
+    e4m3 = "e4m3"
+
+
+class AmaxComputeAlgo(StrEnum):
+    max = "max"
+    most_recent = "most_recent"
+
+
+class ProgressBar(StrEnum):
+    auto = "auto"  # on rank 0 in an interactive terminal
+    always = "always"
+    never = "never"
+
+
+class WandbMode(StrEnum):
+    online = "online"
+    offline = "offline"
+    disabled = "disabled"
+
+
+@dataclass
+class ProfileConfig:
+    """torch.profiler over a few optimizer steps (core/metrics/profiling.py): a trace and a summary per rank
+    under <run dir>/profile/."""
+
+    enabled: bool = False
+    start_step: int = 10  # first recorded step (counted like the loop's steps, from 1)
+    steps: int = 3
+    record_shapes: bool = False
+    with_stack: bool = False
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.start_step >= 1 and c.steps >= 1,
+                f"{key}: start_step={c.start_step} and steps={c.steps} must be >= 1")
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = MISSING  # optimizer steps
+    micro_batch_size: int = MISSING  # samples per forward pass on one rank
+    # Samples per optimizer step over all data-parallel ranks. Gradient accumulation steps follow:
+    # global_batch_size / (micro_batch_size * data-parallel size), an error if it does not divide.
+    global_batch_size: int = MISSING
+    val_every_n_steps: int = 0  # 0: validate only at the end
+    limit_val_batches: int = -1  # per rank; -1: the whole validation set
+    log_every_n_steps: int = 10
+    val_at_end: bool = True
+    # Log the seconds per step spent in forward+backward, gradient sync + clipping and the optimizer
+    # step (synchronises the GPU at those boundaries: for benchmarks).
+    time_phases: bool = False
+    # Recompute each transformer block's activations in the backward pass instead of keeping them
+    # (core/parallel/activation_checkpointing.py): less memory, about one more forward pass of compute.
+    activation_checkpointing: bool = False
+    # torch.compile each transformer block's forward (core/parallel/compilation.py): fuses the elementwise
+    # work of plain-torch blocks; TE blocks keep their own kernels (TE code is not traced).
+    compile: bool = False
+    profile: ProfileConfig = field(default_factory=ProfileConfig)
+    # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.
+    on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
+            require(c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
+        require(c.val_every_n_steps >= 0, f"{key}.val_every_n_steps={c.val_every_n_steps}: expected >= 0")
+        require(c.limit_val_batches >= -1, f"{key}.limit_val_batches={c.limit_val_batches}: expected >= -1")
+
+
+@dataclass
+class MFSDPConfig:
+    """Arguments of megatron_fsdp.fully_shard_model, one to one (except te_fuse_wgrad_accumulation)."""
+
+    zero_dp_strategy: ZeroStrategy = ZeroStrategy.optim_grads_params
+    outer_dp_sharding_strategy: OuterShardingStrategy = OuterShardingStrategy.no_shard
+    # Module classes (import paths) that Megatron-FSDP gathers and frees as one unit.
+    # null: the recipe's transformer block class for the chosen layer backend.
+    fsdp_unit_modules: Optional[list[str]] = None
+    overlap_grad_reduce: bool = True
+    overlap_param_gather: bool = True
+    # False: reduce gradients once per optimizer step (the loop runs no_sync on the other micro-batches).
+    # True accumulates wrongly with ZeRO-1 and gradient accumulation (core/parallel/mfsdp.py).
+    sync_model_each_microbatch: bool = False
+    average_in_collective: bool = False
+    disable_bucketing: bool = False
+    init_model_with_meta_device: bool = False
+    keep_fp8_transpose_cache: bool = False
+    nccl_ub: bool = False
+    fsdp_double_buffer: bool = False
+    # Must stay true: checkpoints (and full weights) need the offsets of the uneven shards it provides.
+    preproc_state_dict_for_dcp_ckpt: bool = True
+    report_nan_in_param_grad: bool = False
+    # MixedPrecisionPolicy: dtype of the optimizer's main weights, of the main gradients and of
+    # gradient communication (null: follow main_grads_dtype).
+    main_params_dtype: DType = DType.fp32
+    main_grads_dtype: DType = DType.fp32
+    grad_comm_dtype: Optional[DType] = None
+    # TE layers write weight gradients into these main gradients from their wgrad GEMMs (TE's
+    # fuse_wgrad_accumulation); switched off where it would lose accumulated gradients (ZeRO-1, and
+    # ZeRO-2/3 over one dp_shard rank: core/parallel/mfsdp.py); no effect on torch layers.
+    te_fuse_wgrad_accumulation: bool = True
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.preproc_state_dict_for_dcp_ckpt,
+                f"{key}.preproc_state_dict_for_dcp_ckpt=false: checkpoints (and full weights for tests) need the "
+                "offsets of Megatron-FSDP's uneven shards that it provides; keep it true")
+
+
+@dataclass
+class FSDP2Config:
+    """Arguments of torch.distributed.fsdp.fully_shard."""
+
+    reshard_after_forward: bool = True  # ZeRO-3 (true) or ZeRO-2-like (false)
+    # null: the recipe's transformer block class for the chosen layer backend.
+    fsdp_unit_modules: Optional[list[str]] = None
+    reduce_dtype: DType = DType.fp32  # gradient reduce-scatter dtype (compute dtype: precision.param_dtype)
+
+
+@dataclass
+class DDPConfig:
+    """Arguments of torch.nn.parallel.DistributedDataParallel."""
+
+    bucket_cap_mb: float = 25.0
+    gradient_as_bucket_view: bool = True
+    find_unused_parameters: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class DistributedConfig:
+    backend: ParallelBackend = ParallelBackend.auto
+    # Device mesh: dp_outer x dp_shard x tp must equal the world size; -1 = what is left.
+    dp_shard: int = -1
+    dp_outer: int = 1  # > 1: hybrid sharding (HSDP), replicas over dp_outer
+    tp: int = 1  # tensor-parallel size (the GPT recipe): attention heads and MLP split over tp ranks
+    timeout_minutes: float = 30.0
+    # Each backend's own settings; the one that `backend` picks is used.
+    mfsdp: MFSDPConfig = field(default_factory=MFSDPConfig)
+    fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
+    ddp: DDPConfig = field(default_factory=DDPConfig)
+
+    @staticmethod
+    def check(c, key: str) -> None:  # (the mesh sizes are checked against the world size at start-up)
+        require(c.timeout_minutes > 0, f"{key}.timeout_minutes={c.timeout_minutes}: expected > 0")
+
+
+@dataclass
+class CheckpointConfig:
+    """Torch DCP checkpoints in <path>/step_<N>/ (core/checkpointing/)."""
+
+    # The default is the same for every run of a config (outputs/<config>/checkpoints), so running the
+    # same command again resumes; in a multirun sweep, <sweep dir>/<job number>/checkpoints.
+    path: str = "${checkpoint_dir:}"
+    save_every_n_steps: int = 0  # 0: only the final save
+    save_final: bool = True
+    # auto: continue from the newest complete checkpoint under `path` if there is one;
+    # true: the same, but it is an error if there is none; false: start fresh;
+    # <step dir>: continue from that checkpoint (an error if it is missing or incomplete).
+    resume: Any = "auto"
+    overwrite: bool = False  # with resume=false: delete the step folders already under `path`
+    keep_last_n: int = -1  # -1: keep all
+    keep_every_n_steps: int = 0  # also keep every checkpoint whose step is a multiple (0: none)
+    monitor: Optional[str] = None  # e.g. val/loss: rank checkpoints by this validation metric...
+    monitor_mode: MonitorMode = MonitorMode.min  # ... lower (min) or higher (max) is better ...
+    keep_best_k: int = 0  # ... and keep the best k of them (0: none)
+    # Write in a background thread (torch DCP async_save); the loop stalls only to copy to host memory;
+    # at most one save in flight.
+    async_save: bool = False
+    # Save and stop at the end of the current step when one of these signals arrives.
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
+    init_from: Optional[str] = None
+    init_skip_prefixes: list[str] = field(default_factory=list)  # e.g. [head]: keep the new init there
+    # Weights in the source that this model does not have (e.g. a pretraining head): an error (false),
+    # or listed in the log and not used (true). Missing weights are always an error.
+    init_ignore_unexpected: bool = False
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.keep_last_n == -1 or c.keep_last_n >= 1,
+                f"{key}.keep_last_n={c.keep_last_n}: expected -1 (keep all) or >= 1 (the newest checkpoint is "
+                "always needed to resume)")
+        require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
+        for name in ("save_every_n_steps", "keep_every_n_steps", "keep_best_k"):
+            require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
+        for name in c.save_on_signals:
+            require(isinstance(getattr(signal.Signals, str(name).upper(), None), signal.Signals),
+                    f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
+        resume = c.resume
+        if isinstance(resume, bool) or resume is None:
+            return
+        require(isinstance(resume, str), f"{key}.resume={resume!r}: expected auto, true, false or a step folder")
+
+
+@dataclass
+class OptimConfig:
+    name: OptimizerName = OptimizerName.adamw
+    lr: float = MISSING
+    weight_decay: float = 0.0  # not applied to biases, norm weights or the recipe's exceptions
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    eps: float = 1e-8
+    max_grad_norm: float = 1.0  # 0: no clipping (the norm is still logged)
+    # null: the fused kernel on CUDA, torch's default (foreach) on CPU.
+    fused: Optional[bool] = None
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(len(c.betas) == 2, f"{key}.betas={list(c.betas)}: expected two values")
+        require(c.max_grad_norm >= 0, f"{key}.max_grad_norm={c.max_grad_norm}: expected >= 0 (0: no clipping)")
+
+
+@dataclass
+class SchedulerConfig:
+    name: ScheduleName = ScheduleName.cosine
+    warmup_steps: int = 0  # linear warmup from 0 over these steps
+    min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * optim.lr (constant: the lr stays)
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.warmup_steps >= 0, f"{key}.warmup_steps={c.warmup_steps}: expected >= 0")
+
+
+@dataclass
+class FP8Config:
+    """TransformerEngine FP8 (model.backend=te on Hopper or newer)."""
+
+    enabled: bool = False
+    recipe: FP8RecipeName = FP8RecipeName.delayed
+    fp8_format: FP8Format = FP8Format.hybrid
+    amax_history_len: int = 1024  # delayed scaling only
+    amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
+    margin: int = 0  # delayed scaling only
+
+
+@dataclass
+class PrecisionConfig:
+    # torch.autocast dtype of the forward pass (null: none, fp32 compute).
+    autocast_dtype: Optional[DType] = DType.bf16
+    # dtype of the weights used in compute (fsdp2's param_dtype; mfsdp and ddp cast the model). mfsdp and
+    # fsdp2 keep fp32 master weights for the optimizer and checkpoints; ddp refuses anything but fp32.
+    param_dtype: DType = DType.fp32
+    fp8: FP8Config = field(default_factory=FP8Config)
+
+
+@dataclass
+class WandbConfig:
+    enabled: bool = False
+    project: str = "recipes"
+    entity: Optional[str] = None
+    name: Optional[str] = None  # null: the run directory's name
+    group: Optional[str] = None
+    tags: list[str] = field(default_factory=list)
+    mode: Optional[WandbMode] = None  # null: WANDB_MODE, or online
+
+
+@dataclass
+class LoggerConfig:
+    stdout: bool = True
+    jsonl: bool = True  # <run dir>/metrics.jsonl, one JSON object per logged step, validation and save
+    progress_bar: ProgressBar = ProgressBar.auto
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class PredictConfig:
+    """predict.py: run the model of `checkpoint.init_from` over one split, one output row per sample."""
+
+    split: str = "test"  # which of the recipe's splits (e.g. test | val)
+    micro_batch_size: int = 256  # per rank
+    output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.micro_batch_size >= 1, f"{key}.micro_batch_size={c.micro_batch_size}: expected >= 1")
+
+
+@dataclass
+class ModelConfig:
+    """What every recipe's `model` schema has (the recipes' schemas extend it)."""
+
+    backend: LayerBackend = LayerBackend.auto
+
+
+@dataclass
+class DataConfig:
+    """What every recipe's `data` schema has (the recipes' schemas extend it)."""
+
+    num_workers: int = 2  # loader worker processes per rank
+    pin_memory: bool = True  # page-locked host batches (CUDA only)
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.num_workers >= 0, f"{key}.num_workers={c.num_workers}: expected >= 0")
+
+
+@dataclass
+class TrainConfig:
+    recipe: str = MISSING  # recipes/registry.py: vit | mnist | gpt
+    seed: int = 1234
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    # Recipe-specific: validated against the recipe's own schemas.
+    model: Any = MISSING
+    data: Any = MISSING
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    predict: PredictConfig = field(default_factory=PredictConfig)
+

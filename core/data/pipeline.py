@@ -1,0 +1,47 @@
+"""A run's data: the training stream split over ranks and micro-batches, and the validation loader.
+
+Step k uses samples [k*G, (k+1)*G) of the shuffled stream (G: the global batch), split over data-parallel
+ranks and micro-batches; gradient accumulation makes up the rest of the global batch. The stream depends
+only on the samples consumed, so a resumed run, on any number of ranks, continues at the exact next sample.
+Loader workers are seeded from the data-parallel rank: tensor-parallel peers must see the same batches.
+"""
+
+from __future__ import annotations
+
+import signal
+from typing import Iterator
+
+from omegaconf import DictConfig
+
+from core.data.datasets import MultiEpochDatasetResampler
+from core.data.loading import make_loader, prefetch_to_device
+from core.data.sampling import EvalBatchSampler, GlobalBatchSampler, PaddedEval
+from core.distributed.env import DistEnv
+
+
+class TrainingData:
+    def __init__(self, recipe, cfg: DictConfig, env: DistEnv, accumulation: int,
+                 ignore_signals: tuple[signal.Signals, ...] = ()):
+        t = cfg.training
+        self.recipe, self.env, self.accumulation, self.ignore_signals = recipe, env, accumulation, ignore_signals
+        self.micro_batch_size, self.global_batch_size = t.micro_batch_size, t.global_batch_size
+        self.num_workers, self.seed = cfg.data.num_workers, cfg.seed
+        self.pin_memory = env.device.type == "cuda" and cfg.data.pin_memory
+        datasets = recipe.build_datasets()
+        self.train, self.val = datasets.train, datasets.val
+        self.stream = MultiEpochDatasetResampler(self.train, num_samples=t.steps * t.global_batch_size, seed=cfg.seed)
+        self.val_loader = None
+        if self.val is not None and t.limit_val_batches != 0:
+            sampler = EvalBatchSampler(len(self.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches)
+            self.val_loader = make_loader(PaddedEval(self.val), sampler, self.num_workers, self.pin_memory, cfg.seed,
+                                          recipe.collate_fn(), ignore_signals)
+
+    def micro_batches(self, consumed_samples: int, count: int) -> Iterator[dict]:
+        """This rank's next `count` micro-batches from stream position `consumed_samples`, on the device; the
+        next one's host-to-device copy overlaps the current step (core/data/loading.py)."""
+        env = self.env
+        sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size, env.dp_rank,
+                                     consumed_samples)
+        loader = make_loader(self.stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
+                             self.recipe.collate_fn(), self.ignore_signals)
+        return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device)

@@ -1,0 +1,2 @@
+"""Where numbers go: the logger (`logger.py`), the throughput meter (`meter.py`), device facts
+(`hardware.py`) and the profiler (`profiling.py`)."""

@@ -1,0 +1,73 @@
+"""The throughput meter: step time, data wait, samples and tokens per second per GPU, MFU and peak memory,
+averaged over the steps since the last record."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Iterator
+
+import torch
+
+from core.metrics.hardware import peak_bf16_flops, peak_memory_gib
+
+
+class ThroughputMeter:
+    """Times training steps between two records. What the loop does outside its steps (validation,
+    saving) is excluded; `phase` also times parts of a step when `time_phases` is on, synchronising the
+    device at each boundary (a little slower: for benchmarks)."""
+
+    def __init__(self, device: torch.device, global_batch_size: int, world_size: int, tokens_per_sample: int,
+                 flops_per_sample: float, time_phases: bool = False):
+        self.device, self.global_batch_size, self.world_size = device, global_batch_size, world_size
+        self.tokens_per_sample, self.flops_per_sample, self.time_phases = tokens_per_sample, flops_per_sample, time_phases
+        self.peak_flops = peak_bf16_flops(device)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.start, self.steps, self.excluded, self.data_wait = time.perf_counter(), 0, 0.0, 0.0
+        self.phases: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def waiting_for_data(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.data_wait += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def outside_steps(self) -> Iterator[None]:
+        start = time.perf_counter()
+        yield
+        self.excluded += time.perf_counter() - start
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        if not self.time_phases:
+            yield
+            return
+        self._sync()
+        start = time.perf_counter()
+        yield
+        self._sync()
+        self.phases[name] = self.phases.get(name, 0.0) + time.perf_counter() - start
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def step_done(self) -> None:
+        self.steps += 1
+
+    def record(self) -> dict[str, float]:
+        """The means since the last record (then starts a new interval)."""
+        step_time = (time.perf_counter() - self.start - self.excluded) / self.steps
+        samples_per_gpu = self.global_batch_size / step_time / self.world_size
+        record = {"step_time": step_time, "data_wait": self.data_wait / self.steps,
+                  "samples_per_sec_per_gpu": samples_per_gpu,
+                  "tokens_per_sec_per_gpu": samples_per_gpu * self.tokens_per_sample}
+        if self.peak_flops is not None:
+            record["mfu"] = samples_per_gpu * self.flops_per_sample / self.peak_flops
+        record["peak_mem_gib"] = peak_memory_gib(self.device)
+        record |= {f"time_{name}": seconds / self.steps for name, seconds in self.phases.items()}
+        self._reset()
+        return record

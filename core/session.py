@@ -1,0 +1,103 @@
+"""The setup every entry point shares (train.py, predict.py, and any generation or export to come):
+
+    with session.start(cfg, run_dir, get_recipe) as s:   # config checked, runtime resolved, processes up
+        parallel, num_params = session.build_model(s)   # built by the recipe on every rank, parallelized
+        ...
+
+and the way each one ends: a clear line and an exit code for the errors a user can fix (`exit_on_error`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+
+import torch.distributed as dist
+from omegaconf import DictConfig
+
+from core.checkpointing.layout import CheckpointError
+from core.config.errors import ConfigError
+from core.config.validation import save_config, validate
+from core.distributed import env as distributed
+from core.layers.namespace import get_layers
+from core.parallel.base import Parallel
+from core.parallel.parallelize import parallelize
+from core.parallel.tensor_parallel import full_numel
+from core.runtime import Runtime, resolve
+from core.training.nonfinite import NonFiniteError
+from core.training.precision import autocast_factory
+
+if TYPE_CHECKING:
+    from recipes.base import Recipe
+
+log = logging.getLogger("train")
+
+EXIT_CODES = ((ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""))
+
+
+@dataclass
+class Session:
+    cfg: DictConfig  # validated and read-only
+    runtime: Runtime
+    env: distributed.DistEnv
+    recipe: "Recipe"
+    run_dir: Path
+    autocast: Callable[[], ContextManager]  # opens the forward pass's precision context
+
+    @property
+    def is_main(self) -> bool:
+        return self.env.is_main
+
+
+@contextlib.contextmanager
+def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> Iterator[Session]:
+    """Check the config, resolve the runtime, start the process group and device mesh (torn down on exit),
+    instantiate the recipe and write <run dir>/resolved_config.yaml."""
+    cfg = validate(cfg)
+    recipe_class = get_recipe(cfg.recipe)
+    runtime = resolve(cfg)
+    d = cfg.distributed
+    env = distributed.setup(d.dp_outer, d.dp_shard, d.tp, d.timeout_minutes, runtime.device_type)
+    try:
+        # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
+        amax_group = env.dp_group if env.tp == 1 else dist.group.WORLD
+        autocast = autocast_factory(env.device, runtime.autocast_dtype, runtime.fp8_recipe, amax_group)
+        if env.is_main:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            save_config(cfg, run_dir / "resolved_config.yaml")
+            log.info("recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d "
+                     "| model.backend=%s%s | run dir %s", cfg.recipe, env.world_size, env.device.type, runtime.parallel,
+                     " (auto)" if runtime.parallel_auto else "", env.dp_outer, env.dp_shard, env.tp, runtime.layers,
+                     " (auto)" if runtime.layers_auto else "", run_dir)
+        yield Session(cfg, runtime, env, recipe_class(cfg), run_dir, autocast)
+    finally:
+        distributed.teardown()
+
+
+def build_model(s: Session, training: bool = True) -> tuple[Parallel, int]:
+    """The recipe's model on this rank's device, weights drawn from cfg.seed (the same full weights on every
+    rank; with distributed.tp > 1 each rank keeps its tensor-parallel part), wrapped by core.parallel
+    (`training=False` leaves out activation recomputation and compilation). Returns it and its full
+    parameter count."""
+    layers = get_layers(s.runtime.layers, s.env.tensor_parallel())
+    model = s.recipe.build_model(layers, s.env.device)
+    num_params = full_numel(model, s.env.tp)
+    t = s.cfg.training
+    parallel = parallelize(model, s.runtime, s.env, s.cfg.distributed, layers, s.recipe.unit_modules(layers),
+                           activation_checkpointing=training and t.activation_checkpointing,
+                           compile=training and t.compile)
+    return parallel, num_params
+
+
+def exit_on_error(function: Callable[..., Any], *args: Any) -> Any:
+    """Run an entry point's body; a config, checkpoint or non-finite error ends the process with one clear
+    line and its exit code (2, 3, 4) instead of a traceback."""
+    try:
+        return function(*args)
+    except tuple(error for error, _, _ in EXIT_CODES) as e:
+        code, label = next((code, label) for error, code, label in EXIT_CODES if isinstance(e, error))
+        log.error("%s%s", label, e)
+        raise SystemExit(code) from None

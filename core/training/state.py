@@ -1,0 +1,23 @@
+"""The loop's counters, saved with every checkpoint (`train_state.*`) so a run resumes where it stopped."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+
+@dataclass
+class TrainState:
+    step: int = 0  # optimizer steps completed
+    consumed_samples: int = 0  # position in the global sample stream (core/data/sampling.py)
+    epoch: int = 0  # consumed_samples // dataset_len
+    skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss (training.on_nonfinite=skip)
+    dataset_len: int = 0  # the training set's size when saved (a changed dataset reorders the stream)
+    world_size: int = 0  # the ranks it was saved on
+
+    def state_dict(self) -> dict[str, int]:
+        return {k: int(v) for k, v in asdict(self).items()}
+
+    def load_state_dict(self, state: dict) -> None:
+        for f in fields(self):
+            if f.name in state:
+                setattr(self, f.name, int(state[f.name]))

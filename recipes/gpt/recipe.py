@@ -1,0 +1,105 @@
+"""The GPT recipe: decoder-only language model pretraining on Megatron-Core datasets.
+
+    torchrun --nproc-per-node 2 train.py --config-name gpt_sanity          # the shipped corpus, a CPU is enough
+    torchrun --nproc-per-node 8 train.py --config-name gpt_125m data=gpt_indexed data.prefixes=[/data/corpus]
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+from torch import nn
+
+from core.layers.weight_init import init_parameters, standard_rule
+from core.layers.namespace import Layers
+from recipes.base import Datasets, Recipe
+from recipes.gpt.config import GPTDataConfig, GPTModelConfig
+from recipes.gpt.data import build_gpt_datasets, padded_vocab_size
+from recipes.gpt.model import GPT
+from recipes.gpt.tokenizer import build_tokenizer
+
+
+class GPTRecipe(Recipe):
+    name = "gpt"
+    model_schema = GPTModelConfig
+    data_schema = GPTDataConfig
+
+    @functools.cached_property
+    def vocab_size(self) -> int:
+        """The model's vocabulary: model.vocab_size, or the tokenizer's rounded up for fast GEMMs."""
+        m, d = self.cfg.model, self.cfg.data
+        if m.vocab_size is not None:
+            needed = None if d.format == "mock" else build_tokenizer(d.tokenizer, d.eod_token).vocab_size
+            if needed is not None and m.vocab_size < needed:
+                raise ValueError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {needed}")
+            return m.vocab_size
+        if d.format == "mock":
+            raise ValueError("data.format=mock needs model.vocab_size")
+        return padded_vocab_size(build_tokenizer(d.tokenizer, d.eod_token).vocab_size, m.make_vocab_size_divisible_by)
+
+    def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
+        m = self.cfg.model
+        self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
+        model = GPT(m, self.vocab_size, layers, device=device)
+        # Megatron's init: normal(0, init_std), the blocks' output projections scaled by 1/sqrt(2 layers).
+        base, scaled = standard_rule(m.init_std), standard_rule(m.init_std / math.sqrt(2 * m.num_layers))
+
+        def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
+            (scaled if name.endswith(("proj.weight", "fc2_weight")) else base)(name, t, g)
+
+        init_parameters(model, self.cfg.seed, rule, layers.tp)
+        return model
+
+    def unit_modules(self, layers: Layers) -> list[type]:
+        return [layers.TransformerLayer]
+
+    def _splits(self) -> dict:
+        t = self.cfg.training
+        datasets = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
+                                      t.steps * t.global_batch_size, self.vocab_size)
+        return dict(zip(("train", "val", "test"), datasets))
+
+    def build_datasets(self) -> Datasets:
+        splits = self._splits()
+        if splits["train"] is None:
+            raise ValueError("the training split is empty: more data, or another data.split")
+        return Datasets(splits["train"], splits["val"])
+
+    def split(self, name: str):
+        return self._splits()[name]
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        return batch["loss_mask"].sum()
+
+    def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
+        """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
+        mask = batch["loss_mask"].float()
+        token_loss = self.token_cross_entropy(model(batch["tokens"]), batch["labels"])
+        return {"loss": (token_loss * mask).sum(dim=1), "count": mask.sum(dim=1)}
+
+    def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
+        return {**means, "perplexity": math.exp(min(means["loss"], 50.0))}
+
+    def tokens_per_sample(self) -> int:
+        return self.cfg.model.seq_length
+
+    def non_embedding_parameters(self) -> int:
+        """All parameters but the input embedding table (the output projection counts: tied or not)."""
+        m = self.cfg.model
+        h, f, heads = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
+        kv = (m.num_query_groups or heads) * (h // heads)
+        block = h * (h + 2 * kv) + h * h + 2 * f * h + f * h + 2 * h  # QKV, proj, fc1 (gate+up), fc2, 2 norms
+        return m.num_layers * block + h + self.vocab_size * h  # + final norm + output projection
+
+    def flops_per_sample(self) -> float:
+        """Training FLOPs of one sequence of S tokens: S x (6 N + 12 L H S), N = non-embedding parameters
+        (the output projection included), 12 L H S the attention scores and their weighting of the values
+        (forward + backward, causal masking not discounted)."""
+        m = self.cfg.model
+        s = m.seq_length
+        return s * (6.0 * self.non_embedding_parameters() + 12.0 * m.num_layers * m.hidden_size * s)
+
+
+RECIPE = GPTRecipe
