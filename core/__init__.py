@@ -2,8 +2,8 @@
 
   config/         schemas (defaults and their documentation), validation
   distributed/    processes, devices and the device mesh; launcher glue; stop signals
-  parallel/       data-parallel backends, tensor parallelism, parallelize() (TP, recompute, compile, shard)
-  layers/         TransformerEngine layers or their plain-torch twins; deterministic weight init
+  layers/         TransformerEngine layers or their plain-torch twins; tensor-parallel splits; weight init
+  parallel/       data-parallel backends; parallelize() (TP, recompute, compile, shard)
   data/           sampling the global batch, loaders, deterministic dataset utilities and their checker
   training/       optimizer and schedule, precision, the non-finite policy, evaluation, the train state
   checkpointing/  DCP checkpoints: layout, state parts, staging, retention, manager, conversion

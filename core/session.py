@@ -25,7 +25,7 @@ from core.distributed import env as distributed
 from core.layers.namespace import get_layers
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
-from core.parallel.tensor_parallel import full_numel
+from core.layers.tensor_parallel import full_numel
 from core.runtime import Runtime, resolve
 from core.training.nonfinite import NonFiniteError
 from core.training.precision import autocast_factory

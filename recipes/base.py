@@ -52,10 +52,10 @@ class Recipe:
     def build_datasets(self) -> Datasets:
         """Map-style datasets whose samples are dicts (the loop adds a "valid" flag in validation).
 
-        The training set is indexed with core.datasets.EpochIndex(epoch, idx) (the loop wraps it in a
+        The training set is indexed with core.data.datasets.EpochIndex(epoch, idx) (the loop wraps it in a
         MultiEpochDatasetResampler); draw random effects from sample_generator(seed, epoch, idx), never
         from the global RNGs. The validation set is indexed with ints. Both must pass
-        core.dataset_checks.assert_dataset_deterministic."""
+        core.data.checks.assert_dataset_deterministic."""
         raise NotImplementedError
 
     def split(self, name: str) -> Dataset:

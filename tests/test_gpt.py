@@ -216,7 +216,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
 def test_tensor_parallel_is_refused_where_it_cannot_work():
     from core.config.errors import ConfigError
     from core.layers.namespace import TORCH_LAYERS
-    from core.parallel.tensor_parallel import TensorParallel
+    from core.layers.tensor_parallel import TensorParallel
     from dataclasses import replace
 
     recipe = gpt_recipe(["model.num_query_groups=3", "model.num_attention_heads=6", "model.hidden_size=96"])

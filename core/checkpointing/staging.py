@@ -3,7 +3,7 @@
 DCP's own staging copies whole tensor storages, which fails on Megatron-FSDP's state (views into flat
 buffers, some freed). `HostStager` copies each local shard instead and keeps its sharding description -
 DTensor internals that DCP itself reads (the local tensor and the hooks by which Megatron-FSDP and
-core/parallel/tensor_parallel.py describe uneven and re-laid-out pieces). This module is the one place
+core/layers/tensor_parallel.py describe uneven and re-laid-out pieces). This module is the one place
 that touches them.
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from core.parallel.tensor_parallel import attach_pieces
+from core.layers.tensor_parallel import attach_pieces
 
 
 class HostStager:
@@ -46,7 +46,7 @@ class HostStager:
         if isinstance(value, DTensor):
             local = value._local_tensor
             copy = self._host_copy(local, path)
-            if hasattr(local, "_full_layout_pieces"):  # tensor-parallel GLU rows (core.tensor_parallel)
+            if hasattr(local, "_full_layout_pieces"):  # tensor-parallel GLU rows (core/layers/tensor_parallel.py)
                 attach_pieces(copy, local._full_layout_pieces, value.shape)
             else:
                 for hook in ("__create_chunk_list__", "__create_write_items__"):

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.checkpointing.layout import DCP_ERRORS, CheckpointError, describe, saved_weights, verify
-from core.parallel.tensor_parallel import local_pieces
+from core.layers.tensor_parallel import local_pieces
 
 log = logging.getLogger("checkpoint")
 

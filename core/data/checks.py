@@ -87,7 +87,7 @@ def assert_dataset_deterministic(dataset: Any, indices: Optional[Iterable[Any]] 
         changed = sorted(set(_changed_rngs(before, after_first)) | set(_changed_rngs(after_first, _global_rng_states())))
         if changed:
             raise AssertionError(f"dataset[{index!r}] changed the global {', '.join(changed)} RNG state: derive "
-                                 "randomness from the index (core.datasets.sample_generator), not the global RNGs")
+                                 "randomness from the index (core.data.datasets.sample_generator), not the global RNGs")
         difference = _first_difference(first, second, "sample")
         if difference:
             raise AssertionError(f"dataset[{index!r}] differs between two calls at {difference}")

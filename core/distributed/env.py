@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.config.errors import ConfigError
-from core.parallel.tensor_parallel import TensorParallel
+from core.layers.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 

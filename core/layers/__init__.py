@@ -1,3 +1,4 @@
 """Layers: `namespace.py` chooses between TransformerEngine modules (`te_transformer_layer.py` tunes
 TE's TransformerLayer) and their plain-torch twins (`torch_twins.py`); `weight_init.py` draws weights
-deterministically by name."""
+deterministically by name; `tensor_parallel.py` says which parameters the layers split over
+tensor-parallel ranks and where a rank's piece lies in the full tensor."""

@@ -19,7 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 from core.layers import te_transformer_layer, torch_twins
-from core.parallel.tensor_parallel import TensorParallel
+from core.layers.tensor_parallel import TensorParallel
 
 
 @dataclass(frozen=True)

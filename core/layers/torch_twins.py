@@ -8,7 +8,7 @@ implement raise an error instead of being ignored.
 
 Tensor parallelism works as in TE (and Megatron): with `tp_size > 1` a column-parallel layer holds a
 block of output rows, a row-parallel one a block of input columns (marked with `partition_dim`, see
-core.tensor_parallel); the input of a column-parallel layer is all-reduced in the backward pass and the
+core/layers/tensor_parallel.py); the input of a column-parallel layer is all-reduced in the backward pass and the
 output of a row-parallel one in the forward pass, over `tp_group`. Parameters may be plain tensors
 (Megatron-FSDP hands the layers local tensors) or DTensors over the tensor-parallel mesh (FSDP2): the
 layers compute with the local part either way.
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.parallel.tensor_parallel import GLU_ACTIVATIONS, mark_split
+from core.layers.tensor_parallel import GLU_ACTIVATIONS, mark_split
 
 # TE's default init_method: normal(0, 0.023) for every weight; biases start at zero.
 TE_DEFAULT_INIT_STD = 0.023
@@ -286,7 +286,7 @@ class LayerNormMLP(nn.Module):
         self.parallel = self.set_parallel_mode = set_parallel_mode and self.tp_size > 1
         ffn = _divide(ffn_hidden_size, self.tp_size, "ffn_hidden_size") if self.parallel else ffn_hidden_size
         self.eps, self.normalization, self.zero_centered_gamma = eps, normalization, zero_centered_gamma
-        self.activation = activation  # TE's name (core.tensor_parallel reads it to find GLU weights)
+        self.activation = activation  # TE's name (core/layers/tensor_parallel.py reads it to find GLU weights)
         self._activation = ACTIVATIONS[activation]
         fc1_out = 2 * ffn if activation in GLU_ACTIVATIONS else ffn
         self.layer_norm_weight = _param((hidden_size,), params_dtype, device)

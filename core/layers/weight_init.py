@@ -16,7 +16,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from core.parallel.tensor_parallel import TensorParallel, full_shape, local_part, splits
+from core.layers.tensor_parallel import TensorParallel, full_shape, local_part, splits
 
 # rule(name, cpu_tensor, generator) fills the tensor in place; return False to keep the module's own init.
 InitRule = Callable[[str, torch.Tensor, torch.Generator], Optional[bool]]

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.parallel.tensor_parallel import local_pieces, use_full_layout
+from core.layers.tensor_parallel import local_pieces, use_full_layout
 
 
 class Parallel:
@@ -19,7 +19,7 @@ class Parallel:
     `wrapped` is what the loop calls forward on (the backend's wrapper); `model` is the user's model
     (parameter names without any wrapper prefix: the canonical names for optimizer groups and
     checkpoints). With tensor parallelism, `glu` names the GLU fc1 weights, whose state dict entries are
-    described to DCP in their TP=1 layout (see core/parallel/tensor_parallel.py).
+    described to DCP in their TP=1 layout (see core/layers/tensor_parallel.py).
     """
 
     name = ""

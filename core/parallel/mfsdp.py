@@ -51,6 +51,27 @@ def use_own_ddp_config_if_needed() -> None:
             module.DistributedDataParallelConfig = own
 
 
+def _fuse_te_wgrad_accumulation(model: nn.Module, zero: int, dp_shard: int) -> None:
+    """Let TE's wgrad GEMMs write into Megatron-FSDP's fp32 main gradients where that is safe.
+
+    Megatron-FSDP tells TE to overwrite main_grad whenever it gathers parameters (ZeRO 1-3). That is right
+    only where main_grad is a fresh bucket per backward, later reduce-scattered and accumulated: ZeRO-2/3
+    over more than one dp_shard rank. Where the buffer is the persistent one that adds up the micro-batches
+    (ZeRO-1; ZeRO-2/3 with one dp_shard rank, e.g. tensor parallelism only), it would keep only the last
+    micro-batch. ZeRO-0 gathers nothing, so TE accumulates there."""
+    fusable = te_wgrad_fusable_modules(model)
+    if not fusable:
+        return
+    if zero == 0 or (zero >= 2 and dp_shard > 1):
+        for module in fusable:
+            module.fuse_wgrad_accumulation = True
+        log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", len(fusable))
+    else:
+        log.warning("distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
+                    "rank(s): Megatron-FSDP would make TE overwrite the gradients accumulated over "
+                    "earlier micro-batches", zero, dp_shard)
+
+
 class MegatronFSDP(Parallel):
     name = "mfsdp"
 
@@ -68,21 +89,8 @@ class MegatronFSDP(Parallel):
             # gather and reduce hooks (faster: docs/performance.md).
             log.info("one GPU: Megatron-FSDP runs ZeRO-0 (zero_dp_strategy=%d has nothing to shard)", zero)
             zero = 0
-        fusable = te_wgrad_fusable_modules(model) if cfg.te_fuse_wgrad_accumulation else []
-        if fusable:
-            # Megatron-FSDP tells TE to overwrite main_grad whenever it gathers parameters (ZeRO 1-3). That is right
-            # only where main_grad is a fresh bucket per backward, later reduce-scattered and accumulated:
-            # ZeRO-2/3 over more than one dp_shard rank. Where the buffer is the persistent one that adds up
-            # the micro-batches (ZeRO-1; ZeRO-2/3 with one dp_shard rank, e.g. tensor parallelism only), it
-            # would keep only the last micro-batch. ZeRO-0 gathers nothing, so TE accumulates there.
-            if zero == 0 or (zero >= 2 and env.dp_shard > 1):
-                for module in fusable:
-                    module.fuse_wgrad_accumulation = True
-                log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", len(fusable))
-            else:
-                log.warning("distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
-                            "rank(s): Megatron-FSDP would make TE overwrite the gradients accumulated over "
-                            "earlier micro-batches", zero, env.dp_shard)
+        if cfg.te_fuse_wgrad_accumulation:
+            _fuse_te_wgrad_accumulation(model, zero, env.dp_shard)
         policy = megatron_fsdp.MixedPrecisionPolicy(
             main_params_dtype=dtype(cfg.main_params_dtype),
             main_grads_dtype=dtype(cfg.main_grads_dtype),

@@ -1,6 +1,6 @@
 """`parallelize`: from the model a recipe built to the `Parallel` wrapper the loop trains, in one order:
 
-  1. tensor parallelism   the layers were built tensor-parallel (core/parallel/tensor_parallel.py); here the
+  1. tensor parallelism   the layers were built tensor-parallel (core/layers/tensor_parallel.py); here the
                           split parameters are found and whole ones marked as replicated
   2. activation checkpointing   (training.activation_checkpointing) blocks recompute in the backward pass
   3. compilation          (training.compile) torch.compile each block's forward
@@ -23,7 +23,7 @@ from core.layers.namespace import Layers
 from core.parallel import activation_checkpointing as activation_checkpointing_lib
 from core.parallel import compilation
 from core.parallel.base import Parallel
-from core.parallel.tensor_parallel import Split, splits, unmark_whole_parameters
+from core.layers.tensor_parallel import Split, splits, unmark_whole_parameters
 from core.runtime import Runtime
 
 
@@ -38,7 +38,7 @@ def parallelize(model: nn.Module, runtime: Runtime, env: DistEnv, cfg: Distribut
     if compile:  # after recomputation, so that the recomputed forward is compiled too
         compilation.apply(model, block_classes)
     parallel = _shard(model, runtime, env, cfg, block_classes)
-    # GLU weights are checkpointed in their TP=1 layout (core/parallel/tensor_parallel.py).
+    # GLU weights are checkpointed in their TP=1 layout (core/layers/tensor_parallel.py).
     parallel.tp_size, parallel.glu = env.tp, {name for name, s in split.items() if s.glu}
     return parallel
 

@@ -2,7 +2,7 @@
 
 Samples are dicts {"data": float [1, H, W] in [0, 1], "label": int, "idx": int}, where idx is the
 sample's row in its MNIST file (train file for train and validation, test file for test). They take an
-int or a core.datasets.EpochIndex and involve no randomness, so every call gives the same sample.
+int or a core.data.datasets.EpochIndex and involve no randomness, so every call gives the same sample.
 """
 
 from __future__ import annotations
