@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
-# Everything is logged to ${OUT:-benchmarks/results}. Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit]
+# Everything is logged to ${OUT:-benchmarks/results}.
+# Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit|revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
 # attention backends at the recipes' shapes; a profiled gpt_1b step.
 # vit (1 H200, ~6 min): ViT-B/16 bf16 and FP8 from micro-batch 512 to 2048 (118 GiB: an H200, not an
 # H100), and the compiled FSDP2 baseline at 1024.
+# revisions (1 GPU, ~8 min): the shipped vit_base_patch16_224 and gpt_1b configs (their own global batch)
+# with this checkout and OTHER_CHECKOUT (e.g. the previous commit, `git archive REV | tar -x -C DIR`),
+# alternating, twice each: a code change that should not change speed, checked within run-to-run noise.
 set -uo pipefail
 OUT=${OUT:-benchmarks/results}
 mkdir -p "$OUT"
@@ -85,5 +89,18 @@ if [[ $what == perf ]]; then
       --workers $([[ $decode == workers ]] && echo 4 8 12 || echo 2 4 8) \
       -- data=imagefolder data.root=/tmp/jpegs data.num_classes=10 data.decode_on=$decode \
       2>&1 | tee "$OUT/perf_jpeg_decode_on_$decode.log" | tail -5
+  done
+fi
+if [[ $what == revisions ]]; then
+  other=${2:?usage: gpu_evidence.sh revisions OTHER_CHECKOUT}
+  for round in 1 2; do
+    for repo in "$other" .; do
+      tag=$([[ $repo == . ]] && echo this || echo other)
+      mkdir -p "$OUT/$tag"
+      python3 "$repo/benchmarks/throughput.py" --config vit_base_patch16_224 --nproc 1 --steps 10 --micro-batch 256 \
+        --global-batch 512 --out "$OUT/$tag" --timeout 300 2>&1 | tee "$OUT/revisions_vit_${tag}_$round.log" | tail -2
+      python3 "$repo/benchmarks/throughput.py" --config gpt_1b --data gpt_mock --nproc 1 --steps 3 --micro-batch 16 \
+        --global-batch 128 --out "$OUT/$tag" --timeout 300 2>&1 | tee "$OUT/revisions_gpt_${tag}_$round.log" | tail -2
+    done
   done
 fi
