@@ -97,31 +97,37 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
 
 
 def setup(s: session.Session) -> Run:
+    """Everything a run holds, in the order it is needed; what can be refused is refused before the work."""
     cfg, env, t = s.cfg, s.env, s.cfg.training
+    # 1. Checks: where to resume from (an explicit checkpoint must be complete), the global batch's split.
     checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg)
-    checkpointer.prepare()  # where to resume from: an explicit checkpoint must be complete
+    checkpointer.prepare()
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
-    # Dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
-    for seed_fn in (torch.manual_seed, random.seed, np.random.seed):
-        seed_fn(cfg.seed + env.dp_rank)
+    # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
+    for seed in (torch.manual_seed, random.seed, np.random.seed):
+        seed(cfg.seed + env.dp_rank)
+    # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
     parallel, num_params = session.build_model(s)
-    # AdamW over the (sharded) parameters, in two groups: with and without weight decay.
+    # 4. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
     groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
                                 s.recipe.no_weight_decay(parallel.model))
     optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
+    scheduler = optim.build_scheduler(optimizer, cfg.scheduler, t.steps)
+    # 5. Data, logging, throughput, the NaN policy.
     data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
-    run = Run(s, parallel, optimizer, optim.build_scheduler(optimizer, cfg.scheduler, t.steps), data, checkpointer,
-              MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), run_name=s.run_dir.name),
-              ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
-                              s.recipe.flops_per_sample(), t.time_phases),
+    logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), run_name=s.run_dir.name)
+    meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
+                            s.recipe.flops_per_sample(), t.time_phases)
+    run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
               NonFiniteGuard(t.on_nonfinite, env.device))
-    run.resumed_from = restore(run)  # last: the restored RNG state must meet the first step untouched
+    # 6. Resume, last: the restored RNG state must meet the first step untouched.
+    run.resumed_from = restore(run)
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
                  "%d accumulation steps | %d steps | AdamW groups %s", num_params / 1e6, len(data.train),
                  len(data.val) if data.val is not None else "none", t.global_batch_size, t.micro_batch_size,
-                 env.dp_size, accumulation, t.steps, ", ".join(f"{g['name']}: {len(g['params'])} tensors, "
-                                                               f"weight_decay {g['weight_decay']}" for g in optimizer.param_groups))
+                 env.dp_size, accumulation, t.steps, ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay "
+                                                               f"{g['weight_decay']}" for g in optimizer.param_groups))
     return run
 
 

@@ -273,10 +273,8 @@ class CheckpointConfig:
         for name in c.save_on_signals:
             require(isinstance(getattr(signal.Signals, str(name).upper(), None), signal.Signals),
                     f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
-        resume = c.resume
-        if isinstance(resume, bool) or resume is None:
-            return
-        require(isinstance(resume, str), f"{key}.resume={resume!r}: expected auto, true, false or a step folder")
+        require(isinstance(c.resume, (bool, str)),
+                f"{key}.resume={c.resume!r}: expected auto, true, false or a step folder")
 
 
 @dataclass

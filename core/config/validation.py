@@ -13,6 +13,7 @@ from enum import Enum
 from typing import Any, Iterable
 
 from hydra.core.config_store import ConfigStore
+from hydra.plugins.config_source import ConfigLoadError
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -33,7 +34,7 @@ def _recipe_schema(group: str, recipe: str) -> DictConfig:
     cs = ConfigStore.instance()
     try:
         return cs.load(f"{group}/{recipe}_{group}_schema.yaml").node
-    except (OmegaConfBaseException, KeyError, ValueError, IndexError):
+    except ConfigLoadError:
         known = sorted(n.removesuffix("_model_schema.yaml") for n in cs.list("model") if n.endswith("_model_schema.yaml"))
         raise ConfigError(f"recipe: unknown recipe {recipe!r}; known: {', '.join(known) or 'none registered'}") from None
 
