@@ -253,7 +253,7 @@ def _glu_layer_step(tmp: str, tp: int):
     from core.parallel.parallelize import parallelize
     from core.runtime import Runtime
 
-    env = distributed.setup(1, -1, tp, 5)
+    env = distributed.setup(1, -1, tp, 5, "cpu")
     try:
         layer = torch.nn.Sequential(TransformerLayer(
             16, 24, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0, bias=True, activation="swiglu",

@@ -135,8 +135,9 @@ def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[
     return sizes["distributed.dp_outer"], sizes["distributed.dp_shard"], sizes["distributed.tp"]
 
 
-def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_type: Optional[str] = None) -> DistEnv:
-    """Start the process group (NCCL on CUDA, gloo on CPU), pick this rank's device, build the mesh."""
+def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_type: str) -> DistEnv:
+    """Start the process group (NCCL on CUDA, gloo on CPU) on `device_type` (core/runtime.py decides it), pick
+    this rank's device, build the mesh."""
     _export_slurm_env_if_needed()
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -144,7 +145,6 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
     # Validate the mesh before touching any device or process group.
     dp_outer, dp_shard, tp = mesh_shape(world_size, dp_outer, dp_shard, tp)
 
-    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
