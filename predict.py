@@ -49,6 +49,7 @@ def main(cfg: DictConfig) -> None:
 def predict(cfg: DictConfig, run_dir: Path) -> PredictResult:
     if not cfg.checkpoint.init_from:
         raise ConfigError("predict.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
+    register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
     with session.start(cfg, run_dir, get_recipe) as s:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(s, training=False)

@@ -92,6 +92,7 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
+    register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
     with session.start(cfg, run_dir, get_recipe) as s:
         return train(setup(s))
 
@@ -121,7 +122,11 @@ def setup(s: session.Session) -> Run:
     run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
               NonFiniteGuard(t.on_nonfinite, env.device))
     # 6. Resume, last: the restored RNG state must meet the first step untouched.
-    run.resumed_from = restore(run)
+    try:
+        run.resumed_from = restore(run)
+    except BaseException:
+        logger.close()  # a run that never started leaves no open W&B run
+        raise
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
                  "%d accumulation steps | %d steps | AdamW groups %s", num_params / 1e6, len(data.train),
@@ -169,6 +174,7 @@ def train(run: Run) -> RunResult:
     profiler = StepProfiler(t.profile, s.run_dir, s.env.rank, s.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(s.cfg.checkpoint.save_on_signals))
     run.logger.start_progress(start_step, t.steps)
+    run.meter.start_interval()  # setup and restore do not count as step time
     try:
         for step in range(start_step + 1, t.steps + 1):
             with run.meter.waiting_for_data():

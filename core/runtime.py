@@ -5,7 +5,7 @@
   parallel      distributed.backend: auto -> mfsdp on CUDA, fsdp2 on CPU
   layers        model.backend: auto -> te on CUDA with TransformerEngine installed, torch otherwise
   autocast      precision.autocast_dtype; param_dtype, the compute weights' dtype
-  fp8_recipe    TransformerEngine's FP8 recipe object (precision.fp8), or None
+  fp8_recipe    TransformerEngine's FP8 recipe object (precision.fp8), or None (built at first use)
 and refuses the combinations that cannot work, naming the keys. The rest of the code takes these
 resolved values (`core.layers.namespace.get_layers` turns `layers` into the layer classes,
 `core.parallel.parallelize` turns `parallel` into the wrapper); no other module tests the config's
@@ -14,6 +14,7 @@ backend strings.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -48,9 +49,15 @@ class Runtime:
     layers: LayerBackend  # te | torch (never auto)
     autocast_dtype: Optional[torch.dtype]  # None: no autocast
     param_dtype: torch.dtype
-    fp8_recipe: Any = None  # TE's recipe object when FP8 is on
+    fp8: Any = None  # precision.fp8 when FP8 is on
     parallel_auto: bool = False  # chosen by `auto` (for the log line)
     layers_auto: bool = False
+
+    @functools.cached_property
+    def fp8_recipe(self) -> Any:
+        """TE's FP8 recipe object, or None. Built at first use, after the process has picked its GPU:
+        importing TransformerEngine before that could open a CUDA context on GPU 0 in every process."""
+        return fp8_recipe(self.fp8) if self.fp8 is not None else None
 
 
 def resolve_parallel_backend(backend: ParallelBackend, machine: Machine) -> ParallelBackend:
@@ -99,5 +106,5 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
     autocast = DTYPES[precision.autocast_dtype] if precision.autocast_dtype is not None else None
     return Runtime(
         device_type="cuda" if machine.cuda else "cpu", parallel=parallel, layers=layers, autocast_dtype=autocast,
-        param_dtype=DTYPES[precision.param_dtype], fp8_recipe=fp8_recipe(precision.fp8) if precision.fp8.enabled else None,
+        param_dtype=DTYPES[precision.param_dtype], fp8=precision.fp8 if precision.fp8.enabled else None,
         parallel_auto=cfg.distributed.backend == ParallelBackend.auto, layers_auto=cfg.model.backend == LayerBackend.auto)

@@ -117,7 +117,7 @@ class ProfileConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(c.start_step >= 1 and c.steps >= 1,
+        require(not c.enabled or (c.start_step >= 1 and c.steps >= 1),
                 f"{key}: start_step={c.start_step} and steps={c.steps} must be >= 1")
 
 
@@ -280,8 +280,8 @@ class CheckpointConfig:
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.adamw
-    lr: float = MISSING
-    weight_decay: float = 0.0  # not applied to biases, norm weights or the recipe's exceptions
+    lr: float = 1e-3
+    weight_decay: float = 0.05  # not applied to biases, norm weights or the recipe's exceptions
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     eps: float = 1e-8
     max_grad_norm: float = 1.0  # 0: no clipping (the norm is still logged)

@@ -34,10 +34,9 @@ class MetricsLogger:
         self.jsonl = None
         self.bar = None
         self.wandb = None
+        self.jsonl_path = run_dir / "metrics.jsonl"  # opened at the first record: no empty file from a failed start
         if not enabled:
             return
-        if cfg.jsonl:
-            self.jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)
         if cfg.wandb.enabled:
             import wandb
 
@@ -51,7 +50,9 @@ class MetricsLogger:
         """Write one record ({"step": n, ...}); `prefix` (e.g. "val") labels stdout and W&B keys."""
         if not self.enabled:
             return
-        if self.jsonl is not None:
+        if self.cfg.jsonl:
+            if self.jsonl is None:
+                self.jsonl = open(self.jsonl_path, "a", buffering=1)
             self.jsonl.write(json.dumps({**record, **({"split": prefix} if prefix else {})}) + "\n")
         if self.cfg.stdout:
             fields = " | ".join(_format(k, v) for k, v in record.items() if k != "step")

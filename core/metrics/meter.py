@@ -22,9 +22,10 @@ class ThroughputMeter:
         self.device, self.global_batch_size, self.world_size = device, global_batch_size, world_size
         self.tokens_per_sample, self.flops_per_sample, self.time_phases = tokens_per_sample, flops_per_sample, time_phases
         self.peak_flops = peak_bf16_flops(device)
-        self._reset()
+        self.start_interval()
 
-    def _reset(self) -> None:
+    def start_interval(self) -> None:
+        """Start timing from now (the loop calls it right before its first step)."""
         self.start, self.steps, self.excluded, self.data_wait = time.perf_counter(), 0, 0.0, 0.0
         self.phases: dict[str, float] = {}
 
@@ -69,5 +70,5 @@ class ThroughputMeter:
             record["mfu"] = samples_per_gpu * self.flops_per_sample / self.peak_flops
         record["peak_mem_gib"] = peak_memory_gib(self.device)
         record |= {f"time_{name}": seconds / self.steps for name, seconds in self.phases.items()}
-        self._reset()
+        self.start_interval()
         return record
