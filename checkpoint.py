@@ -7,8 +7,9 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
 
-One process, no GPU needed. The state is stored as tensors and plain values, but DCP's own `.metadata`
-index is a pickle: load checkpoints only from sources you trust.
+One process, no GPU needed. Reading a step folder runs no code from it (DCP's pickled index is read through
+an allow-list: core/checkpointing/storage.py) and checks every file against the CRC-32 recorded when it was
+written (`--skip-checksums` to read a damaged checkpoint anyway).
 """
 
 from __future__ import annotations
@@ -33,21 +34,22 @@ __all__ = ["CheckpointError", "Checkpointer", "HostStager", "checkpoints_to_keep
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="Convert checkpoints of this repository's training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("to-torch", help="step folder -> one torch.save file of the full model weights")
-    p.add_argument("step_dir")
-    p.add_argument("out")
-    p = sub.add_parser("to-safetensors", help="step folder -> one .safetensors file of the full model weights")
-    p.add_argument("step_dir")
-    p.add_argument("out")
+    for name, help in (("to-torch", "step folder -> one torch.save file of the full model weights"),
+                       ("to-safetensors", "step folder -> one .safetensors file of the full model weights")):
+        p = sub.add_parser(name, help=help)
+        p.add_argument("step_dir")
+        p.add_argument("out")
+        p.add_argument("--skip-checksums", action="store_true",
+                       help="do not check the files against the checksums recorded when they were written")
     p = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
     p.add_argument("source")
     p.add_argument("step_dir")
     args = parser.parse_args(argv)
     try:
         if args.command == "to-torch":
-            to_torch(args.step_dir, args.out)
+            to_torch(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
         elif args.command == "to-safetensors":
-            to_safetensors(args.step_dir, args.out)
+            to_safetensors(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
         else:
             from_torch(args.source, args.step_dir)
     except CheckpointError as e:

@@ -54,7 +54,8 @@ def predict(cfg: DictConfig, run_dir: Path) -> PredictResult:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(s, training=False)
         c = s.cfg.checkpoint
-        load_weights(parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, s.is_main)
+        load_weights(parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, s.is_main,
+                     c.verify_checksums)
         # 2. Data: rank r takes samples r, r + dp, ...; every rank runs the same number of batches (the
         #    sharded model's collectives need that), shorter shares padded with samples marked invalid.
         dataset = s.recipe.split(s.cfg.predict.split)

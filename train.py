@@ -14,6 +14,7 @@ docs/architecture.md follows one step through the files.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 from dataclasses import dataclass, field
@@ -100,33 +101,34 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
 def setup(s: session.Session) -> Run:
     """Everything a run holds, in the order it is needed; what can be refused is refused before the work."""
     cfg, env, t = s.cfg, s.env, s.cfg.training
-    # 1. Checks: where to resume from (an explicit checkpoint must be complete), the global batch's split.
-    checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg)
-    checkpointer.prepare()
-    accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
-    # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
-    for seed in (torch.manual_seed, random.seed, np.random.seed):
-        seed(cfg.seed + env.dp_rank)
-    # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
-    parallel, num_params = session.build_model(s)
-    # 4. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
-    groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
-                                s.recipe.no_weight_decay(parallel.model))
-    optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
-    scheduler = optim.build_scheduler(optimizer, cfg.scheduler, t.steps)
-    # 5. Data, logging, throughput, the NaN policy.
-    data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
-    logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), run_name=s.run_dir.name)
-    meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
-                            s.recipe.flops_per_sample(), t.time_phases)
-    run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
-              NonFiniteGuard(t.on_nonfinite, env.device))
-    # 6. Resume, last: the restored RNG state must meet the first step untouched.
-    try:
+    with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
+        # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
+        #    a resumed run must keep its result-changing settings), the global batch's split.
+        checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg)
+        on_failure.callback(checkpointer.close)
+        checkpointer.prepare()
+        accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
+        # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
+        for seed in (torch.manual_seed, random.seed, np.random.seed):
+            seed(cfg.seed + env.dp_rank)
+        # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
+        parallel, num_params = session.build_model(s)
+        # 4. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
+        groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
+                                    s.recipe.no_weight_decay(parallel.model))
+        optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
+        scheduler = optim.build_scheduler(optimizer, cfg.scheduler, t.steps)
+        # 5. Data, logging, throughput, the NaN policy.
+        data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
+        logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), run_name=s.run_dir.name)
+        on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
+        meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
+                                s.recipe.flops_per_sample(), t.time_phases)
+        run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
+                  NonFiniteGuard(t.on_nonfinite, env.device))
+        # 6. Resume, last: the restored RNG state must meet the first step untouched.
         run.resumed_from = restore(run)
-    except BaseException:
-        logger.close()  # a run that never started leaves no open W&B run
-        raise
+        on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
                  "%d accumulation steps | %d steps | AdamW groups %s", num_params / 1e6, len(data.train),
@@ -151,8 +153,11 @@ def restore(run: Run) -> Optional[Path]:
     else the run starts from the fresh init."""
     c, env, state = run.session.cfg.checkpoint, run.session.env, run.state
     path = run.checkpointer.restore(checkpoint_parts(run))
+    if path is not None:  # the learning rate and optimizer settings in effect are the config's
+        optim.apply_config(run.optimizer, run.scheduler, run.session.cfg.optim)
     if path is None and c.init_from:
-        load_weights(run.parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, env.is_main)
+        load_weights(run.parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, env.is_main,
+                     c.verify_checksums)
     elif path is not None and env.is_main:
         log.info("resumed from %s (step %d, %d samples consumed)", path, state.step, state.consumed_samples)
         if c.init_from:
@@ -208,6 +213,7 @@ def train(run: Run) -> RunResult:
         profiler.close()
         signals.close()
         run.logger.close()
+        run.checkpointer.close()
     return RunResult(t.steps, last_loss, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
                      stopped_by, state.skipped_steps)
 

@@ -56,10 +56,10 @@ def test_multirun_sweep_on_two_processes(tmp_path):
     run(TORCHRUN + [str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", "optim.lr=1e-3,3e-4",
                     "training.steps=3", "training.limit_val_batches=1", *QUICK], cwd=tmp_path)
     (sweep,) = list((tmp_path / "multirun" / "vit_sanity").iterdir())
-    for job, lr in (("0", 1e-3), ("1", 3e-4)):
-        assert (sweep / job / "checkpoints" / "step_3" / "COMPLETE").exists()
+    for job, lr in (("0", "0.001"), ("1", "0.0003")):  # checkpoints by configuration, not by job number
+        assert (sweep / "checkpoints" / f"optim.lr={lr}" / "step_3" / "COMPLETE").exists()
         assert len([r for r in records(sweep / job) if "split" not in r]) == 3
-        assert f"lr: {lr}" in (sweep / job / "resolved_config.yaml").read_text()
+        assert f"lr: {float(lr)}" in (sweep / job / "resolved_config.yaml").read_text()
 
 
 def test_wandb_offline(tmp_path):

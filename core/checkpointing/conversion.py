@@ -7,25 +7,26 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from core.checkpointing.layout import write_marker
+from core.checkpointing.layout import start_marker, write_marker
+from core.checkpointing.storage import ChecksummingWriter
 from core.checkpointing.weights import load_weights_file, read_model_weights
 from core.training.state import TrainState
 
 
-def to_torch(step_dir: str, out: str) -> None:
+def to_torch(step_dir: str, out: str, verify_checksums: bool = True) -> None:
     """A step folder's full model weights -> one torch.save file ({name: tensor})."""
     import torch
 
-    weights = read_model_weights(Path(step_dir))
+    weights = read_model_weights(Path(step_dir), verify_checksums)
     torch.save(weights, out)
     print(f"wrote {len(weights)} tensors to {out}")
 
 
-def to_safetensors(step_dir: str, out: str) -> None:
+def to_safetensors(step_dir: str, out: str, verify_checksums: bool = True) -> None:
     """A step folder's full model weights -> one .safetensors file."""
     from safetensors.torch import save_file
 
-    weights = read_model_weights(Path(step_dir))
+    weights = read_model_weights(Path(step_dir), verify_checksums)
     save_file({k: v.contiguous() for k, v in weights.items()}, out)
     print(f"wrote {len(weights)} tensors to {out}")
 
@@ -39,6 +40,8 @@ def from_torch(source: str, step_dir: str) -> None:
     weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({"model": weights, "train_state": TrainState().state_dict()}, checkpoint_id=str(target), no_dist=True)
+        start_marker(target)
+        dcp.save({"model": weights, "train_state": TrainState().state_dict()}, storage_writer=ChecksummingWriter(str(target)),
+                 no_dist=True)
     write_marker(target, {"step": 0, "metrics": {}, "converted_from": str(source)})
     print(f"wrote {len(weights)} tensors to {target}")

@@ -9,10 +9,14 @@
   fp8.<module>.*        TransformerEngine's delayed-scaling FP8 state (scales and amax histories), which
                         Megatron-FSDP's state dict drops with the rest of TE's `_extra_state`
   config.yaml           the resolved config of the run (rank 0)
-  COMPLETE              written last, by rank 0, after every rank finished; lists the file sizes
+  SAVING                written first, by rank 0: the folder is a save of this tool in progress
+  COMPLETE              written last, by rank 0, after every rank finished; lists every file's size and
+                        CRC-32 (computed while writing: core/checkpointing/storage.py)
 Everything DCP stores is a tensor or a plain value, never a pickled object, so
 `python -m torch.distributed.checkpoint.format_utils dcp_to_torch` output loads with torch.load's default
 weights_only=True. A folder without COMPLETE (or whose files do not match it) is never resumed from.
+Only folders this tool can tell are its own (COMPLETE, or SAVING with nothing but checkpoint files) are
+ever deleted.
 """
 
 from __future__ import annotations
@@ -20,16 +24,23 @@ from __future__ import annotations
 import json
 import os
 import re
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader
+import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from core.checkpointing.storage import SafeReader, collect_checksums, file_crc32, is_checksum_sidecar
+
 STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
+SAVING_MARKER = "SAVING"
+# What a save of this tool writes into a step folder (a folder holding anything else is not deleted).
+_OWN_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|config\.yaml|"
+                        r"COMPLETE(\.tmp)?|SAVING)$")
 
 # DCP gathers every rank's failure into one CheckpointException, which derives from BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
@@ -42,7 +53,8 @@ class CheckpointError(RuntimeError):
 def describe(error: BaseException) -> str:
     """One line per failing rank instead of DCP's tracebacks."""
     if isinstance(error, CheckpointException) and getattr(error, "failures", None):
-        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(error.failures.items()))
+        failures = {rank: e[0] if isinstance(e, tuple) else e for rank, e in error.failures.items()}  # (error, frames)
+        return "; ".join(f"rank {rank}: {type(e).__name__}: {e}" for rank, e in sorted(failures.items()))
     return f"{type(error).__name__}: {error}"
 
 
@@ -68,13 +80,40 @@ def complete_checkpoints(root: Path) -> list[Path]:
     return [p for p in step_dirs(root) if is_complete(p)]
 
 
+def is_own_incomplete(path: Path) -> bool:
+    """An interrupted save of this tool: SAVING is there, COMPLETE is not, and nothing but checkpoint files."""
+    path = Path(path)
+    return ((path / SAVING_MARKER).is_file() and not (path / COMPLETE_MARKER).is_file()
+            and all(_OWN_FILES.match(p.name) and p.is_file() for p in path.iterdir()))
+
+
+def is_own(path: Path) -> bool:
+    """A step folder this tool wrote (complete, or an interrupted save): the only kind it ever deletes."""
+    return is_complete(path) or is_own_incomplete(path)
+
+
+def start_marker(folder: Path) -> None:
+    Path(folder).mkdir(parents=True)
+    (Path(folder) / SAVING_MARKER).write_text("a save in progress; COMPLETE is written when it is whole\n")
+
+
 def write_marker(folder: Path, marker: dict[str, Any]) -> None:
-    """Write COMPLETE atomically (whole or absent, never half), listing the sizes of the folder's files."""
+    """Write COMPLETE atomically (whole or absent, never half), listing each file's size and CRC-32: those the
+    ranks recorded while writing, the few small files rank 0 wrote itself by reading them. Then drop the
+    per-rank checksum files and SAVING."""
     folder = Path(folder)
-    files = {p.name: p.stat().st_size for p in sorted(folder.iterdir()) if p.is_file() and p.name != COMPLETE_MARKER}
+    recorded = collect_checksums(folder)
+    files = {}
+    for p in sorted(folder.iterdir()):
+        if p.is_file() and p.name not in (COMPLETE_MARKER, SAVING_MARKER) and not is_checksum_sidecar(p.name):
+            files[p.name] = {"size": p.stat().st_size,
+                             "crc32": recorded[p.name] if p.name in recorded else file_crc32(p)}
     tmp = folder / (COMPLETE_MARKER + ".tmp")
     tmp.write_text(json.dumps({**marker, "files": files}, indent=1))
     os.replace(tmp, folder / COMPLETE_MARKER)
+    for p in folder.iterdir():
+        if is_checksum_sidecar(p.name) or p.name == SAVING_MARKER:
+            p.unlink()
 
 
 def read_marker(path: Path) -> dict:
@@ -86,9 +125,34 @@ def read_marker(path: Path) -> dict:
 
 def read_metadata(path: Path) -> Metadata:
     try:
-        return FileSystemReader(str(path)).read_metadata()
+        return SafeReader(str(path)).read_metadata()
     except Exception as e:  # noqa: BLE001  (any unpickling / IO error means the same to the user)
         raise CheckpointError(f"{Path(path) / '.metadata'}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+
+
+def _listed(marker: dict) -> dict[str, tuple[int, Optional[int]]]:
+    """The marker's files: name -> (size, CRC-32 or None for checkpoints written before checksums)."""
+    entries = marker.get("files", {})
+    return {name: (e, None) if isinstance(e, int) else (e["size"], e.get("crc32")) for name, e in entries.items()}
+
+
+def checksum_errors(path: Path, rank: int = 0, world_size: int = 1, threads: int = 8) -> list[str]:
+    """Files of the complete checkpoint `path` whose bytes no longer match the CRC-32 recorded when they were
+    written; this rank checks its share (every world_size-th file), in parallel threads."""
+    path = Path(path)
+    listed = sorted((name, crc) for name, (_, crc) in _listed(read_marker(path)).items() if crc is not None)
+    mine = listed[rank::world_size]
+
+    def check(entry: tuple[str, int]) -> Optional[str]:
+        name, crc = entry
+        try:
+            actual = file_crc32(path / name)
+        except OSError as e:
+            return f"{path / name}: unreadable ({e})"
+        return None if actual == crc else f"{path / name}: checksum mismatch (the file changed after it was written)"
+
+    with ThreadPoolExecutor(max(1, min(threads, len(mine)))) as pool:
+        return [error for error in pool.map(check, mine) if error]
 
 
 def verify(path: Path) -> Metadata:
@@ -103,7 +167,7 @@ def verify(path: Path) -> Metadata:
         raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
     marker = read_marker(path)
     metadata = read_metadata(path)
-    for name, size in marker.get("files", {}).items():
+    for name, (size, _) in _listed(marker).items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
@@ -114,6 +178,21 @@ def verify(path: Path) -> Metadata:
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
             raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
     return metadata
+
+
+def check_checksums(path: Path) -> None:
+    """Raise a CheckpointError naming the damaged files of `path`, if any. A collective when the process
+    group is up (the ranks split the reading and agree on the verdict)."""
+    if dist.is_available() and dist.is_initialized():
+        errors = checksum_errors(path, dist.get_rank(), dist.get_world_size())
+        gathered: list = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, errors)
+        errors = sorted(e for rank_errors in gathered for e in rank_errors)
+    else:
+        errors = checksum_errors(path)
+    if errors:
+        more = f" (and {len(errors) - 3} more)" if len(errors) > 3 else ""
+        raise CheckpointError("; ".join(errors[:3]) + more)
 
 
 def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:

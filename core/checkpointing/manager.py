@@ -1,9 +1,10 @@
 """The Checkpointer: everything the training loop does with checkpoints.
 
     checkpointer = Checkpointer(cfg.checkpoint, rank, device, config=cfg)   # no I/O
-    checkpointer.prepare()              # where to resume from, decided before any work
+    checkpointer.prepare()              # the path's lock; where to resume from, decided before any work
     checkpointer.restore(parts)         # the newest usable checkpoint into the parts, or None
     checkpointer.save(step, parts, ...) # step_<N>/ (async or not); COMPLETE once every rank is done
+    checkpointer.close()                # an async save finished or abandoned; the lock released
 
 `parts` maps the checkpoint's top-level keys to stateful parts (core/checkpointing/parts.py); the
 Checkpointer never reaches into them. Methods are collectives (call them on every rank) unless noted.
@@ -17,21 +18,25 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Mapping, Optional
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
-from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, complete_checkpoints, describe, is_complete,
-                                       read_marker, step_dirs, step_of, verify, write_marker)
+from core.checkpointing.changes import config_changes
+from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, check_checksums, complete_checkpoints, describe,
+                                       is_complete, is_own, is_own_incomplete, read_marker, start_marker, step_dirs,
+                                       step_of, verify, write_marker)
+from core.checkpointing.lock import LockHeld, PathLock
 from core.checkpointing.parts import CheckpointPart, Saved
 from core.checkpointing.retention import checkpoints_to_keep
 from core.checkpointing.staging import AlreadyStaged, HostStager
+from core.checkpointing.storage import ChecksummingWriter, SafeLoadPlanner, SafeReader
 from core.config.errors import ConfigError
 from core.config.schema import CheckpointConfig
-from core.config.validation import save_config, to_plain
+from core.config.validation import save_config
 
 log = logging.getLogger("checkpoint")
 
@@ -59,29 +64,40 @@ class Checkpointer:
         self.protected: set[int] = set()  # steps retention must keep (the one resumed from)
         self._async_group = None
         self._stager = HostStager()
+        self._lock = PathLock(self.path)
+        self._locked = False
 
     # ---- where to resume from
 
     def prepare(self) -> None:
-        """Decide which checkpoints `restore` tries (newest first), before any work: an explicit folder must
-        be complete; resume=false refuses existing checkpoints unless overwrite=true, which deletes them."""
+        """Before any work (a collective): take the path's lock (which also proves it writable), then
+        decide which checkpoints `restore` tries, newest first: an explicit folder must be complete;
+        resume=false refuses existing checkpoints unless overwrite=true, which deletes them. A resumed run
+        whose result-changing settings differ from the checkpoint's stops here (core/checkpointing/changes.py)."""
+        self._take_lock()
         resume = self.cfg.resume
         mode = resume.lower() if isinstance(resume, str) else resume
         existing = step_dirs(self.path)
+        foreign = [p.name for p in existing if not is_own(p)]
+        if foreign and self.is_main:
+            log.warning("leaving alone step folders under %s that this tool did not write (or that hold other files): "
+                        "%s", self.path, ", ".join(foreign))
         if mode in (False, "false", "no", "none", ""):
-            if existing and not self.cfg.overwrite:
+            own = [p for p in existing if is_own(p)]
+            if own and not self.cfg.overwrite:
                 raise ConfigError(
-                    f"checkpoint.path={self.path} already holds checkpoints ({existing[-1].name}, ...) and "
+                    f"checkpoint.path={self.path} already holds checkpoints ({own[-1].name}, ...) and "
                     "checkpoint.resume=false: set checkpoint.overwrite=true to delete them, or use another path")
-            if existing and self.is_main:
-                log.warning("checkpoint.overwrite=true: deleting %d step folders under %s", len(existing), self.path)
-                for p in existing:
+            dist.barrier()  # every rank has looked before rank 0 deletes
+            if own and self.is_main:
+                log.warning("checkpoint.overwrite=true: deleting %d checkpoints under %s", len(own), self.path)
+                for p in own:
                     shutil.rmtree(p)
             self.candidates = []
         elif mode in (True, "auto", "true"):
             self.auto = True
             complete = complete_checkpoints(self.path)
-            partial = [p.name for p in existing if not is_complete(p)]
+            partial = [p.name for p in existing if is_own_incomplete(p)]
             if partial and self.is_main:
                 log.warning("ignoring incomplete checkpoints (interrupted saves) under %s: %s", self.path,
                             ", ".join(partial))
@@ -91,6 +107,43 @@ class Checkpointer:
         else:
             verify(Path(resume))  # an explicit choice never falls back: missing or incomplete is an error
             self.candidates = [Path(resume)]
+        if self.candidates:
+            self._check_config_changes(self.candidates[0])
+
+    def _take_lock(self) -> None:
+        error = None
+        if self.is_main:
+            try:
+                self._lock.acquire()
+                self._locked = True
+            except LockHeld as e:
+                error = f"checkpoint.path: {e}"
+            except OSError as e:
+                error = f"checkpoint.path={self.path} is not writable ({type(e).__name__}: {e})"
+        message = [error]
+        dist.broadcast_object_list(message, src=0)
+        if message[0]:
+            raise ConfigError(message[0])
+
+    def _check_config_changes(self, path: Path) -> None:
+        if self.config is None or not (path / "config.yaml").is_file():
+            return
+        refused, other = config_changes(path / "config.yaml", self.config)
+        if refused and not self.cfg.allow_config_changes:
+            raise ConfigError(
+                f"resuming from {path}, but these settings differ from the ones it was trained with:\n  "
+                + "\n  ".join(refused) + "\nThey change the run's result, so a resume keeps them. To start a new run "
+                "with them, use another checkpoint.path (or checkpoint.init_from=" + str(path) + " for its weights "
+                "only); to continue this run with them on purpose, set checkpoint.allow_config_changes=true")
+        if self.is_main and (refused or other):
+            log.warning("resuming from %s with changed settings (in effect from the first resumed step): %s", path,
+                        "; ".join(refused + other))
+
+    def close(self) -> None:
+        """Release the path's lock (rank 0). Not a collective; an async save in flight is left incomplete."""
+        if self._locked:
+            self._lock.release()
+            self._locked = False
 
     # ---- loading
 
@@ -113,28 +166,18 @@ class Checkpointer:
     def _load(self, path: Path, parts: Mapping[str, CheckpointPart]) -> None:
         start = time.perf_counter()
         metadata = verify(path)
+        if self.cfg.verify_checksums:
+            check_checksums(path)
         targets = {key: part.load_target(Saved(path, metadata, key)) for key, part in parts.items()}
         state = {key: target for key, target in targets.items() if target is not None}
         try:
-            dcp.load(state, checkpoint_id=str(path))
+            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             raise CheckpointError(f"{path}: loading failed ({describe(e)})") from None
         for key, loaded in state.items():
             parts[key].load_state_dict(loaded)
         if self.is_main:
             log.info("resumed from %s in %.1f s", path, time.perf_counter() - start)
-            self._report_config_changes(path)
-
-    def _report_config_changes(self, path: Path) -> None:
-        saved_file = path / "config.yaml"
-        if not saved_file.is_file() or self.config is None:
-            return
-        saved = _flatten(OmegaConf.to_container(OmegaConf.load(saved_file)))
-        now = _flatten(to_plain(self.config))
-        changed = [k for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-        if changed:
-            log.warning("config differs from the checkpoint's: %s", ", ".join(
-                f"{k}: {saved.get(k)!r} -> {now.get(k)!r}" for k in changed[:20]))
 
     # ---- saving
 
@@ -148,25 +191,35 @@ class Checkpointer:
         start = time.perf_counter()
         self.wait()  # at most one save in flight
         target = self.path / f"step_{step}"
+        error = [None]
         if self.is_main:
-            if target.exists():  # an interrupted save of this step (resumed from an earlier one)
-                log.warning("removing %s %s before saving it again", "complete" if is_complete(target) else
-                            "incomplete", target)
-                shutil.rmtree(target)
-            self.path.mkdir(parents=True, exist_ok=True)
-        dist.barrier()
+            try:
+                if target.exists() and not is_own(target):
+                    raise CheckpointError(f"{target} exists and is not a checkpoint this tool wrote: move it away "
+                                          "(the checkpoints before it are kept)")
+                if target.exists():  # a save of this step before (resumed from an earlier one)
+                    log.warning("removing %s %s before saving it again", "complete" if is_complete(target) else
+                                "incomplete", target)
+                    shutil.rmtree(target)
+                start_marker(target)
+            except (CheckpointError, OSError) as e:
+                error = [f"saving {target} failed ({type(e).__name__}: {e})" if isinstance(e, OSError) else str(e)]
+        dist.broadcast_object_list(error, src=0)  # every rank fails together
+        if error[0]:
+            raise CheckpointError(error[0])
         state = {key: part.state_dict() for key, part in parts.items()}
         state = {key: value for key, value in state.items() if value}
+        writer = ChecksummingWriter(str(target))
         if self.cfg.async_save and not force_sync:
             if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
                 self._async_group = dist.new_group(backend="gloo")
             # We copy to host memory ourselves (core/checkpointing/staging.py) and hand DCP the copy as staged.
-            future = dcp.async_save(self._stager.stage(state), checkpoint_id=str(target),
+            future = dcp.async_save(self._stager.stage(state), storage_writer=writer,
                                     process_group=self._async_group, async_stager=AlreadyStaged())
             self.pending = PendingSave(future, target, step, metrics, start)
         else:
             try:
-                dcp.save(state, checkpoint_id=str(target))
+                dcp.save(state, storage_writer=writer)
             except DCP_ERRORS as e:  # disk full, permissions: fail loudly, keep the older checkpoints
                 raise CheckpointError(f"saving {target} failed ({describe(e)})") from None
             dist.barrier()  # every rank's files are on disk before the marker says so
@@ -210,8 +263,9 @@ class Checkpointer:
             if p == in_flight:
                 continue
             if not is_complete(p):
-                log.info("deleting incomplete checkpoint %s", p)
-                shutil.rmtree(p, ignore_errors=True)
+                if is_own_incomplete(p):
+                    log.info("deleting incomplete checkpoint %s", p)
+                    shutil.rmtree(p, ignore_errors=True)
                 continue
             value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
             entries.append((step_of(p), value))
@@ -228,11 +282,3 @@ class Checkpointer:
             raise ConfigError(f"checkpoint.monitor={self.cfg.monitor!r} is not a validation metric; "
                               f"there are: {', '.join(sorted(metrics))}")
 
-
-def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(tree, dict):
-        out = {}
-        for k, v in tree.items():
-            out.update(_flatten(v, f"{prefix}{k}."))
-        return out
-    return {prefix[:-1]: tree}

@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from core.checkpointing.layout import DCP_ERRORS, CheckpointError, describe, saved_weights, verify
+from core.checkpointing.layout import DCP_ERRORS, CheckpointError, check_checksums, describe, saved_weights, verify
+from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
 log = logging.getLogger("checkpoint")
@@ -66,7 +67,7 @@ def _skipped(name: str, prefixes: list[str]) -> bool:
 
 
 def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_unexpected: bool = False,
-                 is_main: bool = True) -> None:
+                 is_main: bool = True, verify_checksums: bool = True) -> None:
     """Model weights only from a step folder or a .pt/.safetensors file, into the (sharded) model `parallel`
     (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
     otherwise: every other weight must be in the source and fit; weights the source has but the model
@@ -76,6 +77,8 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
     if src.is_dir():
         saved = saved_weights(verify(src))
+        if verify_checksums:
+            check_checksums(src)
         full = None
     elif src.is_file():
         full = load_weights_file(src)
@@ -88,7 +91,7 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
                       {k: v for k, v in saved.items() if k not in unused})
     if full is None:
         try:
-            dcp.load({"model": wanted}, checkpoint_id=str(src))
+            dcp.load({"model": wanted}, storage_reader=SafeReader(str(src)), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
     else:
@@ -102,14 +105,19 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
                  f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "")
 
 
-def read_model_weights(step_dir: Path) -> dict[str, torch.Tensor]:
+def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[str, torch.Tensor]:
     """The full (unsharded) model weights of a checkpoint, in one process, by canonical name."""
     metadata = verify(step_dir)
+    if verify_checksums:
+        check_checksums(step_dir)
     weights = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype)
                for k, m in metadata.state_dict_metadata.items()
                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     state: dict[str, Any] = {"model": weights}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=SafeReader(str(step_dir)), planner=SafeLoadPlanner(), no_dist=True)
+        except DCP_ERRORS as e:
+            raise CheckpointError(f"{step_dir}: loading failed ({describe(e)})") from None
     return weights

@@ -236,7 +236,8 @@ class CheckpointConfig:
     """Torch DCP checkpoints in <path>/step_<N>/ (core/checkpointing/)."""
 
     # The default is the same for every run of a config (outputs/<config>/checkpoints), so running the
-    # same command again resumes; in a multirun sweep, <sweep dir>/<job number>/checkpoints.
+    # same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
+    # so a sweep run again resumes each configuration's own job.
     path: str = "${checkpoint_dir:}"
     save_every_n_steps: int = 0  # 0: only the final save
     save_final: bool = True
@@ -244,6 +245,12 @@ class CheckpointConfig:
     # true: the same, but it is an error if there is none; false: start fresh;
     # <step dir>: continue from that checkpoint (an error if it is missing or incomplete).
     resume: Any = "auto"
+    # A resume whose model, data, optimizer, schedule, seed, global batch or precision differ from the
+    # checkpoint's stops before any work, listing them; true: continue with the new values on purpose.
+    allow_config_changes: bool = False
+    # Check every file against the CRC-32 recorded when it was written before loading it (resume and
+    # init_from); a damaged newest checkpoint is skipped by automatic resume, an explicit one is an error.
+    verify_checksums: bool = True
     overwrite: bool = False  # with resume=false: delete the step folders already under `path`
     keep_last_n: int = -1  # -1: keep all
     keep_every_n_steps: int = 0  # also keep every checkpoint whose step is a multiple (0: none)

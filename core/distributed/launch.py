@@ -10,8 +10,10 @@ Hydra runs in every rank. Two things must not happen per rank:
 from __future__ import annotations
 
 import datetime
+import hashlib
 import logging
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -56,14 +58,30 @@ def run_id() -> str:
 
 def checkpoint_dir() -> str:
     """Default checkpoint.path: the same for every run of a config, so running the same command again
-    resumes (outputs/<config>/checkpoints); per job in a multirun sweep (<sweep dir>/<job>/checkpoints)."""
+    resumes (outputs/<config>/checkpoints). In a multirun sweep, one folder per configuration,
+    <sweep dir>/checkpoints/<its overrides that change the result>, not per job number: a sweep run again
+    with a changed value list resumes each configuration's own job."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        return str(Path(hydra_cfg.runtime.output_dir) / "checkpoints")
+        return str(Path(hydra_cfg.sweep.dir) / "checkpoints" / configuration_name(list(hydra_cfg.overrides.task)))
     return str(Path("outputs") / hydra_cfg.job.config_name / "checkpoints")
+
+
+def configuration_name(overrides: list[str]) -> str:
+    """A folder name from the command-line overrides that change a run's result (core/config/identity.py),
+    sorted: `optim.lr=0.001,seed=2`; `default` when there are none. Path separators are replaced and a long
+    name is shortened, with a hash of the whole keeping it unique."""
+    from core.config.identity import changes_result
+
+    last = {o.lstrip("+~").split("=", 1)[0]: o.lstrip("+~") for o in overrides if "=" in o}  # the last one wins
+    name = ",".join(sorted(o for key, o in last.items() if changes_result(key))) or "default"
+    name = re.sub(r"[/\\\x00]", "_", name)
+    if len(name) > 120:
+        name = name[:100] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name
 
 
 def register_resolvers() -> None:
@@ -103,8 +121,24 @@ def exit_process(code: int = 0) -> None:
 
 def run_hydra(hydra_main) -> None:
     """Run a @hydra.main entry point on this rank: the resolvers registered, Hydra quiet on ranks > 0, and
-    a clean exit when it returns."""
+    the process ended when it returns or fails, with its exit code (1 for an unexpected error, which Hydra
+    has printed). Ending with os._exit keeps a failed run from waiting at interpreter exit for data-loader
+    workers or threads that are still running: a failing job ends instead of holding its nodes."""
+    from core.distributed.watchdog import exit_with_launcher
+
     register_resolvers()
     prepare_argv()
-    hydra_main()
+    exit_with_launcher()
+    try:
+        hydra_main()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if not isinstance(e.code, (int, type(None))):
+            print(e.code, file=sys.stderr)
+        exit_process(code)
+    except BaseException:  # noqa: BLE001  (anything Hydra did not report: print it, then end)
+        import traceback
+
+        traceback.print_exc()
+        exit_process(1)
     exit_process(0)

@@ -2,12 +2,15 @@
 
 The handler only records the signal; the loop asks `stop_requested()` at the end of every step, which
 all ranks answer together (one tiny all-reduce on a CPU tensor, i.e. over gloo: no GPU sync), so every
-rank saves the same step and leaves, even if only one of them got the signal.
+rank saves the same step and leaves, even if only one of them got the signal. The same signal a second
+time ends the process at once (as it would without the handler), and so does any of them in a process
+forked from this one: a save-and-stop request is only ever held by the training process itself.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import threading
 
@@ -26,6 +29,7 @@ class StopSignals:
     def __init__(self, signals: tuple[signal.Signals, ...]):
         self.received: str | None = None
         self._previous: dict[signal.Signals, object] = {}
+        self._pid = os.getpid()
         if signals and threading.current_thread() is not threading.main_thread():
             log.warning("not in the main thread: checkpoint.save_on_signals cannot be installed")
             return
@@ -33,7 +37,12 @@ class StopSignals:
             self._previous[sig] = signal.signal(sig, self._handle)
 
     def _handle(self, signum, frame) -> None:
-        self.received = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if os.getpid() != self._pid or self.received == name:
+            signal.signal(signum, signal.SIG_DFL)  # end as the signal would have without us
+            os.kill(os.getpid(), signum)
+            return
+        self.received = name
 
     def stop_requested(self) -> bool:
         """True on every rank if any rank received a signal (a collective: call it on all ranks)."""

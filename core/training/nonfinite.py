@@ -45,7 +45,9 @@ class NonFiniteGuard:
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if torch.isfinite(first).item():
             raise NonFiniteError(f"non-finite loss or gradient norm at step {int(first.item())}; stopping without "
-                                 "saving it (training.on_nonfinite=skip skips such steps instead)")
+                                 "saving it. training.on_nonfinite=skip skips an occasional bad step; if the weights "
+                                 "themselves are non-finite (a diverged run, or a checkpoint loaded with "
+                                 "checkpoint.verify_checksums=false), resume from an earlier checkpoint instead")
 
 
 def all_ranks_true(flag: torch.Tensor) -> bool:

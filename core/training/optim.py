@@ -50,3 +50,16 @@ def lr_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int):
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+
+
+def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> None:
+    """After a resume: the optimizer's hyperparameters and the schedule's base rate are the config's (a
+    checkpoint restores those it was saved with), and the learning rate is the schedule's value at the
+    resumed step (the schedule itself, e.g. its length, always comes from the config)."""
+    scheduler.base_lrs = []
+    for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
+                     weight_decay=cfg.weight_decay if group.get("name") != "no_decay" else 0.0)
+        group["lr"] = cfg.lr * multiplier(scheduler.last_epoch)
+        scheduler.base_lrs.append(cfg.lr)
+    scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -1,0 +1,190 @@
+"""How step folders are read and written: torch DCP's file storage, made safe to load and checksummed.
+
+Reading runs no code from the files. DCP keeps a checkpoint's index (`.metadata`) as a pickle and loads
+non-tensor values (optimizer hyperparameters and the like) with `torch.load(weights_only=False)`; a crafted
+folder could run anything through either. Here the index is unpickled with an allow-list (DCP's own
+metadata classes, torch sizes, dtypes and layouts, plain containers) and values with `weights_only=True`;
+anything else is refused with a CheckpointError naming the file. Every load in this repository goes
+through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict, conversion).
+
+Writing records a CRC-32 of every file as its bytes go to disk (no second read): each rank leaves
+`__<rank>_checksums.json` beside its shards, which the completion marker collects (layout.write_marker).
+CRC-32 catches corruption (any flipped bit, truncation, a torn write), not tampering.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import zlib
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Iterator
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.metadata import Metadata
+
+CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
+
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+_ALLOWED = {
+    (_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
+                                       "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
+                                       "_MEM_FORMAT_ENCODING")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # looks a layout up by its name
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
+    ("collections", "OrderedDict"),
+    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
+}
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file asks to load something other than checkpoint data."""
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
+            return super().find_class(module, name)
+        raise UnsafeCheckpoint(f"refusing to load {module}.{name}: not a class a DCP index holds")
+
+
+def load_metadata(file: io.IOBase | Any) -> Metadata:
+    metadata = _AllowListUnpickler(file).load()
+    if not isinstance(metadata, Metadata):
+        raise UnsafeCheckpoint(f"holds a {type(metadata).__name__}, not DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file reader with the index read through the allow-list."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = load_metadata(file)
+        if getattr(metadata, "storage_meta", None) is not None:
+            metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's load planner with non-tensor values loaded as data only (plain containers and numbers)."""
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as e:
+            reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), str(e))
+            raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: it is not plain data "
+                                   f"({reason})") from None
+        # Hand DCP the value as a pickle of our own making, so that it places it as it always does.
+        buffer = io.BytesIO()
+        torch.save(loaded, buffer)
+        buffer.seek(0)
+        super().load_bytes(read_item, buffer)
+
+
+# ---- writing, with a checksum per file
+
+
+class _ChecksummingStream(io.RawIOBase):
+    """A file opened for writing that updates a CRC-32 with every byte written in order."""
+
+    def __init__(self, file: io.BufferedWriter):
+        super().__init__()
+        self.file, self.crc, self.written, self.sequential = file, 0, 0, True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.crc = zlib.crc32(view, self.crc)
+        self.written += view.nbytes
+        return self.file.write(view)
+
+    def tell(self) -> int:
+        return self.file.tell()
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        position = self.file.seek(offset, whence)
+        if position != self.written:
+            self.sequential = False
+        return position
+
+    def seekable(self) -> bool:
+        return True
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:
+        self.file.flush()
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+
+class _ChecksummingFileSystem(FileSystem):
+    def __init__(self):
+        self.checksums: dict[str, int] = {}  # file name -> CRC-32 of its bytes
+
+    @contextmanager
+    def create_stream(self, path, mode: str) -> Iterator[io.IOBase]:
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with open(path, mode) as file:
+            stream = _ChecksummingStream(file)
+            yield stream
+            stream.flush()
+        # A writer that seeks back cannot be followed byte by byte: read the file once instead.
+        self.checksums[Path(path).name] = stream.crc if stream.sequential else file_crc32(Path(path))
+
+
+class ChecksummingWriter(FileSystemWriter):
+    """DCP's file writer that leaves `__<rank>_checksums.json`: the CRC-32 of each file this rank wrote."""
+
+    def __init__(self, path: str | os.PathLike, **kwargs: Any):
+        super().__init__(path, **kwargs)
+        self.fs = _ChecksummingFileSystem()
+
+    def write_data(self, plan, planner):
+        future = super().write_data(plan, planner)
+        future.wait()  # the file writer is synchronous; in an async save this runs in the writer thread
+        prefix = plan.storage_data.prefix
+        mine = {name: crc for name, crc in self.fs.checksums.items() if name.startswith(prefix)}
+        sidecar = Path(self.path) / f"{prefix}{CHECKSUMS_SUFFIX}"
+        tmp = sidecar.with_suffix(".tmp")
+        tmp.write_text(json.dumps(mine))
+        os.replace(tmp, sidecar)
+        return future
+
+
+def is_checksum_sidecar(name: str) -> bool:
+    return name.startswith("__") and name.endswith("_" + CHECKSUMS_SUFFIX)
+
+
+def collect_checksums(folder: Path) -> dict[str, int]:
+    """The CRC-32s every rank recorded while writing `folder`."""
+    found: dict[str, int] = {}
+    for sidecar in Path(folder).iterdir():
+        if is_checksum_sidecar(sidecar.name):
+            found.update(json.loads(sidecar.read_text()))
+    return found
+
+
+def file_crc32(path: Path, chunk: int = 1 << 24) -> int:
+    crc = 0
+    with open(path, "rb", buffering=0) as f:
+        buffer = bytearray(chunk)
+        view = memoryview(buffer)
+        while n := f.readinto(buffer):
+            crc = zlib.crc32(view[:n], crc)
+    return crc
