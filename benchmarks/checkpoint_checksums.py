@@ -42,11 +42,11 @@ def load_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def timed_save(state: dict, target: Path, writer_class) -> float:
+def timed_save(state: dict, target: Path, writer_class, threads: int) -> float:
     shutil.rmtree(target, ignore_errors=True)
     target.mkdir(parents=True)
     start = time.perf_counter()
-    dcp.save(state, storage_writer=writer_class(str(target)), no_dist=True)
+    dcp.save(state, storage_writer=writer_class(str(target), thread_count=threads), no_dist=True)
     return time.perf_counter() - start
 
 
@@ -55,6 +55,7 @@ def main() -> None:
     parser.add_argument("step_dir", type=Path)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--scratch", type=Path, default=Path("/tmp/checkpoint_checksums_bench"))
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 4], help="DCP writer threads (files per rank)")
     args = parser.parse_args()
     warnings.simplefilter("ignore", UserWarning)
     size = sum(p.stat().st_size for p in args.step_dir.iterdir() if p.is_file())
@@ -65,20 +66,33 @@ def main() -> None:
         errors = checksum_errors(args.step_dir, threads=threads)
         verify_s[threads] = time.perf_counter() - start
         assert not errors, errors
-        print(f"verify {gb:.2f} GB with {threads} thread(s): {verify_s[threads]:.2f} s ({gb / verify_s[threads]:.2f} GB/s)")
+        print(f"verify {gb:.2f} GB ({len(list(args.step_dir.glob('*.distcp')))} shard files) with {threads} thread(s): {verify_s[threads]:.2f} s ({gb / verify_s[threads]:.2f} GB/s)")
     state = load_tensors(args.step_dir)
     tensor_gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
-    saves = {"plain": [], "checksummed": []}
+    saves: dict[str, list[float]] = {}
     for _ in range(args.repeats):
-        for name, writer in (("plain", dcp.FileSystemWriter), ("checksummed", ChecksummingWriter)):
-            seconds = timed_save(state, args.scratch, writer)  # one folder: one checkpoint's disk space
-            saves[name].append(seconds)
-            print(f"save {tensor_gb:.2f} GB, {name} writer: {seconds:.2f} s ({tensor_gb / seconds:.2f} GB/s)")
+        for threads in args.threads:
+            for name, writer in (("plain", dcp.FileSystemWriter), ("checksummed", ChecksummingWriter)):
+                seconds = timed_save(state, args.scratch, writer, threads)  # one folder: one checkpoint's space
+                saves.setdefault(f"{name}, {threads} thread(s)", []).append(seconds)
+                print(f"save {tensor_gb:.2f} GB, {name} writer, {threads} thread(s): {seconds:.2f} s "
+                      f"({tensor_gb / seconds:.2f} GB/s)")
+    if args.threads:  # verification of the multi-file layout the last thread count writes
+        timed_save(state, args.scratch, ChecksummingWriter, args.threads[-1])
+        from core.checkpointing.layout import write_marker
+
+        write_marker(args.scratch, {"step": 0})
+        start = time.perf_counter()
+        assert not checksum_errors(args.scratch, threads=8)
+        verify_s[f"8, {args.threads[-1]} files"] = time.perf_counter() - start
+        print(f"verify with 8 threads, {args.threads[-1]} files: {verify_s[f'8, {args.threads[-1]} files']:.2f} s")
     shutil.rmtree(args.scratch, ignore_errors=True)
     best = {name: min(times) for name, times in saves.items()}
-    overhead = best["checksummed"] / best["plain"] - 1
-    print(f"checksums while writing: {100 * overhead:+.1f}% save time (best of {args.repeats}); verification before "
-          f"a load: {verify_s[8]:.2f} s with 8 threads")
+    for threads in args.threads:
+        plain, summed = best[f"plain, {threads} thread(s)"], best[f"checksummed, {threads} thread(s)"]
+        print(f"{threads} writer thread(s): checksums while writing {100 * (summed / plain - 1):+.1f}% save time "
+              f"(best of {args.repeats}: {plain:.2f} -> {summed:.2f} s)")
+    overhead = {t: best[f"checksummed, {t} thread(s)"] / best[f"plain, {t} thread(s)"] - 1 for t in args.threads}
     out = REPO / "benchmarks" / "results" / f"checkpoint_checksums_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"step_dir": str(args.step_dir), "checkpoint_gb": gb, "tensor_gb": tensor_gb,

@@ -209,7 +209,7 @@ class Checkpointer:
             raise CheckpointError(error[0])
         state = {key: part.state_dict() for key, part in parts.items()}
         state = {key: value for key, value in state.items() if value}
-        writer = ChecksummingWriter(str(target))
+        writer = ChecksummingWriter(str(target), thread_count=self.cfg.write_threads)
         if self.cfg.async_save and not force_sync:
             if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
                 self._async_group = dist.new_group(backend="gloo")

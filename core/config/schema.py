@@ -260,6 +260,8 @@ class CheckpointConfig:
     # Write in a background thread (torch DCP async_save); the loop stalls only to copy to host memory;
     # at most one save in flight.
     async_save: bool = False
+    # Files each rank writes in parallel (DCP's writer threads); checksums are computed in the same threads.
+    write_threads: int = 1
     # Save and stop at the end of the current step when one of these signals arrives.
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
@@ -275,6 +277,7 @@ class CheckpointConfig:
                 f"{key}.keep_last_n={c.keep_last_n}: expected -1 (keep all) or >= 1 (the newest checkpoint is "
                 "always needed to resume)")
         require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
+        require(c.write_threads >= 1, f"{key}.write_threads={c.write_threads}: expected >= 1")
         for name in ("save_every_n_steps", "keep_every_n_steps", "keep_best_k"):
             require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
         for name in c.save_on_signals:
