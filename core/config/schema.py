@@ -261,7 +261,7 @@ class CheckpointConfig:
     # at most one save in flight.
     async_save: bool = False
     # Files each rank writes in parallel (DCP's writer threads); checksums are computed in the same threads.
-    write_threads: int = 1
+    write_threads: int = 8
     # Save and stop at the end of the current step when one of these signals arrives.
     save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
     # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
