@@ -10,6 +10,7 @@ methods below) that a type alone cannot express.
 
 from __future__ import annotations
 
+import math
 import signal
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
@@ -18,6 +19,22 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 from core.config.errors import ConfigError, require
+
+
+def finite(value: Any) -> bool:
+    """A real number that is neither NaN nor infinite."""
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def check_ranges(c, key: str, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
+                 probabilities: tuple[str, ...] = ()) -> None:
+    """Range checks by field name (a field set to null is skipped): > 0, >= 0, in [0, 1]; numbers finite."""
+    for names, ok, expected in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
+                                (probabilities, lambda v: 0 <= v <= 1, "in [0, 1]")):
+        for name in names:
+            value = c[name]
+            if value is not None:
+                require(finite(value) and ok(value), f"{key}.{name}={value}: expected a finite number {expected}")
 
 
 class ParallelBackend(StrEnum):
@@ -228,7 +245,13 @@ class DistributedConfig:
 
     @staticmethod
     def check(c, key: str) -> None:  # (the mesh sizes are checked against the world size at start-up)
-        require(c.timeout_minutes > 0, f"{key}.timeout_minutes={c.timeout_minutes}: expected > 0")
+        require(finite(c.timeout_minutes) and c.timeout_minutes > 0,
+                f"{key}.timeout_minutes={c.timeout_minutes}: expected a finite number > 0")
+        require(c.dp_shard == -1 or c.dp_shard >= 1, f"{key}.dp_shard={c.dp_shard}: expected -1 (what is left) or >= 1")
+        for name in ("dp_outer", "tp"):
+            require(c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
+        require(finite(c.ddp.bucket_cap_mb) and c.ddp.bucket_cap_mb > 0,
+                f"{key}.ddp.bucket_cap_mb={c.ddp.bucket_cap_mb}: expected a finite number > 0")
 
 
 @dataclass
@@ -300,8 +323,14 @@ class OptimConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
+        require(finite(c.lr) and c.lr > 0, f"{key}.lr={c.lr}: expected a finite number > 0")
+        require(finite(c.weight_decay) and c.weight_decay >= 0,
+                f"{key}.weight_decay={c.weight_decay}: expected a finite number >= 0")
+        require(finite(c.eps) and c.eps > 0, f"{key}.eps={c.eps}: expected a finite number > 0")
         require(len(c.betas) == 2, f"{key}.betas={list(c.betas)}: expected two values")
-        require(c.max_grad_norm >= 0, f"{key}.max_grad_norm={c.max_grad_norm}: expected >= 0 (0: no clipping)")
+        require(all(finite(b) and 0 <= b < 1 for b in c.betas), f"{key}.betas={list(c.betas)}: expected values in [0, 1)")
+        require(finite(c.max_grad_norm) and c.max_grad_norm >= 0,
+                f"{key}.max_grad_norm={c.max_grad_norm}: expected a finite number >= 0 (0: no clipping)")
 
 
 @dataclass
@@ -313,6 +342,8 @@ class SchedulerConfig:
     @staticmethod
     def check(c, key: str) -> None:
         require(c.warmup_steps >= 0, f"{key}.warmup_steps={c.warmup_steps}: expected >= 0")
+        require(finite(c.min_lr_ratio) and 0 <= c.min_lr_ratio <= 1,
+                f"{key}.min_lr_ratio={c.min_lr_ratio}: expected a number in [0, 1]")
 
 
 @dataclass
@@ -325,6 +356,11 @@ class FP8Config:
     amax_history_len: int = 1024  # delayed scaling only
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
     margin: int = 0  # delayed scaling only
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(c.amax_history_len >= 1, f"{key}.amax_history_len={c.amax_history_len}: expected >= 1")
+        require(c.margin >= 0, f"{key}.margin={c.margin}: expected >= 0")
 
 
 @dataclass
@@ -403,4 +439,8 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(0 <= c.seed < 2**31, f"seed={c.seed}: expected 0 <= seed < 2**31 (each rank seeds numpy with seed + rank)")
 

@@ -8,7 +8,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from core.config.schema import DataConfig, ModelConfig
+from core.config.schema import DataConfig, ModelConfig, check_ranges
 
 
 class TextFormat(StrEnum):
@@ -44,6 +44,13 @@ class GPTModelConfig(ModelConfig):
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
     fuse_qkv_params: bool = True  # one QKV weight per block (TE's interleaved-per-group layout)
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        check_ranges(c, key, positive=("vocab_size", "make_vocab_size_divisible_by", "seq_length", "hidden_size",
+                                       "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size",
+                                       "rotary_base", "norm_epsilon"),
+                     non_negative=("init_std",), probabilities=("hidden_dropout", "attention_dropout"))
 
 
 @dataclass

@@ -32,7 +32,13 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
     """The documents of one input file, by its suffix."""
     suffix = path.suffix.lower()
     if suffix == ".txt":
-        text = path.read_text(encoding="utf-8")
+        raw = path.read_bytes()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise ValueError(f"{path}:{line}: not UTF-8 text (byte {e.start} of the file: {e.reason}); is it a "
+                             "binary file?") from None
         if text_document == "file":
             parts = [text]
         elif text_document == "line":
@@ -43,8 +49,13 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
             raise ValueError(f"--text-document={text_document!r}: expected one of {', '.join(TEXT_DOCUMENTS)}")
         yield from (p.strip("\n") for p in parts if p.strip())
     elif suffix == ".jsonl":
-        with open(path, encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with open(path, "rb") as f:
+            for number, raw_line in enumerate(f, 1):
+                try:
+                    line = raw_line.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise ValueError(f"{path}:{number}: not UTF-8 text (byte {e.start} of the line: {e.reason}); is it "
+                                     "a binary file?") from None
                 if not line.strip():
                     continue
                 try:

@@ -8,7 +8,7 @@ from typing import Optional
 
 from omegaconf import MISSING
 
-from core.config.schema import DataConfig, ModelConfig
+from core.config.schema import DataConfig, ModelConfig, check_ranges
 
 
 class MNISTTask(StrEnum):
@@ -23,6 +23,10 @@ class MNISTModelConfig(ModelConfig):
     hidden_size: int = 64  # trunk: pixels -> hidden -> ReLU -> latent; decoder mirrors it
     latent_size: int = 3
     num_classes: int = 10
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        check_ranges(c, key, positive=("image_size", "hidden_size", "latent_size", "num_classes"))
 
 
 @dataclass

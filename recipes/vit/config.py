@@ -9,6 +9,7 @@ from typing import Optional
 from omegaconf import MISSING
 
 from core.config.errors import require
+from core.config.schema import check_ranges
 from core.config.schema import DataConfig, ModelConfig
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -47,6 +48,12 @@ class ViTModelConfig(ModelConfig):
     init_std: float = 0.02
     label_smoothing: float = 0.0
 
+    @staticmethod
+    def check(c, key: str) -> None:
+        check_ranges(c, key, positive=("img_size", "patch_size", "in_chans", "num_classes", "hidden_size", "depth",
+                                       "num_heads", "mlp_ratio", "layernorm_epsilon"),
+                     non_negative=("init_std",), probabilities=("hidden_dropout", "attention_dropout", "label_smoothing"))
+
 
 @dataclass
 class ImageDataConfig(DataConfig):
@@ -80,6 +87,8 @@ class ImageDataConfig(DataConfig):
     @staticmethod
     def check(c, key: str) -> None:
         DataConfig.check(c, key)
+        check_ranges(c, key, positive=("num_classes", "val_crop_fraction", "synthetic_train_size", "synthetic_val_size"),
+                     non_negative=("mixup_alpha", "cutmix_alpha"), probabilities=("hflip", "mix_prob", "mix_switch_prob"))
         mixes = c.mixup_alpha > 0 or c.cutmix_alpha > 0
         require(not (c.decode_on == DecodeOn.device and (c.format == ImageFormat.synthetic or mixes)),
                 f"{key}.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
