@@ -81,7 +81,8 @@ def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
     """init_from the autoencoder: trunk weights equal the pretrained ones, digit_classifier keeps its
     fresh initialisation, the decoder (not in this model) is left out; without init_ignore_unexpected
     the decoder is an error that lists it."""
-    lr0 = ["training.steps=1", "optim.lr=0", "training.val_at_end=false"]  # lr 0: the loaded weights stay
+    # An lr of 1e-30 moves a weight by ~1e-30: the loaded weights stay (a zero one becomes ~1e-30).
+    lr0 = ["training.steps=1", "optim.lr=1e-30", "training.val_at_end=false"]
     step_dir = tmp_path / "pre" / "step_20"
     pre, fresh, tuned, strict = run_workers(1, run_phases, [
         _phase("mnist_pretrain", tmp_path, "pre", ["training.steps=20", "training.val_at_end=false"], state=True),
@@ -94,7 +95,7 @@ def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
                                       "trunk.fc1.weight", "trunk.fc2.bias", "trunk.fc2.weight"]
     for name, value in tuned["state"].items():
         origin = fresh if name.startswith("digit_classifier.") else pre
-        assert torch.equal(value, origin["state"][name]), name
+        assert torch.allclose(value, origin["state"][name], rtol=0, atol=1e-25), name
     assert not torch.equal(pre["state"]["trunk.fc1.weight"], fresh["state"]["trunk.fc1.weight"])  # it trained
     assert "unexpected in the checkpoint: ['decoder.fc1.bias', 'decoder.fc1.weight'" in strict["error"]
 

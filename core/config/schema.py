@@ -32,7 +32,7 @@ def check_ranges(c, key: str, positive: tuple[str, ...] = (), non_negative: tupl
     for names, ok, expected in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
                                 (probabilities, lambda v: 0 <= v <= 1, "in [0, 1]")):
         for name in names:
-            value = c[name]
+            value = getattr(c, name)
             if value is not None:
                 require(finite(value) and ok(value), f"{key}.{name}={value}: expected a finite number {expected}")
 
