@@ -29,7 +29,7 @@ from core.config.errors import ConfigError
 from core.data.loading import make_loader
 from core.data.sampling import EvalBatchSampler, PaddedEval
 from core.distributed import launch
-from recipes.registry import get_recipe, register_configs
+from recipes.registry import config_keys, get_recipe, register_configs
 
 log = logging.getLogger("predict")
 
@@ -130,4 +130,4 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor]) -> int:
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main)
+    launch.run_hydra(main, config_keys())

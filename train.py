@@ -45,7 +45,7 @@ from core.training import optim
 from core.training.evaluation import evaluate
 from core.training.nonfinite import NonFiniteGuard
 from core.training.state import TrainState
-from recipes.registry import get_recipe, register_configs
+from recipes.registry import config_keys, get_recipe, register_configs
 
 log = logging.getLogger("train")
 
@@ -286,4 +286,4 @@ def save(run: Run, step: int, val_metrics: dict[str, float], force_sync: bool) -
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main)
+    launch.run_hydra(main, config_keys())

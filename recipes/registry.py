@@ -21,6 +21,18 @@ def get_recipe(name: str) -> type[Recipe]:
     return importlib.import_module(f"recipes.{name}.recipe").RECIPE
 
 
+def config_keys() -> set[str]:
+    """Every dotted key a config may set: the core's schema and each recipe's model and data schemas."""
+    from core.config.overrides import schema_keys
+    from core.config.schema import TrainConfig
+
+    keys = schema_keys(TrainConfig)
+    for name in KNOWN_RECIPES:
+        recipe = get_recipe(name)
+        keys |= schema_keys(recipe.model_schema, "model.") | schema_keys(recipe.data_schema, "data.")
+    return keys
+
+
 def register_configs() -> None:
     """Register every schema with Hydra (idempotent)."""
     register_schemas(get_recipe(name) for name in KNOWN_RECIPES)

@@ -56,3 +56,23 @@ def test_slurm_launcher_config_composes():
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.partition) == (2, 8, 8, "gpu")
+
+
+def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
+    """BioNeMo's ViT command says training.checkpoint.path; ours is checkpoint.path. The answer comes before
+    Hydra composes (Hydra would advise `+training.checkpoint.path`, which the schema then refuses)."""
+    from core.config.overrides import suggestion
+    from recipes.registry import config_keys
+
+    keys = config_keys()
+    assert suggestion("training.checkpoint.path", keys) == "checkpoint.path"
+    assert suggestion("trainig.steps", keys) == "training.steps"
+    assert suggestion("model.hiden_size", keys) == "model.hidden_size"
+    assert suggestion("training.lr", keys) == "optim.lr"
+    assert suggestion("data.num_worker", keys) == "data.num_workers"
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity",
+                           "training.checkpoint.path=ckpts/vit", "distributed.dp_shard=1", "model=vit_tiny"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "unknown key 'training.checkpoint.path'; did you mean 'checkpoint.path'?" in proc.stderr
+    assert not (tmp_path / "outputs").exists()  # nothing was started

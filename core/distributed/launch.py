@@ -119,13 +119,24 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
-def run_hydra(hydra_main) -> None:
-    """Run a @hydra.main entry point on this rank: the resolvers registered, Hydra quiet on ranks > 0, and
-    the process ended when it returns or fails, with its exit code (1 for an unexpected error, which Hydra
-    has printed). Ending with os._exit keeps a failed run from waiting at interpreter exit for data-loader
-    workers or threads that are still running: a failing job ends instead of holding its nodes."""
+def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
+    """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys`
+    (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
+    on ranks > 0, and the process ended when it returns or fails, with its exit code (1 for an unexpected
+    error, which Hydra has printed). Ending with os._exit keeps a failed run from waiting at interpreter
+    exit for data-loader workers or threads that are still running: a failing job ends instead of holding
+    its nodes."""
+    from core.config.errors import ConfigError
+    from core.config.overrides import check_overrides
     from core.distributed.watchdog import exit_with_launcher
 
+    if config_keys is not None:
+        try:
+            groups = {p.name for p in (REPO_DIR / "configs").iterdir() if p.is_dir()}
+            check_overrides(sys.argv[1:], config_keys, groups)
+        except ConfigError as e:
+            print(f"config error: {e}", file=sys.stderr)
+            exit_process(2)
     register_resolvers()
     prepare_argv()
     exit_with_launcher()
