@@ -375,12 +375,22 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     (source,) = run_workers(1, run_phases, [phase(tmp_path, "src", "ckpt", ["training.steps=2"], state=True)])[0]
     step_dir = tmp_path / "ckpt" / "step_2"
     torch.save(source["state"], tmp_path / "src.pt")
+    # torch's own way back from a torch file (format_utils torch_to_dcp): a DCP folder without our marker,
+    # of a flat {name: tensor} file and of dcp_to_torch's whole-checkpoint file (weights under "model").
+    format_utils = [sys.executable, "-m", "torch.distributed.checkpoint.format_utils"]
+    subprocess.run(format_utils + ["torch_to_dcp", str(tmp_path / "src.pt"), str(tmp_path / "dcp_flat")], check=True,
+                   capture_output=True)
+    subprocess.run(format_utils + ["dcp_to_torch", str(step_dir), str(tmp_path / "all.pt")], check=True, capture_output=True)
+    subprocess.run(format_utils + ["torch_to_dcp", str(tmp_path / "all.pt"), str(tmp_path / "dcp_nested")], check=True,
+                   capture_output=True)
     lr0 = ["training.steps=1", f"optim.lr={TINY_LR}"]  # the loaded weights stay as they are
-    fresh, from_dir, from_file, wrong = run_workers(1, run_phases, [
+    fresh, from_dir, from_file, from_flat, from_nested, wrong = run_workers(1, run_phases, [
         phase(tmp_path, "fresh", "ckpt_fresh", lr0, state=True),
         phase(tmp_path, "dir", "ckpt_dir", lr0 + [f"checkpoint.init_from={step_dir}", "checkpoint.init_skip_prefixes=[head]"],
               state=True),
         phase(tmp_path, "file", "ckpt_file", lr0 + [f"checkpoint.init_from={tmp_path}/src.pt"], state=True),
+        phase(tmp_path, "flat", "ckpt_flat", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_flat"], state=True),
+        phase(tmp_path, "nested", "ckpt_nested", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_nested"], state=True),
         phase(tmp_path, "wrong", "ckpt_wrong", lr0 + [f"checkpoint.init_from={step_dir}", "model.num_classes=5"],
               expect_error=True),
     ])[0]
@@ -388,5 +398,6 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     for name, value in from_dir["state"].items():
         origin = fresh if name.startswith("head.") else source  # the head keeps its fresh init
         _assert_equal(value, origin["state"][name], name, TINY_LR_ATOL)
-    _assert_equal(from_file["state"], source["state"], atol=TINY_LR_ATOL)
+    for loaded in (from_file, from_flat, from_nested):
+        _assert_equal(loaded["state"], source["state"], atol=TINY_LR_ATOL)
     assert "does not fit the model" in wrong["error"] and "head.weight: (10, 32) vs model (5, 32)" in wrong["error"]

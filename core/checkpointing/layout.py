@@ -173,10 +173,23 @@ def verify(path: Path) -> Metadata:
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
         if file.stat().st_size != size:
             raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)")
+    check_storage(path, metadata)
+    return metadata
+
+
+def check_storage(path: Path, metadata: Metadata) -> None:
+    """Every file the DCP index points into is there and long enough."""
     for info in (metadata.storage_data or {}).values():
-        file = path / info.relative_path
+        file = Path(path) / info.relative_path
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
             raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
+
+
+def verify_plain_dcp(path: Path) -> Metadata:
+    """A DCP folder written by something else (e.g. `format_utils torch_to_dcp`): no COMPLETE marker, so no
+    checksums; its index must read safely and every file it points into must be whole."""
+    metadata = read_metadata(path)
+    check_storage(path, metadata)
     return metadata
 
 
@@ -201,6 +214,8 @@ def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
     return torch.empty(m.size, dtype=m.properties.dtype)
 
 
-def saved_weights(metadata: Metadata) -> dict[str, TensorStorageMetadata]:
-    """The model weights a checkpoint holds, by canonical name (their DCP metadata: shape, dtype)."""
-    return {k[6:]: m for k, m in metadata.state_dict_metadata.items() if k.startswith("model.")}
+def saved_weights(metadata: Metadata, prefix: str = "model.") -> dict[str, TensorStorageMetadata]:
+    """The model weights a checkpoint holds, by canonical name (their DCP metadata: shape, dtype). Our step
+    folders keep them under `model.`; a plain DCP folder of a {name: tensor} file (prefix "") at the top."""
+    return {k[len(prefix):]: m for k, m in metadata.state_dict_metadata.items()
+            if k.startswith(prefix) and (prefix or isinstance(m, TensorStorageMetadata))}

@@ -12,7 +12,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from core.checkpointing.layout import DCP_ERRORS, CheckpointError, check_checksums, describe, saved_weights, verify
+from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
+                                       is_complete, saved_weights, verify, verify_plain_dcp)
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
@@ -75,7 +76,16 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     src = Path(source)
     model = parallel.model_state_dict()
     wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
-    if src.is_dir():
+    prefix = "model."
+    if src.is_dir() and not is_complete(src) and (src / ".metadata").is_file() and not (src / SAVING_MARKER).exists():
+        # A DCP folder from elsewhere (format_utils torch_to_dcp): its weights under model. or at the top.
+        metadata = verify_plain_dcp(src)
+        prefix = "model." if saved_weights(metadata) else ""
+        saved, full = saved_weights(metadata, prefix), None
+        if is_main:
+            log.info("%s has no completion marker: reading it as a plain DCP folder (its index and file sizes "
+                     "checked; no checksums)", src)
+    elif src.is_dir():
         saved = saved_weights(verify(src))
         if verify_checksums:
             check_checksums(src)
@@ -91,7 +101,8 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
                       {k: v for k, v in saved.items() if k not in unused})
     if full is None:
         try:
-            dcp.load({"model": wanted}, storage_reader=SafeReader(str(src)), planner=SafeLoadPlanner())
+            target = {"model": wanted} if prefix else wanted
+            dcp.load(target, storage_reader=SafeReader(str(src)), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
     else:
