@@ -164,7 +164,8 @@ def test_corrupt_missing_and_incomplete_checkpoints(tmp_path):
     data_file.write_bytes(data_file.read_bytes()[:1000])  # truncated
     incomplete = tmp_path / "incomplete" / "step_2"
     shutil.copytree(ckpt / "step_2", incomplete)
-    (incomplete / "COMPLETE").unlink()
+    (incomplete / "COMPLETE").unlink()  # as a save cut short leaves it: SAVING, no COMPLETE
+    (incomplete / "SAVING").write_text("")
     results = run_workers(1, run_phases, [
         phase(tmp_path, "explicit", "ckpt", ["training.steps=4", f"checkpoint.resume={ckpt}/step_4"], expect_error=True),
         phase(tmp_path, "missing", "ckpt", ["training.steps=4", f"checkpoint.resume={tmp_path}/nowhere"], expect_error=True),

@@ -164,6 +164,10 @@ def verify(path: Path) -> Metadata:
     if not path.is_dir():
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not (path / COMPLETE_MARKER).is_file():
+        if (path / ".metadata").is_file() and not (path / SAVING_MARKER).exists():
+            raise CheckpointError(f"{path}: a DCP folder without a {COMPLETE_MARKER} marker (not a training checkpoint "
+                                  "of this tool, e.g. format_utils torch_to_dcp output): it can be used as "
+                                  "checkpoint.init_from (weights only), not resumed from")
         raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
     marker = read_marker(path)
     metadata = read_metadata(path)
