@@ -96,20 +96,27 @@ def write_predictions(s: session.Session, local: dict[str, torch.Tensor], output
     if "idx" in columns:
         order = torch.argsort(columns["idx"], stable=True)
         columns = {k: v[order] for k, v in columns.items()}
+    gathered_rows = len(next(iter(columns.values())))
+    if gathered_rows != expected_rows:
+        raise RuntimeError(f"gathered {gathered_rows} rows for {expected_rows} samples")
+    columns = s.recipe.finish_predictions(columns)
     rows = write_csv(output, columns)
-    if rows != expected_rows:
-        raise RuntimeError(f"wrote {rows} rows for {expected_rows} samples")
     metrics = s.recipe.summarize_predictions(columns)
     (output.parent / "prediction_metrics.json").write_text(json.dumps({"rows": rows, **metrics}, indent=1))
     log.info("wrote %d rows to %s%s", rows, output, "".join(f" | {k} {v:.4f}" for k, v in metrics.items()))
     return PredictResult(output, rows, metrics)
 
 
-def write_csv(path: Path, columns: dict[str, torch.Tensor]) -> int:
-    """One row per sample; a [N, k] column becomes <name>_0 .. <name>_{k-1}. Returns the row count."""
+def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
+    """One row per sample; a [N, k] column becomes <name>_0 .. <name>_{k-1}; a list column (e.g. class
+    names) holds one value per row, or a list of k per row. Returns the row count."""
     names, blocks = [], []
     for name, values in columns.items():
-        if values.dim() == 1:
+        if isinstance(values, list):
+            width = len(values[0]) if values and isinstance(values[0], (list, tuple)) else None
+            names += [name] if width is None else [f"{name}_{i}" for i in range(width)]
+            blocks.append([[v] for v in values] if width is None else [list(v) for v in values])
+        elif values.dim() == 1:
             names.append(name)
             blocks.append(values[:, None])
         else:
@@ -122,7 +129,7 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor]) -> int:
     with open(tmp, "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(names)
-        for row in zip(*(block.tolist() for block in blocks)):
+        for row in zip(*(block if isinstance(block, list) else block.tolist() for block in blocks)):
             writer.writerow([f"{x:.7g}" if isinstance(x, float) else x for values in row for x in values])
     tmp.replace(path)  # a reader never sees a half-written file
     return n

@@ -91,8 +91,13 @@ class Recipe:
         an "idx" column, when given, orders the output file."""
         raise NotImplementedError(f"the {self.name} recipe does not support predict.py")
 
-    def summarize_predictions(self, columns: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Whole-split metrics from all the rows (e.g. accuracy)."""
+    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
+        """All ranks' rows, gathered on rank 0 in sample order -> the columns written: may add text
+        columns (a list per column, e.g. class names) or combine rows (e.g. windows into documents)."""
+        return columns
+
+    def summarize_predictions(self, columns: dict[str, torch.Tensor | list]) -> dict[str, float]:
+        """Whole-split metrics from the finished rows (e.g. accuracy)."""
         return {}
 
     # --- accounting --------------------------------------------------------------------------
