@@ -73,3 +73,13 @@ def test_cli_fp8_without_transformer_engine_is_refused(tmp_path):
     proc = run_train("precision=fp8", f"hydra.run.dir={tmp_path}")
     assert proc.returncode != 0
     assert "precision.fp8.enabled needs TransformerEngine" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("gpus", [1, 2, 4, 8])
+def test_vit_base_runs_as_typed_on_1_to_8_gpus(gpus):
+    """The README's ViT command (distributed.dp_shard=NGPU) keeps the fast micro-batch of 256 on 1-8 GPUs:
+    the global batch divides into it, with 8 / NGPU accumulated micro-batches."""
+    cfg = validate(compose_config("vit_base_patch16_224", [f"distributed.dp_shard={gpus}", "checkpoint.path=./ckpts/vit"]))
+    t = cfg.training
+    assert t.micro_batch_size == 256
+    assert accumulation_steps(t.global_batch_size, t.micro_batch_size, gpus) * gpus == 8
