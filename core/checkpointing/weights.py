@@ -108,10 +108,11 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     else:
         for k, v in wanted.items():
             copy_full_into(v, full[k].to(v.dtype))
+    kept = sorted(set(model) - set(wanted))  # before loading: torch's set_model_state_dict may empty `wanted`
+    loaded = len(wanted)
     parallel.load_model_state_dict(wanted)
     if is_main:
-        kept = sorted(set(model) - set(wanted))
-        log.info("initialised %d weights from %s%s%s", len(wanted), source,
+        log.info("initialised %d weights from %s%s%s", loaded, source,
                  f"; kept the fresh init of {kept}" if kept else "",
                  f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "")
 

@@ -406,6 +406,30 @@ class PredictConfig:
 
 
 @dataclass
+class GenerateConfig:
+    """generate.py: continue prompts with the language model of `checkpoint.init_from` (GPT recipe)."""
+
+    prompt: Optional[str] = None  # one prompt
+    prompt_file: Optional[str] = None  # one prompt per line; .jsonl: a "prompt" field per line
+    max_new_tokens: int = 200  # per prompt (the model sees the last model.seq_length tokens at most)
+    greedy: bool = False  # the most likely token each time (temperature, top_k, top_p unused)
+    temperature: float = 1.0  # sampling: logits / temperature
+    top_k: int = 0  # sampling: only the k most likely tokens (0: all)
+    top_p: float = 1.0  # sampling: only the most likely tokens whose probabilities add up to top_p
+    samples_per_prompt: int = 1
+    seed: int = 0  # sample j of prompt i draws from (seed, i, j): the same seed gives the same text
+    stop_at_eod: bool = True  # end a continuation at the end-of-document token
+    kv_cache: bool = True  # false: recompute the whole sequence for every token (a reference)
+    output: Optional[str] = None  # a .jsonl file; null: <run dir>/generations.jsonl
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        check_ranges(c, key, positive=("max_new_tokens", "temperature", "samples_per_prompt"),
+                     non_negative=("top_k", "seed"))
+        require(0 < c.top_p <= 1, f"{key}.top_p={c.top_p}: expected 0 < top_p <= 1")
+
+
+@dataclass
 class ModelConfig:
     """What every recipe's `model` schema has (the recipes' schemas extend it)."""
 
@@ -439,6 +463,7 @@ class TrainConfig:
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
+    generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     @staticmethod
     def check(c, key: str) -> None:

@@ -41,6 +41,8 @@ class Layers:
     # checkpoint(function, *args) -> function(*args), its activations recomputed in the backward pass
     # (TE's own keeps FP8 scaling state from being updated twice).
     checkpoint: Callable
+    # The KV cache of generation, passed to TransformerLayer(inference_params=) (te.InferenceParams' API).
+    InferenceParams: type
     # The tensor-parallel group: models pass `tp.layer_kwargs()` to the layers that support it.
     tp: TensorParallel = field(default_factory=TensorParallel)
 
@@ -65,7 +67,7 @@ def _te_layers() -> Layers:
     return Layers("te", te.Linear, te.LayerNorm, te.RMSNorm, te.LayerNormLinear, te.LayerNormMLP,
                   te_transformer_layer.te_transformer_layer_class(), te.RotaryPositionEmbedding,
                   lambda: te_autocast(enabled=False), _te_token_cross_entropy,
-                  functools.partial(te.checkpoint, use_reentrant=False))
+                  functools.partial(te.checkpoint, use_reentrant=False), te.InferenceParams)
 
 
 def _te_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -80,7 +82,8 @@ def _te_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
 TORCH_LAYERS = Layers("torch", torch_twins.Linear, torch_twins.LayerNorm, torch_twins.RMSNorm,
                       torch_twins.LayerNormLinear, torch_twins.LayerNormMLP, torch_twins.TransformerLayer,
                       torch_twins.RotaryPositionEmbedding, contextlib.nullcontext, torch_twins.token_cross_entropy,
-                      functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False))
+                      functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+                      torch_twins.InferenceParams)
 
 
 def te_wgrad_fusable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:

@@ -17,6 +17,7 @@ layers compute with the local part either way.
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
@@ -353,6 +354,62 @@ def apply_rotary_pos_emb(t: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
     return torch.cat((rotated, rest), dim=-1) if rest.numel() else rotated
 
 
+class InferenceParams:
+    """te.InferenceParams with its default non-paged cache, for the bshd layout: per layer a key and a value
+    cache [max_batch_size, max_sequence_length, kv heads, head_dim], allocated on first use.
+
+    As with TE: call `pre_step(OrderedDict({sequence id: new tokens}))` before each forward pass, then run
+    the model with `inference_params=` and an attention mask type containing "padding" (the new queries
+    attend to every cached position and causally among themselves). The twin supports what generation
+    needs: a batch whose sequences all start together and advance by the same number of tokens.
+    """
+
+    def __init__(self, max_batch_size: int, max_sequence_length: int, num_heads_kv: Optional[int] = None,
+                 head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
+                 head_dim_v: Optional[int] = None, is_paged: bool = False, qkv_format: str = "bshd", **unsupported):
+        _reject("InferenceParams", is_paged=is_paged, qkv_format=qkv_format != "bshd", **unsupported)
+        if num_heads_kv is None or head_dim_k is None or dtype is None:
+            raise ValueError("InferenceParams needs num_heads_kv, head_dim_k and dtype (as TE's does)")
+        self.max_batch_size, self.max_sequence_length = max_batch_size, max_sequence_length
+        self.num_heads_kv, self.head_dim_k, self.head_dim_v = num_heads_kv, head_dim_k, head_dim_v or head_dim_k
+        self.dtype = dtype
+        self.sequences: OrderedDict = OrderedDict()  # sequence id -> tokens cached after this step
+        self.cache: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # layer number -> (keys, values)
+        self.sequence_start = 0  # tokens cached before this step (the new tokens' first position)
+
+    def reset(self) -> None:
+        self.sequences = OrderedDict()
+
+    def pre_step(self, step_dict: OrderedDict) -> OrderedDict:
+        new_tokens = set(step_dict.values())
+        if len(new_tokens) != 1 or len(step_dict) > self.max_batch_size:
+            raise NotImplementedError(f"InferenceParams (torch backend): every sequence of a step must add the same "
+                                      f"number of tokens, at most {self.max_batch_size} sequences; got {dict(step_dict)}")
+        if self.sequences and list(step_dict) != list(self.sequences):
+            raise NotImplementedError("InferenceParams (torch backend): a step must continue the same sequences "
+                                      "(reset() to start new ones)")
+        start = next(iter(self.sequences.values())) if self.sequences else 0
+        end = start + new_tokens.pop()
+        if end > self.max_sequence_length:
+            raise ValueError(f"the KV cache holds {self.max_sequence_length} tokens per sequence; this step needs {end}")
+        self.sequence_start = start
+        self.sequences = OrderedDict((key, end) for key in step_dict)
+        return self.sequences
+
+    def step(self, layer_number: int, new_k: torch.Tensor, new_v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write the new keys and values [batch, new tokens, kv heads, head_dim] at their positions; return the
+        cached ones up to and including them."""
+        if layer_number not in self.cache:
+            shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
+            self.cache[layer_number] = (new_k.new_zeros(*shape, self.head_dim_k, dtype=self.dtype),
+                                        new_v.new_zeros(*shape, self.head_dim_v, dtype=self.dtype))
+        keys, values = self.cache[layer_number]
+        b, end = new_k.shape[0], self.sequence_start + new_k.shape[1]
+        keys[:b, self.sequence_start:end] = new_k
+        values[:b, self.sequence_start:end] = new_v
+        return keys[:b, :end], values[:b, :end]
+
+
 class MultiheadAttention(nn.Module):
     """te.MultiheadAttention (self-attention, input layernorm): `layernorm_qkv.*` and `proj.*`.
 
@@ -369,9 +426,10 @@ class MultiheadAttention(nn.Module):
                  fuse_qkv_params: bool = False, qkv_weight_interleaved: bool = True, bias: bool = True,
                  normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
                  qkv_format: str = "sbhd", params_dtype=None, device=None, set_parallel_mode: bool = False,
-                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False):
+                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False, layer_number: Optional[int] = None):
         super().__init__()
         _reject("MultiheadAttention", sequence_parallel=sequence_parallel)
+        self.layer_number = layer_number  # names this layer's KV cache
         if attn_mask_type not in ("no_mask", "causal"):
             raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal")
         if qkv_format not in ("sbhd", "bshd"):
@@ -405,7 +463,8 @@ class MultiheadAttention(nn.Module):
                            params_dtype=params_dtype, device=device, parallel_mode="row" if parallel else None,
                            **parallel)
 
-    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None,
+                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
         if self.qkv_format == "sbhd":
             x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
         b, s, _ = x.shape
@@ -421,14 +480,25 @@ class MultiheadAttention(nn.Module):
             q = q.view(b, s, self.num_heads, self.head_dim)
             k = k.view(b, s, self.num_groups, self.head_dim)
             v = v.view(b, s, self.num_groups, self.head_dim)
+        start = inference_params.sequence_start if inference_params is not None else 0
         if rotary_pos_emb is not None:  # positions enter through queries and keys only
-            q, k = apply_rotary_pos_emb(q, rotary_pos_emb), apply_rotary_pos_emb(k, rotary_pos_emb)
+            angles = rotary_pos_emb[start:]  # the new tokens continue after the cached ones
+            q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
+        if inference_params is not None:
+            if self.layer_number is None:
+                raise ValueError("MultiheadAttention needs a layer_number to use a KV cache")
+            k, v = inference_params.step(self.layer_number, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
         if per_group > 1:
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
+        causal, mask = self.causal, None
+        if self.causal and start > 0:  # queries at positions start.. see every cached key and the new ones before them
+            causal = False
+            if s > 1:
+                mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start)
         out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=self.causal, dropout_p=self.attention_dropout if self.training else 0.0,
+            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.attention_dropout if self.training else 0.0,
             scale=1.0 / math.sqrt(self.head_dim),
         )
         out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
@@ -462,7 +532,7 @@ class TransformerLayer(nn.Module):
             num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
             qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
             zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
-            params_dtype=params_dtype, device=device, **parallel,
+            params_dtype=params_dtype, device=device, layer_number=layer_number, **parallel,
         )
         self.layernorm_mlp = LayerNormMLP(
             hidden_size, ffn_hidden_size, eps=layernorm_epsilon, bias=bias, normalization=normalization,
@@ -471,11 +541,18 @@ class TransformerLayer(nn.Module):
         )
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
+                inference_params: Optional[InferenceParams] = None, self_attn_mask_type: Optional[str] = None,
                 **unsupported) -> torch.Tensor:
         if attention_mask is not None or any(v is not None for v in unsupported.values()):
             raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
+        # With a KV cache TE wants a padding mask type; the twin's sequences have no padding, so the
+        # padding variants are the same mask as the constructor's.
+        if self_attn_mask_type not in (None, "causal", "padding_causal") or (
+                self_attn_mask_type is not None and not self.self_attention.causal):
+            raise NotImplementedError(f"self_attn_mask_type={self_attn_mask_type!r} (the torch backend: causal or "
+                                      "padding_causal on a causal layer)")
         x = hidden_states
-        x = x + F.dropout(self.self_attention(x, rotary_pos_emb), self.hidden_dropout, self.training)
+        x = x + F.dropout(self.self_attention(x, rotary_pos_emb, inference_params), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
 
 

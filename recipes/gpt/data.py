@@ -15,8 +15,10 @@ import json
 import logging
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
+import numpy as np
+import torch
 from torch.utils.data import Dataset
 
 from recipes.gpt.config import GPTDataConfig
@@ -127,3 +129,61 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         warnings.filterwarnings("ignore", message=".*pad.*")
         train, val, test = builder(cls, [num_train_samples, data.val_num_samples, None], lambda: True, config).build()
     return tuple(Samples(d) if d is not None and len(d) else None for d in (train, val, test))
+
+
+class DocumentWindows(Dataset):
+    """The documents of one split cut into windows, for per-document scores (predict.py).
+
+    A document is scored as training reads it: each of its tokens, its end-of-document token included, is
+    predicted from the tokens before it, the first one after an end-of-document token. Documents longer
+    than `seq_length` predicted tokens span several windows, each predicted from its own tokens only (no
+    overlap). Items are windows, {"tokens", "labels", "loss_mask": [seq_length], "idx", "document"}; the
+    `documents` list gives each document's (source prefix, sequence number in it).
+    """
+
+    def __init__(self, parts: list[tuple[str, Any, np.ndarray]], seq_length: int, eod: int, eod_mask_loss: bool):
+        self.parts, self.seq_length, self.eod, self.eod_mask_loss = parts, seq_length, eod, eod_mask_loss
+        self.documents: list[tuple[int, int]] = []  # (part, sequence id)
+        self.windows: list[tuple[int, int]] = []  # (document, first predicted position)
+        for p, (_, indexed, ids) in enumerate(parts):
+            for seq_id, length in zip(ids.tolist(), indexed.sequence_lengths[ids].tolist()):
+                self.windows += [(len(self.documents), start) for start in range(0, length, seq_length)]
+                self.documents.append((p, seq_id))
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def document_tokens(self, document: int) -> np.ndarray:
+        part, seq_id = self.documents[document]
+        return self.parts[part][1].get(seq_id)
+
+    def __getitem__(self, index) -> dict:
+        from core.data.datasets import epoch_index
+
+        idx = epoch_index(index).idx
+        document, start = self.windows[idx]
+        sequence = self.document_tokens(document).astype(np.int64)
+        inputs = np.concatenate(([self.eod], sequence[:-1]))  # token i is predicted after tokens < i
+        n = min(self.seq_length, len(sequence) - start)
+        tokens = torch.full((self.seq_length,), self.eod, dtype=torch.long)
+        labels = torch.zeros(self.seq_length, dtype=torch.long)
+        tokens[:n] = torch.from_numpy(inputs[start:start + n])
+        labels[:n] = torch.from_numpy(sequence[start:start + n])
+        loss_mask = torch.zeros(self.seq_length)
+        loss_mask[:n] = 1.0
+        if self.eod_mask_loss and start == 0:
+            loss_mask[0] = 0.0  # training does not score the token after an end-of-document either
+        return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "idx": idx, "document": document}
+
+
+def document_windows(split_dataset: Optional[Samples], split: str, seq_length: int, eod: int,
+                     eod_mask_loss: bool) -> DocumentWindows:
+    """The documents Megatron-Core assigned to `split` (data.split), from every blended source."""
+    if split_dataset is None:
+        raise ValueError(f"the {split} split has no documents (data.split shares it out)")
+    dataset = split_dataset.dataset
+    sources = getattr(dataset, "datasets", [dataset])  # a blend, or one GPTDataset
+    if not all(hasattr(s, "indices") and hasattr(s, "dataset") for s in sources):
+        raise ValueError("per-document scores need documents: data.format=text or indexed, not mock")
+    return DocumentWindows([(s.dataset_path, s.dataset, np.sort(s.indices)) for s in sources], seq_length, eod,
+                           eod_mask_loss)

@@ -32,6 +32,7 @@ class GPT(nn.Module):
                 raise ConfigError(f"model.{what}={n} is not divisible by distributed.tp={tp}")
         self.cfg, self.vocab_size = cfg, vocab_size
         self.high_precision = layers.high_precision  # the logits stay out of FP8: see forward
+        self.kv_cache_class, self.kv_heads, self.head_dim = layers.InferenceParams, groups // tp, h // heads
         self.embedding = nn.Embedding(vocab_size, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
@@ -58,15 +59,26 @@ class GPT(nn.Module):
         self.final_norm = layers.RMSNorm(h, eps=cfg.norm_epsilon, device=device)
         self.output_layer = None if cfg.tie_embeddings else layers.Linear(h, vocab_size, bias=False, device=device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab]."""
+    def forward(self, tokens: torch.Tensor, kv_cache=None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]. With a `kv_cache` (from `new_kv_cache`, its
+        `pre_step` called for these tokens) the tokens continue the cached sequences."""
         x = self.embedding(tokens)
-        angles = self.rotary(tokens.shape[1]).to(x.device)
+        if kv_cache is None:
+            angles, cached = self.rotary(tokens.shape[1]).to(x.device), {}
+        else:  # the layers pick the new tokens' positions from the cache
+            angles = self.rotary(kv_cache.max_sequence_length).to(x.device)
+            cached = dict(inference_params=kv_cache, self_attn_mask_type="padding_causal")
         for block in self.layers:
-            x = block(x, rotary_pos_emb=angles)
+            x = block(x, rotary_pos_emb=angles, **cached)
         x = self.final_norm(x)
         # The logits stay out of FP8: the vocabulary GEMM is the most sensitive one.
         with self.high_precision():
             if self.output_layer is None:
                 return torch.nn.functional.linear(x, self.embedding.weight.to(x.dtype))
             return self.output_layer(x)
+
+    def new_kv_cache(self, batch_size: int, max_length: int, dtype: torch.dtype):
+        """An empty key/value cache for `batch_size` sequences of up to `max_length` tokens (TE's
+        InferenceParams, or the twin's): generation then feeds each new token alone."""
+        return self.kv_cache_class(max_batch_size=batch_size, max_sequence_length=max_length,
+                                   num_heads_kv=self.kv_heads, head_dim_k=self.head_dim, dtype=dtype)

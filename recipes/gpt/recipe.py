@@ -12,11 +12,12 @@ import math
 import torch
 from torch import nn
 
+from core.config.errors import ConfigError
 from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
 from recipes.base import Datasets, Recipe
 from recipes.gpt.config import GPTDataConfig, GPTModelConfig
-from recipes.gpt.data import build_gpt_datasets, padded_vocab_size
+from recipes.gpt.data import build_gpt_datasets, document_windows, padded_vocab_size
 from recipes.gpt.model import GPT
 from recipes.gpt.tokenizer import build_tokenizer
 
@@ -38,6 +39,15 @@ class GPTRecipe(Recipe):
         if d.format == "mock":
             raise ValueError("data.format=mock needs model.vocab_size")
         return padded_vocab_size(build_tokenizer(d.tokenizer, d.eod_token).vocab_size, m.make_vocab_size_divisible_by)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The tokenizer the data was made with (data.tokenizer): text in and out of generate.py."""
+        d = self.cfg.data
+        if d.format == "mock":
+            raise ConfigError("data.format=mock has no tokenizer: give the data config the model was trained "
+                              "with (data.tokenizer)")
+        return build_tokenizer(d.tokenizer, d.eod_token)
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         m = self.cfg.model
@@ -68,7 +78,40 @@ class GPTRecipe(Recipe):
         return Datasets(splits["train"], splits["val"])
 
     def split(self, name: str):
-        return self._splits()[name]
+        """predict.py: the split's documents in windows of seq_length tokens (per-document perplexity)."""
+        if name not in ("train", "val", "test"):
+            raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
+        d = self.cfg.data
+        self.documents = document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
+                                          d.eod_mask_loss)
+        return self.documents
+
+    def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """Per window: its document, the summed negative log-likelihood of its predicted tokens, their number."""
+        mask = batch["loss_mask"].float()
+        token_loss = self.token_cross_entropy(model(batch["tokens"]), batch["labels"])
+        return {"idx": batch["idx"], "document": batch["document"], "nll": (token_loss.float() * mask).sum(dim=1),
+                "tokens": mask.sum(dim=1)}
+
+    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict:
+        """Windows -> one row per document, in split order: its source and sequence number, tokens, summed
+        NLL, perplexity, and its opening words."""
+        n = len(self.documents.documents)
+        tokens = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["tokens"].double())
+        nll = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["nll"].double())
+        parts = self.documents.parts
+        return {"document": torch.arange(n),
+                "source": [parts[p][0] for p, _ in self.documents.documents],
+                "sequence": torch.tensor([seq for _, seq in self.documents.documents]),
+                "tokens": tokens.long(), "nll": nll, "perplexity": (nll / tokens.clamp(min=1)).exp(),
+                "opening": [self.tokenizer.decode(self.documents.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
+                            for d in range(n)]}
+
+    def summarize_predictions(self, columns: dict) -> dict[str, float]:
+        """The split's perplexity: exp(total NLL / total tokens), documents weighted by their length."""
+        total = columns["tokens"].sum().item()
+        return {"documents": float(len(columns["tokens"])), "tokens": float(total),
+                "perplexity": math.exp(min(columns["nll"].sum().item() / max(total, 1), 50.0))}
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()

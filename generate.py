@@ -1,0 +1,133 @@
+"""Continue text prompts with a trained GPT.
+
+    python generate.py --config-name gpt_sanity checkpoint.init_from=<step dir | .pt | .safetensors> \
+        generate.prompt="Call me Ishmael."                                  # sampled (temperature 1)
+    python generate.py --config-name gpt_sanity checkpoint.init_from=... generate.prompt_file=prompts.txt \
+        generate.greedy=true generate.max_new_tokens=100
+
+Top to bottom:
+  1. setup    - the session and model of train.py (core/session.py) in one process, with whole weights
+                (distributed.backend=ddp); weights from checkpoint.init_from, strictly
+  2. prompts  - generate.prompt or generate.prompt_file, tokenized with data.tokenizer (the one the
+                training data was made with)
+  3. decode   - token by token with a KV cache (recipes/gpt/generation.py): greedy, or sampled with
+                temperature, top-k and top-p from generate.seed; until generate.max_new_tokens or the
+                end-of-document token
+  4. write    - each prompt and its continuation printed, and <run dir>/generations.jsonl
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import hydra
+import torch
+from hydra.core.hydra_config import HydraConfig
+from omegaconf import DictConfig, open_dict
+
+from core import session
+from core.checkpointing.weights import load_weights
+from core.config.errors import ConfigError
+from core.distributed import launch
+from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
+from recipes.registry import config_keys, get_recipe, register_configs
+
+log = logging.getLogger("generate")
+
+
+@dataclass
+class Generation:
+    prompt: str
+    sample: int  # which sample of this prompt
+    text: str  # the continuation alone
+    new_tokens: int
+    stop: str  # "eod" (the end-of-document token) or "length" (generate.max_new_tokens)
+
+
+@hydra.main(version_base="1.3", config_path="configs", config_name=None)
+def main(cfg: DictConfig) -> None:
+    session.exit_on_error(generate, cfg, Path(HydraConfig.get().runtime.output_dir))
+
+
+def generate(cfg: DictConfig, run_dir: Path) -> list[Generation]:
+    g = cfg.generate
+    if not cfg.checkpoint.init_from:
+        raise ConfigError("generate.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
+    if (g.prompt is None) == (g.prompt_file is None):
+        raise ConfigError("generate.py needs one of generate.prompt=\"...\" or generate.prompt_file=<file>")
+    prompts = [g.prompt] if g.prompt is not None else read_prompts(Path(g.prompt_file))
+    register_configs()
+    with session.start(whole_weights(cfg), run_dir, get_recipe) as s:
+        # 1. The model in one process, its weights from checkpoint.init_from.
+        if s.env.world_size != 1:
+            raise ConfigError(f"generate.py runs in one process (started with {s.env.world_size}): use python, not torchrun")
+        if not hasattr(s.recipe, "tokenizer"):
+            raise ConfigError(f"generate.py needs a language model; the {s.cfg.recipe} recipe is not one")
+        parallel, _ = session.build_model(s, training=False)
+        c = s.cfg.checkpoint
+        load_weights(parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, True,
+                     c.verify_checksums)
+        model = parallel.model.eval()
+        # 2.-3. Each prompt, each sample.
+        tokenizer, g = s.recipe.tokenizer, s.cfg.generate
+        seq_length = s.cfg.model.seq_length
+        sampling = Sampling(g.greedy, g.temperature, g.top_k, g.top_p)
+        banned = banned_tokens(s.recipe.vocab_size, tokenizer)
+        kv_dtype = (s.runtime.autocast_dtype or torch.float32) if g.kv_cache else None
+        results = []
+        for i, prompt in enumerate(prompts):
+            ids = tokenizer.encode(prompt)
+            if not ids:
+                raise ConfigError(f"prompt {i + 1} is empty")
+            for j in range(1 if g.greedy else g.samples_per_prompt):
+                out = continue_prompt(model, ids, g.max_new_tokens, seq_length, sampling,
+                                      None if g.greedy else sample_generator(g.seed, i, j), banned,
+                                      tokenizer.eod if g.stop_at_eod else None, s.env.device, s.autocast, kv_dtype)
+                results.append(Generation(prompt, j, tokenizer.decode(out.tokens), len(out.tokens), out.stop))
+                print(f"--- prompt {i + 1}" + (f", sample {j + 1}" if g.samples_per_prompt > 1 and not g.greedy else "")
+                      + f" ({out.stop}, {len(out.tokens)} tokens)\n{prompt}{results[-1].text}", flush=True)
+        # 4. Write them all.
+        output = Path(g.output) if g.output else run_dir / "generations.jsonl"
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text("".join(json.dumps(vars(r)) + "\n" for r in results))
+        log.info("wrote %d continuations of %d prompts to %s", len(results), len(prompts), output)
+        return results
+
+
+def whole_weights(cfg: DictConfig) -> DictConfig:
+    """The config for one process holding the whole model: a DDP replica (no sharding), fp32 weights;
+    FP8 off (TE's KV-cache path runs bf16). The weights are the same whatever the training used."""
+    cfg = cfg.copy()
+    with open_dict(cfg):
+        cfg.distributed.backend = "ddp"
+        cfg.distributed.dp_shard, cfg.distributed.tp = -1, 1
+        cfg.precision.param_dtype = "fp32"
+        cfg.precision.fp8.enabled = False
+    return cfg
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per non-empty line, or a "prompt" field per line of a .jsonl file."""
+    if not path.is_file():
+        raise ConfigError(f"generate.prompt_file={path}: no such file")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if path.suffix != ".jsonl":
+        prompts = lines
+    else:
+        prompts = []
+        for n, line in enumerate(lines, 1):
+            try:
+                prompts.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" field") from None
+    if not prompts:
+        raise ConfigError(f"generate.prompt_file={path} holds no prompt")
+    return prompts
+
+
+if __name__ == "__main__":
+    register_configs()
+    launch.run_hydra(main, config_keys())
