@@ -31,7 +31,8 @@ def test_te_kv_cache_gives_the_logits_of_a_whole_pass(dtype):
     32 tokens, with TE layers and with the twins (bf16: within its rounding)."""
     twin, te_model = _models()
     tokens = torch.randint(0, 256, (1, 32), device="cuda")
-    tolerance = dict(rtol=1e-4, atol=1e-4) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
+    # fp32: TF32 matmuls on the GPU (torch and TE alike) round at ~1e-3 relative.
+    tolerance = dict(rtol=1e-3, atol=2e-3) if dtype == torch.float32 else dict(rtol=0.05, atol=0.05)
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
         whole = twin(tokens).float()
         for model in (te_model, twin):
