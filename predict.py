@@ -103,7 +103,8 @@ def write_predictions(s: session.Session, local: dict[str, torch.Tensor], output
     rows = write_csv(output, columns)
     metrics = s.recipe.summarize_predictions(columns)
     (output.parent / "prediction_metrics.json").write_text(json.dumps({"rows": rows, **metrics}, indent=1))
-    log.info("wrote %d rows to %s%s", rows, output, "".join(f" | {k} {v:.4f}" for k, v in metrics.items()))
+    shown = "".join(f" | {k} {v}" if isinstance(v, int) else f" | {k} {v:.4f}" for k, v in metrics.items())
+    log.info("wrote %d rows to %s%s", rows, output, shown)
     return PredictResult(output, rows, metrics)
 
 

@@ -107,10 +107,10 @@ class GPTRecipe(Recipe):
                 "opening": [self.tokenizer.decode(self.documents.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
                             for d in range(n)]}
 
-    def summarize_predictions(self, columns: dict) -> dict[str, float]:
+    def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         """The split's perplexity: exp(total NLL / total tokens), documents weighted by their length."""
         total = columns["tokens"].sum().item()
-        return {"documents": float(len(columns["tokens"])), "tokens": float(total),
+        return {"documents": len(columns["tokens"]), "tokens": int(total),
                 "perplexity": math.exp(min(columns["nll"].sum().item() / max(total, 1), 50.0))}
 
     def loss_count(self, batch: dict) -> torch.Tensor:
