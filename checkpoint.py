@@ -6,6 +6,8 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-torch <step_dir> <out.pt>                 # {name: tensor}, torch.load-able
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
+  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> a LlamaForCausalLM folder
+  python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama folder -> GPT weights
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's pickled index is read through
 an allow-list: core/checkpointing/storage.py) and checks every file against the CRC-32 recorded when it was
@@ -44,15 +46,33 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
     p.add_argument("source")
     p.add_argument("step_dir")
+    p = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
+    p.add_argument("step_dir")
+    p.add_argument("out_dir")
+    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
+    p.add_argument("--skip-checksums", action="store_true",
+                   help="do not check the files against the checksums recorded when they were written")
+    p = sub.add_parser("from-hf", help="a Hugging Face Llama folder -> GPT weights for checkpoint.init_from")
+    p.add_argument("hf_dir")
+    p.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
+    p.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
     args = parser.parse_args(argv)
     try:
         if args.command == "to-torch":
             to_torch(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
         elif args.command == "to-safetensors":
             to_safetensors(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
-        else:
+        elif args.command == "from-torch":
             from_torch(args.source, args.step_dir)
-    except CheckpointError as e:
+        elif args.command == "to-hf":
+            from recipes.gpt.hf import export_to_hf
+
+            export_to_hf(args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype)
+        else:
+            from recipes.gpt.hf import import_from_hf
+
+            import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
+    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
         raise SystemExit(f"error: {e}") from None
 
 

@@ -36,12 +36,16 @@ def from_torch(source: str, step_dir: str) -> None:
     target = Path(step_dir)
     if target.exists():
         raise SystemExit(f"{target} exists; choose a new folder")
-    weights = load_weights_file(Path(source))
+    write_weights_step(load_weights_file(Path(source)), target, str(source))
+
+
+def write_weights_step(weights: dict, target: Path, source: str) -> None:
+    """A complete step folder (checksummed, marked) of model weights alone, at step 0."""
     weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         start_marker(target)
         dcp.save({"model": weights, "train_state": TrainState().state_dict()}, storage_writer=ChecksummingWriter(str(target)),
                  no_dist=True)
-    write_marker(target, {"step": 0, "metrics": {}, "converted_from": str(source)})
+    write_marker(target, {"step": 0, "metrics": {}, "converted_from": source})
     print(f"wrote {len(weights)} tensors to {target}")

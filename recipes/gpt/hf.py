@@ -1,0 +1,265 @@
+"""The GPT recipe's weights to and from Hugging Face Llama folders (`LlamaForCausalLM`).
+
+The model is Llama-shaped: RMSNorm before attention and MLP, rotary positions in the rotate-half layout,
+grouped-query attention, SwiGLU, no biases. What differs is how weights are packed:
+
+    ours (TE's names)                                   Llama
+    embedding.weight                                    model.embed_tokens.weight
+    layers.i.self_attention.layernorm_qkv.layer_norm_weight   model.layers.i.input_layernorm.weight
+    layers.i.self_attention.layernorm_qkv.weight        q_proj, k_proj, v_proj (rows grouped per KV group as
+                                                        [the group's query heads, its key, its value])
+      (or .query_weight / .key_weight / .value_weight with model.fuse_qkv_params=false)
+    layers.i.self_attention.proj.weight                 model.layers.i.self_attn.o_proj.weight
+    layers.i.layernorm_mlp.layer_norm_weight            model.layers.i.post_attention_layernorm.weight
+    layers.i.layernorm_mlp.fc1_weight                   [gate_proj; up_proj]
+    layers.i.layernorm_mlp.fc2_weight                   down_proj
+    final_norm.weight                                   model.norm.weight
+    output_layer.weight (untied)                        lm_head.weight (tie_word_embeddings: none)
+
+Checkpoints hold full tensors in the TP=1 layout whatever the training's tensor parallelism, so a TP=2
+step folder exports the same way. Writing needs only json and safetensors; `transformers` is needed to
+load the result, not to make it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+log = logging.getLogger("checkpoint")
+
+SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+
+
+def _heads(m: dict) -> tuple[int, int, int]:
+    heads = m["num_attention_heads"]
+    groups = m.get("num_query_groups") or heads
+    return heads, groups, m["hidden_size"] // heads
+
+
+def _qkv_rows(m: dict) -> list[tuple[str, int, int]]:
+    """(which, group, rows) blocks of the fused QKV weight, top to bottom."""
+    heads, groups, head_dim = _heads(m)
+    per_group = heads // groups
+    return [block for g in range(groups)
+            for block in (("q", g, per_group * head_dim), ("k", g, head_dim), ("v", g, head_dim))]
+
+
+def to_llama(weights: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
+    """Our full weights (by canonical name) -> Llama's names and layouts."""
+    heads, groups, head_dim = _heads(m)
+    ffn = m["ffn_hidden_size"]
+    out = {"model.embed_tokens.weight": weights["embedding.weight"], "model.norm.weight": weights["final_norm.weight"]}
+    if not m["tie_embeddings"]:
+        out["lm_head.weight"] = weights["output_layer.weight"]
+    for i in range(m["num_layers"]):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        attention = ours + "self_attention."
+        if attention + "layernorm_qkv.weight" in weights:
+            parts = {"q": [], "k": [], "v": []}
+            for (which, _, rows), block in zip(_qkv_rows(m), weights[attention + "layernorm_qkv.weight"].split(
+                    [rows for _, _, rows in _qkv_rows(m)])):
+                parts[which].append(block)
+            q, k, v = (torch.cat(parts[w]) for w in "qkv")
+        else:
+            q, k, v = (weights[attention + f"layernorm_qkv.{w}_weight"] for w in ("query", "key", "value"))
+        fc1 = weights[ours + "layernorm_mlp.fc1_weight"]
+        out |= {
+            theirs + "input_layernorm.weight": weights[attention + "layernorm_qkv.layer_norm_weight"],
+            theirs + "self_attn.q_proj.weight": q,
+            theirs + "self_attn.k_proj.weight": k,
+            theirs + "self_attn.v_proj.weight": v,
+            theirs + "self_attn.o_proj.weight": weights[attention + "proj.weight"],
+            theirs + "post_attention_layernorm.weight": weights[ours + "layernorm_mlp.layer_norm_weight"],
+            theirs + "mlp.gate_proj.weight": fc1[:ffn],
+            theirs + "mlp.up_proj.weight": fc1[ffn:],
+            theirs + "mlp.down_proj.weight": weights[ours + "layernorm_mlp.fc2_weight"],
+        }
+    if heads * head_dim != m["hidden_size"] or q.shape[0] != heads * head_dim or k.shape[0] != groups * head_dim:
+        raise ValueError("the checkpoint's attention weights do not fit its model config")
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def from_llama(hf: dict[str, torch.Tensor], m: dict, fuse_qkv: bool = True) -> dict[str, torch.Tensor]:
+    """Llama's weights -> ours (canonical names), for the model settings `m` (see `model_settings`)."""
+    heads, groups, head_dim = _heads(m)
+    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in hf]
+    if missing:
+        raise ValueError(f"not a Llama state dict: {missing} missing")
+    out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"],
+           "rotary.inv_freq": 1.0 / m["rotary_base"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)}
+    if not m["tie_embeddings"]:
+        out["output_layer.weight"] = hf["lm_head.weight"]
+    for i in range(m["num_layers"]):
+        theirs, ours = f"model.layers.{i}.", f"layers.{i}."
+        q, k, v = (hf[theirs + f"self_attn.{w}_proj.weight"] for w in "qkv")
+        attention = ours + "self_attention.layernorm_qkv."
+        if fuse_qkv:
+            per_group = heads // groups
+            q_groups, k_groups, v_groups = q.split(per_group * head_dim), k.split(head_dim), v.split(head_dim)
+            out[attention + "weight"] = torch.cat([t for g in range(groups) for t in (q_groups[g], k_groups[g], v_groups[g])])
+        else:
+            out |= {attention + "query_weight": q, attention + "key_weight": k, attention + "value_weight": v}
+        out |= {
+            attention + "layer_norm_weight": hf[theirs + "input_layernorm.weight"],
+            ours + "self_attention.proj.weight": hf[theirs + "self_attn.o_proj.weight"],
+            ours + "layernorm_mlp.layer_norm_weight": hf[theirs + "post_attention_layernorm.weight"],
+            ours + "layernorm_mlp.fc1_weight": torch.cat([hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]]),
+            ours + "layernorm_mlp.fc2_weight": hf[theirs + "mlp.down_proj.weight"],
+        }
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def llama_config(m: dict, vocab_size: int, eos: Optional[int], pad: Optional[int], dtype: str) -> dict[str, Any]:
+    """config.json of a LlamaForCausalLM with our model settings `m`."""
+    heads, groups, head_dim = _heads(m)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": vocab_size, "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
+        "num_hidden_layers": m["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
+        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": m["seq_length"],
+        "rms_norm_eps": m["norm_epsilon"], "tie_word_embeddings": bool(m["tie_embeddings"]),
+        # transformers 5 reads rope_parameters; older readers (transformers 4, vLLM) rope_theta.
+        "rope_parameters": {"rope_type": "default", "rope_theta": m["rotary_base"]}, "rope_theta": m["rotary_base"],
+        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": m["init_std"],
+        "bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad, "use_cache": True, "torch_dtype": dtype,
+    }
+
+
+def model_settings(config: dict) -> dict[str, Any]:
+    """A Llama config.json -> our model settings; refuses what our model does not compute, naming the field."""
+    def refuse(field: str, value, want) -> None:
+        raise ValueError(f"config.json: {field}={value!r}, but the GPT recipe's model needs {want}")
+
+    if config.get("model_type") != "llama":
+        refuse("model_type", config.get("model_type"), "'llama'")
+    for field, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
+        if config.get(field, want) != want:
+            refuse(field, config.get(field), repr(want))
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if rope.get("rope_type", rope.get("type", "default")) != "default":
+        refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")), "'default' (no RoPE scaling)")
+    heads, hidden = config["num_attention_heads"], config["hidden_size"]
+    if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
+        refuse("head_dim", config.get("head_dim"), f"hidden_size / num_attention_heads = {hidden // heads}")
+    groups = config.get("num_key_value_heads") or heads
+    return {
+        "vocab_size": config["vocab_size"], "seq_length": config.get("max_position_embeddings", 2048),
+        "hidden_size": hidden, "num_layers": config["num_hidden_layers"], "num_attention_heads": heads,
+        "num_query_groups": groups, "ffn_hidden_size": config["intermediate_size"],
+        "rotary_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+        "norm_epsilon": config.get("rms_norm_eps", 1e-6), "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
+        "init_std": config.get("initializer_range", 0.02),
+    }
+
+
+def overrides(settings: dict[str, Any]) -> list[str]:
+    """The command-line settings that build our model in the shape of an imported Llama."""
+    keys = ("vocab_size", "seq_length", *SHAPE_KEYS, "rotary_base", "norm_epsilon", "tie_embeddings")
+    return [f"model.{k}={str(settings[k]).lower() if isinstance(settings[k], bool) else settings[k]}" for k in keys]
+
+
+# --- the two commands -------------------------------------------------------------------------------
+
+def export_to_hf(step_dir: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32") -> dict:
+    """checkpoint.py to-hf: a GPT step folder -> a folder LlamaForCausalLM.from_pretrained loads."""
+    from omegaconf import OmegaConf
+    from safetensors.torch import save_file
+
+    from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.weights import read_model_weights
+    from recipes.gpt.tokenizer import build_tokenizer
+
+    step, out = Path(step_dir), Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
+    config_file = step / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"{step}: no config.yaml (the run's settings) beside the weights")
+    cfg = OmegaConf.load(config_file)
+    if cfg.get("recipe") != "gpt":
+        raise CheckpointError(f"{step} is a {cfg.get('recipe')!r} checkpoint; to-hf exports the GPT recipe's")
+    m = OmegaConf.to_container(cfg.model, resolve=True)
+    weights = read_model_weights(step, verify_checksums)
+    vocab_size = weights["embedding.weight"].shape[0]
+    eos = pad = None
+    tokenizer_note = ""
+    if cfg.data.get("format") != "mock":
+        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
+        eos = tokenizer.eod
+        pad = tokenizer.pad if tokenizer.pad < vocab_size else None
+        tokenizer_note = f"; tokenizer {cfg.data.tokenizer} (end of document = id {eos})"
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, m).items()}
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = llama_config(m, vocab_size, eos, pad, dtype)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    copied = []
+    if cfg.data.get("format") != "mock" and cfg.data.tokenizer != "byte":
+        folder = Path(cfg.data.tokenizer)
+        folder = folder if folder.is_dir() else folder.parent
+        for name in TOKENIZER_FILES:
+            if (folder / name).is_file():
+                shutil.copy2(folder / name, out / name)
+                copied.append(name)
+    elif cfg.data.get("format") != "mock":
+        tokenizer_note += ": byte ids 0-255 are the UTF-8 bytes, no tokenizer file is written"
+    print(f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
+          f"{len(hf)} tensors{tokenizer_note}" + (f"; copied {', '.join(copied)}" if copied else ""))
+    return config
+
+
+def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin."""
+    from safetensors.torch import load_file
+
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+    if (folder / "model.safetensors").is_file():
+        return load_file(str(folder / "model.safetensors"))
+    if (folder / "pytorch_model.bin").is_file():
+        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
+    """checkpoint.py from-hf: a Llama folder -> our weights, as a .safetensors/.pt file or a step folder
+    (what checkpoint.init_from takes). Returns (and prints) the model settings that fit them."""
+    from safetensors.torch import save_file
+
+    from core.checkpointing.conversion import write_weights_step
+
+    folder, target = Path(hf_dir), Path(out)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
+    if target.exists():
+        raise FileExistsError(f"{target} exists; choose a new path")
+    settings = model_settings(json.loads((folder / "config.json").read_text()))
+    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}
+    if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],
+                                                                                  hf["model.embed_tokens.weight"]):
+        raise ValueError("config.json says tie_word_embeddings, but lm_head.weight differs from the embedding")
+    weights = from_llama(hf, settings, fuse_qkv)
+    if target.suffix == ".safetensors":
+        target.parent.mkdir(parents=True, exist_ok=True)
+        save_file(weights, str(target))
+    elif target.suffix in (".pt", ".pth"):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        torch.save(weights, target)
+    else:
+        write_weights_step(weights, target, str(folder))
+    settings_line = " ".join(overrides(settings) + ([] if fuse_qkv else ["model.fuse_qkv_params=false"]))
+    tokenizer = f" data.tokenizer={folder}" if (folder / "tokenizer.json").is_file() else ""
+    print(f"wrote {len(weights)} tensors to {target}\n"
+          f"train, predict or generate with: checkpoint.init_from={target} {settings_line}{tokenizer}")
+    return overrides(settings)
