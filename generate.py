@@ -26,7 +26,7 @@ from pathlib import Path
 import hydra
 import torch
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig, open_dict
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import session
 from core.checkpointing.weights import load_weights
@@ -101,6 +101,7 @@ def whole_weights(cfg: DictConfig) -> DictConfig:
     """The config for one process holding the whole model: a DDP replica (no sharding), fp32 weights;
     FP8 off (TE's KV-cache path runs bf16). The weights are the same whatever the training used."""
     cfg = cfg.copy()
+    OmegaConf.set_readonly(cfg, False)  # (a validated config is read-only; this copy is checked again)
     with open_dict(cfg):
         cfg.distributed.backend = "ddp"
         cfg.distributed.dp_shard, cfg.distributed.tp = -1, 1

@@ -94,6 +94,33 @@ def test_from_hf_brings_back_the_same_weights(cache, tmp_path, capsys):
     assert all(torch.equal(loaded[k], original[k]) for k in original)
 
 
+def test_the_tokenizer_goes_along(cache, tmp_path):
+    """The byte tokenizer becomes a tokenizer.json that Hugging Face reads with our ids; a run trained with
+    that (a local Hugging Face tokenizer) exports with its files copied, and greedy generation through
+    transformers continues a prompt as generate.py does."""
+    import generate
+
+    step, _ = _train(tmp_path / "a", cache)
+    checkpoint_cli(["to-hf", str(step), str(tmp_path / "hf")])
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    text = "Call me Ishmael. \u00dcn\u00efc\u00f8d\u00e9 \u201cquotes\u201d \U0001f40b\n"
+    assert tokenizer(text)["input_ids"] == list(text.encode()) and tokenizer.decode(list(text.encode())) == text
+    assert (tokenizer.eos_token_id, tokenizer.pad_token_id) == (256, 257)
+
+    step, _ = _train(tmp_path / "b", cache, f"data.tokenizer={tmp_path}/hf")
+    checkpoint_cli(["to-hf", str(step), str(tmp_path / "hf_b")])
+    assert (tmp_path / "hf_b" / "tokenizer.json").read_text() == (tmp_path / "hf" / "tokenizer.json").read_text()
+    model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_b", dtype=torch.float32)
+    prompt = tokenizer("The whale", return_tensors="pt")
+    theirs = model.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    cfg = validated_config("gpt_sanity", [*SMALL, f"data.tokenizer={tmp_path}/hf", f"data.cache_dir={cache}",
+                                          f"checkpoint.init_from={step}", "checkpoint.path=unused",
+                                          "generate.prompt=The whale", "generate.greedy=true",
+                                          "generate.max_new_tokens=20", "generate.stop_at_eod=false"])
+    ours = generate.generate(cfg, tmp_path / "gen")[0].text
+    assert tokenizer.decode(theirs) == ours
+
+
 def test_from_hf_refuses_what_our_model_does_not_compute(cache, tmp_path):
     step, _ = _train(tmp_path, cache)
     checkpoint_cli(["to-hf", str(step), str(tmp_path / "hf")])

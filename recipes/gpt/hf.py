@@ -166,6 +166,41 @@ def overrides(settings: dict[str, Any]) -> list[str]:
     return [f"model.{k}={str(settings[k]).lower() if isinstance(settings[k], bool) else settings[k]}" for k in keys]
 
 
+def byte_level_characters() -> list[str]:
+    """The printable character that stands for each byte in byte-level BPE vocabularies (GPT-2's scheme, which
+    the `tokenizers` library's ByteLevel pre-tokenizer and decoder use): printable Latin-1 bytes stand for
+    themselves, the others for characters from U+0100 on, in byte order."""
+    printable = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    characters, extra = [], 0
+    for byte in range(256):
+        if byte in printable:
+            characters.append(chr(byte))
+        else:
+            characters.append(chr(256 + extra))
+            extra += 1
+    return characters
+
+
+def write_byte_tokenizer(out: Path, eod: int, pad: int) -> list[str]:
+    """tokenizer.json (+ tokenizer_config.json) for the byte tokenizer: ids 0-255 the UTF-8 bytes, `eod` and
+    `pad` special tokens, so Hugging Face tools (AutoTokenizer, pipelines, vLLM) read and write our ids."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {character: byte for byte, character in enumerate(byte_level_characters())}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))  # no merges: one token per byte
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    specials = {eod: "<|endoftext|>", pad: "<pad>"}
+    tokenizer.add_special_tokens([AddedToken(specials[i], special=True) for i in sorted(specials)])
+    if [tokenizer.token_to_id(specials[i]) for i in sorted(specials)] != sorted(specials):
+        raise RuntimeError(f"the byte tokenizer's special tokens did not get ids {sorted(specials)}")
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[eod], "pad_token": specials[pad],
+        "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    return ["tokenizer.json", "tokenizer_config.json"]
+
+
 # --- the two commands -------------------------------------------------------------------------------
 
 def export_to_hf(step_dir: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32") -> dict:
@@ -211,9 +246,9 @@ def export_to_hf(step_dir: str, out_dir: str, verify_checksums: bool = True, dty
                 shutil.copy2(folder / name, out / name)
                 copied.append(name)
     elif cfg.data.get("format") != "mock":
-        tokenizer_note += ": byte ids 0-255 are the UTF-8 bytes, no tokenizer file is written"
+        copied = write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad)
     print(f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
-          f"{len(hf)} tensors{tokenizer_note}" + (f"; copied {', '.join(copied)}" if copied else ""))
+          f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else ""))
     return config
 
 
