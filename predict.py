@@ -1,12 +1,14 @@
-"""Run a trained model over one data split and write one row per sample.
+"""Run a trained model over one data split and write one row per sample (per document for the GPT).
 
     torchrun --nproc-per-node N predict.py --config-name mnist_predict checkpoint.init_from=<step dir | .pt | .safetensors>
     python predict.py --config-name mnist_predict checkpoint.init_from=...          # one process
+    torchrun --nproc-per-node N predict.py --config-name gpt_sanity checkpoint.init_from=... predict.split=val
 
 Top to bottom:
   1. setup    - the session and model of train.py (core/session.py); weights from checkpoint.init_from, strictly
   2. data     - the split's samples dealt out over ranks; short shares padded, padding dropped
-  3. predict  - the recipe's per-sample columns, gathered on rank 0, written as CSV in sample order
+  3. predict  - the recipe's per-sample columns, gathered on rank 0 in sample order, finished by the recipe
+                (class names, windows summed into documents), written as CSV with the split's metrics
 """
 
 from __future__ import annotations
