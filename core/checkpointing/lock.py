@@ -86,7 +86,8 @@ class PathLock:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
-            if self._read().get("pid") == self.me["pid"] and self._read().get("host") == self.me["host"]:
+            holder = self._read()
+            if holder.get("pid") == self.me["pid"] and holder.get("host") == self.me["host"]:
                 self.path.unlink(missing_ok=True)
 
     def _read(self) -> dict:
