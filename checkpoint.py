@@ -7,6 +7,7 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
   python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> a LlamaForCausalLM folder
+  python checkpoint.py to-hf <file.pt|file.safetensors> <out_dir> --config <the run's config.yaml>
   python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama folder -> GPT weights
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's pickled index is read through
@@ -47,8 +48,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("source")
     p.add_argument("step_dir")
     p = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
-    p.add_argument("step_dir")
+    p.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
     p.add_argument("out_dir")
+    p.add_argument("--config", help="the run's config.yaml (default: the step folder's; needed for a weights file)")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
     p.add_argument("--skip-checksums", action="store_true",
                    help="do not check the files against the checksums recorded when they were written")
@@ -67,7 +69,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "to-hf":
             from recipes.gpt.hf import export_to_hf
 
-            export_to_hf(args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype)
+            export_to_hf(args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
+                         config=args.config)
         else:
             from recipes.gpt.hf import import_from_hf
 

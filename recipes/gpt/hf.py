@@ -18,21 +18,20 @@ grouped-query attention, SwiGLU, no biases. What differs is how weights are pack
 
 Checkpoints hold full tensors in the TP=1 layout whatever the training's tensor parallelism, so a TP=2
 step folder exports the same way. Writing needs only json and safetensors; `transformers` is needed to
-load the result, not to make it.
+load the result, not to make it. Importing refuses a config.json this model does not compute (biases,
+RoPE scaling, another head_dim, ...) and tensors that do not fit it, naming the field or tensor.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import shutil
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 
-log = logging.getLogger("checkpoint")
-
+REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -87,12 +86,44 @@ def to_llama(weights: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tenso
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def llama_shapes(m: dict) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a LlamaForCausalLM with our model settings `m`, and its shape."""
+    heads, groups, head_dim = _heads(m)
+    h, ffn, vocab = m["hidden_size"], m["ffn_hidden_size"], m["vocab_size"]
+    shapes = {"model.embed_tokens.weight": (vocab, h), "model.norm.weight": (h,)}
+    if not m["tie_embeddings"]:
+        shapes["lm_head.weight"] = (vocab, h)
+    for i in range(m["num_layers"]):
+        layer = f"model.layers.{i}."
+        shapes |= {layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
+                   layer + "self_attn.q_proj.weight": (heads * head_dim, h),
+                   layer + "self_attn.k_proj.weight": (groups * head_dim, h),
+                   layer + "self_attn.v_proj.weight": (groups * head_dim, h),
+                   layer + "self_attn.o_proj.weight": (h, heads * head_dim),
+                   layer + "mlp.gate_proj.weight": (ffn, h), layer + "mlp.up_proj.weight": (ffn, h),
+                   layer + "mlp.down_proj.weight": (h, ffn)}
+    return shapes
+
+
+def check_llama_weights(hf: dict[str, torch.Tensor], m: dict) -> None:
+    """Refuse weights that do not fit config.json (missing, unexpected or misshapen tensors), naming them."""
+    expected = llama_shapes(m)
+    # Tied models may still store lm_head (a copy of the embedding); old exports stored RoPE's inv_freq.
+    ignored = {"lm_head.weight"} if m["tie_embeddings"] else set()
+    missing = sorted(set(expected) - set(hf))
+    unexpected = sorted(k for k in set(hf) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
+    shapes = [f"{k} {tuple(hf[k].shape)} (config.json: {expected[k]})" for k in sorted(set(expected) & set(hf))
+              if tuple(hf[k].shape) != expected[k]]
+    problems = [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes)) if names]
+    if problems:
+        raise ValueError("the weights do not fit config.json as a Llama: " + "; ".join(problems))
+
+
 def from_llama(hf: dict[str, torch.Tensor], m: dict, fuse_qkv: bool = True) -> dict[str, torch.Tensor]:
     """Llama's weights -> ours (canonical names), for the model settings `m` (see `model_settings`)."""
+    check_llama_weights(hf, m)
     heads, groups, head_dim = _heads(m)
-    missing = [k for k in ("model.embed_tokens.weight", "model.norm.weight") if k not in hf]
-    if missing:
-        raise ValueError(f"not a Llama state dict: {missing} missing")
     out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"],
            "rotary.inv_freq": 1.0 / m["rotary_base"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)}
     if not m["tie_embeddings"]:
@@ -101,23 +132,25 @@ def from_llama(hf: dict[str, torch.Tensor], m: dict, fuse_qkv: bool = True) -> d
         theirs, ours = f"model.layers.{i}.", f"layers.{i}."
         q, k, v = (hf[theirs + f"self_attn.{w}_proj.weight"] for w in "qkv")
         attention = ours + "self_attention.layernorm_qkv."
-        if fuse_qkv:
+        if fuse_qkv:  # TE's fused layout: per KV group, its query heads, then its key and value head
             per_group = heads // groups
             q_groups, k_groups, v_groups = q.split(per_group * head_dim), k.split(head_dim), v.split(head_dim)
-            out[attention + "weight"] = torch.cat([t for g in range(groups) for t in (q_groups[g], k_groups[g], v_groups[g])])
+            out[attention + "weight"] = torch.cat([t for g in range(groups)
+                                                   for t in (q_groups[g], k_groups[g], v_groups[g])])
         else:
             out |= {attention + "query_weight": q, attention + "key_weight": k, attention + "value_weight": v}
         out |= {
             attention + "layer_norm_weight": hf[theirs + "input_layernorm.weight"],
             ours + "self_attention.proj.weight": hf[theirs + "self_attn.o_proj.weight"],
             ours + "layernorm_mlp.layer_norm_weight": hf[theirs + "post_attention_layernorm.weight"],
-            ours + "layernorm_mlp.fc1_weight": torch.cat([hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]]),
+            ours + "layernorm_mlp.fc1_weight": torch.cat([hf[theirs + "mlp.gate_proj.weight"],
+                                                          hf[theirs + "mlp.up_proj.weight"]]),
             ours + "layernorm_mlp.fc2_weight": hf[theirs + "mlp.down_proj.weight"],
         }
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def llama_config(m: dict, vocab_size: int, eos: Optional[int], pad: Optional[int], dtype: str) -> dict[str, Any]:
+def llama_config(m: dict, vocab_size: int, specials: dict[str, Optional[int]], dtype: str) -> dict[str, Any]:
     """config.json of a LlamaForCausalLM with our model settings `m`."""
     heads, groups, head_dim = _heads(m)
     return {
@@ -129,8 +162,11 @@ def llama_config(m: dict, vocab_size: int, eos: Optional[int], pad: Optional[int
         # transformers 5 reads rope_parameters; older readers (transformers 4, vLLM) rope_theta.
         "rope_parameters": {"rope_type": "default", "rope_theta": m["rotary_base"]}, "rope_theta": m["rotary_base"],
         "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": m["init_std"],
-        "bos_token_id": None, "eos_token_id": eos, "pad_token_id": pad, "use_cache": True, "torch_dtype": dtype,
+        "bos_token_id": specials.get("bos"), "eos_token_id": specials.get("eos"), "pad_token_id": specials.get("pad"),
+        # transformers 5 reads dtype; older readers torch_dtype.
+        "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
     }
+
 
 
 def model_settings(config: dict) -> dict[str, Any]:
@@ -140,16 +176,24 @@ def model_settings(config: dict) -> dict[str, Any]:
 
     if config.get("model_type") != "llama":
         refuse("model_type", config.get("model_type"), "'llama'")
+    missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
+    if missing:
+        raise ValueError(f"config.json: {', '.join(missing)} missing or not an integer")
     for field, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
         if config.get(field, want) != want:
             refuse(field, config.get(field), repr(want))
     rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
     if rope.get("rope_type", rope.get("type", "default")) != "default":
         refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")), "'default' (no RoPE scaling)")
+    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
+    if partial not in (None, 1, 1.0):
+        refuse("partial_rotary_factor", partial, "1.0 (rotary positions over the whole head)")
     heads, hidden = config["num_attention_heads"], config["hidden_size"]
     if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        refuse("head_dim", config.get("head_dim"), f"hidden_size / num_attention_heads = {hidden // heads}")
+        refuse("head_dim", config.get("head_dim"), f"hidden_size / num_attention_heads = {hidden / heads:g}")
     groups = config.get("num_key_value_heads") or heads
+    if heads % groups:
+        refuse("num_key_value_heads", groups, f"a divisor of num_attention_heads={heads}")
     return {
         "vocab_size": config["vocab_size"], "seq_length": config.get("max_position_embeddings", 2048),
         "hidden_size": hidden, "num_layers": config["num_hidden_layers"], "num_attention_heads": heads,
@@ -201,55 +245,104 @@ def write_byte_tokenizer(out: Path, eod: int, pad: int) -> list[str]:
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
+def tokenizer_file(spec: str) -> Path:
+    """data.tokenizer (a local Hugging Face tokenizer folder, or its tokenizer.json) -> its tokenizer.json."""
+    path = Path(spec)
+    return path / "tokenizer.json" if path.is_dir() else path
+
+
+def declared_special_ids(file: Path) -> dict[str, int]:
+    """The bos and pad ids a Hugging Face tokenizer folder declares (tokenizer_config.json, then
+    special_tokens_map.json), where their tokens are in its vocabulary."""
+    from tokenizers import Tokenizer
+
+    vocabulary = Tokenizer.from_file(str(file))
+    found: dict[str, int] = {}
+    for config in ("tokenizer_config.json", "special_tokens_map.json"):
+        if not (file.parent / config).is_file():
+            continue
+        declared = json.loads((file.parent / config).read_text())
+        for name in ("bos", "pad"):
+            token = declared.get(f"{name}_token")
+            token = token.get("content") if isinstance(token, dict) else token
+            if name not in found and isinstance(token, str) and vocabulary.token_to_id(token) is not None:
+                found[name] = vocabulary.token_to_id(token)
+    return found
+
+
 # --- the two commands -------------------------------------------------------------------------------
 
-def export_to_hf(step_dir: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32") -> dict:
-    """checkpoint.py to-hf: a GPT step folder -> a folder LlamaForCausalLM.from_pretrained loads."""
+def read_run(source: Path, config: Optional[str], verify_checksums: bool) -> tuple[Any, dict[str, torch.Tensor]]:
+    """The run's config and full weights: a step folder (its config.yaml, or `config`) or a weights file
+    (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's config.yaml)."""
+    from omegaconf import OmegaConf
+
+    from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.weights import load_weights_file, read_model_weights
+
+    if not source.exists():
+        raise CheckpointError(f"{source}: no such step folder or weights file")
+    if config is None and source.is_file():
+        raise CheckpointError(f"{source} is a weights file, which holds no model settings: give the run's "
+                              "config with --config (a step folder's config.yaml or the run's resolved_config.yaml)")
+    config_file = Path(config) if config is not None else source / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"{config_file}: no such config (a step folder holds the run's settings in "
+                              "config.yaml; --config names another)")
+    cfg = OmegaConf.load(config_file)
+    if cfg.get("recipe") != "gpt":
+        raise CheckpointError(f"{config_file} is a {cfg.get('recipe')!r} run's config; to-hf exports the GPT recipe's")
+    weights = read_model_weights(source, verify_checksums) if source.is_dir() else load_weights_file(source)
+    return cfg, weights
+
+
+def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
+                 config: Optional[str] = None) -> dict:
+    """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
+    LlamaForCausalLM.from_pretrained loads. Returns the written config.json."""
     from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
     from core.checkpointing.layout import CheckpointError
-    from core.checkpointing.weights import read_model_weights
     from recipes.gpt.tokenizer import build_tokenizer
 
-    step, out = Path(step_dir), Path(out_dir)
+    out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
-    config_file = step / "config.yaml"
-    if not config_file.is_file():
-        raise CheckpointError(f"{step}: no config.yaml (the run's settings) beside the weights")
-    cfg = OmegaConf.load(config_file)
-    if cfg.get("recipe") != "gpt":
-        raise CheckpointError(f"{step} is a {cfg.get('recipe')!r} checkpoint; to-hf exports the GPT recipe's")
+    cfg, weights = read_run(Path(source), config, verify_checksums)
     m = OmegaConf.to_container(cfg.model, resolve=True)
-    weights = read_model_weights(step, verify_checksums)
-    vocab_size = weights["embedding.weight"].shape[0]
-    eos = pad = None
+    vocab_size = weights["embedding.weight"].shape[0]  # the padded vocabulary the model was built with
+    specials: dict[str, Optional[int]] = {}
     tokenizer_note = ""
-    if cfg.data.get("format") != "mock":
+    has_tokenizer = cfg.data.get("format") != "mock"  # mock data: synthetic ids, no tokenizer
+    if has_tokenizer:
         tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
-        eos = tokenizer.eod
-        pad = tokenizer.pad if tokenizer.pad < vocab_size else None
-        tokenizer_note = f"; tokenizer {cfg.data.tokenizer} (end of document = id {eos})"
+        specials["eos"] = tokenizer.eod
+        if cfg.data.tokenizer == "byte":
+            specials["pad"] = tokenizer.pad  # a real id of the byte tokenizer.json written below
+            tokenizer_note = (f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
+                              f"padding = id {tokenizer.pad})")
+        else:  # the folder's own bos/pad tokens; its pad id in the data pipeline is no token at all
+            specials |= declared_special_ids(tokenizer_file(cfg.data.tokenizer))
+            tokenizer_note = f"; tokenizer {cfg.data.tokenizer} (end of document = id {tokenizer.eod})"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, m).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    config = llama_config(m, vocab_size, eos, pad, dtype)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    written = llama_config(m, vocab_size, specials, dtype)
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     copied = []
-    if cfg.data.get("format") != "mock" and cfg.data.tokenizer != "byte":
-        folder = Path(cfg.data.tokenizer)
-        folder = folder if folder.is_dir() else folder.parent
+    if has_tokenizer and cfg.data.tokenizer == "byte":
+        copied = write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad)
+    elif has_tokenizer:
+        folder = tokenizer_file(cfg.data.tokenizer).parent
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, out / name)
                 copied.append(name)
-    elif cfg.data.get("format") != "mock":
-        copied = write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad)
     print(f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
           f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else ""))
-    return config
+    return written
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -263,7 +356,11 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").is_file():
         return load_file(str(folder / "model.safetensors"))
     if (folder / "pytorch_model.bin").is_file():
-        return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        try:  # weights_only: loading runs no code from the file
+            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
+        except Exception as e:  # noqa: BLE001
+            raise ValueError(f"{folder}/pytorch_model.bin: cannot read as torch weights "
+                             f"({type(e).__name__}: {e})") from None
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
 
 
@@ -280,11 +377,11 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     if target.exists():
         raise FileExistsError(f"{target} exists; choose a new path")
     settings = model_settings(json.loads((folder / "config.json").read_text()))
-    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}
+    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}  # our master weights are fp32
+    weights = from_llama(hf, settings, fuse_qkv)
     if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],
                                                                                   hf["model.embed_tokens.weight"]):
         raise ValueError("config.json says tie_word_embeddings, but lm_head.weight differs from the embedding")
-    weights = from_llama(hf, settings, fuse_qkv)
     if target.suffix == ".safetensors":
         target.parent.mkdir(parents=True, exist_ok=True)
         save_file(weights, str(target))
