@@ -60,12 +60,13 @@ def predict(cfg: DictConfig, run_dir: Path) -> PredictResult:
                      c.verify_checksums)
         # 2. Data: rank r takes samples r, r + dp, ...; every rank runs the same number of batches (the
         #    sharded model's collectives need that), shorter shares padded with samples marked invalid.
-        dataset = s.recipe.split(s.cfg.predict.split)
+        p = s.cfg.predict
+        dataset = s.recipe.unlabeled(p.folder) if p.folder else s.recipe.split(p.split)
         sampler = EvalBatchSampler(len(dataset), s.cfg.predict.micro_batch_size, s.env.dp_size, s.env.dp_rank)
         loader = make_loader(PaddedEval(dataset), sampler, s.cfg.data.num_workers,
                              s.env.device.type == "cuda" and s.cfg.data.pin_memory, s.cfg.seed, s.recipe.collate_fn())
         if s.is_main:
-            log.info("predicting %d %s samples with %s", len(dataset), s.cfg.predict.split, c.init_from)
+            log.info("predicting %d samples of %s with %s", len(dataset), p.folder or f"the {p.split} split", c.init_from)
         # 3. Predict, gather on rank 0, write.
         local = predict_rows(s, parallel.wrapped, loader)
         output = Path(s.cfg.predict.output) if s.cfg.predict.output else run_dir / "predictions.csv"

@@ -57,7 +57,8 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     """Check the config, resolve the runtime, start the process group and device mesh (torn down on exit),
     instantiate the recipe and write <run dir>/resolved_config.yaml."""
     cfg = validate(cfg)
-    recipe_class = get_recipe(cfg.recipe)
+    recipe = get_recipe(cfg.recipe)(cfg)
+    cfg = recipe.cfg = recipe.resolve_config(cfg)  # e.g. sizes taken from the data
     runtime = resolve(cfg)
     d = cfg.distributed
     env = distributed.setup(d.dp_outer, d.dp_shard, d.tp, d.timeout_minutes, runtime.device_type)
@@ -72,7 +73,7 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
                      "| model.backend=%s%s | run dir %s", cfg.recipe, env.world_size, env.device.type, runtime.parallel,
                      " (auto)" if runtime.parallel_auto else "", env.dp_outer, env.dp_shard, env.tp, runtime.layers,
                      " (auto)" if runtime.layers_auto else "", run_dir)
-        yield Session(cfg, runtime, env, recipe_class(cfg), run_dir, autocast)
+        yield Session(cfg, runtime, env, recipe, run_dir, autocast)
     finally:
         distributed.teardown()
 

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from core.config.errors import ConfigError
 from core.data.loading import to_device
 from core.layers.namespace import Layers
 
@@ -32,6 +33,12 @@ class Recipe:
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
+
+    def resolve_config(self, cfg: Any) -> Any:
+        """The validated config with what the recipe reads from its data filled in (e.g. the ViT's class
+        count for data.num_classes: null). Called once at start, before the config is saved and checked
+        against a checkpoint's; returns a read-only config."""
+        return cfg
 
     # --- model -------------------------------------------------------------------------------
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
@@ -60,7 +67,11 @@ class Recipe:
 
     def split(self, name: str) -> Dataset:
         """One named split (e.g. "test") for predict.py, indexed with ints."""
-        raise NotImplementedError(f"the {self.name} recipe has no split {name!r} for prediction")
+        raise ConfigError(f"the {self.name} recipe has no split {name!r} for prediction")
+
+    def unlabeled(self, folder: str) -> Dataset:
+        """predict.folder: every input under `folder`, without labels, indexed with ints."""
+        raise ConfigError(f"the {self.name} recipe does not predict on a folder (predict.folder)")
 
     def collate_fn(self):
         return None  # torch's default_collate

@@ -14,7 +14,8 @@ from PIL import Image
 from core.data.sampling import EvalBatchSampler, GlobalBatchSampler
 from core.data.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted, tiny_imagenet_files
+from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted
+from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
 from tests.helpers import REPO
 
 
@@ -119,8 +120,9 @@ def test_tiny_imagenet_layout(tmp_path):
         lines.append(f"val_{i}.JPEG\t{w}\t0\t0\t8\t8")
     (tmp_path / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     transform = Transform(ImageDataConfig(num_classes=2, val_crop_fraction=1.0), 8, train=False)
-    train_files, classes = tiny_imagenet_files(tmp_path, "train")
-    val = ImageSamples(tiny_imagenet_files(tmp_path, "val")[0], transform, seed=0)
+    classes = tiny_imagenet_classes(tmp_path)
+    train_files = tiny_imagenet_files(tmp_path, "train", classes)
+    val = ImageSamples(tiny_imagenet_files(tmp_path, "val", classes), transform, seed=0)
     assert classes == wnids and len(train_files) == 4
     assert [val[i]["label"] for i in range(3)] == [1, 0, 1]
     assert val[0]["image"].shape == (3, 8, 8)  # grayscale JPEGs become RGB

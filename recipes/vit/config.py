@@ -6,8 +6,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Optional
 
-from omegaconf import MISSING
-
 from core.config.errors import require
 from core.config.schema import check_ranges
 from core.config.schema import DataConfig, ModelConfig
@@ -17,7 +15,8 @@ IMAGENET_STD = [0.229, 0.224, 0.225]
 
 
 class ImageFormat(StrEnum):
-    imagefolder = "imagefolder"  # <root>/<train_split>/<class>/*.png|jpg ...
+    # What each layout holds and what is left out (hidden, unreadable, classless files): recipes/vit/folders.py
+    imagefolder = "imagefolder"  # <root>/<train_split>/<class>/**/*.png|jpg ...
     tiny_imagenet = "tiny_imagenet"  # <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
     synthetic = "synthetic"  # random images and labels, for throughput measurements
 
@@ -34,7 +33,7 @@ class ViTModelConfig(ModelConfig):
     img_size: int = 224
     patch_size: int = 16
     in_chans: int = 3
-    num_classes: int = 1000  # the configs set ${data.num_classes}
+    num_classes: Optional[int] = 1000  # the configs set ${data.num_classes}
     hidden_size: int = 768
     depth: int = 12
     num_heads: int = 12
@@ -58,7 +57,10 @@ class ViTModelConfig(ModelConfig):
 @dataclass
 class ImageDataConfig(DataConfig):
     format: ImageFormat = ImageFormat.imagefolder
-    num_classes: int = MISSING  # the model's head size follows this (model.num_classes: ${data.num_classes})
+    # The model's head size follows this (model.num_classes: ${data.num_classes}). null: the number of
+    # classes the training split holds (imagefolder: class folders with images; tiny_imagenet: training
+    # wnids with images, in wnids.txt order); a number that differs from the data's is an error.
+    num_classes: Optional[int] = None
     # A missing root with <root>.tar.gz (or .tgz / .tar) beside it is extracted there on first use.
     root: Optional[str] = None
     train_split: str = "train"
@@ -79,6 +81,9 @@ class ImageDataConfig(DataConfig):
     mean: list[float] = field(default_factory=lambda: list(IMAGENET_MEAN))
     std: list[float] = field(default_factory=lambda: list(IMAGENET_STD))
     num_workers: int = 4
+    # Read every image file's header when the dataset is built (threads) and leave out the unreadable ones,
+    # logged; false: skip it (a bad file then stops the run when a loader worker reads it, naming the file).
+    verify_images: bool = True
     decode_on: DecodeOn = DecodeOn.workers
     # synthetic format only: number of samples per split
     synthetic_train_size: int = 100_000
@@ -89,6 +94,8 @@ class ImageDataConfig(DataConfig):
         DataConfig.check(c, key)
         check_ranges(c, key, positive=("num_classes", "val_crop_fraction", "synthetic_train_size", "synthetic_val_size"),
                      non_negative=("mixup_alpha", "cutmix_alpha"), probabilities=("hflip", "mix_prob", "mix_switch_prob"))
+        require(c.num_classes is not None or c.format != ImageFormat.synthetic,
+                f"{key}.format=synthetic needs {key}.num_classes (random labels come from no folder)")
         mixes = c.mixup_alpha > 0 or c.cutmix_alpha > 0
         require(not (c.decode_on == DecodeOn.device and (c.format == ImageFormat.synthetic or mixes)),
                 f"{key}.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "

@@ -22,11 +22,12 @@ import torch
 import torchvision
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
-from torchvision import datasets
 from torchvision.transforms import v2
 
 from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
+from recipes.vit.folders import (imagefolder_classes, imagefolder_files, readable, tiny_imagenet_classes,
+                                 tiny_imagenet_files, unlabeled_files)
 
 log = logging.getLogger(__name__)
 
@@ -80,22 +81,12 @@ class ImageSamples(Dataset):
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
-        with Image.open(path) as img:
-            image = v2.functional.pil_to_tensor(img.convert("RGB"))
+        try:
+            with Image.open(path) as img:
+                image = v2.functional.pil_to_tensor(img.convert("RGB"))
+        except (OSError, Image.DecompressionBombError) as e:  # header fine, pixels not (truncated, corrupt)
+            raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
         return {"image": self.transform(image, sample_generator(self.seed, epoch, idx)), "label": label, "idx": idx}
-
-
-def tiny_imagenet_files(root: Path, split: str) -> tuple[list[tuple[str, int]], list[str]]:
-    """Tiny-ImageNet-200 layout: train/<wnid>/images/*.JPEG; val/images/*.JPEG with labels in
-    val/val_annotations.txt (file, wnid, box). Classes are the sorted training wnids."""
-    train_dir = root / "train"
-    classes = sorted(p.name for p in train_dir.iterdir() if p.is_dir())
-    index = {wnid: i for i, wnid in enumerate(classes)}
-    if split == "train":
-        return [(str(f), index[wnid]) for wnid in classes for f in sorted((train_dir / wnid / "images").iterdir())], classes
-    lines = (root / split / "val_annotations.txt").read_text().splitlines()
-    return [(str(root / split / "images" / parts[0]), index[parts[1]])
-            for parts in (line.split("\t") for line in lines if line.strip())], classes
 
 
 class SyntheticImages(Dataset):
@@ -236,30 +227,65 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
     if data.format == "synthetic":
         return (SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
                 SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1))
-    if data.root is None:
-        raise ValueError(f"data.root must be set for data.format={data.format}")
-    root = ensure_extracted(data.root)
-    if data.format == "imagefolder":
-        train_folder = datasets.ImageFolder(str(root / data.train_split))  # only lists files and classes
-        train_files, classes = train_folder.samples, train_folder.classes
-        val_dir = root / data.val_split
-        val_files = None
-        if val_dir.exists():
-            val_folder = datasets.ImageFolder(str(val_dir))
-            if val_folder.classes != classes:
-                raise ValueError(f"{val_dir} has classes {val_folder.classes[:5]}..., unlike {root / data.train_split}")
-            val_files = val_folder.samples
-    elif data.format == "tiny_imagenet":
-        train_files, classes = tiny_imagenet_files(root, data.train_split)
-        val_files, _ = tiny_imagenet_files(root, data.val_split)
-    else:
-        raise ValueError(f"data.format={data.format!r}: expected imagefolder, tiny_imagenet or synthetic")
+    classes = image_classes(data)
     if len(classes) != model.num_classes:
-        raise ValueError(f"{root} has {len(classes)} classes but model.num_classes={model.num_classes}")
+        raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
+    train_files = split_files(data, data.train_split, classes)
+    if not train_files:
+        raise ValueError(f"{data.root}: no training split {data.train_split!r}")
+    val_files = split_files(data, data.val_split, classes)
     samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
     train = samples(train_files, Transform(data, size, train=True), seed)
     val = samples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
     return train, val
+
+
+def image_classes(data: ImageDataConfig) -> list[str]:
+    """The class names of an image dataset, in label order (recipes/vit/folders.py says which)."""
+    if data.root is None:
+        raise ValueError(f"data.root must be set for data.format={data.format}")
+    root = ensure_extracted(data.root)
+    if data.format == "imagefolder":
+        return imagefolder_classes(root / data.train_split)
+    if data.format == "tiny_imagenet":
+        return tiny_imagenet_classes(root)
+    raise ValueError(f"data.format={data.format!r} has no class names (expected imagefolder or tiny_imagenet)")
+
+
+def split_files(data: ImageDataConfig, split: str, classes: list[str]) -> Optional[list[tuple[str, int]]]:
+    """(image, label) of one split, unreadable files left out (data.verify_images); None if it does not exist."""
+    root = ensure_extracted(data.root)
+    if data.format == "tiny_imagenet":
+        files = tiny_imagenet_files(root, split, classes)
+    elif (root / split).is_dir():
+        files = imagefolder_files(root / split, classes)
+    else:
+        files = None
+    if files is None:
+        log.info("%s: no %s split", root, split)
+        return None
+    if data.verify_images:
+        files = readable(files, str(root / split))
+    if not files:
+        raise ValueError(f"{root / split}: no readable images of the training classes")
+    return files
+
+
+def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, split: Optional[str],
+                       folder: Optional[str]) -> ImageSamples:
+    """predict.py's images, with the validation transform: a split of the data, or every image under
+    `folder` (unlabeled, label -1)."""
+    transform = Transform(data, model.img_size, train=False)
+    if folder is not None:
+        files = unlabeled_files(Path(folder))
+        files = readable(files, folder) if data.verify_images else files
+    else:
+        files = split_files(data, split, image_classes(data))
+        if files is None:
+            raise ValueError(f"predict.split={split}: {data.root} has no such split")
+    if not files:
+        raise ValueError(f"{folder or split}: no readable images")
+    return ImageSamples(files, transform, seed)
 
 
 MIX_STREAM = 0x6D6978  # keeps the mixing draws apart from the sample's augmentation draws

@@ -3,23 +3,51 @@
 from __future__ import annotations
 
 import functools
+import logging
+import os
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from omegaconf import OmegaConf
 from torch import nn
 
+from core.config.errors import ConfigError
 from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import Transform, build_image_datasets, collate_encoded, decode_batch
+from recipes.vit.data import (Transform, build_image_datasets, collate_encoded, decode_batch, image_classes,
+                              prediction_samples)
 from recipes.vit.model import VisionTransformer
+
+log = logging.getLogger("train")
 
 
 class ViTRecipe(Recipe):
     name = "vit"
     model_schema = ViTModelConfig
     data_schema = ImageDataConfig
+
+    def resolve_config(self, cfg):
+        """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
+        an explicit number must be that one."""
+        d, m = cfg.data, cfg.model
+        if d.format == "synthetic":
+            return cfg
+        found = len(image_classes(d))
+        for key, given in (("data.num_classes", d.num_classes), ("model.num_classes", m.num_classes)):
+            if given is not None and given != found:
+                raise ConfigError(f"{key}={given}, but {d.root} holds {found} classes (null takes the data's)")
+        if d.num_classes == found and m.num_classes == found:
+            return cfg
+        cfg = cfg.copy()
+        OmegaConf.set_readonly(cfg, False)
+        cfg.data.num_classes = cfg.model.num_classes = found
+        OmegaConf.set_readonly(cfg, True)
+        if os.environ.get("RANK", "0") == "0":
+            log.info("data.num_classes=%d: the classes %s holds", found, d.root)
+        return cfg
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model = VisionTransformer(self.cfg.model, layers, device=device)
@@ -64,6 +92,53 @@ class ViTRecipe(Recipe):
             out["top1"] = (top5[:, 0] == labels).float()
             out["top5"] = (top5 == labels[:, None]).any(dim=-1).float()
         return out
+
+    # --- prediction (predict.py) ---------------------------------------------------------------
+    def split(self, name: str):
+        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None)
+        self._predicted_base = Path(self.cfg.data.root)  # file names in the output are relative to it
+        return self._predicted
+
+    def unlabeled(self, folder: str):
+        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, None, folder)
+        self._predicted_base = Path(folder)
+        return self._predicted
+
+    def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """Per image: its label (-1: none), the 5 most likely classes and their probabilities."""
+        probs = model(batch["image"]).float().softmax(dim=-1)
+        top = probs.topk(min(5, probs.shape[-1]), dim=-1)
+        return {"idx": batch["idx"], "label": batch["label"], "top": top.indices, "prob": top.values}
+
+    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict:
+        """Adds the image's path (relative to its folder) and the top classes' names, where the data has them."""
+        paths = [Path(self._predicted.files[i][0]) for i in columns["idx"].tolist()]
+        files = [str(p.relative_to(self._predicted_base)) if p.is_relative_to(self._predicted_base) else str(p)
+                 for p in paths]
+        out = {"idx": columns["idx"], "file": files, "label": columns["label"],
+               "top": columns["top"], "prob": columns["prob"]}
+        if self.cfg.data.format != "synthetic":
+            names = self._class_names()
+            if names is not None:
+                out["top_name"] = [[names[i] for i in row] for row in columns["top"].tolist()]
+        return out
+
+    def _class_names(self):
+        try:
+            return image_classes(self.cfg.data)
+        except (OSError, ValueError) as e:
+            log.warning("class names unknown (%s): the output has class indices only", e)
+            return None
+
+    def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
+        """top-1 / top-5 accuracy over the images that have labels."""
+        labelled = columns["label"] >= 0
+        result: dict[str, float | int] = {"images": len(columns["label"]), "labelled": int(labelled.sum())}
+        if labelled.any():
+            top, labels = columns["top"][labelled], columns["label"][labelled]
+            result["top1"] = (top[:, 0] == labels).double().mean().item()
+            result["top5"] = (top == labels[:, None]).any(dim=-1).double().mean().item()
+        return result
 
     def tokens_per_sample(self) -> int:
         return (self.cfg.model.img_size // self.cfg.model.patch_size) ** 2 + 1

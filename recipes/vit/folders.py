@@ -1,0 +1,184 @@
+"""Which images and classes a dataset folder holds, as folders are found in the wild.
+
+Layouts:
+  imagefolder    <split>/<class>/**/<image>   classes: the class folders of the training split that hold images
+  tiny_imagenet  train/<wnid>/images/<image>, val/images/<image> labelled by val/val_annotations.txt
+                 (file, wnid, box); classes: the training wnids with images, in wnids.txt order
+  unlabeled      <folder>/**/<image>          prediction inputs, no labels
+
+What is left out, and said so in the log (never an error unless nothing is left):
+  - names starting with "." (.DS_Store, .ipynb_checkpoints, ._ resource forks): never classes or images;
+  - files without an image extension (box files, READMEs, CSVs);
+  - class folders without images (a subset that kept empty folders);
+  - image files whose header cannot be read (zero bytes, truncated, not an image): checked once when the
+    dataset is built, in parallel threads (data.verify_images=false skips the check: a bad file then
+    stops training when a worker reads it, naming the file);
+  - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
+    that kept the full 10,000-line annotations file).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Optional
+
+from PIL import Image
+
+log = logging.getLogger(__name__)
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+Files = list[tuple[str, int]]  # (path, label); label -1: unlabeled
+
+
+def visible(name: str) -> bool:
+    return not name.startswith(".")
+
+
+def is_image_name(name: str) -> bool:
+    return visible(name) and name.lower().endswith(IMAGE_EXTENSIONS)
+
+
+def images_under(folder: Path) -> list[Path]:
+    """Image files under `folder` (any depth, hidden folders skipped), in sorted path order."""
+    found = []
+    for parent, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if visible(d)]
+        found += [Path(parent) / n for n in names if is_image_name(n)]
+    return sorted(found)
+
+
+def _has_images(folder: Path) -> bool:
+    for parent, dirs, names in os.walk(folder, followlinks=True):
+        dirs[:] = [d for d in dirs if visible(d)]
+        if any(is_image_name(n) for n in names):
+            return True
+    return False
+
+
+def _subfolders(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.iterdir() if p.is_dir() and visible(p.name))
+
+
+def _header_error(path: str) -> Optional[str]:
+    try:
+        with Image.open(path) as img:
+            img.size  # noqa: B018  (the header is parsed by open; size comes from it)
+        return None
+    except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
+        return f"{type(e).__name__}: {e}"
+
+
+def readable(files: Files, where: str, threads: int = 16) -> Files:
+    """`files` without those whose image header cannot be read; logs how many were left out and a few names."""
+    with ThreadPoolExecutor(threads) as pool:
+        errors = list(pool.map(_header_error, [path for path, _ in files]))
+    bad = [(path, error) for (path, _), error in zip(files, errors) if error]
+    if bad:
+        shown = "; ".join(f"{p} ({e})" for p, e in bad[:3])
+        log.warning("%s: left out %d of %d image files that cannot be read: %s%s", where, len(bad), len(files), shown,
+                    " ..." if len(bad) > 3 else "")
+    return [f for f, error in zip(files, errors) if not error]
+
+
+# --- ImageFolder -------------------------------------------------------------------------------------
+
+def imagefolder_classes(split_dir: Path) -> list[str]:
+    """The class folders of `split_dir` that hold images, sorted by name."""
+    if not split_dir.is_dir():
+        raise FileNotFoundError(f"{split_dir}: no such folder (expected <data.root>/<split>/<class>/<image>)")
+    folders = _subfolders(split_dir)
+    classes = [f.name for f in folders if _has_images(f)]
+    empty = [f.name for f in folders if f.name not in classes]
+    if empty:
+        log.warning("%s: left out %d class folders without images: %s", split_dir, len(empty), ", ".join(empty[:5]))
+    if not classes:
+        raise ValueError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
+                         f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
+    return classes
+
+
+def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
+    """(image, label) for every image of the given classes; class folders of `split_dir` that are not among
+    them (a class without training images) are left out and logged."""
+    index = {c: i for i, c in enumerate(classes)}
+    others = [f.name for f in _subfolders(split_dir) if f.name not in index]
+    if others:
+        log.warning("%s: left out %d class folders that the training split does not have: %s", split_dir,
+                    len(others), ", ".join(others[:5]))
+    return [(str(p), index[c]) for c in classes if (split_dir / c).is_dir() for p in images_under(split_dir / c)]
+
+
+# --- Tiny-ImageNet -----------------------------------------------------------------------------------
+
+def tiny_imagenet_classes(root: Path) -> list[str]:
+    """The wnids with training images, in wnids.txt order (sorted when there is no wnids.txt; wnids that
+    wnids.txt lacks come last, sorted). A subset with the full wnids.txt gets its own classes only."""
+    train = root / "train"
+    if not train.is_dir():
+        raise FileNotFoundError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
+    present = {f.name for f in _subfolders(train) if _has_images(f / "images")}
+    if not present:
+        raise ValueError(f"{train} has no <wnid>/images/ folders with images")
+    listed = [w.strip() for w in (root / "wnids.txt").read_text().splitlines()] if (root / "wnids.txt").is_file() else []
+    ordered = [w for w in dict.fromkeys(listed) if w in present]
+    unlisted = sorted(present - set(ordered))
+    if listed and unlisted:
+        log.warning("%s: %d training classes are not in wnids.txt and come after its classes: %s", root,
+                    len(unlisted), ", ".join(unlisted[:5]))
+    if len(ordered) < len(listed):
+        log.info("%s: %d of the %d classes in wnids.txt have training images (a subset)", root, len(ordered),
+                 len(set(listed)))
+    return ordered + unlisted
+
+
+def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[Files]:
+    """(image, label) of a split: train/<wnid>/images/*, or the annotated validation files that exist and
+    belong to a training class (an ImageFolder-style <split>/<wnid>/ also works). None without the split."""
+    index = {w: i for i, w in enumerate(classes)}
+    if split == "train":
+        return [(str(p), index[w]) for w in classes for p in images_under(root / "train" / w / "images")]
+    folder = root / split
+    if not folder.is_dir():
+        return None
+    annotations = folder / f"{split}_annotations.txt"
+    if not annotations.is_file():
+        return imagefolder_files(folder, classes)
+    files, missing, other_class, malformed = [], 0, 0, 0
+    for line in annotations.read_text().splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        if len(parts) < 2:
+            malformed += 1
+            continue
+        name, wnid = parts[0], parts[1]
+        if wnid not in index:
+            other_class += 1
+        elif not (folder / "images" / name).is_file():
+            missing += 1
+        else:
+            files.append((str(folder / "images" / name), index[wnid]))
+    if missing or other_class or malformed:
+        log.info("%s: %d annotated images; left out %d lines of classes without training images, %d of files "
+                 "that are missing%s", annotations, len(files), other_class, missing,
+                 f", {malformed} malformed" if malformed else "")
+    if not files:
+        raise ValueError(f"{annotations}: none of its lines names an existing file of a training class "
+                         f"({other_class} other classes, {missing} missing files)")
+    return files
+
+
+# --- unlabeled ---------------------------------------------------------------------------------------
+
+def unlabeled_files(folder: Path) -> Files:
+    """Every image under `folder` (any depth), in sorted path order, label -1."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"predict.folder={folder}: no such folder")
+    files = [(str(p), -1) for p in images_under(folder)]
+    if not files:
+        raise ValueError(f"predict.folder={folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+    return files

@@ -1,0 +1,69 @@
+"""predict.py with the ViT on 2 processes: a labelled split (accuracy from the rows equals the reported
+one) and a folder of unlabeled images (rows in sorted path order)."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tests.helpers import REPO, train_run, validated_config
+from tests.test_image_folders import _image, make_quirky_imagefolder
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("vit")
+    root, classes = make_quirky_imagefolder(tmp / "pets")
+    overrides = ["data=imagefolder", f"data.root={root}", "training.steps=30", "training.val_every_n_steps=0",
+                 "training.micro_batch_size=12", "training.global_batch_size=12", "data.num_workers=0",
+                 "logger.progress_bar=never", "scheduler.warmup_steps=3", f"checkpoint.path={tmp}/ckpt"]
+    train_run(validated_config("vit_sanity", overrides), tmp / "run")
+    return tmp, root, classes
+
+
+def _predict(tmp, root, out, *overrides):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "predict.py"),
+           "--config-name", "vit_predict", "model=vit_tiny", "data=imagefolder", f"data.root={root}",
+           "precision=fp32", "data.val_crop_fraction=1.0", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
+           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides]
+    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    with open(out / "predictions.csv") as f:
+        return list(csv.DictReader(f)), json.loads((out / "prediction_metrics.json").read_text())
+
+
+def test_predict_a_labelled_split(trained, tmp_path):
+    tmp, root, classes = trained
+    rows, metrics = _predict(tmp, root, tmp_path)
+    assert [int(r["idx"]) for r in rows] == list(range(18))  # every val image once, in order
+    files = [str(p.relative_to(root)) for c in classes for p in sorted((root / "val" / c).rglob("*.png"))]
+    assert [r["file"] for r in rows] == files and "val/cat/more/0.png" in files  # by class, then path
+    assert [int(r["label"]) for r in rows] == [classes.index(f.split("/")[1]) for f in files]
+    assert all(r["top_name_0"] == classes[int(r["top_0"])] for r in rows)
+    assert all(float(r["prob_0"]) >= float(r["prob_1"]) >= float(r["prob_2"]) for r in rows)
+    top1 = sum(r["top_0"] == r["label"] for r in rows) / len(rows)
+    assert metrics == {"rows": 18, "images": 18, "labelled": 18, "top1": top1, "top5": 1.0}  # 3 classes: all in top 5
+    assert top1 >= 0.9
+
+
+def test_predict_a_folder_of_unlabeled_images(trained, tmp_path):
+    tmp, root, classes = trained
+    rng = np.random.default_rng(5)
+    folder = tmp_path / "incoming"
+    (folder / "b").mkdir(parents=True)
+    names = ["z.png", "a.png", "b/c.png", "b/a.png", "m.jpg"]
+    for i, name in enumerate(names):
+        _image(rng, i % 3).convert("RGB").save(folder / name)
+    (folder / "README.txt").write_text("not an image")
+    (folder / ".DS_Store").write_bytes(b"\x00")
+    rows, metrics = _predict(tmp, root, tmp_path, f"predict.folder={folder}")
+    assert [r["file"] for r in rows] == sorted(names)
+    assert all(r["label"] == "-1" for r in rows)
+    expected = {name: classes[i % 3] for i, name in enumerate(names)}
+    assert sum(r["top_name_0"] == expected[r["file"]] for r in rows) >= 4
+    assert metrics == {"rows": 5, "images": 5, "labelled": 0}
