@@ -79,7 +79,9 @@ def _failing_run(tmp_path: Path, overrides: list[str], fault: dict) -> str:
     return out
 
 
-def _digits_with_a_corrupt_image(root: Path) -> Path:
+def _digits_with_bad_images(root: Path) -> Path:
+    """Two classes of PNGs, with a file that is no image (left out when the dataset is built) and one whose
+    header reads but whose pixels are cut off (found only when a loader worker decodes it)."""
     rng = np.random.default_rng(0)
     for split, count in (("train", 12), ("val", 4)):
         for label in range(2):
@@ -87,32 +89,19 @@ def _digits_with_a_corrupt_image(root: Path) -> Path:
             folder.mkdir(parents=True)
             for i in range(count):
                 Image.fromarray(rng.integers(0, 255, (28, 28, 3), dtype=np.uint8)).save(folder / f"{i}.png")
-    (root / "train" / "1" / "7.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00not an image" * 20)
+    (root / "train" / "0" / "3.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\x00not an image" * 20)
+    whole = (root / "train" / "1" / "7.png").read_bytes()
+    (root / "train" / "1" / "7.png").write_bytes(whole[: len(whole) // 2])
     return root
 
 
-@pytest.mark.parametrize("fault", [
-    pytest.param({"FAULT": "crash", "FAULT_RANK": "1", "FAULT_STEP": "3"}, id="crashed-peer"),
-    pytest.param({"FAULT": "log_error", "FAULT_RANK": "1", "FAULT_STEP": "2"}, id="error-in-a-log-step"),
-    pytest.param({"FAULT": "disk_full", "FAULT_RANK": "1"}, id="failed-save"),
-])
-def test_an_error_on_one_rank_ends_the_job(tmp_path, fault):
-    out = _failing_run(tmp_path, TINY + WORKERS + ["checkpoint.save_every_n_steps=2", "training.steps=40"], fault)
-    assert "ChildFailedError" in out, out[-3000:]  # torchrun's report of a failed worker
-    if fault["FAULT"] == "crash":
-        assert "exitcode  : 9" in out, out[-3000:]  # the crashed rank is the root cause
-    if fault["FAULT"] == "log_error":
-        assert "injected: a value too large to log" in out
-    if fault["FAULT"] == "disk_full":
-        assert "No space left on device" in out
-
-
 def test_a_corrupt_image_ends_the_job(tmp_path):
-    root = _digits_with_a_corrupt_image(tmp_path / "images")
+    root = _digits_with_bad_images(tmp_path / "images")
     overrides = [o for o in TINY if not o.startswith("data")] + WORKERS + [
         f"data.root={root}", "data.num_classes=2", "training.steps=40"]
     out = _failing_run(tmp_path, overrides, {})
-    assert "7.png" in out or "cannot identify image file" in out, out[-3000:]
+    assert "left out 1 of 24 image files that cannot be read" in out and "3.png" in out, out[-3000:]
+    assert "cannot decode the image" in out and "7.png" in out, out[-3000:]
 
 
 def test_workers_stop_when_torchrun_is_killed(tmp_path):

@@ -11,8 +11,8 @@ import pytest
 from PIL import Image
 
 from core.config.errors import ConfigError
-from recipes.vit.config import ImageDataConfig
-from recipes.vit.data import image_classes, split_files
+from recipes.vit.config import ImageDataConfig, ViTModelConfig
+from recipes.vit.data import image_classes, prediction_samples, split_files
 from tests.helpers import train_run, validated_config
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40), (160, 50, 200)]
@@ -128,3 +128,20 @@ def test_quirky_trees_train_and_learn_with_classes_from_the_data(tree, tmp_path,
     assert val["top1"] >= 0.9, val  # chance: 1 / classes
     with pytest.raises(ConfigError, match=f"data.num_classes=7, but .* holds {len(classes)} classes"):
         train_run(validated_config("vit_sanity", [*overrides, "data.num_classes=7"]), tmp_path / "run2")
+
+
+def test_a_training_class_without_readable_images_is_a_clear_error(tmp_path):
+    root, classes = make_quirky_imagefolder(tmp_path / "pets", per_class=2, val_per_class=1)
+    for image in (root / "train" / "owl").rglob("*.png"):
+        image.write_bytes(b"")  # every owl truncated to nothing
+    with pytest.raises(ValueError, match="1 classes have no readable images: owl"):
+        split_files(ImageDataConfig(format="imagefolder", root=str(root)), "train", classes)
+
+
+def test_predict_split_names_follow_the_data_config(tmp_path):
+    """predict.split=val reads the folder data.val_split names (here `validation`)."""
+    root, classes = make_quirky_imagefolder(tmp_path / "pets", per_class=2, val_per_class=2)
+    (root / "val").rename(root / "validation")
+    data = ImageDataConfig(format="imagefolder", root=str(root), val_split="validation")
+    samples = prediction_samples(data, ViTModelConfig(img_size=32, num_classes=len(classes)), 0, "val", None, classes)
+    assert len(samples) == len(split_files(data, "validation", classes)) > 0

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
+from core.config.errors import ConfigError
 from tests.helpers import REPO, train_run, validated_config
 from tests.test_image_folders import _image, make_quirky_imagefolder
 
@@ -67,3 +69,36 @@ def test_predict_a_folder_of_unlabeled_images(trained, tmp_path):
     expected = {name: classes[i % 3] for i, name in enumerate(names)}
     assert sum(r["top_name_0"] == expected[r["file"]] for r in rows) >= 4
     assert metrics == {"rows": 5, "images": 5, "labelled": 0}
+
+
+def test_predict_a_folder_with_only_the_checkpoint(trained, tmp_path, caplog):
+    """No training data at hand: the head size comes from the checkpoint's config.yaml, the rows carry class
+    indices only (one process, in this one)."""
+    import predict
+
+    tmp, _, classes = trained
+    folder = tmp_path / "incoming"
+    folder.mkdir()
+    for i in range(3):
+        _image(np.random.default_rng(i), i).save(folder / f"{i}.png")
+    cfg = validated_config("vit_predict", ["model=vit_tiny", "data=imagefolder", f"data.root={tmp_path}/gone",
+                                           "precision=fp32", "data.num_workers=0", f"predict.folder={folder}",
+                                           f"checkpoint.path={tmp_path}/ckpt", "logger.progress_bar=never",
+                                           f"checkpoint.init_from={tmp}/ckpt/step_30"])
+    with caplog.at_level(logging.INFO):
+        result = predict.predict(cfg, tmp_path / "run")
+    assert f"num_classes={len(classes)} from {tmp}/ckpt/step_30/config.yaml" in caplog.text
+    assert "class names unknown" in caplog.text
+    with open(result.output) as f:
+        rows = list(csv.DictReader(f))
+    assert [r["file"] for r in rows] == ["0.png", "1.png", "2.png"] and "top_name_0" not in rows[0]
+    assert [int(r["top_0"]) for r in rows] == [0, 1, 2]
+
+
+def test_without_data_or_checkpoint_the_class_count_must_be_given(tmp_path):
+    from recipes.vit.recipe import ViTRecipe
+
+    cfg = validated_config("vit_sanity", ["data=imagefolder", f"data.root={tmp_path}/gone",
+                                          f"checkpoint.path={tmp_path}/ckpt"])
+    with pytest.raises(ConfigError, match="give data.num_classes"):
+        ViTRecipe(cfg).resolve_config(cfg)

@@ -213,21 +213,24 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dic
     return {"image": pixels, **rest}
 
 
-def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
+def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
+                         classes: Optional[list[str]] = None) -> tuple[Dataset, Optional[Dataset]]:
+    """Training and validation sets; `classes`: the label order when already read (else read from the data)."""
     ImageDataConfig.check(data, "data")  # also for configs that did not come through validation
-    train, val = _image_datasets(data, model, seed)
+    train, val = _image_datasets(data, model, seed, classes)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
         train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
                             data.mix_switch_prob, seed)
     return train, val
 
 
-def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
+def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
+                    classes: Optional[list[str]]) -> tuple[Dataset, Optional[Dataset]]:
     size = model.img_size
     if data.format == "synthetic":
         return (SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
                 SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1))
-    classes = image_classes(data)
+    classes = classes if classes is not None else image_classes(data)
     if len(classes) != model.num_classes:
         raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
     train_files = split_files(data, data.train_split, classes)
@@ -243,7 +246,7 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
 def image_classes(data: ImageDataConfig) -> list[str]:
     """The class names of an image dataset, in label order (recipes/vit/folders.py says which)."""
     if data.root is None:
-        raise ValueError(f"data.root must be set for data.format={data.format}")
+        raise FileNotFoundError(f"data.root is not set (data.format={data.format} reads its images from it)")
     root = ensure_extracted(data.root)
     if data.format == "imagefolder":
         return imagefolder_classes(root / data.train_split)
@@ -268,19 +271,26 @@ def split_files(data: ImageDataConfig, split: str, classes: list[str]) -> Option
         files = readable(files, str(root / split))
     if not files:
         raise ValueError(f"{root / split}: no readable images of the training classes")
+    if split == data.train_split:  # a class whose every image is unreadable would be a head row never trained
+        labels = {label for _, label in files}
+        empty = [c for i, c in enumerate(classes) if i not in labels]
+        if empty:
+            raise ValueError(f"{root / split}: {len(empty)} classes have no readable images: {', '.join(empty[:5])} "
+                             "(replace the files or remove the class folders)")
     return files
 
 
 def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, split: Optional[str],
-                       folder: Optional[str]) -> ImageSamples:
-    """predict.py's images, with the validation transform: a split of the data, or every image under
-    `folder` (unlabeled, label -1)."""
+                       folder: Optional[str], classes: Optional[list[str]] = None) -> ImageSamples:
+    """predict.py's images, with the validation transform: a split of the data (labels in `classes` order,
+    read from the data when not given), or every image under `folder` (unlabeled, label -1)."""
     transform = Transform(data, model.img_size, train=False)
     if folder is not None:
         files = unlabeled_files(Path(folder))
         files = readable(files, folder) if data.verify_images else files
     else:
-        files = split_files(data, split, image_classes(data))
+        split = {"train": data.train_split, "val": data.val_split}.get(split, split)  # the names predict.py knows
+        files = split_files(data, split, classes if classes is not None else image_classes(data))
         if files is None:
             raise ValueError(f"predict.split={split}: {data.root} has no such split")
     if not files:

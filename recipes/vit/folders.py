@@ -105,7 +105,7 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
     """(image, label) for every image of the given classes; class folders of `split_dir` that are not among
     them (a class without training images) are left out and logged."""
     index = {c: i for i, c in enumerate(classes)}
-    others = [f.name for f in _subfolders(split_dir) if f.name not in index]
+    others = [f.name for f in _subfolders(split_dir) if f.name not in index and _has_images(f)]
     if others:
         log.warning("%s: left out %d class folders that the training split does not have: %s", split_dir,
                     len(others), ", ".join(others[:5]))
@@ -116,7 +116,9 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
 
 def tiny_imagenet_classes(root: Path) -> list[str]:
     """The wnids with training images, in wnids.txt order (sorted when there is no wnids.txt; wnids that
-    wnids.txt lacks come last, sorted). A subset with the full wnids.txt gets its own classes only."""
+    wnids.txt lacks come last, sorted). A subset with the full wnids.txt gets its own classes only.
+    The full Tiny-ImageNet-200's wnids.txt is not sorted: its label ids are not those of sorted folder names
+    (torchvision's ImageFolder order), on purpose, so that a subset and the full set agree with the file."""
     train = root / "train"
     if not train.is_dir():
         raise FileNotFoundError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")

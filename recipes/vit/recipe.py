@@ -6,6 +6,7 @@ import functools
 import logging
 import os
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +29,9 @@ class ViTRecipe(Recipe):
     name = "vit"
     model_schema = ViTModelConfig
     data_schema = ImageDataConfig
+    # The data's class names in label order, read once by resolve_config (None: synthetic data, or not read).
+    classes: Optional[list[str]] = None
+    classes_missing: Optional[str] = None  # why they could not be read (data.root not there)
 
     def resolve_config(self, cfg):
         """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
@@ -35,7 +39,12 @@ class ViTRecipe(Recipe):
         d, m = cfg.data, cfg.model
         if d.format == "synthetic":
             return cfg
-        found = len(image_classes(d))
+        try:
+            self.classes = image_classes(d)  # read once: the datasets and the prediction names use it too
+            found = len(self.classes)
+        except FileNotFoundError as e:  # e.g. predict.py on a folder of new images, with the checkpoint only
+            self.classes_missing = str(e)
+            found = self._num_classes_without_data(cfg, e)
         for key, given in (("data.num_classes", d.num_classes), ("model.num_classes", m.num_classes)):
             if given is not None and given != found:
                 raise ConfigError(f"{key}={given}, but {d.root} holds {found} classes (null takes the data's)")
@@ -45,9 +54,26 @@ class ViTRecipe(Recipe):
         OmegaConf.set_readonly(cfg, False)
         cfg.data.num_classes = cfg.model.num_classes = found
         OmegaConf.set_readonly(cfg, True)
-        if os.environ.get("RANK", "0") == "0":
+        if self.classes is not None and os.environ.get("RANK", "0") == "0":
             log.info("data.num_classes=%d: the classes %s holds", found, d.root)
         return cfg
+
+    @staticmethod
+    def _num_classes_without_data(cfg, missing: FileNotFoundError) -> int:
+        """The class count when data.root is not there: the one given, else the one in the config.yaml of the
+        checkpoint.init_from step folder (the trained head's). Training then stops at the missing data."""
+        d, m = cfg.data, cfg.model
+        given = d.num_classes if d.num_classes is not None else m.num_classes
+        source = "as given"
+        saved = Path(cfg.checkpoint.init_from or "") / "config.yaml"
+        if given is None and cfg.checkpoint.init_from and saved.is_file():
+            given, source = OmegaConf.load(saved).model.get("num_classes"), f"from {saved}"
+        if given is None:
+            raise ConfigError(f"data.num_classes=null takes the count from the data, but {missing}; "
+                              "give data.num_classes (the trained model's) or a data.root that exists")
+        if os.environ.get("RANK", "0") == "0":
+            log.warning("%s; num_classes=%d %s", missing, given, source)
+        return int(given)
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model = VisionTransformer(self.cfg.model, layers, device=device)
@@ -61,7 +87,7 @@ class ViTRecipe(Recipe):
         return {"cls_token", "pos_embed"}
 
     def build_datasets(self) -> Datasets:
-        return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed))
+        return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed, self.classes))
 
     def collate_fn(self):
         return collate_encoded if self.cfg.data.decode_on == "device" else None
@@ -95,7 +121,7 @@ class ViTRecipe(Recipe):
 
     # --- prediction (predict.py) ---------------------------------------------------------------
     def split(self, name: str):
-        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None)
+        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, self.classes)
         self._predicted_base = Path(self.cfg.data.root)  # file names in the output are relative to it
         return self._predicted
 
@@ -123,12 +149,15 @@ class ViTRecipe(Recipe):
                 out["top_name"] = [[names[i] for i in row] for row in columns["top"].tolist()]
         return out
 
-    def _class_names(self):
-        try:
-            return image_classes(self.cfg.data)
-        except (OSError, ValueError) as e:
-            log.warning("class names unknown (%s): the output has class indices only", e)
-            return None
+    def _class_names(self) -> Optional[list[str]]:
+        if self.classes is None and self.classes_missing is None:  # resolve_config did not run
+            try:
+                self.classes = image_classes(self.cfg.data)
+            except FileNotFoundError as e:
+                self.classes_missing = str(e)
+        if self.classes is None:
+            log.warning("class names unknown (%s): the output has class indices only", self.classes_missing)
+        return self.classes
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         """top-1 / top-5 accuracy over the images that have labels."""
