@@ -121,6 +121,9 @@ class ViTRecipe(Recipe):
 
     # --- prediction (predict.py) ---------------------------------------------------------------
     def split(self, name: str):
+        if self.cfg.data.format == "synthetic":
+            raise ConfigError(f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
+                              "the data the model was trained on (data=imagefolder data.root=...) or predict.folder")
         self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, self.classes)
         self._predicted_base = Path(self.cfg.data.root)  # file names in the output are relative to it
         return self._predicted
