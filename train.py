@@ -120,14 +120,16 @@ def setup(s: session.Session) -> Run:
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, t.steps)
         # 5. Data, logging, throughput, the NaN policy.
         data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
-        logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), run_name=s.run_dir.name)
+        logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
         meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
                                 s.recipe.flops_per_sample(), t.time_phases)
         run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
                   NonFiniteGuard(t.on_nonfinite, env.device))
-        # 6. Resume, last: the restored RNG state must meet the first step untouched.
+        # 6. Resume, last: the restored RNG state must meet the first step untouched. The run's history (run dir,
+        #    metrics.jsonl, W&B, TensorBoard) continues from the step resumed from.
         run.resumed_from = restore(run)
+        logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -34,7 +35,7 @@ def train_losses(run_dir: Path) -> dict[int, float]:
 
 def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     """Worker body: for each phase {"overrides", "run_dir", "signal_at": step, "state": bool,
-    "expect_error": bool}, train and report losses (rank 0), start_step, resumed_from,
+    "expect_error": bool, "remove": [folders deleted before it starts]}, train and report losses (rank 0), start_step, resumed_from,
     stopped_by, the micro-batches trained on (stream positions from the sampler, "samples"; the
     dataset indices of the samples, "idx"), and the full weights (state=True) or the error."""
     if shim:
@@ -71,6 +72,8 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
         for phase in phases:
             current.clear()
             current.update(signal_at=phase.get("signal_at"), samples=[], idx=[])
+            for folder in phase.get("remove", []):
+                shutil.rmtree(folder)
             cfg = compose_config(phase.get("config", "vit_sanity"), phase["overrides"])
             try:
                 trained_run = train_run(cfg, phase["run_dir"], full_state=phase.get("state", False))

@@ -385,11 +385,17 @@ class WandbConfig:
 
 
 @dataclass
+class TensorBoardConfig:
+    enabled: bool = False  # event files in <run dir>/tensorboard: `tensorboard --logdir <run dir>`
+
+
+@dataclass
 class LoggerConfig:
     stdout: bool = True
     jsonl: bool = True  # <run dir>/metrics.jsonl, one JSON object per logged step, validation and save
     progress_bar: ProgressBar = ProgressBar.auto
     wandb: WandbConfig = field(default_factory=WandbConfig)
+    tensorboard: TensorBoardConfig = field(default_factory=TensorBoardConfig)
 
 
 @dataclass

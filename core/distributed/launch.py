@@ -70,6 +70,19 @@ def checkpoint_dir() -> str:
     return str(Path("outputs") / hydra_cfg.job.config_name / "checkpoints")
 
 
+def run_dir(checkpoint_path: str, new_run_dir: str) -> str:
+    """hydra.run.dir: for train.py, where the run of `checkpoint_path` started (recorded in its run.json by rank 0
+    of an earlier invocation, which every rank of this one reads before any of them starts), else `new_run_dir`;
+    predict.py and generate.py, which only read a checkpoint, always write to a new directory."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from core.config.run_record import recorded_run_dir
+
+    if HydraConfig.get().job.name != "train":
+        return new_run_dir
+    return recorded_run_dir(checkpoint_path, new_run_dir)
+
+
 def configuration_name(overrides: list[str]) -> str:
     """A folder name from the command-line overrides that change a run's result (core/config/identity.py),
     sorted: `optim.lr=0.001,seed=2`; `default` when there are none. Path separators are replaced and a long
@@ -91,6 +104,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("repo_dir", lambda: str(REPO_DIR))
     if not OmegaConf.has_resolver("checkpoint_dir"):
         OmegaConf.register_new_resolver("checkpoint_dir", checkpoint_dir)
+    if not OmegaConf.has_resolver("run_dir"):
+        OmegaConf.register_new_resolver("run_dir", run_dir)
 
 
 def global_rank() -> int:

@@ -1,6 +1,9 @@
-"""Where metrics go: stdout, `<run dir>/metrics.jsonl`, Weights & Biases, and a progress bar.
+"""Where metrics go: stdout, `<run dir>/metrics.jsonl`, Weights & Biases, TensorBoard, and a progress bar.
 
-Only rank 0 writes; the loop hands it plain floats (already reduced over ranks).
+Only rank 0 writes; the loop hands it plain floats (already reduced over ranks). `open(start_step, ...)`,
+once the run knows where it starts, continues the run's history: metrics.jsonl keeps the steps up to the
+one resumed from (core/metrics/history.py), W&B continues the run id kept in the checkpoint folder
+(core/config/run_record.py) and TensorBoard drops the events after that step.
 """
 
 from __future__ import annotations
@@ -11,7 +14,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from core.config.run_record import new_wandb_id, read_run_record, write_run_record
 from core.config.schema import LoggerConfig, ProgressBar
+from core.metrics.history import SUPERSEDED, keep_history_up_to
 
 log = logging.getLogger("train")
 
@@ -27,24 +32,50 @@ def _format(key: str, value: Any) -> str:
 
 
 class MetricsLogger:
-    """Writes on rank 0 (`enabled`); a no-op elsewhere."""
+    """Writes on rank 0 (`enabled`); a no-op elsewhere. Nothing is opened before `open`."""
 
-    def __init__(self, run_dir: Path, cfg: LoggerConfig, enabled: bool, config: dict, run_name: str):
-        self.cfg, self.enabled = cfg, enabled
+    def __init__(self, run_dir: Path, cfg: LoggerConfig, enabled: bool, config: dict, checkpoint_path: str):
+        self.cfg, self.enabled, self.run_dir, self.config = cfg, enabled, run_dir, config
+        self.checkpoint_path = checkpoint_path  # where the run's record (run dir, W&B id) is kept
         self.jsonl = None
         self.bar = None
         self.wandb = None
+        self.tensorboard = None
         self.jsonl_path = run_dir / "metrics.jsonl"  # opened at the first record: no empty file from a failed start
-        if not enabled:
-            return
-        if cfg.wandb.enabled:
-            import wandb
 
-            mode = None if cfg.wandb.mode is None else str(cfg.wandb.mode)
-            self.wandb = wandb.init(
-                project=cfg.wandb.project, entity=cfg.wandb.entity, name=cfg.wandb.name or run_name,
-                group=cfg.wandb.group, tags=list(cfg.wandb.tags), mode=mode, dir=str(run_dir), config=config,
-            )
+    def open(self, start_step: int, resumed: bool) -> None:
+        """Continue the run's history at `start_step` (0: from the beginning) and record this invocation in the
+        checkpoint folder. `resumed`: the weights came from this run's own checkpoint (else a new W&B run)."""
+        if not self.enabled:
+            return
+        record = read_run_record(self.checkpoint_path)
+        if self.cfg.jsonl:
+            moved = keep_history_up_to(self.jsonl_path, start_step)
+            if moved:
+                log.info("%s continues after step %d: %d later records moved to %s", self.jsonl_path, start_step,
+                         moved, SUPERSEDED)
+        record["run_dir"] = str(self.run_dir.resolve())
+        if self.cfg.wandb.enabled:
+            record["wandb_id"] = self._open_wandb(record.get("wandb_id") if resumed else None)
+        if self.cfg.tensorboard.enabled:
+            from torch.utils.tensorboard import SummaryWriter
+
+            # purge_step: TensorBoard hides the events at or after it from earlier invocations of the run.
+            self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
+        write_run_record(self.checkpoint_path, record)
+
+    def _open_wandb(self, run_id: str | None) -> str:
+        import wandb
+
+        w = self.cfg.wandb
+        mode = None if w.mode is None else str(w.mode)
+        self.wandb = wandb.init(
+            project=w.project, entity=w.entity, name=w.name or self.run_dir.name, group=w.group, tags=list(w.tags),
+            mode=mode, dir=str(self.run_dir), config=self.config, id=run_id or new_wandb_id(), resume="allow",
+        )
+        if run_id:
+            log.info("continuing W&B run %s", run_id)
+        return self.wandb.id
 
     def log(self, record: dict[str, Any], prefix: str = "") -> None:
         """Write one record ({"step": n, ...}); `prefix` (e.g. "val") labels stdout and W&B keys."""
@@ -61,9 +92,13 @@ class MetricsLogger:
                 self.bar.write(line)
             else:
                 log.info(line)
+        key = (prefix + "/") if prefix else "train/"
+        scalars = {key + k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self.wandb is not None:
-            key = (prefix + "/") if prefix else "train/"
-            self.wandb.log({key + k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log(scalars, step=record["step"])
+        if self.tensorboard is not None:
+            for name, value in scalars.items():
+                self.tensorboard.add_scalar(name, value, record["step"])
 
     def start_progress(self, first_step: int, total_steps: int) -> None:
         """Show a progress bar from `first_step` (logger.progress_bar: auto shows it in a terminal)."""
@@ -85,3 +120,5 @@ class MetricsLogger:
             self.jsonl.close()
         if self.wandb is not None:
             self.wandb.finish()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
