@@ -89,6 +89,7 @@ class StepOutput:
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
 def main(cfg: DictConfig) -> Optional[float]:
     result = session.exit_on_error(run, cfg, Path(HydraConfig.get().runtime.output_dir))
+    launch.pass_on_stop_signal(result.stopped_by)  # saved: a SLURM job launched by Hydra is requeued now
     return result.val.get("loss", result.train_loss)  # the objective Hydra sweepers minimise
 
 

@@ -285,8 +285,9 @@ class CheckpointConfig:
     async_save: bool = False
     # Files each rank writes in parallel (DCP's writer threads); checksums are computed in the same threads.
     write_threads: int = 8
-    # Save and stop at the end of the current step when one of these signals arrives.
-    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1"])
+    # Save and stop at the end of the current step when one of these signals arrives: SIGTERM (torchrun passes
+    # it on), SIGUSR1/SIGUSR2 (a scheduler's warning before the time limit; hydra-submitit-launcher's is SIGUSR2).
+    save_on_signals: list[str] = field(default_factory=lambda: ["SIGTERM", "SIGUSR1", "SIGUSR2"])
     # Start from another run's weights only (fresh optimizer, step 0): a step dir, .pt or .safetensors.
     init_from: Optional[str] = None
     init_skip_prefixes: list[str] = field(default_factory=list)  # e.g. [head]: keep the new init there

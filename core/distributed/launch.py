@@ -20,6 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 REPO_DIR = Path(__file__).resolve().parents[2]
+RUN_ID_ENV = "RECIPES_RUN_ID"  # the launch's run id, handed to the jobs a Hydra launcher starts (submitit)
 _RUN_ID: str | None = None
 
 
@@ -36,6 +37,9 @@ def run_id() -> str:
     """
     global _RUN_ID
     if _RUN_ID is not None:
+        return _RUN_ID
+    if os.environ.get(RUN_ID_ENV):  # a job started by this launch's Hydra launcher, or requeued later
+        _RUN_ID = os.environ[RUN_ID_ENV]
         return _RUN_ID
     rank = int(os.environ.get("RANK", "0"))
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
@@ -134,6 +138,32 @@ def exit_process(code: int = 0) -> None:
     os._exit(code)
 
 
+def export_to_jobs() -> None:
+    """What a job started by a Hydra launcher (submitit: a new process, on SLURM maybe another node, run again
+    when requeued) needs from this process: the repository on its import path, and this launch's run id, so
+    its `hydra.sweep.dir` and checkpoint paths are the ones this process resolved."""
+    paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if str(REPO_DIR) not in paths:
+        os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), *paths])
+    os.environ.setdefault(RUN_ID_ENV, run_id())
+
+
+def pass_on_stop_signal(stopped_by: str | None) -> None:
+    """After a run saved and stopped on a signal: give the signal to the handler that was installed before the
+    loop's, when that is Python code. Under hydra-submitit-launcher that is submitit's handler of the SLURM
+    warning signal, which requeues the job (and ends this process); plain torchrun has none, so nothing happens."""
+    import signal
+
+    if stopped_by is None or stopped_by not in signal.Signals.__members__:
+        return  # not stopped, or stopped because another rank got the signal
+    sig = signal.Signals[stopped_by]
+    handler = signal.getsignal(sig)
+    if callable(handler) and handler is not signal.default_int_handler:
+        logging.getLogger("train").info("handing %s to the launcher's handler (%s)", stopped_by,
+                                        getattr(handler, "__qualname__", handler))
+        handler(sig, None)
+
+
 def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
     """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys`
     (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
@@ -155,6 +185,7 @@ def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
     register_resolvers()
     prepare_argv()
     exit_with_launcher()
+    export_to_jobs()
     try:
         hydra_main()
     except SystemExit as e:
@@ -168,3 +199,8 @@ def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
         traceback.print_exc()
         exit_process(1)
     exit_process(0)
+
+
+# Also on import: a job started by hydra-submitit-launcher unpickles train.py's main (which imports this module)
+# and resolves its config without ever running run_hydra.
+register_resolvers()
