@@ -44,6 +44,7 @@ from core.parallel.base import Parallel
 from core.training import optim
 from core.training.evaluation import evaluate
 from core.training.nonfinite import NonFiniteGuard
+from core.training.length import RunLength
 from core.training.state import TrainState
 from recipes.registry import config_keys, get_recipe, register_configs
 
@@ -63,6 +64,7 @@ class Run:
     logger: MetricsLogger
     meter: ThroughputMeter
     guard: NonFiniteGuard
+    length: RunLength  # optimizer steps (training.steps, or worked out from training.epochs) and epoch ends
     state: TrainState = field(default_factory=TrainState)
     resumed_from: Optional[Path] = None
 
@@ -114,29 +116,30 @@ def setup(s: session.Session) -> Run:
             seed(cfg.seed + env.dp_rank)
         # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
         parallel, num_params = session.build_model(s)
-        # 4. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
+        # 4. Data; its size gives the run's length when it is given in epochs.
+        data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
+        # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
         groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
                                     s.recipe.no_weight_decay(parallel.model))
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
-        scheduler = optim.build_scheduler(optimizer, cfg.scheduler, t.steps)
-        # 5. Data, logging, throughput, the NaN policy.
-        data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
+        scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
+        # 6. Logging, throughput, the NaN policy.
         logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
         meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
                                 s.recipe.flops_per_sample(), t.time_phases)
         run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
-                  NonFiniteGuard(t.on_nonfinite, env.device))
-        # 6. Resume, last: the restored RNG state must meet the first step untouched. The run's history (run dir,
+                  NonFiniteGuard(t.on_nonfinite, env.device), data.length)
+        # 7. Resume, last: the restored RNG state must meet the first step untouched. The run's history (run dir,
         #    metrics.jsonl, W&B, TensorBoard) continues from the step resumed from.
         run.resumed_from = restore(run)
         logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
-                 "%d accumulation steps | %d steps | AdamW groups %s", num_params / 1e6, len(data.train),
+                 "%d accumulation steps | %s | AdamW groups %s", num_params / 1e6, len(data.train),
                  len(data.val) if data.val is not None else "none", t.global_batch_size, t.micro_batch_size,
-                 env.dp_size, accumulation, t.steps, ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay "
+                 env.dp_size, accumulation, run.length.describe(t.epochs), ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay "
                                                                f"{g['weight_decay']}" for g in optimizer.param_groups))
     return run
 
@@ -174,17 +177,17 @@ def restore(run: Run) -> Optional[Path]:
 
 def train(run: Run) -> RunResult:
     """The loop. `step` counts optimizer steps completed; run.state, saved with checkpoints, follows it."""
-    s, t, state = run.session, run.session.cfg.training, run.state
+    s, t, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
     start_step, last_loss, last_val, stopped_by = state.step, float("nan"), {}, None
-    if start_step >= t.steps and s.is_main:
-        log.info("the checkpoint is at step %d of training.steps=%d: nothing left to do", start_step, t.steps)
-    batches = run.data.micro_batches(state.consumed_samples, max(0, t.steps - start_step) * run.data.accumulation)
+    if start_step >= steps and s.is_main:
+        log.info("the checkpoint is at step %d of %d: nothing left to do", start_step, steps)
+    batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(t.profile, s.run_dir, s.env.rank, s.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(s.cfg.checkpoint.save_on_signals))
-    run.logger.start_progress(start_step, t.steps)
+    run.logger.start_progress(start_step, steps)
     run.meter.start_interval()  # setup and restore do not count as step time
     try:
-        for step in range(start_step + 1, t.steps + 1):
+        for step in range(start_step + 1, steps + 1):
             with run.meter.waiting_for_data():
                 micro_batches = [next(batches) for _ in range(run.data.accumulation)]
             out = train_step(run, step, micro_batches)
@@ -192,8 +195,9 @@ def train(run: Run) -> RunResult:
             run.logger.advance()
             run.meter.step_done()
             stop = signals.stop_requested()  # on every rank if any rank got the signal
-            saving = run.checkpointer.should_save(step, t.steps) or stop
-            logging_step = step % t.log_every_n_steps == 0 or step == t.steps
+            saving = (run.checkpointer.should_save(step, steps) or stop
+                      or run.length.ends_epoch(step, s.cfg.checkpoint.save_every_n_epochs))
+            logging_step = step % t.log_every_n_steps == 0 or step == steps
             if logging_step or saving:
                 run.guard.check()  # never log on, or save, a NaN model
             if logging_step:
@@ -217,7 +221,7 @@ def train(run: Run) -> RunResult:
         signals.close()
         run.logger.close()
         run.checkpointer.close()
-    return RunResult(t.steps, last_loss, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
+    return RunResult(steps, last_loss, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
                      stopped_by, state.skipped_steps)
 
 
@@ -270,7 +274,8 @@ def log_step(run: Run, step: int, out: StepOutput) -> float:
 def validate(run: Run, step: int) -> dict[str, float]:
     """The validation metrics at a validation step (every val_every_n_steps, and at the end), else {}."""
     s, t = run.session, run.session.cfg.training
-    due = (t.val_every_n_steps > 0 and step % t.val_every_n_steps == 0) or (step == t.steps and t.val_at_end)
+    due = ((t.val_every_n_steps > 0 and step % t.val_every_n_steps == 0) or run.length.ends_epoch(step, t.val_every_n_epochs)
+           or (step == run.length.steps and t.val_at_end))
     if run.data.val_loader is None or not due:
         return {}
     metrics = evaluate(s.recipe, run.parallel.wrapped, run.data.val_loader, s.autocast, s.env.device, s.env.dp_group)

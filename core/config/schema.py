@@ -140,12 +140,17 @@ class ProfileConfig:
 
 @dataclass
 class TrainingConfig:
-    steps: int = MISSING  # optimizer steps
+    # The run's length: optimizer steps, or passes over the training set (steps worked out from its size and
+    # the global batch, core/training/length.py). Give one: a config that sets steps takes
+    # `training.steps=null training.epochs=N`.
+    steps: Optional[int] = None
+    epochs: Optional[int] = None
     micro_batch_size: int = MISSING  # samples per forward pass on one rank
     # Samples per optimizer step over all data-parallel ranks. Gradient accumulation steps follow:
     # global_batch_size / (micro_batch_size * data-parallel size), an error if it does not divide.
     global_batch_size: int = MISSING
     val_every_n_steps: int = 0  # 0: validate only at the end
+    val_every_n_epochs: int = 0  # also validate at the end of every n-th epoch (0: not by epoch)
     limit_val_batches: int = -1  # per rank; -1: the whole validation set
     log_every_n_steps: int = 10
     val_at_end: bool = True
@@ -164,9 +169,14 @@ class TrainingConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
-        for name in ("steps", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
-            require(c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
-        require(c.val_every_n_steps >= 0, f"{key}.val_every_n_steps={c.val_every_n_steps}: expected >= 0")
+        require(c.steps is None or c.epochs is None,
+                f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
+                f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
+        require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
+        for name in ("steps", "epochs", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
+            require(c[name] is None or c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
+        for name in ("val_every_n_steps", "val_every_n_epochs"):
+            require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
         require(c.limit_val_batches >= -1, f"{key}.limit_val_batches={c.limit_val_batches}: expected >= -1")
 
 
@@ -263,6 +273,7 @@ class CheckpointConfig:
     # so a sweep run again resumes each configuration's own job.
     path: str = "${checkpoint_dir:}"
     save_every_n_steps: int = 0  # 0: only the final save
+    save_every_n_epochs: int = 0  # also save at the end of every n-th epoch (0: not by epoch)
     save_final: bool = True
     # auto: continue from the newest complete checkpoint under `path` if there is one;
     # true: the same, but it is an error if there is none; false: start fresh;
@@ -302,7 +313,7 @@ class CheckpointConfig:
                 "always needed to resume)")
         require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
         require(c.write_threads >= 1, f"{key}.write_threads={c.write_threads}: expected >= 1")
-        for name in ("save_every_n_steps", "keep_every_n_steps", "keep_best_k"):
+        for name in ("save_every_n_steps", "save_every_n_epochs", "keep_every_n_steps", "keep_best_k"):
             require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
         for name in c.save_on_signals:
             require(isinstance(getattr(signal.Signals, str(name).upper(), None), signal.Signals),

@@ -17,6 +17,7 @@ from core.data.datasets import MultiEpochDatasetResampler
 from core.data.loading import make_loader, prefetch_to_device
 from core.data.sampling import EvalBatchSampler, GlobalBatchSampler, PaddedEval
 from core.distributed.env import DistEnv
+from core.training.length import run_length
 
 
 class TrainingData:
@@ -29,7 +30,9 @@ class TrainingData:
         self.pin_memory = env.device.type == "cuda" and cfg.data.pin_memory
         datasets = recipe.build_datasets()
         self.train, self.val = datasets.train, datasets.val
-        self.stream = MultiEpochDatasetResampler(self.train, num_samples=t.steps * t.global_batch_size, seed=cfg.seed)
+        self.length = run_length(t.steps, t.epochs, t.global_batch_size, len(self.train))  # training.epochs -> steps
+        self.stream = MultiEpochDatasetResampler(self.train, num_samples=self.length.steps * t.global_batch_size,
+                                                 seed=cfg.seed)
         self.val_loader = None
         if self.val is not None and t.limit_val_batches != 0:
             sampler = EvalBatchSampler(len(self.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches)

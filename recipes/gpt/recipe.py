@@ -67,6 +67,9 @@ class GPTRecipe(Recipe):
 
     def _splits(self) -> dict:
         t = self.cfg.training
+        if t.steps is None:  # Megatron's indexed datasets are built for a number of samples
+            raise ConfigError("training.epochs: the GPT recipe's datasets are built for a number of samples; give "
+                              "training.steps")
         datasets = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
                                       t.steps * t.global_batch_size, self.vocab_size)
         return dict(zip(("train", "val", "test"), datasets))
