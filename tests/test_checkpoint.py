@@ -402,3 +402,39 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     for loaded in (from_file, from_flat, from_nested):
         _assert_equal(loaded["state"], source["state"], atol=TINY_LR_ATOL)
     assert "does not fit the model" in wrong["error"] and "head.weight: (10, 32) vs model (5, 32)" in wrong["error"]
+
+
+def test_retention_by_training_loss_and_a_checkpoint_root_for_init_from_and_resume(tmp_path):
+    """checkpoint.monitor=train/loss keeps the checkpoint of the lowest training loss; a checkpoint root, or
+    <root>/last, names its newest complete step folder wherever a checkpoint is taken (init_from, resume,
+    checkpoint.py); a root without one is a clear error."""
+    keep = ["training.steps=6", "checkpoint.save_every_n_steps=1", "checkpoint.keep_last_n=1",
+            "checkpoint.monitor=train/loss", "checkpoint.monitor_mode=min", "checkpoint.keep_best_k=1"]
+    (trained, last, root, resumed, empty, unknown), = run_workers(1, run_phases, [
+        phase(tmp_path, "keep", "ckpt", keep, state=True),
+        phase(tmp_path, "last", "ckpt_last", ["training.steps=1", f"optim.lr={TINY_LR}",
+                                               f"checkpoint.init_from={tmp_path}/ckpt/last"], state=True),
+        phase(tmp_path, "root", "ckpt_root", ["training.steps=1", f"optim.lr={TINY_LR}",
+                                               f"checkpoint.init_from={tmp_path}/ckpt"], state=True),
+        phase(tmp_path, "resumed", "ckpt_other", ["training.steps=8", f"checkpoint.resume={tmp_path}/ckpt"] + keep[1:]),
+        phase(tmp_path, "empty", "ckpt_empty", ["training.steps=1", f"checkpoint.init_from={tmp_path}/ckpt_none/last"],
+              expect_error=True),
+        phase(tmp_path, "unknown", "ckpt_unknown", keep[:-1] + ["checkpoint.monitor=train/loss_typo"],
+              expect_error=True),
+    ])
+    losses = trained["losses"]
+    best = min(losses, key=losses.get)
+    kept = {p.name for p in step_dirs(tmp_path / "ckpt")}
+    assert kept == {f"step_{best}", "step_6"}
+    marker = json.loads((tmp_path / "ckpt" / "step_6" / "COMPLETE").read_text())
+    assert marker["metrics"]["train/loss"] == losses[6] and "train/grad_norm" in marker["metrics"]
+    for loaded in (last, root):  # weights of step_6, the newest
+        _assert_equal(loaded["state"], trained["state"], atol=TINY_LR_ATOL)
+    assert resumed["resumed_from"] == str(tmp_path / "ckpt" / "step_6") and resumed["start_step"] == 6
+    assert "no complete checkpoint under" in empty["error"]
+    assert "checkpoint.monitor='train/loss_typo' is not a metric of this run; there are: train/grad_norm, " \
+           "train/loss, train/lr" in unknown["error"]
+    with_root = subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(tmp_path / "ckpt" / "last"),
+                                str(tmp_path / "last.pt")], capture_output=True, text=True)
+    assert with_root.returncode == 0, with_root.stderr
+    assert torch.equal(torch.load(tmp_path / "last.pt")["head.weight"], trained["state"]["head.weight"])

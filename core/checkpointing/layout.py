@@ -72,6 +72,22 @@ def step_dirs(root: Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+LAST = "last"  # <checkpoint.path>/last: the newest complete step folder under checkpoint.path
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint as users name it: a step folder (or a file) as it is; a checkpoint root (a folder of step
+    folders, i.e. a run's checkpoint.path) or `<root>/last`: the newest complete step folder under the root."""
+    path = Path(path)
+    root = path.parent if path.name == LAST and not path.exists() else path
+    if root is path and not (root.is_dir() and not (root / ".metadata").exists() and step_dirs(root)):
+        return path  # not a root: used as given (its use says what is wrong with it)
+    complete = complete_checkpoints(root)
+    if not complete:
+        raise CheckpointError(f"{path}: no complete checkpoint under {root}")
+    return complete[-1]
+
+
 def is_complete(path: Path) -> bool:
     return (Path(path) / COMPLETE_MARKER).is_file() and (Path(path) / ".metadata").is_file()
 

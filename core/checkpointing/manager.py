@@ -27,8 +27,8 @@ from omegaconf import DictConfig
 
 from core.checkpointing.changes import config_changes
 from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, check_checksums, complete_checkpoints, describe,
-                                       is_complete, is_own, is_own_incomplete, read_marker, start_marker, step_dirs,
-                                       step_of, verify, write_marker)
+                                       is_complete, is_own, is_own_incomplete, read_marker, resolve_checkpoint,
+                                       start_marker, step_dirs, step_of, verify, write_marker)
 from core.checkpointing.lock import LockHeld, PathLock
 from core.checkpointing.parts import CheckpointPart, Saved
 from core.checkpointing.retention import checkpoints_to_keep
@@ -105,8 +105,9 @@ class Checkpointer:
                 raise ConfigError(f"checkpoint.resume=true but {self.path} holds no complete checkpoint")
             self.candidates = complete[::-1]
         else:
-            verify(Path(resume))  # an explicit choice never falls back: missing or incomplete is an error
-            self.candidates = [Path(resume)]
+            chosen = resolve_checkpoint(resume)  # a step folder, or a root (or <root>/last): its newest
+            verify(chosen)  # an explicit choice never falls back: missing or incomplete is an error
+            self.candidates = [chosen]
         if self.candidates:
             self._check_config_changes(self.candidates[0])
 
@@ -277,8 +278,13 @@ class Checkpointer:
                 shutil.rmtree(self.path / f"step_{step}", ignore_errors=True)
 
     def check_monitor(self, metrics: dict) -> None:
-        """checkpoint.monitor must name one of the validation metrics (not a collective)."""
-        if self.cfg.monitor and metrics and self.cfg.monitor not in metrics:
-            raise ConfigError(f"checkpoint.monitor={self.cfg.monitor!r} is not a validation metric; "
-                              f"there are: {', '.join(sorted(metrics))}")
-
+        """checkpoint.monitor must name a metric the run records, train/<name> (loss, lr, grad_norm) or val/<name>;
+        checked whenever metrics of its kind arrive (not a collective)."""
+        monitor = self.cfg.monitor
+        if not monitor:
+            return
+        kind = monitor.split("/")[0] + "/"
+        same_kind = sorted(k for k in metrics if k.startswith(kind))
+        if same_kind and monitor not in metrics:
+            raise ConfigError(f"checkpoint.monitor={monitor!r} is not a metric of this run; there are: "
+                              f"{', '.join(same_kind)}")

@@ -13,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
-                                       is_complete, saved_weights, verify, verify_plain_dcp)
+                                       is_complete, resolve_checkpoint, saved_weights, verify, verify_plain_dcp)
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
@@ -73,7 +73,7 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
     otherwise: every other weight must be in the source and fit; weights the source has but the model
     does not are an error, or with `ignore_unexpected` listed in the log and left out."""
-    src = Path(source)
+    src = resolve_checkpoint(source)
     model = parallel.model_state_dict()
     wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
     prefix = "model."
@@ -118,7 +118,9 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
 
 
 def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[str, torch.Tensor]:
-    """The full (unsharded) model weights of a checkpoint, in one process, by canonical name."""
+    """The full (unsharded) model weights of a checkpoint (a step folder, or a root's newest), in one process, by
+    canonical name."""
+    step_dir = resolve_checkpoint(step_dir)
     metadata = verify(step_dir)
     if verify_checksums:
         check_checksums(step_dir)

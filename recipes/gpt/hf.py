@@ -277,9 +277,10 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool) -> tup
     (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's config.yaml)."""
     from omegaconf import OmegaConf
 
-    from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.layout import CheckpointError, resolve_checkpoint
     from core.checkpointing.weights import load_weights_file, read_model_weights
 
+    source = resolve_checkpoint(source)  # a run's checkpoint root (or <root>/last): its newest step folder
     if not source.exists():
         raise CheckpointError(f"{source}: no such step folder or weights file")
     if config is None and source.is_file():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from omegaconf import OmegaConf
 from torch import nn
 
+from core.checkpointing.layout import resolve_checkpoint
 from core.config.errors import ConfigError
 from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
@@ -65,8 +66,8 @@ class ViTRecipe(Recipe):
         d, m = cfg.data, cfg.model
         given = d.num_classes if d.num_classes is not None else m.num_classes
         source = "as given"
-        saved = Path(cfg.checkpoint.init_from or "") / "config.yaml"
-        if given is None and cfg.checkpoint.init_from and saved.is_file():
+        saved = resolve_checkpoint(cfg.checkpoint.init_from) / "config.yaml" if cfg.checkpoint.init_from else None
+        if given is None and saved is not None and saved.is_file():
             given, source = OmegaConf.load(saved).model.get("num_classes"), f"from {saved}"
         if given is None:
             raise ConfigError(f"data.num_classes=null takes the count from the data, but {missing}; "
