@@ -32,6 +32,7 @@ from core import session
 from core.checkpointing.manager import Checkpointer
 from core.checkpointing.parts import FP8Part, ModelPart, OptimizerPart, RNGPart, StatefulPart, TrainStatePart
 from core.checkpointing.weights import load_weights
+from core.config.errors import ConfigError
 from core.config.validation import to_plain
 from core.data.pipeline import TrainingData
 from core.data.sampling import accumulation_steps
@@ -72,7 +73,7 @@ class Run:
 @dataclass
 class RunResult:
     steps: int
-    train_loss: float  # mean loss of the last logged optimizer step
+    train: dict  # the last logged optimizer step's loss (mean over the global batch), lr and grad_norm
     val: dict = field(default_factory=dict)  # last validation metrics
     start_step: int = 0  # the step resumed from (0: a fresh start)
     resumed_from: Optional[str] = None  # the checkpoint resumed from
@@ -92,10 +93,12 @@ class StepOutput:
 def main(cfg: DictConfig) -> Optional[float]:
     result = session.exit_on_error(run, cfg, Path(HydraConfig.get().runtime.output_dir))
     launch.pass_on_stop_signal(result.stopped_by)  # saved: a SLURM job launched by Hydra is requeued now
-    return result.val.get("loss", result.train_loss)  # the objective Hydra sweepers minimise
+    # training.objective.metric: what a sampling sweeper (hydra/sweeper=optuna_objective) optimises.
+    return session.exit_on_error(objective, result, cfg.training.objective.metric, launch.optimising_sweep())
 
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
+    launch.check_sweeper(str(cfg.training.objective.direction))  # before any work
     register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
     with session.start(cfg, run_dir, get_recipe) as s:
         return train(setup(s))
@@ -178,7 +181,7 @@ def restore(run: Run) -> Optional[Path]:
 def train(run: Run) -> RunResult:
     """The loop. `step` counts optimizer steps completed; run.state, saved with checkpoints, follows it."""
     s, t, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
-    start_step, last_loss, last_val, stopped_by = state.step, float("nan"), {}, None
+    start_step, last_train, last_val, stopped_by = state.step, {}, {}, None
     if start_step >= steps and s.is_main:
         log.info("the checkpoint is at step %d of %d: nothing left to do", start_step, steps)
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
@@ -198,16 +201,19 @@ def train(run: Run) -> RunResult:
             saving = (run.checkpointer.should_save(step, steps) or stop
                       or run.length.ends_epoch(step, s.cfg.checkpoint.save_every_n_epochs))
             logging_step = step % t.log_every_n_steps == 0 or step == steps
+            figures = {}
             if logging_step or saving:
                 run.guard.check()  # never log on, or save, a NaN model
+                figures = step_figures(run, out)
             if logging_step:
-                last_loss = log_step(run, step, out)
+                log_step(run, step, figures)
+                last_train = figures
             with run.meter.outside_steps():  # validation and saving do not count as step time
                 step_val = validate(run, step)
                 last_val = step_val or last_val
                 run.checkpointer.poll()  # completes a finished async save
                 if saving:
-                    save(run, step, step_val, force_sync=stop)
+                    save(run, step, {"train": figures, "val": step_val}, force_sync=stop)
             profiler.step()
             if stop:
                 stopped_by = signals.received or "a signal on another rank"
@@ -221,7 +227,7 @@ def train(run: Run) -> RunResult:
         signals.close()
         run.logger.close()
         run.checkpointer.close()
-    return RunResult(steps, last_loss, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
+    return RunResult(steps, last_train, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
                      stopped_by, state.skipped_steps)
 
 
@@ -260,15 +266,19 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     return StepOutput(loss_sum, count, grad_norm, lr)
 
 
-def log_step(run: Run, step: int, out: StepOutput) -> float:
-    """Log the step's mean loss over the global batch and the meter's figures (host syncs happen only here)."""
+def step_figures(run: Run, out: StepOutput) -> dict[str, float]:
+    """The step's mean loss over the global batch, learning rate and gradient norm (host syncs happen only here,
+    at logging and saving steps)."""
     dist.all_reduce(out.loss_sum, group=run.session.env.dp_group)
-    loss = (out.loss_sum / out.count).item()
-    record = {"step": step, "loss": loss, "lr": out.lr, "grad_norm": out.grad_norm.item(), **run.meter.record()}
+    return {"loss": (out.loss_sum / out.count).item(), "lr": out.lr, "grad_norm": out.grad_norm.item()}
+
+
+def log_step(run: Run, step: int, figures: dict[str, float]) -> None:
+    """Log the step's figures and the meter's (throughput, memory)."""
+    record = {"step": step, **figures, **run.meter.record()}
     if run.state.skipped_steps:
         record["skipped_steps"] = run.state.skipped_steps
     run.logger.log(record)
-    return loss
 
 
 def validate(run: Run, step: int) -> dict[str, float]:
@@ -284,11 +294,26 @@ def validate(run: Run, step: int) -> dict[str, float]:
     return metrics
 
 
-def save(run: Run, step: int, val_metrics: dict[str, float], force_sync: bool) -> None:
-    """Save step_<step> (synchronously when stopping), with its validation metrics for checkpoint.monitor."""
+def objective(result: RunResult, metric: str, required: bool = True) -> Optional[float]:
+    """training.objective.metric of the finished run: train/<name> or val/<name>, its last value; when the run has
+    none, an error if a sweeper needs it (`required`), else None."""
+    split, name = metric.split("/", 1)
+    values = result.train if split == "train" else result.val
+    if name not in values and not required:
+        return None
+    if name not in values:
+        raise ConfigError(f"training.objective.metric={metric}: the run recorded no such value (it has: "
+                          f"{', '.join(f'{split}/{k}' for k in values) or 'none: ' + split + ' never ran'})")
+    return values[name]
+
+
+def save(run: Run, step: int, figures: dict[str, dict[str, float]], force_sync: bool) -> None:
+    """Save step_<step> (synchronously when stopping), with the step's figures ({"train": ..., "val": ...}) as
+    train/<name> and val/<name>: checkpoint.monitor ranks checkpoints by one of them."""
     run.state.epoch = run.state.consumed_samples // len(run.data.train)
-    stall = run.checkpointer.save(step, checkpoint_parts(run), {f"val/{k}": v for k, v in val_metrics.items()},
-                                  force_sync=force_sync)
+    metrics = {f"{split}/{name}": value for split, values in figures.items() for name, value in values.items()}
+    run.checkpointer.check_monitor(metrics)
+    stall = run.checkpointer.save(step, checkpoint_parts(run), metrics, force_sync=force_sync)
     run.logger.log({"step": step, "stall_s": stall}, prefix="checkpoint")
 
 

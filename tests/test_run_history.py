@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from core.metrics.history import keep_history_up_to
 from tests.checkpoint_harness import phase, run_phases
 from tests.helpers import REPO, run_workers
@@ -29,14 +31,14 @@ def _history(run_dir: Path) -> list[tuple]:
             for r in _records(run_dir / "metrics.jsonl")]
 
 
-def _tensorboard_losses(run_dir: Path) -> dict[int, float]:
+def _tensorboard(run_dir: Path, tag: str) -> dict[int, float]:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     events = EventAccumulator(str(run_dir / "tensorboard"))
     events.Reload()
-    steps = [e.step for e in events.Scalars("train/loss")]
+    steps = [e.step for e in events.Scalars(tag)]
     assert len(steps) == len(set(steps)), steps  # each step once: the purged events are gone
-    return {e.step: e.value for e in events.Scalars("train/loss")}
+    return {e.step: e.value for e in events.Scalars(tag)}
 
 
 def test_stopped_resumed_and_sent_back_runs_keep_one_history(tmp_path):
@@ -56,9 +58,12 @@ def test_stopped_resumed_and_sent_back_runs_keep_one_history(tmp_path):
     record = json.loads((ckpt / "run.json").read_text())
     assert record["run_dir"] == str(run.resolve())
     offline_runs = sorted((run / "wandb").glob("offline-run-*"))
-    assert len(offline_runs) == 3 and {p.name.rsplit("-", 1)[1] for p in offline_runs} == {record["wandb_id"]}
-    tb, tb_ref = _tensorboard_losses(run), _tensorboard_losses(tmp_path / "ref")
+    # offline-run-<time>-<id>, with a suffix when two invocations start in the same second: one id for all three
+    assert len(offline_runs) == 3 and all(f"-{record['wandb_id']}" in p.name for p in offline_runs)
+    tb, tb_ref = _tensorboard(run, "train/loss"), _tensorboard(tmp_path / "ref", "train/loss")
     assert sorted(tb) == list(range(1, 9)) and tb == tb_ref
+    val = {r[1]: dict(r[2])["loss"] for r in history if r[0] == "val"}  # metrics.jsonl's validation losses
+    assert sorted(val) == [2, 4, 6, 8] and _tensorboard(run, "val/loss") == pytest.approx(val, rel=1e-6)
 
 
 def test_keep_history_up_to_moves_later_and_broken_lines_aside(tmp_path):

@@ -121,6 +121,25 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
+class Direction(StrEnum):
+    minimize = "minimize"
+    maximize = "maximize"
+
+
+@dataclass
+class ObjectiveConfig:
+    """What train.py returns to a Hydra sweeper (hydra/sweeper=optuna): the run's last value of `metric`,
+    train/<name> (of the last logged step) or val/<name> (of the last validation)."""
+
+    metric: str = "val/loss"
+    direction: Direction = Direction.minimize  # what the sweeper does with it
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(str(c.metric).startswith(("train/", "val/")),
+                f"{key}.metric={c.metric}: expected train/<name> or val/<name> (e.g. val/loss, val/top1, train/loss)")
+
+
 @dataclass
 class ProfileConfig:
     """torch.profiler over a few optimizer steps (core/metrics/profiling.py): a trace and a summary per rank
@@ -166,6 +185,7 @@ class TrainingConfig:
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop
+    objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
     @staticmethod
     def check(c, key: str) -> None:
@@ -288,7 +308,7 @@ class CheckpointConfig:
     overwrite: bool = False  # with resume=false: delete the step folders already under `path`
     keep_last_n: int = -1  # -1: keep all
     keep_every_n_steps: int = 0  # also keep every checkpoint whose step is a multiple (0: none)
-    monitor: Optional[str] = None  # e.g. val/loss: rank checkpoints by this validation metric...
+    monitor: Optional[str] = None  # e.g. val/loss, val/top1, train/loss: rank checkpoints by this metric...
     monitor_mode: MonitorMode = MonitorMode.min  # ... lower (min) or higher (max) is better ...
     keep_best_k: int = 0  # ... and keep the best k of them (0: none)
     # Write in a background thread (torch DCP async_save); the loop stalls only to copy to host memory;
@@ -312,6 +332,8 @@ class CheckpointConfig:
                 f"{key}.keep_last_n={c.keep_last_n}: expected -1 (keep all) or >= 1 (the newest checkpoint is "
                 "always needed to resume)")
         require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
+        require(not c.monitor or str(c.monitor).startswith(("train/", "val/")),
+                f"{key}.monitor={c.monitor}: expected train/<name> or val/<name> (e.g. val/loss, train/loss)")
         require(c.write_threads >= 1, f"{key}.write_threads={c.write_threads}: expected >= 1")
         for name in ("save_every_n_steps", "save_every_n_epochs", "keep_every_n_steps", "keep_best_k"):
             require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")

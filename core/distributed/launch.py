@@ -148,6 +148,35 @@ def export_to_jobs() -> None:
     os.environ.setdefault(RUN_ID_ENV, run_id())
 
 
+def optimising_sweep() -> bool:
+    """Whether this job is a trial of a sweeper that optimises its return value (Optuna)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return "optuna" in str(HydraConfig.get().sweeper.get("_target_", "")).lower()
+
+
+def check_sweeper(objective_direction: str) -> None:
+    """An Optuna sweep: its direction must be training.objective's, and it must not run in several processes
+    (torchrun, srun), where every rank would run a sampler of its own proposing its own values. (The ranks of a job
+    that hydra-submitit-launcher started run no sampler.)"""
+    from hydra.core.hydra_config import HydraConfig
+
+    from core.config.errors import ConfigError
+
+    if not optimising_sweep():
+        return
+    sweeper = HydraConfig.get().sweeper
+    direction = getattr(sweeper.get("direction"), "name", sweeper.get("direction"))  # the plugin's enum, or a str
+    if isinstance(direction, str) and direction != objective_direction:
+        raise ConfigError(f"hydra.sweeper.direction={direction} but training.objective.direction={objective_direction}"
+                          ": set both (hydra/sweeper=optuna_objective takes the objective's)")
+    processes = max(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("SLURM_NTASKS", "1")))
+    if processes > 1 and "SUBMITIT_FOLDER" not in os.environ:
+        raise ConfigError("an Optuna sweep in several processes (torchrun, srun): every rank would run its own "
+                          "sampler. Run the sweep from one process (python train.py -m ...), with "
+                          "hydra/launcher=slurm to give each trial its own multi-GPU job")
+
+
 def pass_on_stop_signal(stopped_by: str | None) -> None:
     """After a run saved and stopped on a signal: give the signal to the handler that was installed before the
     loop's, when that is Python code. Under hydra-submitit-launcher that is submitit's handler of the SLURM

@@ -1,0 +1,66 @@
+"""Optuna sweeps: one sampler in the launching process proposes each trial's values, every trial trains and
+returns training.objective, and the study's best is the best trial's own figure."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tests.helpers import REPO
+
+TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
+        "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
+        "training.limit_val_batches=4", "logger.progress_bar=never"]
+
+
+def _sweep(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", *TINY,
+                           f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, **(env or {})})
+
+
+def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
+    proc = _sweep(tmp_path, "hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=3",
+                  "optim.lr=tag(log,interval(1e-4,1e-2))", "training.objective.metric=val/top1",
+                  "training.objective.direction=maximize")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    sweep = tmp_path / "sweep"
+    top1, lrs = {}, set()
+    for job in ("0", "1", "2"):
+        records = [json.loads(line) for line in (sweep / job / "metrics.jsonl").read_text().splitlines()]
+        top1[job] = [r for r in records if r.get("split") == "val"][-1]["top1"]
+        lrs |= {o for o in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text()) if "optim.lr" in o}
+    assert not (sweep / "3").exists() and len(lrs) == 3  # three trials, each with the sampler's own lr
+    results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
+    assert results["best_value"] == max(top1.values())  # maximize: the trials' own val/top1 reached the study
+    assert results["best_params"]["optim.lr"] in {float(o.split("=")[1]) for o in lrs}
+    assert "Directions: [<Direction.maximize" in proc.stderr + proc.stdout
+
+
+@pytest.mark.parametrize("overrides, env, message", [
+    (["hydra/sweeper=optuna", "training.objective.direction=maximize"], {},
+     "hydra.sweeper.direction=minimize but training.objective.direction=maximize"),
+    (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1"], {"SLURM_NTASKS": "2"},
+     "every rank would run its own sampler"),
+    (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1", "training.objective.metric=val/top9"], {},
+     "training.objective.metric=val/top9: the run recorded no such value (it has: val/loss, val/top1, val/top5)"),
+])
+def test_sweeps_that_cannot_work_are_refused(tmp_path, overrides, env, message):
+    proc = _sweep(tmp_path, *overrides, env=env)
+    assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr[-3000:]
+
+
+def test_the_objective_of_a_finished_run():
+    import train
+
+    result = train.RunResult(steps=4, train={"loss": 1.5, "lr": 0.1, "grad_norm": 2.0}, val={"loss": 1.2})
+    assert train.objective(result, "train/loss") == 1.5 and train.objective(result, "val/loss") == 1.2
+    unvalidated = train.RunResult(steps=4, train={"loss": 1.0})
+    with pytest.raises(train.ConfigError, match="it has: none: val never ran"):
+        train.objective(unvalidated, "val/loss")  # an Optuna trial needs it
+    assert train.objective(unvalidated, "val/loss", required=False) is None  # a plain run does not
