@@ -42,8 +42,9 @@ from core.metrics.logger import MetricsLogger
 from core.metrics.meter import ThroughputMeter
 from core.metrics.profiling import StepProfiler
 from core.parallel.base import Parallel
-from core.training import optim
+from core.training import cuda_graphs, optim
 from core.training.evaluation import evaluate
+from core.training.forward_backward import ForwardBackward
 from core.training.nonfinite import NonFiniteGuard
 from core.training.length import RunLength
 from core.training.state import TrainState
@@ -58,6 +59,7 @@ class Run:
 
     session: session.Session  # cfg, runtime, env (ranks, device, mesh), recipe, run_dir, autocast
     parallel: Parallel  # the model, wrapped for data (and tensor) parallelism
+    forward_backward: ForwardBackward  # one micro-batch's forward and backward (eager, or a CUDA graph replayed)
     optimizer: torch.optim.Optimizer
     scheduler: Any
     data: TrainingData
@@ -126,12 +128,15 @@ def setup(s: session.Session) -> Run:
                                     s.recipe.no_weight_decay(parallel.model))
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
-        # 6. Logging, throughput, the NaN policy.
+        # 6. The micro-batch step, replayed as a CUDA graph with training.cuda_graphs; logging, throughput, the NaN
+        #    policy.
+        forward_backward = cuda_graphs.forward_backward(parallel, s.recipe, s.autocast, env, s.runtime.cuda_graphs,
+                                                        s.runtime.layers == "te")
         logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
         meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
                                 s.recipe.flops_per_sample(), t.time_phases)
-        run = Run(s, parallel, optimizer, scheduler, data, checkpointer, logger, meter,
+        run = Run(s, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
                   NonFiniteGuard(t.on_nonfinite, env.device), data.length)
         # 7. Resume, last: the restored RNG state must meet the first step untouched. The run's history (run dir,
         #    metrics.jsonl, W&B, TensorBoard) continues from the step resumed from.
@@ -236,6 +241,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     data-parallel ranks after the last one), clip, then step the optimizer and the schedule, or drop the
     step's gradients if its loss or gradient norm is not finite and training.on_nonfinite=skip."""
     p, env, recipe, meter = run.parallel, run.session.env, run.session.recipe, run.meter
+    last = len(micro_batches) - 1
     # The loss is the mean over every loss term (sample or token) of the global batch, so count them first.
     # The backends average gradients over data-parallel ranks; dp_size undoes that.
     count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)
@@ -244,12 +250,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     loss_sum = torch.zeros((), device=env.device)
     with meter.phase("forward_backward"):
         for i, batch in enumerate(micro_batches):
-            with p.micro_batch(is_last=i == len(micro_batches) - 1):
-                with run.session.autocast():
-                    out = recipe.forward(p.wrapped, batch, training=True)
-                micro_loss = out["loss"].sum()
-                (micro_loss * loss_scale).backward()
-            loss_sum += micro_loss.detach()
+            loss_sum += run.forward_backward(batch, loss_scale, is_last=i == last)
     with meter.phase("grad_sync_clip"):
         p.finish_grad_sync()
         grad_norm = p.clip_grad_norm(run.session.cfg.optim.max_grad_norm)

@@ -23,7 +23,7 @@ import torch
 from omegaconf import DictConfig
 
 from core.config.errors import ConfigError
-from core.config.schema import DType, LayerBackend, ParallelBackend
+from core.config.schema import CudaGraphs, DType, LayerBackend, ParallelBackend
 from core.layers.namespace import te_available
 from core.training.precision import DTYPES, fp8_recipe
 
@@ -50,6 +50,7 @@ class Runtime:
     autocast_dtype: Optional[torch.dtype]  # None: no autocast
     param_dtype: torch.dtype
     fp8: Any = None  # precision.fp8 when FP8 is on
+    cuda_graphs: bool = False  # training.cuda_graphs=forward_backward
     parallel_auto: bool = False  # chosen by `auto` (for the log line)
     layers_auto: bool = False
 
@@ -103,8 +104,31 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
                           "TE layers are tensor-parallel under distributed.backend=mfsdp")
     if precision.fp8.enabled and layers != LayerBackend.te:
         raise ConfigError("precision.fp8.enabled needs TransformerEngine layers (model.backend=te on a CUDA GPU)")
+    graphs = cfg.training.cuda_graphs != CudaGraphs.none
+    if graphs:
+        check_cuda_graphs(cfg, machine, parallel)
     autocast = DTYPES[precision.autocast_dtype] if precision.autocast_dtype is not None else None
     return Runtime(
         device_type="cuda" if machine.cuda else "cpu", parallel=parallel, layers=layers, autocast_dtype=autocast,
         param_dtype=DTYPES[precision.param_dtype], fp8=precision.fp8 if precision.fp8.enabled else None,
+        cuda_graphs=graphs,
         parallel_auto=cfg.distributed.backend == ParallelBackend.auto, layers_auto=cfg.model.backend == LayerBackend.auto)
+
+
+def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> None:
+    """What training.cuda_graphs captures so far (core/training/cuda_graphs.py): refused before any work
+    where it would not run, or not be checked against the eager loop."""
+    key, t = f"training.cuda_graphs={cfg.training.cuda_graphs}", cfg.training
+    refusals = [
+        (not machine.cuda, "needs a CUDA GPU (CUDA graphs are a GPU feature); use training.cuda_graphs=none on CPU"),
+        (parallel != ParallelBackend.mfsdp, f"needs distributed.backend=mfsdp (not {parallel}): its graph-safe "
+                                            "gradient buffers are what the graph writes into"),
+        (cfg.precision.fp8.enabled, "does not run FP8 yet: its scaling state is updated outside the captured "
+                                    "kernels; use precision.fp8.enabled=false or training.cuda_graphs=none"),
+        (t.activation_checkpointing, "does not run with training.activation_checkpointing=true yet"),
+        (t.compile, "and training.compile=true both take over the forward pass: choose one"),
+    ]
+    for refused, why in refusals:
+        if refused:
+            raise ConfigError(f"{key} {why}")
+

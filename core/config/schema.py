@@ -77,6 +77,12 @@ class NonFinitePolicy(StrEnum):
     skip = "skip"  # skip that optimizer step (one host sync per step to decide)
 
 
+class CudaGraphs(StrEnum):
+    none = "none"  # every micro-batch launched from Python
+    # Each micro-batch's forward and backward replayed as one CUDA graph (core/training/cuda_graphs.py).
+    forward_backward = "forward_backward"
+
+
 class MonitorMode(StrEnum):
     min = "min"
     max = "max"
@@ -182,6 +188,10 @@ class TrainingConfig:
     # torch.compile each transformer block's forward (core/parallel/compilation.py): fuses the elementwise
     # work of plain-torch blocks; TE blocks keep their own kernels (TE code is not traced).
     compile: bool = False
+    # forward_backward: capture one micro-batch's forward and backward as a CUDA graph after two eager
+    # micro-batches and replay it, so the GPU no longer waits for Python to launch each kernel (one GPU,
+    # Megatron-FSDP, bf16; core/training/cuda_graphs.py says what it covers and refuses).
+    cuda_graphs: CudaGraphs = CudaGraphs.none
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop

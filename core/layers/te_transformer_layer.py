@@ -25,6 +25,12 @@ packed gradient. Outside that case (FP8 attention, no RoPE, KV cache, context pa
 Triton kernel, and their gradients in two more. cuBLASLt can do both in the fc1 GEMM's epilogue and the
 GELU gradient in the fc2 dgrad GEMM's (TE's path when NVTE_BIAS_GELU_NVFUSION=0, and under FP8): the
 same math up to bf16 rounding of the pre-activation.
+
+4. Under CUDA-graph capture (training.cuda_graphs), TE does not run cuDNN's fused attention for a
+sequence length that is not a multiple of 128 (ViT-B/16's 197) without a padding mask, unless its cuDNN is
+9.15.1 or newer; captured anyway, it fails with an illegal memory access. The same attention expressed as a padding
+mask whose every sequence has the full length is capturable with older cuDNN too, so capturable attention
+(`use_capturable_attention`) passes it that way, in the eager steps as well as in the graph.
 """
 
 from __future__ import annotations
@@ -91,15 +97,53 @@ def te_dot_product_attention_class():
     import transformer_engine.pytorch as te
 
     class DotProductAttention(te.DotProductAttention):
+        capturable = False  # set by use_capturable_attention (training.cuda_graphs)
+
         def forward(self, query_layer=None, key_layer=None, value_layer=None, *args,
                     qkv_layer=None, qkv_interleave_dim: int = -3, **kwargs):
             if type(qkv_layer) is torch.Tensor:  # not None, not an FP8 tensor
                 query_layer, key_layer, value_layer = PackedQKVSplit.apply(qkv_layer, qkv_interleave_dim)
                 qkv_layer = None
+            if self.capturable:
+                kwargs = _as_full_length_padding(self, query_layer, kwargs)
             return super().forward(query_layer, key_layer, value_layer, *args, qkv_layer=qkv_layer,
                                    qkv_interleave_dim=qkv_interleave_dim, **kwargs)
 
     return DotProductAttention
+
+
+# The mask types with a padding twin that cuDNN runs under CUDA-graph capture at any sequence length.
+_PADDING_TWIN = {"no_mask": "padding", "causal": "padding_causal"}
+
+
+def _as_full_length_padding(attention, query, kwargs: dict) -> dict:
+    """The same attention as a padding mask whose every sequence has the full length, where that is what
+    keeps cuDNN's fused attention under CUDA-graph capture (see 4.); `kwargs` unchanged otherwise."""
+    mask = kwargs.get("attn_mask_type") or attention.attn_mask_type
+    layout = kwargs.get("qkv_format") or attention.qkv_format
+    if (mask not in _PADDING_TWIN or layout not in ("bshd", "sbhd") or type(query) is not torch.Tensor
+            or any(kwargs.get(k) is not None for k in ("attention_mask", "cu_seqlens_q", "cu_seqlens_kv",
+                                                         "inference_params", "core_attention_bias"))):
+        return kwargs
+    batch, seq = (query.shape[0], query.shape[1]) if layout == "bshd" else (query.shape[1], query.shape[0])
+    if seq % 128 == 0:
+        return kwargs
+    from transformer_engine.pytorch.attention.dot_product_attention.utils import get_full_cu_seqlens
+
+    full = get_full_cu_seqlens(batch, seq, query.device)  # cached per shape: made in the eager micro-batches
+    return {**kwargs, "attn_mask_type": _PADDING_TWIN[mask], "cu_seqlens_q": full, "cu_seqlens_kv": full,
+            "max_seqlen_q": seq, "max_seqlen_kv": seq}
+
+
+def use_capturable_attention(model: torch.nn.Module) -> int:
+    """Make the TE attention of `model` capturable in a CUDA graph (training.cuda_graphs); returns how many
+    attention modules changed."""
+    changed = 0
+    for module in model.modules():
+        if isinstance(module, te_dot_product_attention_class()):
+            module.capturable = True
+            changed += 1
+    return changed
 
 
 @functools.cache

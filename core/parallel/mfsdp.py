@@ -75,7 +75,8 @@ def _fuse_te_wgrad_accumulation(model: nn.Module, zero: int, dp_shard: int) -> N
 class MegatronFSDP(Parallel):
     name = "mfsdp"
 
-    def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str]):
+    def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str],
+                 cuda_graph_mode: bool = False):
         import megatron_fsdp
 
         use_own_ddp_config_if_needed()
@@ -119,6 +120,9 @@ class MegatronFSDP(Parallel):
             keep_fp8_transpose_cache=cfg.keep_fp8_transpose_cache,
             nccl_ub=cfg.nccl_ub,
             fsdp_double_buffer=cfg.fsdp_double_buffer,
+            # Keeps the gradients' storage in place across zero_grad, where a CUDA graph writes them
+            # (training.cuda_graphs).
+            cuda_graph_mode=cuda_graph_mode,
         )
         self.cfg = cfg
         # One data-parallel rank without sharding: the gradients are already complete in the main-gradient

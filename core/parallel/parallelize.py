@@ -66,7 +66,8 @@ def _shard(model: nn.Module, runtime: Runtime, env: DistEnv, cfg: DistributedCon
         return DDP(model, env, cfg.ddp)
     from core.parallel.mfsdp import MegatronFSDP
 
-    return MegatronFSDP(model, env, cfg.mfsdp, _unit_classes(cfg.mfsdp.fsdp_unit_modules, block_classes))
+    return MegatronFSDP(model, env, cfg.mfsdp, _unit_classes(cfg.mfsdp.fsdp_unit_modules, block_classes),
+                        cuda_graph_mode=runtime.cuda_graphs)
 
 
 def _unit_classes(names: list[str] | None, default: list[type]) -> list[type]:

@@ -1,0 +1,100 @@
+"""training.cuda_graphs=forward_backward: each micro-batch's forward and backward replayed as one CUDA graph.
+
+Why: at the micro-batches people run on many GPUs, a step's GPU work takes less time than the host takes to
+launch it (Python running TE modules and Megatron-FSDP hooks), so the GPU waits (docs/performance.md). A CUDA
+graph records the kernels of one micro-batch once; afterwards one call launches them all.
+
+How it runs:
+- The first `warmup` micro-batches run eagerly: TE, cuBLAS and Megatron-FSDP create workspaces and buffers on
+  first use, which must not happen inside a capture.
+- The next one is captured (recording runs nothing) and then replayed; every later micro-batch is copied into
+  the captured input buffers and replayed. The loss scale is an input too; the loss sum is read from the
+  buffer the graph writes it to.
+- Gradients land where the eager backward puts them: Megatron-FSDP's gradient buffer, which its
+  cuda_graph_mode zeroes in place instead of freeing. Gradient sync, clipping, the NaN guard, the optimizer and
+  the schedule stay eager and update the weights in place, where each replay reads them.
+- A micro-batch whose tensors differ in shape or dtype from the captured one runs eagerly.
+- TE attention takes a form cuDNN can capture at any sequence length (core/layers/te_transformer_layer.py, 4.),
+  in the eager micro-batches too, so that every micro-batch runs the same kernels.
+
+Refused before any work (core/runtime.py, `check_cuda_graphs`): CPU, backends other than Megatron-FSDP, FP8,
+activation checkpointing, torch.compile; here: more than one data-parallel rank, and tensor parallelism.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, ContextManager, Optional
+
+import torch
+
+from core.config.errors import ConfigError
+from core.distributed.env import DistEnv
+from core.parallel.base import Parallel
+from core.training.forward_backward import ForwardBackward
+
+log = logging.getLogger("train")
+
+
+def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextManager], env: DistEnv,
+                     graphs: bool, te_layers: bool) -> ForwardBackward:
+    """The loop's micro-batch step: eager, or replayed as a CUDA graph (training.cuda_graphs)."""
+    if not graphs:
+        return ForwardBackward(parallel, recipe, autocast)
+    if env.dp_size > 1 or env.tp > 1:
+        raise ConfigError(f"training.cuda_graphs=forward_backward runs on one data-parallel rank without tensor "
+                          f"parallelism (this run: {env.dp_size} data-parallel x tp {env.tp}): the gradient "
+                          "reduction between ranks is not captured; use training.cuda_graphs=none")
+    if te_layers:
+        from core.layers.te_transformer_layer import use_capturable_attention
+
+        use_capturable_attention(parallel.model)
+    return GraphedForwardBackward(parallel, recipe, autocast)
+
+
+def _signature(batch: dict) -> tuple:
+    """What must match for a micro-batch to replay the graph: tensor shapes, dtypes and devices, other values."""
+    return tuple((k, (tuple(v.shape), v.dtype, v.device) if torch.is_tensor(v) else v) for k, v in batch.items())
+
+
+class GraphedForwardBackward(ForwardBackward):
+    def __init__(self, parallel: Parallel, recipe, autocast: Callable[[], ContextManager], warmup: int = 2):
+        super().__init__(parallel, recipe, autocast)
+        self.warmup = warmup
+        self.calls = 0
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.signature: Optional[tuple] = None
+        self.inputs: dict[str, Any] = {}  # the captured micro-batch's tensors: replays read them
+        self.loss_scale: Optional[torch.Tensor] = None
+        self.loss: Optional[torch.Tensor] = None  # the loss sum the graph writes
+        self.eager_fallbacks = 0
+
+    def __call__(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> torch.Tensor:
+        self.calls += 1
+        if self.calls <= self.warmup:
+            return super().__call__(batch, loss_scale, is_last)
+        if self.graph is None:
+            self._capture(batch, loss_scale, is_last)
+        elif _signature(batch) != self.signature:
+            self.eager_fallbacks += 1
+            if self.eager_fallbacks == 1:
+                log.warning("training.cuda_graphs: a micro-batch unlike the captured one (%s) runs eagerly",
+                            ", ".join(f"{k} {v[0] if isinstance(v, tuple) else v}" for k, v in _signature(batch)))
+            return super().__call__(batch, loss_scale, is_last)
+        for name, value in batch.items():
+            if torch.is_tensor(value):
+                self.inputs[name].copy_(value, non_blocking=True)
+        self.loss_scale.copy_(loss_scale)
+        self.graph.replay()
+        return self.loss
+
+    def _capture(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> None:
+        self.signature = _signature(batch)
+        self.inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+        self.loss_scale = loss_scale.clone()
+        self.graph = torch.cuda.CUDAGraph()
+        # thread_local: the data loader's and the checkpoint writer's threads keep using CUDA meanwhile.
+        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+            self.loss = super().__call__(self.inputs, self.loss_scale, is_last)
+        log.info("training.cuda_graphs: captured the forward and backward of a micro-batch (%s)",
+                 ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if torch.is_tensor(v)))

@@ -1,0 +1,63 @@
+"""training.cuda_graphs on CPU: what it refuses, before any work, with the key named (the graphs themselves
+run on GPUs: tests/test_gpu_cuda_graphs.py)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from core.config.errors import ConfigError
+from core.runtime import Machine, resolve
+from tests.helpers import REPO, validated_config
+
+GPU = Machine(cuda=True, te=True)
+GRAPHS = ["training.cuda_graphs=forward_backward", "checkpoint.path=unused"]
+
+
+def test_cuda_graphs_on_cpu_are_refused_before_any_work(tmp_path):
+    proc = subprocess.run([sys.executable, "train.py", "--config-name", "vit_sanity", "training.cuda_graphs=forward_backward",
+                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "training.cuda_graphs=forward_backward needs a CUDA GPU" in proc.stdout + proc.stderr
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_unknown_cuda_graphs_mode_names_the_key():
+    with pytest.raises(Exception, match="training.cuda_graphs"):
+        validated_config("vit_sanity", ["training.cuda_graphs=full", "checkpoint.path=unused"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["distributed=fsdp2"], "needs distributed.backend=mfsdp"),
+    (["distributed=ddp", "precision.param_dtype=fp32"], "needs distributed.backend=mfsdp"),
+    (["distributed=mfsdp", "precision=fp8_delayed"], "does not run FP8"),
+    (["distributed=mfsdp", "precision=fp8_current"], "does not run FP8"),
+    (["distributed=mfsdp", "training.activation_checkpointing=true"], "activation_checkpointing"),
+    (["distributed=mfsdp", "training.compile=true"], "training.compile=true both take over"),
+])
+def test_cuda_graphs_refuse_what_they_do_not_capture(overrides, message):
+    cfg = validated_config("vit_base_patch16_224", [*GRAPHS, *overrides])
+    with pytest.raises(ConfigError, match=message):
+        resolve(cfg, GPU)
+
+
+def test_cuda_graphs_resolve_for_the_recipes_gpu_config():
+    runtime = resolve(validated_config("vit_base_patch16_224", GRAPHS), GPU)
+    assert runtime.cuda_graphs and runtime.parallel == "mfsdp" and runtime.param_dtype == torch.bfloat16
+    assert not resolve(validated_config("vit_base_patch16_224", ["checkpoint.path=unused"]), GPU).cuda_graphs
+
+
+def test_cuda_graphs_refuse_several_data_parallel_ranks():
+    from types import SimpleNamespace
+
+    from core.training import cuda_graphs
+    from core.training.forward_backward import ForwardBackward
+
+    for dp_size, tp in ((2, 1), (1, 2)):
+        with pytest.raises(ConfigError, match="one data-parallel rank"):
+            cuda_graphs.forward_backward(None, None, None, SimpleNamespace(dp_size=dp_size, tp=tp), True, False)
+    eager = cuda_graphs.forward_backward(None, None, None, SimpleNamespace(dp_size=2, tp=2), False, False)
+    assert type(eager) is ForwardBackward
