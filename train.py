@@ -130,7 +130,7 @@ def setup(s: session.Session) -> Run:
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
         # 6. The micro-batch step, replayed as a CUDA graph with training.cuda_graphs; logging, throughput, the NaN
         #    policy.
-        forward_backward = cuda_graphs.forward_backward(parallel, s.recipe, s.autocast, env, s.runtime.cuda_graphs,
+        forward_backward = cuda_graphs.forward_backward(parallel, s.recipe, s.autocast, s.runtime.cuda_graphs,
                                                         s.runtime.layers == "te")
         logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}.
-# Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit|revisions OTHER_CHECKOUT]
+# Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
+#                                       revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -90,6 +91,28 @@ if [[ $what == perf ]]; then
       -- data=imagefolder data.root=/tmp/jpegs data.num_classes=10 data.decode_on=$decode \
       2>&1 | tee "$OUT/perf_jpeg_decode_on_$decode.log" | tail -5
   done
+fi
+# graphs_small, graphs_large (1 H200, ~5 min each): ViT-B/16 img/s from micro-batch 32 to 2048, eager and with
+# CUDA graphs, against the compiled FSDP2 baseline; graphs_shipped (~4 min): the shipped vit_base_patch16_224 as
+# typed (256 x 8 accumulated) and gpt_125m at its global batch, eager and graphed.
+eager_graphed_compiled=(--variant "eager=training.cuda_graphs=none"
+  --variant "graphed=training.cuda_graphs=forward_backward"
+  --variant "fsdp2+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16")
+if [[ $what == graphs_small ]]; then
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps 10 --micro-batch 32 64 128 256 \
+    --out "$OUT" --timeout 200 "${eager_graphed_compiled[@]}" 2>&1 | tee "$OUT/graphs_vit_small.log" | tail -14
+fi
+if [[ $what == graphs_large ]]; then
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps 6 --micro-batch 512 1024 2048 \
+    --out "$OUT" --timeout 240 "${eager_graphed_compiled[@]}" 2>&1 | tee "$OUT/graphs_vit_large.log" | tail -11
+fi
+if [[ $what == graphs_shipped ]]; then
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps 4 --micro-batch 256 --global-batch 2048 \
+    --out "$OUT" --timeout 200 --variant "eager=training.cuda_graphs=none" --variant "as_typed=" \
+    2>&1 | tee "$OUT/graphs_vit_shipped.log" | tail -4
+  python3 benchmarks/throughput.py --config gpt_125m --data gpt_mock --nproc 1 --steps 6 --micro-batch 8 --global-batch 64 \
+    --out "$OUT" --timeout 200 --variant "eager=training.cuda_graphs=none" \
+    --variant "graphed=training.cuda_graphs=forward_backward" 2>&1 | tee "$OUT/graphs_gpt_125m.log" | tail -4
 fi
 if [[ $what == revisions ]]; then
   other=${2:?usage: gpu_evidence.sh revisions OTHER_CHECKOUT}

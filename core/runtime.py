@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -50,9 +50,23 @@ class Runtime:
     autocast_dtype: Optional[torch.dtype]  # None: no autocast
     param_dtype: torch.dtype
     fp8: Any = None  # precision.fp8 when FP8 is on
-    cuda_graphs: bool = False  # training.cuda_graphs=forward_backward
+    cuda_graphs: bool = False  # micro-batches replayed as CUDA graphs (training.cuda_graphs)
+    cuda_graphs_auto: bool = False  # chosen by training.cuda_graphs=auto
     parallel_auto: bool = False  # chosen by `auto` (for the log line)
     layers_auto: bool = False
+
+    def on_mesh(self, dp_size: int, tp: int) -> "Runtime":
+        """What still holds once the mesh is known: CUDA graphs capture one data-parallel rank without tensor
+        parallelism (the gradient reduction between ranks is not captured)."""
+        if not self.cuda_graphs or (dp_size == 1 and tp == 1):
+            return self
+        if not self.cuda_graphs_auto:
+            raise ConfigError(f"training.cuda_graphs=forward_backward runs on one data-parallel rank without tensor "
+                              f"parallelism (this run: {dp_size} data-parallel x tp {tp}): the gradient reduction "
+                              "between ranks is not captured; use training.cuda_graphs=auto or none")
+        log.info("training.cuda_graphs=auto: eager micro-batches (%d data-parallel ranks x tp %d; CUDA graphs "
+                 "capture one rank without tensor parallelism)", dp_size, tp)
+        return replace(self, cuda_graphs=False)
 
     @functools.cached_property
     def fp8_recipe(self) -> Any:
@@ -104,21 +118,29 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
                           "TE layers are tensor-parallel under distributed.backend=mfsdp")
     if precision.fp8.enabled and layers != LayerBackend.te:
         raise ConfigError("precision.fp8.enabled needs TransformerEngine layers (model.backend=te on a CUDA GPU)")
-    graphs = cfg.training.cuda_graphs != CudaGraphs.none
+    graphs = cfg.training.cuda_graphs == CudaGraphs.forward_backward
     if graphs:
         check_cuda_graphs(cfg, machine, parallel)
+    elif cfg.training.cuda_graphs == CudaGraphs.auto:
+        graphs = not cuda_graphs_refusals(cfg, machine, parallel)
     autocast = DTYPES[precision.autocast_dtype] if precision.autocast_dtype is not None else None
     return Runtime(
         device_type="cuda" if machine.cuda else "cpu", parallel=parallel, layers=layers, autocast_dtype=autocast,
         param_dtype=DTYPES[precision.param_dtype], fp8=precision.fp8 if precision.fp8.enabled else None,
-        cuda_graphs=graphs,
+        cuda_graphs=graphs, cuda_graphs_auto=cfg.training.cuda_graphs == CudaGraphs.auto,
         parallel_auto=cfg.distributed.backend == ParallelBackend.auto, layers_auto=cfg.model.backend == LayerBackend.auto)
 
 
 def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> None:
-    """What training.cuda_graphs captures so far (core/training/cuda_graphs.py): refused before any work
-    where it would not run, or not be checked against the eager loop."""
-    key, t = f"training.cuda_graphs={cfg.training.cuda_graphs}", cfg.training
+    """training.cuda_graphs=forward_backward is refused before any work where it would not run, or would not
+    be checked against the eager loop (core/training/cuda_graphs.py)."""
+    for why in cuda_graphs_refusals(cfg, machine, parallel)[:1]:
+        raise ConfigError(f"training.cuda_graphs={cfg.training.cuda_graphs} {why}")
+
+
+def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> list[str]:
+    """Why this config cannot replay its micro-batches as CUDA graphs ([] if it can)."""
+    t = cfg.training
     refusals = [
         (not machine.cuda, "needs a CUDA GPU (CUDA graphs are a GPU feature); use training.cuda_graphs=none on CPU"),
         (parallel != ParallelBackend.mfsdp, f"needs distributed.backend=mfsdp (not {parallel}): its graph-safe "
@@ -128,7 +150,5 @@ def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBacke
         (t.activation_checkpointing, "does not run with training.activation_checkpointing=true yet"),
         (t.compile, "and training.compile=true both take over the forward pass: choose one"),
     ]
-    for refused, why in refusals:
-        if refused:
-            raise ConfigError(f"{key} {why}")
+    return [why for refused, why in refusals if refused]
 

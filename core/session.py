@@ -63,6 +63,7 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     d = cfg.distributed
     env = distributed.setup(d.dp_outer, d.dp_shard, d.tp, d.timeout_minutes, runtime.device_type)
     try:
+        runtime = runtime.on_mesh(env.dp_size, env.tp)
         # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
         amax_group = env.dp_group if env.tp == 1 else dist.group.WORLD
         autocast = autocast_factory(env.device, runtime.autocast_dtype, runtime.fp8_recipe, amax_group)
@@ -70,9 +71,10 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "resolved_config.yaml")
             log.info("recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d "
-                     "| model.backend=%s%s | run dir %s", cfg.recipe, env.world_size, env.device.type, runtime.parallel,
+                     "| model.backend=%s%s%s | run dir %s", cfg.recipe, env.world_size, env.device.type, runtime.parallel,
                      " (auto)" if runtime.parallel_auto else "", env.dp_outer, env.dp_shard, env.tp, runtime.layers,
-                     " (auto)" if runtime.layers_auto else "", run_dir)
+                     " (auto)" if runtime.layers_auto else "",
+                     " | micro-batches replayed as CUDA graphs" if runtime.cuda_graphs else "", run_dir)
         yield Session(cfg, runtime, env, recipe, run_dir, autocast)
     finally:
         distributed.teardown()

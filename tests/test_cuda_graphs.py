@@ -47,17 +47,25 @@ def test_cuda_graphs_refuse_what_they_do_not_capture(overrides, message):
 def test_cuda_graphs_resolve_for_the_recipes_gpu_config():
     runtime = resolve(validated_config("vit_base_patch16_224", GRAPHS), GPU)
     assert runtime.cuda_graphs and runtime.parallel == "mfsdp" and runtime.param_dtype == torch.bfloat16
-    assert not resolve(validated_config("vit_base_patch16_224", ["checkpoint.path=unused"]), GPU).cuda_graphs
+    assert not resolve(validated_config("vit_base_patch16_224", [*GRAPHS[1:], "training.cuda_graphs=none"]),
+                       GPU).cuda_graphs
 
 
-def test_cuda_graphs_refuse_several_data_parallel_ranks():
-    from types import SimpleNamespace
+def test_auto_graphs_where_they_apply_and_eager_elsewhere():
+    def auto(*overrides, machine=GPU):
+        cfg = validated_config("vit_base_patch16_224", ["checkpoint.path=unused", *overrides])
+        assert cfg.training.cuda_graphs == "auto"  # the shipped ViT config's choice
+        return resolve(cfg, machine)
 
-    from core.training import cuda_graphs
-    from core.training.forward_backward import ForwardBackward
-
+    assert auto().cuda_graphs and auto().cuda_graphs_auto
+    assert not auto(machine=Machine(cuda=False, te=False)).cuda_graphs
+    for overrides in (["distributed=fsdp2"], ["precision=fp8_delayed"], ["training.activation_checkpointing=true"]):
+        assert not auto(*overrides).cuda_graphs, overrides
+    # Once the mesh is known: several data-parallel ranks or tensor parallelism run eagerly under auto ...
+    assert auto().on_mesh(1, 1).cuda_graphs
+    assert not auto().on_mesh(2, 1).cuda_graphs and not auto().on_mesh(1, 2).cuda_graphs
+    # ... and are refused when graphs were asked for.
+    explicit = resolve(validated_config("vit_base_patch16_224", GRAPHS), GPU)
     for dp_size, tp in ((2, 1), (1, 2)):
-        with pytest.raises(ConfigError, match="one data-parallel rank"):
-            cuda_graphs.forward_backward(None, None, None, SimpleNamespace(dp_size=dp_size, tp=tp), True, False)
-    eager = cuda_graphs.forward_backward(None, None, None, SimpleNamespace(dp_size=2, tp=2), False, False)
-    assert type(eager) is ForwardBackward
+        with pytest.raises(ConfigError, match="one data-parallel rank without tensor parallelism"):
+            explicit.on_mesh(dp_size, tp)

@@ -9,17 +9,26 @@ from tests.helpers import run_workers
 
 pytestmark = pytest.mark.gpu
 
+EVERY_STEP = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
+              "logger.progress_bar=never"]
 # A 4-block ViT-B on synthetic images, two accumulated micro-batches per step: the graph is captured in the
 # middle of step 2 (after two eager micro-batches) and replayed for both micro-batches of later steps.
 SMALL_VIT = ["data=synthetic", "data.synthetic_train_size=1024", "data.num_classes=16", "model.depth=4",
-             "training.micro_batch_size=32", "training.global_batch_size=64", "training.log_every_n_steps=1",
-             "training.val_every_n_steps=0", "training.val_at_end=false", "logger.progress_bar=never"]
+             "training.micro_batch_size=32", "training.global_batch_size=64", *EVERY_STEP]
+# GPT blocks (RoPE, grouped-query causal attention, TE's fused cross-entropy) on mock tokens, bf16; a sequence
+# length that is not a multiple of 128 takes the padding-mask form of causal attention.
+SMALL_GPT = ["data=gpt_mock", "precision=bf16", "distributed=mfsdp", "model.backend=te", "training.micro_batch_size=8",
+             "training.global_batch_size=16", *EVERY_STEP]
+CASES = {"vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
+         "vit-torch": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=torch"]),
+         "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
+         "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"])}
 GRAPHED = "training.cuda_graphs=forward_backward"
 
 
 def _phases(phases: list[dict]) -> list[dict]:
-    """Worker body: train each phase {"overrides", "run_dir", "signal_at"} of vit_base_patch16_224 in turn (SIGTERM
-    after the logged step `signal_at`); report its losses and how it ended."""
+    """Worker body: train each phase {"config", "overrides", "run_dir", "signal_at"} in turn (SIGTERM after the
+    logged step `signal_at`); report its losses and how it ended."""
     import os
     import signal
 
@@ -36,7 +45,7 @@ def _phases(phases: list[dict]) -> list[dict]:
 
         MetricsLogger.log = log
         try:
-            result = train_run(compose_config("vit_base_patch16_224", phase["overrides"]), phase["run_dir"])["result"]
+            result = train_run(compose_config(phase["config"], phase["overrides"]), phase["run_dir"])["result"]
         finally:
             MetricsLogger.log = original
         out.append({"losses": train_losses(phase["run_dir"]), "stopped_by": result.stopped_by,
@@ -44,25 +53,25 @@ def _phases(phases: list[dict]) -> list[dict]:
     return out
 
 
-def _run(tmp_path, name: str, overrides: list[str], **phase) -> dict:
-    return {"overrides": [*SMALL_VIT, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
+def _run(tmp_path, case: str, name: str, overrides: list[str], **phase) -> dict:
+    config, common = CASES[case]
+    return {"config": config, "overrides": [*common, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
             "run_dir": f"{tmp_path}/{name}/run", **phase}
 
 
-@pytest.mark.parametrize("backend", ["te", "torch"])
-def test_graphed_training_matches_eager_and_resumes_exactly(backend, tmp_path):
-    layers = [f"model.backend={backend}"]
+@pytest.mark.parametrize("case", list(CASES))
+def test_graphed_training_matches_eager_and_resumes_exactly(case, tmp_path):
     eager, graphed, stopped, resumed = run_workers(1, _phases, [
-        _run(tmp_path, "eager", [*layers, "training.steps=12"]),
-        _run(tmp_path, "graphed", [*layers, GRAPHED, "training.steps=12"]),
-        _run(tmp_path, "job", [*layers, GRAPHED, "training.steps=12"], signal_at=5),
-        _run(tmp_path, "job", [*layers, GRAPHED, "training.steps=12"]),  # the same command again
+        _run(tmp_path, case, "eager", ["training.cuda_graphs=none", "training.steps=12"]),
+        _run(tmp_path, case, "graphed", [GRAPHED, "training.steps=12"]),
+        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"], signal_at=5),
+        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"]),  # the same command again
     ])[0]
     assert sorted(graphed["losses"]) == list(range(1, 13))
     # Graphed and eager micro-batches run the same kernels on the same inputs: the same losses, bit for bit.
     diffs = {s: abs(graphed["losses"][s] - eager["losses"][s]) / abs(eager["losses"][s]) for s in eager["losses"]}
-    print(f"GRAPHS {backend}: eager {eager['losses']}\nGRAPHS {backend}: graphed {graphed['losses']}\n"
-          f"GRAPHS {backend}: largest relative difference {max(diffs.values()):.2e}")
+    print(f"GRAPHS {case}: eager {eager['losses']}\nGRAPHS {case}: graphed {graphed['losses']}\n"
+          f"GRAPHS {case}: largest relative difference {max(diffs.values()):.2e}")
     assert graphed["losses"] == eager["losses"]
     # Stopped by SIGTERM (sent after step 5 is logged, honoured at the next step's end) and resumed, the graph
     # captured again after the resume: one history, equal to the uninterrupted graphed run's.

@@ -81,6 +81,7 @@ class CudaGraphs(StrEnum):
     none = "none"  # every micro-batch launched from Python
     # Each micro-batch's forward and backward replayed as one CUDA graph (core/training/cuda_graphs.py).
     forward_backward = "forward_backward"
+    auto = "auto"  # forward_backward where the run allows it (core/runtime.py), else none
 
 
 class MonitorMode(StrEnum):
@@ -190,7 +191,8 @@ class TrainingConfig:
     compile: bool = False
     # forward_backward: capture one micro-batch's forward and backward as a CUDA graph after two eager
     # micro-batches and replay it, so the GPU no longer waits for Python to launch each kernel (one GPU,
-    # Megatron-FSDP, bf16; core/training/cuda_graphs.py says what it covers and refuses).
+    # Megatron-FSDP, no FP8; core/training/cuda_graphs.py says what it covers, core/runtime.py what it refuses).
+    # auto: forward_backward where the run allows it, none elsewhere.
     cuda_graphs: CudaGraphs = CudaGraphs.none
     profile: ProfileConfig = field(default_factory=ProfileConfig)
     # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.

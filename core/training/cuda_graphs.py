@@ -17,8 +17,8 @@ How it runs:
 - TE attention takes a form cuDNN can capture at any sequence length (core/layers/te_transformer_layer.py, 4.),
   in the eager micro-batches too, so that every micro-batch runs the same kernels.
 
-Refused before any work (core/runtime.py, `check_cuda_graphs`): CPU, backends other than Megatron-FSDP, FP8,
-activation checkpointing, torch.compile; here: more than one data-parallel rank, and tensor parallelism.
+Refused before any work (core/runtime.py): CPU, backends other than Megatron-FSDP, FP8, activation checkpointing,
+torch.compile, more than one data-parallel rank, tensor parallelism (training.cuda_graphs=auto runs those eagerly).
 """
 
 from __future__ import annotations
@@ -28,23 +28,18 @@ from typing import Any, Callable, ContextManager, Optional
 
 import torch
 
-from core.config.errors import ConfigError
-from core.distributed.env import DistEnv
 from core.parallel.base import Parallel
 from core.training.forward_backward import ForwardBackward
 
 log = logging.getLogger("train")
 
 
-def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextManager], env: DistEnv,
-                     graphs: bool, te_layers: bool) -> ForwardBackward:
-    """The loop's micro-batch step: eager, or replayed as a CUDA graph (training.cuda_graphs)."""
+def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextManager], graphs: bool,
+                     te_layers: bool) -> ForwardBackward:
+    """The loop's micro-batch step: eager, or replayed as a CUDA graph (runtime.cuda_graphs: on one
+    data-parallel rank, core/runtime.py)."""
     if not graphs:
         return ForwardBackward(parallel, recipe, autocast)
-    if env.dp_size > 1 or env.tp > 1:
-        raise ConfigError(f"training.cuda_graphs=forward_backward runs on one data-parallel rank without tensor "
-                          f"parallelism (this run: {env.dp_size} data-parallel x tp {env.tp}): the gradient "
-                          "reduction between ranks is not captured; use training.cuda_graphs=none")
     if te_layers:
         from core.layers.te_transformer_layer import use_capturable_attention
 
