@@ -2,6 +2,7 @@
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
+#                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|
 #                                       revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -113,6 +114,27 @@ if [[ $what == graphs_shipped ]]; then
   python3 benchmarks/throughput.py --config gpt_125m --data gpt_mock --nproc 1 --steps 6 --micro-batch 8 --global-batch 64 \
     --out "$OUT" --timeout 200 --variant "eager=training.cuda_graphs=none" \
     --variant "graphed=training.cuda_graphs=forward_backward" 2>&1 | tee "$OUT/graphs_gpt_125m.log" | tail -4
+fi
+# graphs_gpt_1b (1 H200, ~4 min): gpt_1b at its global batch (8 micro-batches of 16), bf16 and FP8, eager and
+# graphed. graphs_gpt_125m (~4 min): gpt_125m tokens/s from micro-batch 4 to 32, eager and graphed.
+# graphs_losses (~3 min): 50 steps of ViT-B on the shipped digits, eager and graphed from one seed, and eager
+# from another seed (how far two eager runs drift apart on their own).
+if [[ $what == graphs_gpt_1b ]]; then
+  python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --nproc 1 --steps 3 --micro-batch 16 --global-batch 128 \
+    --out "$OUT" --timeout 240 --variant "eager=training.cuda_graphs=none" \
+    --variant "graphed=training.cuda_graphs=forward_backward" --variant "fp8_eager=$fp8 training.cuda_graphs=none" \
+    --variant "fp8_graphed=$fp8 training.cuda_graphs=forward_backward" 2>&1 | tee "$OUT/graphs_gpt_1b.log" | tail -6
+fi
+if [[ $what == graphs_gpt_125m ]]; then
+  python3 benchmarks/throughput.py --config gpt_125m --data gpt_mock --nproc 1 --steps 6 --micro-batch 4 8 16 32 \
+    --out "$OUT" --timeout 200 --variant "eager=training.cuda_graphs=none" \
+    --variant "graphed=training.cuda_graphs=forward_backward" 2>&1 | tee "$OUT/graphs_gpt_125m_sweep.log" | tail -10
+fi
+if [[ $what == graphs_losses ]]; then
+  python3 benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 50 --window 5 --out "$OUT" \
+    --extra "training.micro_batch_size=128 training.global_batch_size=256 training.val_every_n_steps=0" \
+    --variant "eager=training.cuda_graphs=none" --variant "graphed=training.cuda_graphs=forward_backward" \
+    --variant "eager_seed1235=training.cuda_graphs=none seed=1235" 2>&1 | tee "$OUT/graphs_losses.log" | tail -6
 fi
 if [[ $what == revisions ]]; then
   other=${2:?usage: gpu_evidence.sh revisions OTHER_CHECKOUT}

@@ -4,7 +4,8 @@ then compare the loss curves (e.g. FP8 against bf16).
     python benchmarks/loss_curves.py --config vit_base_patch16_224 --steps 200 --nproc 1 \
         --variant "bf16=" --variant "fp8_delayed=precision=fp8_delayed precision.param_dtype=bf16"
 
-Prints, for every variant after the first, the largest gap between its loss curve and the first
+Prints, for every variant after the first, how many of its step losses equal the first variant's bit for bit
+and the largest relative difference of one step's loss, the largest gap between its loss curve and the first
 variant's, both smoothed over --window steps (absolute, and relative to the first variant's loss there),
 the largest relative gap, and the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
 which needs matplotlib). `--replot RESULT.json --png FILE` draws the PNG of an earlier run's JSON.
@@ -103,9 +104,16 @@ def main() -> None:
         rel = [g / abs(r) for g, r in zip(gaps, ref)]
         worst = max(range(len(gaps)), key=gaps.__getitem__)
         worst_rel = max(range(len(rel)), key=rel.__getitem__)
+        # Step by step, unsmoothed: how many losses are the same bits, and the largest relative difference.
+        raw = list(zip(curves[name], curves[names[0]]))
+        identical = sum(a == b for a, b in raw)
+        step_rel = max(abs(a - b) / abs(b) for a, b in raw)
         summary[name] = {"max_abs_gap": gaps[worst], "at_step": worst + 1, "rel_gap_at_max_abs": rel[worst],
                          "max_rel_gap": rel[worst_rel], "max_rel_at_step": worst_rel + 1,
-                         "final_smoothed": other[-1], "reference_final_smoothed": ref[-1]}
+                         "final_smoothed": other[-1], "reference_final_smoothed": ref[-1],
+                         "identical_steps": identical, "steps_compared": len(raw), "max_step_rel_diff": step_rel}
+        print(f"{name} vs {names[0]}: {identical} of {len(raw)} step losses identical; largest relative "
+              f"difference of one step's loss {step_rel:.2e}")
         print(f"{name} vs {names[0]}: largest gap of the {args.window}-step means {gaps[worst]:.4f} at step "
               f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
               f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}")

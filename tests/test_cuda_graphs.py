@@ -33,9 +33,8 @@ def test_unknown_cuda_graphs_mode_names_the_key():
 @pytest.mark.parametrize("overrides,message", [
     (["distributed=fsdp2"], "needs distributed.backend=mfsdp"),
     (["distributed=ddp", "precision.param_dtype=fp32"], "needs distributed.backend=mfsdp"),
-    (["distributed=mfsdp", "precision=fp8_delayed"], "does not run FP8"),
-    (["distributed=mfsdp", "precision=fp8_current"], "does not run FP8"),
-    (["distributed=mfsdp", "training.activation_checkpointing=true"], "activation_checkpointing"),
+    (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=block"], "not block"),
+    (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=mxfp8"], "not mxfp8"),
     (["distributed=mfsdp", "training.compile=true"], "training.compile=true both take over"),
 ])
 def test_cuda_graphs_refuse_what_they_do_not_capture(overrides, message):
@@ -47,6 +46,9 @@ def test_cuda_graphs_refuse_what_they_do_not_capture(overrides, message):
 def test_cuda_graphs_resolve_for_the_recipes_gpu_config():
     runtime = resolve(validated_config("vit_base_patch16_224", GRAPHS), GPU)
     assert runtime.cuda_graphs and runtime.parallel == "mfsdp" and runtime.param_dtype == torch.bfloat16
+    # FP8 with delayed or current scaling, and activation recomputation, are captured too.
+    for overrides in (["precision=fp8_delayed"], ["precision=fp8_current"], ["training.activation_checkpointing=true"]):
+        assert resolve(validated_config("vit_base_patch16_224", [*GRAPHS, *overrides]), GPU).cuda_graphs, overrides
     assert not resolve(validated_config("vit_base_patch16_224", [*GRAPHS[1:], "training.cuda_graphs=none"]),
                        GPU).cuda_graphs
 
@@ -59,8 +61,9 @@ def test_auto_graphs_where_they_apply_and_eager_elsewhere():
 
     assert auto().cuda_graphs and auto().cuda_graphs_auto
     assert not auto(machine=Machine(cuda=False, te=False)).cuda_graphs
-    for overrides in (["distributed=fsdp2"], ["precision=fp8_delayed"], ["training.activation_checkpointing=true"]):
+    for overrides in (["distributed=fsdp2"], ["precision=fp8", "precision.fp8.recipe=block"], ["training.compile=true"]):
         assert not auto(*overrides).cuda_graphs, overrides
+    assert auto("precision=fp8_delayed").cuda_graphs
     # Once the mesh is known: several data-parallel ranks or tensor parallelism run eagerly under auto ...
     assert auto().on_mesh(1, 1).cuda_graphs
     assert not auto().on_mesh(2, 1).cuda_graphs and not auto().on_mesh(1, 2).cuda_graphs

@@ -19,8 +19,16 @@ SMALL_VIT = ["data=synthetic", "data.synthetic_train_size=1024", "data.num_class
 # length that is not a multiple of 128 takes the padding-mask form of causal attention.
 SMALL_GPT = ["data=gpt_mock", "model.vocab_size=512", "precision=bf16", "distributed=mfsdp", "model.backend=te", "training.micro_batch_size=8",
              "training.global_batch_size=16", *EVERY_STEP]
+FP8 = ["model.backend=te", "precision.param_dtype=bf16"]
 CASES = {"vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
          "vit-torch": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=torch"]),
+         # Delayed scaling: the amax history and scales live in the layers and are updated by captured kernels; a
+         # resume that lost them would scale differently and give other losses.
+         "vit-te-fp8-delayed": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_delayed"]),
+         "vit-te-fp8-current": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_current"]),
+         # Each block's activations recomputed in the backward pass, inside the graph.
+         "vit-te-recompute": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te",
+                                                       "training.activation_checkpointing=true"]),
          "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
          "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"])}
 GRAPHED = "training.cuda_graphs=forward_backward"

@@ -191,7 +191,7 @@ class TrainingConfig:
     compile: bool = False
     # forward_backward: capture one micro-batch's forward and backward as a CUDA graph after two eager
     # micro-batches and replay it, so the GPU no longer waits for Python to launch each kernel (one GPU,
-    # Megatron-FSDP, no FP8; core/training/cuda_graphs.py says what it covers, core/runtime.py what it refuses).
+    # Megatron-FSDP; core/training/cuda_graphs.py says what it covers, core/runtime.py what it refuses).
     # auto: forward_backward where the run allows it, none elsewhere.
     cuda_graphs: CudaGraphs = CudaGraphs.none
     profile: ProfileConfig = field(default_factory=ProfileConfig)

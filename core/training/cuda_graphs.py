@@ -16,9 +16,14 @@ How it runs:
 - A micro-batch whose tensors differ in shape or dtype from the captured one runs eagerly.
 - TE attention takes a form cuDNN can capture at any sequence length (core/layers/te_transformer_layer.py, 4.),
   in the eager micro-batches too, so that every micro-batch runs the same kernels.
+- FP8: delayed scaling's amax reduction and scale update run as kernels on the layers' own amax and scale
+  tensors when the FP8 autocast closes and in the backward pass, so they are captured with the micro-batch and
+  the replays keep updating the state that checkpoints save. Current scaling keeps no state.
+- Activation recomputation runs inside the captured backward.
 
-Refused before any work (core/runtime.py): CPU, backends other than Megatron-FSDP, FP8, activation checkpointing,
-torch.compile, more than one data-parallel rank, tensor parallelism (training.cuda_graphs=auto runs those eagerly).
+Refused before any work (core/runtime.py): CPU, backends other than Megatron-FSDP, FP8 recipes other than
+delayed and current scaling, torch.compile, more than one data-parallel rank, tensor parallelism
+(training.cuda_graphs=auto runs those eagerly).
 """
 
 from __future__ import annotations
