@@ -72,3 +72,41 @@ def test_auto_graphs_where_they_apply_and_eager_elsewhere():
     for dp_size, tp in ((2, 1), (1, 2)):
         with pytest.raises(ConfigError, match="one data-parallel rank without tensor parallelism"):
             explicit.on_mesh(dp_size, tp)
+
+
+def test_a_capture_that_fails_says_why_and_what_to_do(monkeypatch):
+    """A recipe whose forward reads a GPU value on the host cannot be recorded: the third micro-batch (the
+    first after the eager warm-up) stops the run with what failed and how to avoid it. The capture itself is
+    simulated here, as torch raises it inside torch.cuda.graph (the real capture: the GPU tests)."""
+    import contextlib
+
+    from core.parallel.base import Parallel
+    from core.training import cuda_graphs
+
+    capturing = []
+
+    class Recipe:
+        def forward(self, model, batch, training):
+            if capturing:  # what torch raises for a device-to-host copy during capture
+                raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless "
+                                   "the CPU tensor is pinned.")
+            return {"loss": model(batch["x"]).square()}
+
+    @contextlib.contextmanager
+    def fake_capture(graph, capture_error_mode):
+        capturing.append(True)
+        try:
+            yield
+        finally:
+            capturing.clear()
+
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
+    model = torch.nn.Linear(4, 1)
+    step = cuda_graphs.GraphedForwardBackward(Parallel(model, model), Recipe(), contextlib.nullcontext)
+    batch, scale = {"x": torch.ones(2, 4)}, torch.tensor(1.0)
+    for _ in range(step.warmup):  # eager
+        step(batch, scale, is_last=True)
+    with pytest.raises(cuda_graphs.CaptureFailed, match=r"training.cuda_graphs=none") as failed:
+        step(batch, scale, is_last=True)
+    assert "Cannot copy between CPU and CUDA tensors" in str(failed.value) and ".item()" in str(failed.value)

@@ -20,6 +20,8 @@ How it runs:
   tensors when the FP8 autocast closes and in the backward pass, so they are captured with the micro-batch and
   the replays keep updating the state that checkpoints save. Current scaling keeps no state.
 - Activation recomputation runs inside the captured backward.
+- Code in the forward or loss that reads a GPU value on the host (.item(), .tolist(), data-dependent shapes)
+  cannot be recorded: the capture stops the run with `CaptureFailed`, saying so.
 
 Refused before any work (core/runtime.py): CPU, backends other than Megatron-FSDP, FP8 recipes other than
 delayed and current scaling, torch.compile, more than one data-parallel rank, tensor parallelism
@@ -50,6 +52,10 @@ def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextM
 
         use_capturable_attention(parallel.model)
     return GraphedForwardBackward(parallel, recipe, autocast)
+
+
+class CaptureFailed(RuntimeError):
+    """The forward and backward of a micro-batch did something a CUDA graph cannot record."""
 
 
 def _signature(batch: dict) -> tuple:
@@ -94,7 +100,15 @@ class GraphedForwardBackward(ForwardBackward):
         self.loss_scale = loss_scale.clone()
         self.graph = torch.cuda.CUDAGraph()
         # thread_local: the data loader's and the checkpoint writer's threads keep using CUDA meanwhile.
-        with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-            self.loss = super().__call__(self.inputs, self.loss_scale, is_last)
+        try:
+            with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
+                self.loss = super().__call__(self.inputs, self.loss_scale, is_last)
+        except RuntimeError as e:  # torch's own message names the operation, not why it matters or what to do
+            raise CaptureFailed(
+                "training.cuda_graphs: the micro-batch's forward and backward could not be captured as a CUDA "
+                f"graph ({type(e).__name__}: {e}). Recording runs nothing, so code that reads a GPU value on "
+                "the host (.item(), .tolist(), .cpu(), printing a tensor, a shape that depends on the data such "
+                "as boolean indexing) cannot be recorded; keep such code out of the recipe's forward and loss, "
+                "or run with training.cuda_graphs=none") from e
         log.info("training.cuda_graphs: captured the forward and backward of a micro-batch (%s)",
                  ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if torch.is_tensor(v)))
