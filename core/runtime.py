@@ -136,8 +136,9 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
 def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> None:
     """training.cuda_graphs=forward_backward is refused before any work where it would not run, or would not
     be checked against the eager loop (core/training/cuda_graphs.py)."""
-    for why in cuda_graphs_refusals(cfg, machine, parallel)[:1]:
-        raise ConfigError(f"training.cuda_graphs={cfg.training.cuda_graphs} {why}")
+    refusals = cuda_graphs_refusals(cfg, machine, parallel)
+    if refusals:
+        raise ConfigError(f"training.cuda_graphs={cfg.training.cuda_graphs} {refusals[0]}")
 
 
 def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> list[str]:
@@ -155,4 +156,3 @@ def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBa
         (t.compile, "and training.compile=true both take over the forward pass: choose one"),
     ]
     return [why for refused, why in refusals if refused]
-

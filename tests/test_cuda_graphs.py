@@ -74,39 +74,80 @@ def test_auto_graphs_where_they_apply_and_eager_elsewhere():
             explicit.on_mesh(dp_size, tp)
 
 
+class FakeCapture:
+    """torch.cuda.CUDAGraph and torch.cuda.graph stood in for on CPU: records which micro-batch calls were
+    captured (the real capture: the GPU tests)."""
+
+    def __init__(self, monkeypatch):
+        import contextlib
+
+        self.active, self.captured = False, []
+
+        @contextlib.contextmanager
+        def graph(graph, capture_error_mode):
+            self.active = True
+            try:
+                yield
+            finally:
+                self.active = False
+
+        class Graph:
+            def replay(self):  # nothing was recorded
+                pass
+
+        monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "graph", graph)
+
+    def step(self, forward=None):
+        """A GraphedForwardBackward over a one-layer model; `forward(capturing)` may replace the recipe's."""
+        import contextlib
+
+        from core.parallel.base import Parallel
+        from core.training import cuda_graphs
+
+        fake = self
+
+        class Recipe:
+            def forward(self, model, batch, training):
+                if fake.active:
+                    fake.captured.append(step.calls)
+                    if forward:
+                        forward()
+                return {"loss": model(batch["x"]).square()}
+
+        model = torch.nn.Linear(4, 1)
+        step = cuda_graphs.GraphedForwardBackward(Parallel(model, model), Recipe(), contextlib.nullcontext)
+        return step
+
+
+BATCH, SCALE = {"x": torch.ones(2, 4)}, torch.tensor(1.0)
+
+
+@pytest.mark.parametrize("accumulation,captured_call", [(1, 3), (2, 3), (3, 4), (8, 3)])
+def test_the_graph_comes_from_a_micro_batch_before_the_last_where_steps_accumulate(monkeypatch, accumulation,
+                                                                                    captured_call):
+    """After two eager micro-batches: with one micro-batch per step the next (a step's last) is captured; with
+    several, the first that is not its step's last, whose graph then also serves the last ones."""
+    capture = FakeCapture(monkeypatch)
+    step = capture.step()
+    for call in range(1, 13):
+        step(BATCH, SCALE, is_last=call % accumulation == 0)
+    assert capture.captured == [captured_call]
+
+
 def test_a_capture_that_fails_says_why_and_what_to_do(monkeypatch):
     """A recipe whose forward reads a GPU value on the host cannot be recorded: the third micro-batch (the
     first after the eager warm-up) stops the run with what failed and how to avoid it. The capture itself is
-    simulated here, as torch raises it inside torch.cuda.graph (the real capture: the GPU tests)."""
-    import contextlib
-
-    from core.parallel.base import Parallel
+    simulated here, as torch raises it inside torch.cuda.graph."""
     from core.training import cuda_graphs
 
-    capturing = []
+    def host_read():  # what torch raises for a device-to-host copy during capture
+        raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless the CPU "
+                           "tensor is pinned.")
 
-    class Recipe:
-        def forward(self, model, batch, training):
-            if capturing:  # what torch raises for a device-to-host copy during capture
-                raise RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture unless "
-                                   "the CPU tensor is pinned.")
-            return {"loss": model(batch["x"]).square()}
-
-    @contextlib.contextmanager
-    def fake_capture(graph, capture_error_mode):
-        capturing.append(True)
-        try:
-            yield
-        finally:
-            capturing.clear()
-
-    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
-    monkeypatch.setattr(torch.cuda, "graph", fake_capture)
-    model = torch.nn.Linear(4, 1)
-    step = cuda_graphs.GraphedForwardBackward(Parallel(model, model), Recipe(), contextlib.nullcontext)
-    batch, scale = {"x": torch.ones(2, 4)}, torch.tensor(1.0)
+    step = FakeCapture(monkeypatch).step(host_read)
     for _ in range(step.warmup):  # eager
-        step(batch, scale, is_last=True)
+        step(BATCH, SCALE, is_last=True)
     with pytest.raises(cuda_graphs.CaptureFailed, match=r"training.cuda_graphs=none") as failed:
-        step(batch, scale, is_last=True)
+        step(BATCH, SCALE, is_last=True)
     assert "Cannot copy between CPU and CUDA tensors" in str(failed.value) and ".item()" in str(failed.value)

@@ -6,7 +6,9 @@ graph records the kernels of one micro-batch once; afterwards one call launches 
 
 How it runs:
 - The first `warmup` micro-batches run eagerly: TE, cuBLAS and Megatron-FSDP create workspaces and buffers on
-  first use, which must not happen inside a capture.
+  first use, which must not happen inside a capture. Where a step accumulates gradients over several
+  micro-batches, the graph is captured from one that is not the step's last (replayed for the last one too;
+  the reverse has not been checked against eager runs).
 - The next one is captured (recording runs nothing) and then replayed; every later micro-batch is copied into
   the captured input buffers and replayed. The loss scale is an input too; the loss sum is read from the
   buffer the graph writes it to.
@@ -74,10 +76,14 @@ class GraphedForwardBackward(ForwardBackward):
         self.loss_scale: Optional[torch.Tensor] = None
         self.loss: Optional[torch.Tensor] = None  # the loss sum the graph writes
         self.eager_fallbacks = 0
+        self.accumulates = False  # a step has had more than one micro-batch
 
     def __call__(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> torch.Tensor:
         self.calls += 1
-        if self.calls <= self.warmup:
+        self.accumulates |= not is_last
+        # One graph serves every micro-batch of a step, so it must be one whose replays were checked against
+        # eager ones (GPU tests): a micro-batch before the last where steps accumulate gradients, else a last one.
+        if self.calls <= self.warmup or (self.graph is None and is_last and self.accumulates):
             return super().__call__(batch, loss_scale, is_last)
         if self.graph is None:
             self._capture(batch, loss_scale, is_last)
