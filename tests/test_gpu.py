@@ -365,6 +365,41 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
         assert _relative_difference(a, b) < 2e-2, (name, a.float().norm().item(), b.float().norm().item())
 
 
+@pytest.mark.parametrize("tensor_format,outer,groups,per_group,head_dim,dtype", [
+    ("bshd", (4, 2048), 8, 2, 128, torch.bfloat16),  # gpt_1b's heads
+    ("sbhd", (197, 3), 12, 1, 64, torch.bfloat16),   # no GQA; rows not a multiple of the block
+    ("bshd", (2, 300), 3, 4, 32, torch.float16),
+    ("sbhd", (33, 2), 2, 2, 16, torch.float32),
+])
+def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head_dim, dtype):
+    """Our Q/K/V split with RoPE computes TE's apply_fused_qkv_rotary_pos_emb bit for bit, both ways,
+    with angles for more positions than the sequence has and different angles for Q and K."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+
+    from core.layers import qkv_rope
+
+    seq = outer[1] if tensor_format == "bshd" else outer[0]
+    qkv = torch.randn(*outer, groups, (per_group + 2) * head_dim, device="cuda", dtype=dtype) * 4
+    q_freqs = te.RotaryPositionEmbedding(head_dim)(seq + 7).cuda()
+    k_freqs = te.RotaryPositionEmbedding(head_dim, rotary_base=500.0)(seq + 7).cuda()
+    assert qkv_rope.kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, tensor_format, False)
+    results = []
+    for split in (qkv_rope.split_rotate, None):
+        x = qkv.clone().requires_grad_()
+        if split is None:
+            outputs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
+                                                     tensor_format=tensor_format)
+        else:
+            outputs = split(x, q_freqs, k_freqs, per_group, head_dim, tensor_format)
+        torch.manual_seed(1)
+        torch.autograd.backward(outputs, [torch.randn_like(o) for o in outputs])
+        results.append([*outputs, x.grad])
+    for name, ours, theirs in zip(("query", "key", "value", "qkv gradient"), *results):
+        assert ours.shape == theirs.shape and ours.is_contiguous(), name
+        assert torch.equal(ours, theirs), (name, int((ours != theirs).sum()))
+
+
 def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     """|a - b| / |b|; against an all-zero reference (under FP8 some gradients are exactly zero in both
     layers) the absolute difference, so that equal zeros count as equal instead of 0 / 0."""

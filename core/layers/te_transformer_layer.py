@@ -16,10 +16,11 @@ later TE drop it, the GPU test against te.TransformerLayer and benchmarks/te_lay
 2. Grouped-query attention with RoPE (the GPT blocks) in one kernel each way. TE's MultiheadAttention
 splits the projection output [.., groups, (heads per group + 2) x head_dim] into Q, K and V, copies Q into
 [.., heads, head_dim], runs one RoPE kernel for Q and one for K, and in the backward runs two RoPE
-kernels more and concatenates dQ, dK and dV back with a strided copy. `MultiheadAttention` hands the projection output to TE's fused QKV-RoPE function instead
-(what Megatron-Core's `fused_single_qkv_rope` uses): one kernel splits and rotates, one writes the
-packed gradient. Outside that case (FP8 attention, no RoPE, KV cache, context parallelism, QK norms,
-...) it is TE's own forward.
+kernels more and concatenates dQ, dK and dV back with a strided copy. `MultiheadAttention` splits and
+rotates the projection output in one kernel instead, and writes the packed gradient in one (`qkv_rope.py`:
+TE's fused QKV-RoPE function, what Megatron-Core's `fused_single_qkv_rope` uses, in faster kernels).
+Outside that case (FP8 attention, no RoPE, KV cache, context parallelism, QK norms, ...) it is TE's own
+forward.
 
 3. With bias and GELU (the ViT MLP) outside FP8, TE adds the fc1 bias and applies GELU in a separate
 Triton kernel, and their gradients in two more. cuBLASLt can do both in the fc1 GEMM's epilogue and the
@@ -39,6 +40,8 @@ import functools
 import warnings
 
 import torch
+
+from core.layers import qkv_rope
 
 # TE warns at every attention call that finds a packed layout from q/k/v pointers (see above).
 warnings.filterwarnings("ignore", message="Relying on pointer-based detection of packed q/k/v layouts",
@@ -151,7 +154,6 @@ def te_multihead_attention_class():
     """TE's MultiheadAttention, with Q/K/V split and RoPE fused into one kernel where it can (see 2.)."""
     import transformer_engine.pytorch as te
     from transformer_engine.pytorch.attention import multi_head_attention
-    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
     from transformer_engine.pytorch.cpu_offload import is_cpu_offload_enabled
     from transformer_engine.pytorch.quantization import FP8GlobalStateManager
 
@@ -187,9 +189,8 @@ def te_multihead_attention_class():
             qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
             qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query, key, value = apply_fused_qkv_rotary_pos_emb(
-                qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=self.qkv_format,
-                interleaved=self.rotary_pos_interleaved)
+            query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim,
+                                                      self.qkv_format, self.rotary_pos_interleaved)
             context = self.core_attention(query, key, value, qkv_format=self.qkv_format,
                                           softcap=self.softcap if softcap is None else softcap, **kwargs)
             # (output, bias) when return_bias, as TE's forward returns them
