@@ -384,15 +384,14 @@ def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head
     q_freqs = te.RotaryPositionEmbedding(head_dim)(seq + 7).cuda()
     k_freqs = te.RotaryPositionEmbedding(head_dim, rotary_base=500.0)(seq + 7).cuda()
     assert qkv_rope.kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, tensor_format, False)
+    splits = (lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, tensor_format),
+              lambda x: apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
+                                                       tensor_format=tensor_format))
     results = []
-    for split in (qkv_rope.split_rotate, None):
+    for split in splits:
         x = qkv.clone().requires_grad_()
-        if split is None:
-            outputs = apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
-                                                     tensor_format=tensor_format)
-        else:
-            outputs = split(x, q_freqs, k_freqs, per_group, head_dim, tensor_format)
-        torch.manual_seed(1)
+        outputs = split(x)
+        torch.manual_seed(1)  # the same output gradients for both
         torch.autograd.backward(outputs, [torch.randn_like(o) for o in outputs])
         results.append([*outputs, x.grad])
     for name, ours, theirs in zip(("query", "key", "value", "qkv gradient"), *results):
