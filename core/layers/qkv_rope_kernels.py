@@ -31,7 +31,8 @@ def cos_sin(freqs, positions, cols, mask, HALF: tl.constexpr):
 
 @triton.jit
 def rotate(source, target, cos1, sin1, cos2, sin2, mask, HALF: tl.constexpr):
-    # target = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1)
+    # target = x * cos + rotate_half(x) * sin, rotate_half(x) = (-x2, x1), with the first product in the
+    # multiply-add as TE's compiled kernel has it (the other order differs from TE in a few elements)
     x1 = tl.load(source, mask=mask)
     x2 = tl.load(source + HALF, mask=mask)
     a1, a2 = x1.to(tl.float32), x2.to(tl.float32)
