@@ -22,8 +22,10 @@ ever deleted.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -31,9 +33,10 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from core.checkpointing.storage import SafeReader, collect_checksums, file_crc32, is_checksum_sidecar
+from core.checkpointing.dcp_index import UnsafeCheckpoint, load_index
+from core.checkpointing.storage import collect_checksums, file_crc32, is_checksum_sidecar
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
@@ -104,8 +107,18 @@ def is_own_incomplete(path: Path) -> bool:
 
 
 def is_own(path: Path) -> bool:
-    """A step folder this tool wrote (complete, or an interrupted save): the only kind it ever deletes."""
-    return is_complete(path) or is_own_incomplete(path)
+    """A step folder this tool wrote (complete, with a well-formed marker, or an interrupted save) holding nothing
+    but the files a save writes: the only kind it ever deletes."""
+    path = Path(path)
+    if is_own_incomplete(path):
+        return True
+    if not is_complete(path) or not all(_OWN_FILES.match(p.name) and p.is_file() for p in path.iterdir()):
+        return False
+    try:
+        read_marker(path)
+    except CheckpointError:
+        return False
+    return True
 
 
 def start_marker(folder: Path) -> None:
@@ -133,17 +146,58 @@ def write_marker(folder: Path, marker: dict[str, Any]) -> None:
 
 
 def read_marker(path: Path) -> dict:
+    """The completion marker of the step folder `path`, checked against the shape this tool writes; a
+    CheckpointError naming the file otherwise (automatic resume then falls back to the checkpoint before)."""
+    file = Path(path) / COMPLETE_MARKER
     try:
-        return json.loads((Path(path) / COMPLETE_MARKER).read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{Path(path) / COMPLETE_MARKER}: unreadable completion marker ({e})") from None
+        marker = json.loads(file.read_bytes())
+    except (OSError, ValueError) as e:  # (a UnicodeDecodeError is a ValueError)
+        raise CheckpointError(f"{file}: unreadable completion marker ({type(e).__name__}: {e})") from None
+    problem = _marker_problem(marker)
+    if problem:
+        raise CheckpointError(f"{file}: not a completion marker of this tool ({problem})")
+    return marker
 
 
-def read_metadata(path: Path) -> Metadata:
+def _is_count(value: Any) -> bool:
+    return type(value) is int and value >= 0
+
+
+def _marker_problem(marker: Any) -> Optional[str]:
+    """What is wrong with a parsed COMPLETE, or None. It holds {"step": N, "metrics": {name: number}, "files":
+    {name: {"size": bytes, "crc32": CRC}}} (checkpoints written before checksums: {name: bytes})."""
+    if not isinstance(marker, dict):
+        return f"a JSON {type(marker).__name__}, expected an object"
+    if not _is_count(marker.get("step")):
+        return f"step={marker.get('step')!r}, expected a whole number >= 0"
+    metrics = marker.get("metrics", {})
+    if not isinstance(metrics, dict) or not all(
+            isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+            for k, v in metrics.items()):
+        return "metrics: expected an object of numbers"
+    files = marker.get("files")
+    if not isinstance(files, dict) or ".metadata" not in files:
+        return "files: expected an object listing every file, .metadata among them"
+    for name, entry in files.items():
+        if not _OWN_FILES.match(name) or name in (COMPLETE_MARKER, SAVING_MARKER):
+            return f"files: {name!r} is not a file a save writes"
+        if not (_is_count(entry) or (isinstance(entry, dict) and _is_count(entry.get("size"))
+                                     and (entry.get("crc32") is None or (_is_count(entry["crc32"])
+                                                                         and entry["crc32"] < 2**32)))):
+            return f"files: {name!r}: {entry!r}, expected {{\"size\": bytes, \"crc32\": CRC-32}}"
+    return None
+
+
+def read_metadata(path: Path, data: Optional[bytes] = None) -> Metadata:
+    """The DCP index of the folder `path` (from `data`, its bytes, when already read), read safely
+    (core/checkpointing/dcp_index.py)."""
+    file = Path(path) / ".metadata"
     try:
-        return SafeReader(str(path)).read_metadata()
-    except Exception as e:  # noqa: BLE001  (any unpickling / IO error means the same to the user)
-        raise CheckpointError(f"{Path(path) / '.metadata'}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+        return load_index(file.read_bytes() if data is None else data)
+    except OSError as e:
+        raise CheckpointError(f"{file}: unreadable DCP metadata ({type(e).__name__}: {e})") from None
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"{file}: {e}") from None
 
 
 def _listed(marker: dict) -> dict[str, tuple[int, Optional[int]]]:
@@ -174,7 +228,8 @@ def checksum_errors(path: Path, rank: int = 0, world_size: int = 1, threads: int
 def verify(path: Path) -> Metadata:
     """Check that `path` is a complete checkpoint whose files are all there, whole; return its metadata.
 
-    Catches interrupted saves (no marker), missing and truncated files, naming the file.
+    Catches interrupted saves (no marker), malformed markers, missing and truncated files, naming the file.
+    The index (.metadata) is compared with its size and CRC-32 in the marker before it is parsed.
     """
     path = Path(path)
     if not path.is_dir():
@@ -185,24 +240,47 @@ def verify(path: Path) -> Metadata:
                                   "of this tool, e.g. format_utils torch_to_dcp output): it can be used as "
                                   "checkpoint.init_from (weights only), not resumed from")
         raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
-    marker = read_marker(path)
-    metadata = read_metadata(path)
-    for name, (size, _) in _listed(marker).items():
+    listed = _listed(read_marker(path))
+    for name, (size, _) in listed.items():
         file = path / name
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
         if file.stat().st_size != size:
             raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)")
-    check_storage(path, metadata)
+    try:
+        data = (path / ".metadata").read_bytes()
+    except OSError as e:
+        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") from None
+    size, crc = listed[".metadata"]
+    if len(data) != size or (crc is not None and zlib.crc32(data) != crc):
+        raise CheckpointError(f"{path / '.metadata'}: checksum mismatch (the file changed after it was written); not read")
+    metadata = read_metadata(path, data)
+    check_storage(path, metadata, listed)
     return metadata
 
 
-def check_storage(path: Path, metadata: Metadata) -> None:
-    """Every file the DCP index points into is there and long enough."""
-    for info in (metadata.storage_data or {}).values():
+def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None) -> None:
+    """Every file the DCP index points into is there (and listed in COMPLETE, when `listed` is given) and long
+    enough, and every tensor chunk's storage holds at least its bytes (so no tensor is made larger than the
+    data on disk)."""
+    storage = metadata.storage_data
+    for where, info in storage.items():
         file = Path(path) / info.relative_path
+        if listed is not None and info.relative_path not in listed:
+            raise CheckpointError(f"{Path(path) / '.metadata'}: points into {info.relative_path}, which "
+                                  f"{COMPLETE_MARKER} does not list")
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
             raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
+    for key, entry in metadata.state_dict_metadata.items():
+        if not isinstance(entry, TensorStorageMetadata):
+            continue
+        itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
+        for chunk in entry.chunks:
+            info = storage.get(MetadataIndex(key, chunk.offsets))
+            if info is None:
+                raise CheckpointError(f"{Path(path) / '.metadata'}: {key} has a chunk with no storage")
+            if not getattr(info, "transform_descriptors", None) and info.length < math.prod(chunk.sizes) * itemsize:
+                raise CheckpointError(f"{Path(path) / '.metadata'}: {key} claims more bytes than its storage holds")
 
 
 def verify_plain_dcp(path: Path) -> Metadata:

@@ -172,7 +172,7 @@ class Checkpointer:
         targets = {key: part.load_target(Saved(path, metadata, key)) for key, part in parts.items()}
         state = {key: target for key, target in targets.items() if target is not None}
         try:
-            dcp.load(state, storage_reader=SafeReader(str(path)), planner=SafeLoadPlanner())
+            dcp.load(state, storage_reader=SafeReader(str(path), metadata), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             raise CheckpointError(f"{path}: loading failed ({describe(e)})") from None
         for key, loaded in state.items():
@@ -267,6 +267,9 @@ class Checkpointer:
                 if is_own_incomplete(p):
                     log.info("deleting incomplete checkpoint %s", p)
                     shutil.rmtree(p, ignore_errors=True)
+                continue
+            if not is_own(p):  # e.g. a malformed COMPLETE: never deleted, never ranked
+                log.warning("retention leaves %s alone: it is not a checkpoint this tool can read as its own", p)
                 continue
             value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
             entries.append((step_of(p), value))

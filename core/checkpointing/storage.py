@@ -1,11 +1,11 @@
 """How step folders are read and written: torch DCP's file storage, made safe to load and checksummed.
 
-Reading runs no code from the files. DCP keeps a checkpoint's index (`.metadata`) as a pickle and loads
-non-tensor values (optimizer hyperparameters and the like) with `torch.load(weights_only=False)`; a crafted
-folder could run anything through either. Here the index is unpickled with an allow-list (DCP's own
-metadata classes, torch sizes, dtypes and layouts, plain containers) and values with `weights_only=True`;
-anything else is refused with a CheckpointError naming the file. Every load in this repository goes
-through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict, conversion).
+Reading runs no code from the files and leaves the process as it was. DCP keeps a checkpoint's index
+(`.metadata`) as a pickle and loads non-tensor values (optimizer hyperparameters and the like) with
+`torch.load(weights_only=False)`; a crafted folder could run anything through either. Here the index is read
+by PyTorch's weights_only unpickler (core/checkpointing/dcp_index.py) and values with
+`torch.load(weights_only=True)`; anything else is refused with a CheckpointError naming the file. Every load
+in this repository goes through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict, conversion).
 
 Writing records a CRC-32 of every file as its bytes go to disk (no second read): each rank leaves
 `__<rank>_checksums.json` beside its shards, which the completion marker collects (layout.write_marker).
@@ -17,60 +17,36 @@ from __future__ import annotations
 import io
 import json
 import os
-import pickle
 import zlib
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
+from core.checkpointing.dcp_index import UnsafeCheckpoint, load_index
+
 CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
-
-_DCP_METADATA = "torch.distributed.checkpoint.metadata"
-_ALLOWED = {
-    (_DCP_METADATA, name) for name in ("Metadata", "MetadataIndex", "StorageMeta", "TensorProperties",
-                                       "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-                                       "_MEM_FORMAT_ENCODING")
-} | {
-    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
-    ("torch", "Size"),
-    ("torch.serialization", "_get_layout"),  # looks a layout up by its name
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path"),
-    ("collections", "OrderedDict"),
-    ("builtins", "set"), ("builtins", "frozenset"), ("builtins", "slice"),
-}
-
-
-class UnsafeCheckpoint(pickle.UnpicklingError):
-    """A checkpoint file asks to load something other than checkpoint data."""
-
-
-class _AllowListUnpickler(pickle.Unpickler):
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _ALLOWED or (module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)):
-            return super().find_class(module, name)
-        raise UnsafeCheckpoint(f"refusing to load {module}.{name}: not a class a DCP index holds")
-
-
-def load_metadata(file: io.IOBase | Any) -> Metadata:
-    metadata = _AllowListUnpickler(file).load()
-    if not isinstance(metadata, Metadata):
-        raise UnsafeCheckpoint(f"holds a {type(metadata).__name__}, not DCP metadata")
-    return metadata
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the index read through the allow-list."""
+    """DCP's file reader with the index read by PyTorch's weights_only unpickler. Given `metadata` (the index
+    as `layout.verify` read and checked it), it hands DCP that instead of reading the file again."""
+
+    def __init__(self, path: str | os.PathLike, metadata: Optional[Metadata] = None):
+        super().__init__(path)
+        self.verified = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as file:
-            metadata = load_metadata(file)
-        if getattr(metadata, "storage_meta", None) is not None:
+        if self.verified is not None:
+            metadata = self.verified
+        else:
+            with self.fs.create_stream(self._get_metadata_path(kwargs.get("rank")), "rb") as file:
+                metadata = load_index(file.read())
+        if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
 
@@ -81,8 +57,9 @@ class SafeLoadPlanner(DefaultLoadPlanner):
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
             loaded = torch.load(value, weights_only=True)
-        except pickle.UnpicklingError as e:
-            reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line), str(e))
+        except Exception as e:  # noqa: BLE001  (a refusal is an UnpicklingError; a malformed file anything)
+            reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
+                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: it is not plain data "
                                    f"({reason})") from None
         # Hand DCP the value as a pickle of our own making, so that it places it as it always does.

@@ -86,12 +86,13 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
             log.info("%s has no completion marker: reading it as a plain DCP folder (its index and file sizes "
                      "checked; no checksums)", src)
     elif src.is_dir():
-        saved = saved_weights(verify(src))
+        metadata = verify(src)
+        saved = saved_weights(metadata)
         if verify_checksums:
             check_checksums(src)
         full = None
     elif src.is_file():
-        full = load_weights_file(src)
+        metadata, full = None, load_weights_file(src)
         saved = full
     else:
         raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
@@ -102,7 +103,7 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     if full is None:
         try:
             target = {"model": wanted} if prefix else wanted
-            dcp.load(target, storage_reader=SafeReader(str(src)), planner=SafeLoadPlanner())
+            dcp.load(target, storage_reader=SafeReader(str(src), metadata), planner=SafeLoadPlanner())
         except DCP_ERRORS as e:
             raise CheckpointError(f"{src}: loading failed ({describe(e)})") from None
     else:
@@ -131,7 +132,8 @@ def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[st
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, storage_reader=SafeReader(str(step_dir)), planner=SafeLoadPlanner(), no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(step_dir), metadata), planner=SafeLoadPlanner(),
+                     no_dist=True)
         except DCP_ERRORS as e:
             raise CheckpointError(f"{step_dir}: loading failed ({describe(e)})") from None
     return weights

@@ -1,0 +1,216 @@
+"""DCP's checkpoint index (`.metadata`) read without letting the file run code or change the process.
+
+DCP pickles its index with Python's default pickle protocol and unpickles it with `pickle.load`, which runs
+whatever the file asks for. Here it is read by PyTorch's own `weights_only` unpickler (the one behind
+`torch.load(weights_only=True)`), which builds only what plain data needs: containers, numbers, strings,
+dtypes, sizes, and fresh instances of the classes named below (DCP's metadata dataclasses and paths); it
+refuses every other global, code-running opcodes (INST, OBJ, extension codes, persistent ids) and
+attribute setting (BUILD) on anything but an instance of an allowed class that the same file created.
+That unpickler reads protocol 2 only, so the index is first rewritten opcode by opcode from the newer
+protocol into protocol 2 (`to_protocol_2`): framing dropped, memo and string opcodes re-encoded, a
+global named by two strings (STACK_GLOBAL) written as the protocol-2 GLOBAL; any opcode without a
+protocol-2 form is refused. The rewrite only changes the encoding: what the result may build is decided
+by PyTorch's unpickler. Last, the unpickled index is checked against the shape DCP's code expects
+(`check_shape`), so nothing downstream meets an object of an unexpected type.
+"""
+
+from __future__ import annotations
+
+import io
+import pathlib
+import pickle
+import pickletools
+import struct
+import threading
+from typing import Any
+
+import torch
+from torch import _weights_only_unpickler
+from torch.distributed.checkpoint import metadata as dcp_metadata
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
+                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+
+
+class UnsafeCheckpoint(pickle.UnpicklingError):
+    """A checkpoint file asks to load something other than checkpoint data."""
+
+
+def _memory_format(code: int) -> dcp_metadata._MEM_FORMAT_ENCODING:
+    """The enum member for a memory-format code. Registered under the enum's own name, so that the index
+    can look members up but never holds the enum class itself: with the class allowed, BUILD could set
+    attributes on its members, which live for the whole process."""
+    return dcp_metadata._MEM_FORMAT_ENCODING(code)
+
+
+# What an index may build beyond PyTorch's defaults (torch.Size, dtypes, layouts).
+_ALLOWED: list = [
+    Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata, BytesStorageMetadata,
+    ChunkStorageMetadata, _StorageInfo, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    (pathlib.PureWindowsPath, "pathlib.WindowsPath"),  # an index written on Windows: its path, not a live one
+    (_memory_format, "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"),
+]
+# torch's list of allowed globals is process-wide: one index at a time adds ours to it and takes them away.
+_ALLOWED_LOCK = threading.Lock()
+
+# Protocol-2 opcodes that PyTorch's unpickler reads and that the rewrite copies as they are.
+_COPIED = {"APPEND", "APPENDS", "BINFLOAT", "BININT", "BININT1", "BININT2", "BUILD", "EMPTY_DICT", "EMPTY_LIST",
+           "EMPTY_TUPLE", "GLOBAL", "LONG1", "MARK", "NEWFALSE", "NEWTRUE", "NEWOBJ", "NONE", "REDUCE", "SETITEM",
+           "SETITEMS", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"}
+_STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
+_PUTS = {"MEMOIZE", "BINPUT", "LONG_BINPUT"}
+_GETS = {"BINGET", "LONG_BINGET"}
+
+
+def to_protocol_2(data: bytes) -> bytes:
+    """The same pickle in the opcodes of protocol 2 (see the module docstring); UnsafeCheckpoint for an opcode
+    that has no protocol-2 form or a stream that does not parse.
+
+    Strings are held back until an opcode uses them, because STACK_GLOBAL takes its module and name from the
+    stack, where protocol 2 has no way to remove them: a string that STACK_GLOBAL consumes is never written,
+    a memoized string is remembered by value, and every other memo entry gets a slot of its own."""
+    out = bytearray(b"\x80\x02")
+    pending: list[str] = []  # strings pushed by the source, not yet written
+    memo: dict[int, tuple[str, Any]] = {}  # source memo index -> ("str", value) or ("slot", output memo index)
+    slots = 0
+
+    def flush() -> None:
+        for text in pending:
+            encoded = text.encode("utf-8", "surrogatepass")
+            out.extend(b"X" + struct.pack("<I", len(encoded)) + encoded)
+        pending.clear()
+
+    try:
+        ops = list(pickletools.genops(data))
+    except Exception as e:  # noqa: BLE001  (any parse error means: not a pickle we read)
+        raise UnsafeCheckpoint(f"not a readable pickle ({type(e).__name__}: {e})") from None
+    for i, (op, arg, position) in enumerate(ops):
+        name = op.name
+        if name in ("PROTO", "FRAME"):
+            continue
+        if name in _STRINGS:
+            pending.append(arg)
+        elif name in _PUTS:
+            index = len(memo) if name == "MEMOIZE" else arg
+            if pending:  # the top of the stack is the newest held-back string
+                memo[index] = ("str", pending[-1])
+            else:
+                memo[index] = ("slot", slots)
+                out.extend(b"q" + bytes([slots]) if slots < 256 else b"r" + struct.pack("<I", slots))
+                slots += 1
+        elif name in _GETS:
+            if arg not in memo:
+                raise UnsafeCheckpoint(f"opcode {name} at byte {position} reads memo entry {arg}, which was never set")
+            kind, value = memo[arg]
+            if kind == "str":
+                pending.append(value)
+            else:
+                flush()
+                out.extend(b"h" + bytes([value]) if value < 256 else b"j" + struct.pack("<I", value))
+        elif name == "STACK_GLOBAL":
+            if len(pending) < 2:
+                raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names a global by computed values")
+            global_name, module = pending.pop(), pending.pop()
+            if "\n" in module or "\n" in global_name:
+                raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names an invalid global")
+            flush()
+            out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
+        elif name in _COPIED:
+            flush()
+            end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
+            out.extend(data[position:end])
+        elif name == "STOP":
+            flush()
+            out.extend(b".")
+        else:
+            raise UnsafeCheckpoint(f"opcode {name} at byte {position} is not plain data")
+    return bytes(out)
+
+
+def load_index(data: bytes) -> Metadata:
+    """A DCP index from the bytes of a `.metadata` file; UnsafeCheckpoint (with the reason) for anything that
+    is not plain DCP metadata."""
+    try:
+        rewritten = to_protocol_2(data)
+    except UnsafeCheckpoint as e:
+        raise UnsafeCheckpoint(f"refusing to load it: {e}") from None
+    try:
+        with _ALLOWED_LOCK, torch.serialization.safe_globals(_ALLOWED):
+            index = _weights_only_unpickler.load(io.BytesIO(rewritten))
+    except Exception as e:  # noqa: BLE001  (the unpickler's refusals are UnpicklingErrors; malformed data anything)
+        raise UnsafeCheckpoint(f"refusing to load it: {_first_line(e)}") from None
+    check_shape(index)
+    return index
+
+
+def _first_line(error: Exception) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+# ---- the shape DCP's code expects of an index
+
+
+def _expect(condition: bool, what: str) -> None:
+    if not condition:
+        raise UnsafeCheckpoint(f"not DCP metadata: {what}")
+
+
+def _is_size(value: Any) -> bool:
+    """A torch.Size, or the tuple some writers keep instead, of whole numbers >= 0."""
+    return isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
+
+
+def _is_int(value: Any, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _is_plain_file_name(name: Any) -> bool:
+    """A file directly inside the checkpoint folder: no folder part, not `.` or `..`."""
+    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
+            and "\x00" not in name)
+
+
+def check_shape(index: Any) -> None:
+    """Raise UnsafeCheckpoint unless `index` is a Metadata whose every part has the type DCP expects."""
+    _expect(type(index) is Metadata, f"holds a {type(index).__name__}, not DCP metadata")
+    entries = index.state_dict_metadata
+    _expect(type(entries) is dict, "state_dict_metadata is not a dict")
+    for key, entry in entries.items():
+        _expect(isinstance(key, str), f"a state dict key of type {type(key).__name__}")
+        if type(entry) is BytesStorageMetadata:
+            continue
+        _expect(type(entry) is TensorStorageMetadata, f"{key!r} is a {type(entry).__name__}")
+        p = entry.properties
+        _expect(type(p) is TensorProperties and isinstance(p.dtype, torch.dtype) and isinstance(p.layout, torch.layout)
+                and type(p.requires_grad) is bool and type(p.pin_memory) is bool
+                and isinstance(p.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
+        _expect(_is_size(entry.size), f"{key!r} has a malformed size")
+        _expect(type(entry.chunks) is list, f"{key!r} has malformed chunks")
+        for chunk in entry.chunks:
+            _expect(type(chunk) is ChunkStorageMetadata and _is_size(chunk.offsets) and _is_size(chunk.sizes)
+                    and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                    and all(o + n <= full for o, n, full in zip(chunk.offsets, chunk.sizes, entry.size)),
+                    f"{key!r} has a chunk outside its size")
+    storage = index.storage_data
+    _expect(type(storage) is dict, "storage_data is not a dict")
+    for where, info in storage.items():
+        _expect(type(where) is MetadataIndex and isinstance(where.fqn, str)
+                and (where.offset is None or _is_size(where.offset)), "a malformed storage key")
+        _expect(type(info) is _StorageInfo and _is_plain_file_name(info.relative_path) and _is_int(info.offset)
+                and _is_int(info.length), f"storage of {where.fqn!r}: not a file of the folder with an offset and length")
+        descriptors = getattr(info, "transform_descriptors", None)
+        _expect(descriptors is None or (isinstance(descriptors, (list, tuple))
+                                        and all(isinstance(d, str) for d in descriptors)),
+                f"storage of {where.fqn!r}: malformed transform descriptors")
+    meta = index.storage_meta
+    _expect(meta is None or (type(meta) is StorageMeta and type(meta.modules) is list
+                             and all(isinstance(m, str) for m in meta.modules)
+                             and all(v is None or isinstance(v, str) for v in (meta.save_id, meta.load_id))
+                             and (meta.checkpoint_id is None or isinstance(meta.checkpoint_id, (str, pathlib.PurePath)))),
+            "malformed storage_meta")
+    _expect(index.version is None or isinstance(index.version, str), "malformed version")
+    planner = index.planner_data
+    _expect(planner is None or (type(planner) is dict and all(
+        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+        for k, v in planner.items())), "malformed planner_data")

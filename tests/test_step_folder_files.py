@@ -1,0 +1,133 @@
+"""A step folder's own files read back as what they claim to be: COMPLETE of any other shape is a CheckpointError
+naming it (automatic resume then falls back, retention leaves the folder alone), the index is checked against
+COMPLETE before it is parsed, and the index cannot point outside the folder or claim more bytes than it has."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+
+import core.checkpointing.layout as layout
+from core.checkpointing.dcp_index import load_index
+from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
+from core.checkpointing.storage import ChecksummingWriter
+from tests.checkpoint_harness import TINY
+from tests.helpers import train_run, validated_config
+
+
+@pytest.fixture(scope="module")
+def step_dir(tmp_path_factory) -> Path:
+    folder = tmp_path_factory.mktemp("ckpt") / "step_4"
+    start_marker(folder)
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 4}},
+             storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    write_marker(folder, {"step": 4, "metrics": {"val/loss": 1.5}})
+    return folder
+
+
+def _copy(step_dir: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "step_4"
+    shutil.copytree(step_dir, target)
+    return target
+
+
+def _marker(step_dir: Path) -> dict:
+    return json.loads((step_dir / "COMPLETE").read_text())
+
+
+MALFORMED = {
+    "a list": lambda m: [1, 2, 3],
+    "a number": lambda m: 7,
+    "files a string": lambda m: {**m, "files": "abc"},
+    "a files entry a string": lambda m: {**m, "files": {**m["files"], ".metadata": "abc"}},
+    "no .metadata entry": lambda m: {**m, "files": {k: v for k, v in m["files"].items() if k != ".metadata"}},
+    "a file outside the folder": lambda m: {**m, "files": {**m["files"], "../elsewhere": {"size": 1, "crc32": 0}}},
+    "a CRC beyond 32 bits": lambda m: {**m, "files": {k: {**v, "crc32": 2**40} for k, v in m["files"].items()}},
+    "a negative size": lambda m: {**m, "files": {k: {**v, "size": -1} for k, v in m["files"].items()}},
+    "step a string": lambda m: {**m, "step": "4"},
+    "metrics a list": lambda m: {**m, "metrics": [1]},
+    "a metric a string": lambda m: {**m, "metrics": {"val/loss": "low"}},
+}
+
+
+@pytest.mark.parametrize("case", list(MALFORMED))
+def test_a_malformed_marker_is_a_checkpoint_error_naming_it(step_dir, tmp_path, case):
+    folder = _copy(step_dir, tmp_path)
+    (folder / "COMPLETE").write_text(json.dumps(MALFORMED[case](_marker(step_dir))))
+    with pytest.raises(CheckpointError, match=str(folder / "COMPLETE")):
+        verify(folder)
+    assert not is_own(folder)  # never deleted as a checkpoint of this tool
+
+
+def test_a_marker_that_is_not_utf8_or_json_is_a_checkpoint_error(step_dir, tmp_path):
+    folder = _copy(step_dir, tmp_path)
+    for content in (b"\xff\xfe{", b"{\"step\": 4,"):
+        (folder / "COMPLETE").write_bytes(content)
+        with pytest.raises(CheckpointError, match="unreadable completion marker"):
+            verify(folder)
+
+
+def test_the_index_is_compared_with_the_marker_before_it_is_parsed(step_dir, tmp_path, monkeypatch):
+    folder = _copy(step_dir, tmp_path)
+    data = (folder / ".metadata").read_bytes()
+    assert data.count(b"1.0.0") == 1
+    (folder / ".metadata").write_bytes(data.replace(b"1.0.0", b"2.0.0"))  # same length: only the CRC tells
+    parsed = []
+    monkeypatch.setattr(layout, "load_index", lambda data: parsed.append(data))
+    with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch"):
+        verify(folder)
+    assert not parsed
+
+
+def _with_storage(step_dir: Path, tmp_path: Path, change) -> Path:
+    """A folder whose index has each storage entry changed by `change`, COMPLETE made to match."""
+    folder = _copy(step_dir, tmp_path)
+    index = load_index((folder / ".metadata").read_bytes())
+    index.storage_data = {k: change(v) for k, v in index.storage_data.items()}
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    (folder / "COMPLETE").unlink()
+    write_marker(folder, {"step": 4, "metrics": {}})
+    return folder
+
+
+def test_the_index_cannot_point_outside_the_folder(step_dir, tmp_path):
+    (tmp_path / "secret").write_bytes(b"x" * 4096)
+    folder = _with_storage(step_dir, tmp_path, lambda s: _StorageInfo("../secret", s.offset, s.length))
+    with pytest.raises(CheckpointError, match="not a file of the folder"):
+        verify(folder)
+    (folder / "COMPLETE").unlink()
+    with pytest.raises(CheckpointError, match="not a file of the folder"):
+        verify_plain_dcp(folder)
+
+
+def test_the_index_cannot_point_into_unlisted_files_or_claim_more_bytes_than_stored(step_dir, tmp_path):
+    folder = _with_storage(step_dir, tmp_path / "a", lambda s: _StorageInfo("extra.distcp", s.offset, s.length))
+    shutil.copy(next(folder.glob("*.distcp")), folder / "extra.distcp")
+    with pytest.raises(CheckpointError, match="does not list"):
+        verify(folder)
+    folder = _with_storage(step_dir, tmp_path / "b", lambda s: _StorageInfo(s.relative_path, s.offset, 1))
+    with pytest.raises(CheckpointError, match="claims more bytes than its storage holds"):
+        verify(folder)
+
+
+def test_automatic_resume_falls_back_from_a_malformed_marker_and_keeps_the_folder(tmp_path, caplog):
+    def run(name: str, steps: int) -> dict:
+        cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/ckpt", f"training.steps={steps}",
+                                                     "checkpoint.save_every_n_steps=2"])
+        return train_run(cfg, tmp_path / name)["result"]
+
+    run("first", 4)
+    newest = tmp_path / "ckpt" / "step_4"
+    (newest / "COMPLETE").write_text("[1, 2, 3]")
+    with caplog.at_level("WARNING"):
+        result = run("again", 3)
+    assert result.resumed_from == str(tmp_path / "ckpt" / "step_2")
+    assert f"{newest / 'COMPLETE'}: not a completion marker" in caplog.text
+    assert (newest / "COMPLETE").read_text() == "[1, 2, 3]" and list(newest.glob("*.distcp"))  # left alone
