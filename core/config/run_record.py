@@ -13,24 +13,42 @@ import logging
 import os
 import uuid
 from pathlib import Path
+from typing import Annotated, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from core.config.file_shape import problems
 
 log = logging.getLogger("train")
 
 RUN_FILE = "run.json"  # in the checkpoint folder, beside step_<N>/
 
 
-def read_run_record(checkpoint_path: str | Path) -> dict:
-    """The record an earlier invocation left in the checkpoint folder; {} if none (or unreadable: then the run
-    starts a new record, and says so)."""
+class RunRecord(BaseModel):
+    """What run.json holds. Fields a later version adds are kept as they are."""
+
+    model_config = ConfigDict(strict=True, extra="allow")
+    run_dir: Annotated[str, Field(min_length=1)]
+    wandb_id: Optional[str] = None  # written once the run has logged to W&B; null reads as none
+
+
+def read_run_record(checkpoint_path: str | Path, warn: bool = True) -> dict:
+    """The record an earlier invocation left in the checkpoint folder; {} if there is none, or if it is not a
+    run record (then, with `warn`, a warning says that this invocation starts a new record)."""
     path = Path(checkpoint_path) / RUN_FILE
     try:
-        record = json.loads(path.read_text())
+        return RunRecord.model_validate_json(path.read_bytes()).model_dump(exclude_none=True)
     except FileNotFoundError:
         return {}
-    except (OSError, ValueError) as e:
-        log.warning("%s cannot be read (%s): this invocation starts a new run record", path, e)
-        return {}
-    return record if isinstance(record, dict) else {}
+    except OSError as e:
+        problem = f"{type(e).__name__}: {e}"
+    except ValidationError as e:
+        problem = problems(e)
+    if warn:
+        log.warning("%s is not a run record (%s; expected a JSON object with run_dir, a string, and optionally "
+                    "wandb_id, a string): this invocation starts a new run record, with its own run directory and "
+                    "W&B run, and replaces the file", path, problem)
+    return {}
 
 
 def write_run_record(checkpoint_path: str | Path, record: dict) -> None:
@@ -43,8 +61,10 @@ def write_run_record(checkpoint_path: str | Path, record: dict) -> None:
 
 
 def recorded_run_dir(checkpoint_path: str, default: str) -> str:
-    """The run directory of the run whose checkpoints are under `checkpoint_path`, else `default` (a new run)."""
-    return read_run_record(checkpoint_path).get("run_dir") or default
+    """The run directory of the run whose checkpoints are under `checkpoint_path`, else `default` (a new run).
+    Silent: this runs in a Hydra resolver, on every rank and before logging is set up; MetricsLogger.open
+    reads the record again on rank 0 and warns there."""
+    return read_run_record(checkpoint_path, warn=False).get("run_dir") or default
 
 
 def new_wandb_id() -> str:

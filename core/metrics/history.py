@@ -18,27 +18,31 @@ SUPERSEDED = "metrics.superseded.jsonl"
 
 def keep_history_up_to(metrics: Path, step: int) -> int:
     """Keep the records of steps <= `step` in `metrics` (a JSON-lines file) and move the others, and lines that
-    are not records (a half-written line after a crash), to metrics.superseded.jsonl beside it. Returns how
-    many lines moved."""
+    are not records (a half-written line after a crash, bytes that are not UTF-8 text, JSON that is not an
+    object with an integer step), byte for byte to metrics.superseded.jsonl beside it. Returns how many lines
+    moved."""
     if not metrics.is_file():
         return 0
     kept, moved = [], []
-    for line in metrics.read_text().splitlines():
+    for line in metrics.read_bytes().split(b"\n"):
         if not line.strip():
             continue
-        (kept if _step_of(line) is not None and _step_of(line) <= step else moved).append(line)
+        line_step = _step_of(line)
+        (kept if line_step is not None and line_step <= step else moved).append(line)
     if moved:
-        with open(metrics.parent / SUPERSEDED, "a") as f:
-            f.write("".join(line + "\n" for line in moved))
+        with open(metrics.parent / SUPERSEDED, "ab") as f:
+            f.write(b"".join(line + b"\n" for line in moved))
         temporary = metrics.with_name(f".{metrics.name}.{os.getpid()}")
-        temporary.write_text("".join(line + "\n" for line in kept))
+        temporary.write_bytes(b"".join(line + b"\n" for line in kept))
         os.replace(temporary, metrics)
     return len(moved)
 
 
-def _step_of(line: str) -> Optional[int]:
+def _step_of(line: bytes) -> Optional[int]:
+    """The step of a metrics record; None for anything else."""
     try:
-        step = json.loads(line).get("step")
-    except (ValueError, AttributeError):
+        record = json.loads(line.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError; RecursionError: absurdly nested
         return None
-    return step if isinstance(step, int) else None
+    step = record.get("step") if isinstance(record, dict) else None
+    return step if type(step) is int else None  # not a bool, which Python counts as an int

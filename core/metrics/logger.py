@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from core.config.run_record import new_wandb_id, read_run_record, write_run_record
+from core.config.run_record import RUN_FILE, new_wandb_id, read_run_record, write_run_record
 from core.config.schema import LoggerConfig, ProgressBar
 from core.metrics.history import SUPERSEDED, keep_history_up_to
 
@@ -49,6 +49,8 @@ class MetricsLogger:
         if not self.enabled:
             return
         record = read_run_record(self.checkpoint_path)
+        if self.cfg.jsonl and start_step > 0 and not self.jsonl_path.is_file():
+            self._warn_history_missing(record.get("run_dir"), start_step)
         if self.cfg.jsonl:
             moved = keep_history_up_to(self.jsonl_path, start_step)
             if moved:
@@ -63,6 +65,22 @@ class MetricsLogger:
             # purge_step: TensorBoard hides the events at or after it from earlier invocations of the run.
             self.tensorboard = SummaryWriter(str(self.run_dir / "tensorboard"), purge_step=start_step + 1)
         write_run_record(self.checkpoint_path, record)
+
+    def _warn_history_missing(self, recorded: str | None, start_step: int) -> None:
+        """A run resumed into a run directory without metrics.jsonl: say where the earlier history went."""
+        run_file = Path(self.checkpoint_path) / RUN_FILE
+        here = str(self.run_dir.resolve())
+        if recorded == here:
+            why = (f"{run_file} names {here} as this run's directory, but it held no metrics.jsonl when this "
+                   "invocation started: the directory was deleted or moved, or the file removed")
+        elif recorded:
+            why = f"{run_file} names {recorded} as this run's directory: the earlier history may be there"
+        else:
+            why = f"{run_file} names no run directory"
+        log.warning("resuming at step %d, but the metrics history of earlier invocations (steps up to %d) is not "
+                    "in %s (%s). This invocation writes its records there from step %d on, and later invocations "
+                    "of the run continue in that directory", start_step, start_step, self.jsonl_path, why,
+                    start_step + 1)
 
     def _open_wandb(self, run_id: str | None) -> str:
         import wandb
