@@ -11,8 +11,10 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama folder -> GPT weights
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's pickled index is read through
-an allow-list: core/checkpointing/storage.py) and checks every file against the CRC-32 recorded when it was
-written (`--skip-checksums` to read a damaged checkpoint anyway).
+an allow-list: core/checkpointing/storage.py; its config.yaml is read as plain data and checked against the
+recipe's schemas: core/checkpointing/saved_config.py) and checks every file against the CRC-32 recorded when
+it was written (`--skip-checksums` to read a damaged checkpoint anyway). to-hf takes the model settings from
+the step folder's config.yaml; a `--config` whose model settings differ from it is refused.
 """
 
 from __future__ import annotations
@@ -50,7 +52,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     p = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
     p.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
     p.add_argument("out_dir")
-    p.add_argument("--config", help="the run's config.yaml (default: the step folder's; needed for a weights file)")
+    p.add_argument("--config", help="the run's config.yaml: needed for a weights file; a step folder's own is the "
+                   "default, and a --config whose model settings differ from it is refused")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
     p.add_argument("--skip-checksums", action="store_true",
                    help="do not check the files against the checksums recorded when they were written")

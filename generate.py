@@ -5,6 +5,9 @@
     python generate.py --config-name gpt_sanity checkpoint.init_from=... generate.prompt_file=prompts.txt \
         generate.greedy=true generate.max_new_tokens=100
 
+The model settings and the tokenizer come from the config.yaml of the checkpoint.init_from step folder
+(core/checkpointing/saved_config.py).
+
 Top to bottom:
   1. setup    - the session and model of train.py (core/session.py) in one process, with whole weights
                 (distributed.backend=ddp); weights from checkpoint.init_from, strictly
@@ -22,6 +25,7 @@ import json
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import hydra
 import torch
@@ -29,6 +33,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import session
+from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
 from core.distributed import launch
@@ -49,10 +54,13 @@ class Generation:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
 def main(cfg: DictConfig) -> None:
-    session.exit_on_error(generate, cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_config = HydraConfig.get()
+    session.exit_on_error(generate, cfg, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
 
 
-def generate(cfg: DictConfig, run_dir: Path) -> list[Generation]:
+def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> list[Generation]:
+    """`overrides`: the command line's (Hydra's overrides.task); a model setting given there must be the
+    one the checkpoint was trained with."""
     g = cfg.generate
     if not cfg.checkpoint.init_from:
         raise ConfigError("generate.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
@@ -60,6 +68,7 @@ def generate(cfg: DictConfig, run_dir: Path) -> list[Generation]:
         raise ConfigError("generate.py needs one of generate.prompt=\"...\" or generate.prompt_file=<file>")
     prompts = [g.prompt] if g.prompt is not None else read_prompts(Path(g.prompt_file))
     register_configs()
+    cfg = adopt_saved_model(cfg, overrides, get_recipe)
     with session.start(whole_weights(cfg), run_dir, get_recipe) as s:
         # 1. The model in one process, its weights from checkpoint.init_from.
         if s.env.world_size != 1:

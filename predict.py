@@ -4,6 +4,9 @@
     python predict.py --config-name mnist_predict checkpoint.init_from=...          # one process
     torchrun --nproc-per-node N predict.py --config-name gpt_sanity checkpoint.init_from=... predict.split=val
 
+The model settings (and the data preprocessing the model depends on) come from the config.yaml of the
+checkpoint.init_from step folder (core/checkpointing/saved_config.py); the data to predict on is the config's.
+
 Top to bottom:
   1. setup    - the session and model of train.py (core/session.py); weights from checkpoint.init_from, strictly
   2. data     - the split's samples dealt out over ranks; short shares padded, padding dropped
@@ -18,6 +21,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Sequence
 
 import hydra
 import torch
@@ -26,6 +30,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core import session
+from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
 from core.data.loading import make_loader
@@ -45,13 +50,17 @@ class PredictResult:
 
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
 def main(cfg: DictConfig) -> None:
-    session.exit_on_error(predict, cfg, Path(HydraConfig.get().runtime.output_dir))
+    hydra_config = HydraConfig.get()
+    session.exit_on_error(predict, cfg, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
 
 
-def predict(cfg: DictConfig, run_dir: Path) -> PredictResult:
+def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> PredictResult:
+    """`overrides`: the command line's (Hydra's overrides.task); a model setting given there must be the
+    one the checkpoint was trained with."""
     if not cfg.checkpoint.init_from:
         raise ConfigError("predict.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
     register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
+    cfg = adopt_saved_model(cfg, overrides, get_recipe)
     with session.start(cfg, run_dir, get_recipe) as s:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(s, training=False)

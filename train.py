@@ -33,7 +33,7 @@ from core.checkpointing.manager import Checkpointer
 from core.checkpointing.parts import FP8Part, ModelPart, OptimizerPart, RNGPart, StatefulPart, TrainStatePart
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
-from core.config.validation import to_plain
+from core.config.validation import check_monitored_metrics, to_plain
 from core.data.pipeline import TrainingData
 from core.data.sampling import accumulation_steps
 from core.distributed import launch
@@ -101,13 +101,15 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     launch.check_sweeper(str(cfg.training.objective.direction))  # before any work
+    launch.separate_checkpoint_path(cfg)  # a multirun's jobs each get a folder of their own under checkpoint.path
     register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
     with session.start(cfg, run_dir, get_recipe) as s:
-        return train(setup(s))
+        return train(setup(s, objective_required=launch.optimising_sweep()))
 
 
-def setup(s: session.Session) -> Run:
-    """Everything a run holds, in the order it is needed; what can be refused is refused before the work."""
+def setup(s: session.Session, objective_required: bool = False) -> Run:
+    """Everything a run holds, in the order it is needed; what can be refused is refused before the work.
+    `objective_required`: a sweeper optimises training.objective.metric, so the run must record it."""
     cfg, env, t = s.cfg, s.env, s.cfg.training
     with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
         # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
@@ -121,8 +123,11 @@ def setup(s: session.Session) -> Run:
             seed(cfg.seed + env.dp_rank)
         # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
         parallel, num_params = session.build_model(s)
-        # 4. Data; its size gives the run's length when it is given in epochs.
+        # 4. Data; its size gives the run's length when it is given in epochs. With it, whether the run validates:
+        #    checkpoint.monitor and training.objective.metric must name metrics the run records.
         data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
+        check_monitored_metrics(cfg, s.recipe.validation_metrics(), data.val_loader is not None, data.length.steps,
+                                data.length.epochs_done(data.length.steps), objective_required)
         # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
         groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
                                     s.recipe.no_weight_decay(parallel.model))
@@ -138,9 +143,12 @@ def setup(s: session.Session) -> Run:
                                 s.recipe.flops_per_sample(), t.time_phases)
         run = Run(s, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
                   NonFiniteGuard(t.on_nonfinite, env.device), data.length)
-        # 7. Resume, last: the restored RNG state must meet the first step untouched. The run's history (run dir,
-        #    metrics.jsonl, W&B, TensorBoard) continues from the step resumed from.
+        # 7. Resume, last: the restored RNG state must meet the first step untouched. A step folder the run would
+        #    save over but may not replace stops it here. The run's history (run dir, metrics.jsonl, W&B,
+        #    TensorBoard) continues from the step resumed from.
         run.resumed_from = restore(run)
+        checkpointer.check_save_targets(run.state.step + 1, run.length.steps, lambda step: checkpointer.should_save(
+            step, run.length.steps) or run.length.ends_epoch(step, cfg.checkpoint.save_every_n_epochs))
         logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:

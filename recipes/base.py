@@ -30,6 +30,9 @@ class Recipe:
     name: str = ""
     model_schema: type = object  # dataclass for the `model` config group
     data_schema: type = object  # dataclass for the `data` config group
+    # The `data` settings a trained model depends on (what turns an input into what it saw in training):
+    # predict.py and generate.py take them, with the model's, from a step folder's config.yaml.
+    model_data_keys: tuple[str, ...] = ()
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -95,6 +98,12 @@ class Recipe:
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         """Turn per-term means of the validation sums into the reported metrics."""
         return means
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        """The names of the metrics validation reports (summarize_validation's keys), known before any work so
+        that checkpoint.monitor and training.objective.metric are checked at setup. Every forward gives "loss";
+        a recipe with further metrics names them all."""
+        return ("loss",)
 
     # --- prediction (predict.py) -----------------------------------------------------------
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:

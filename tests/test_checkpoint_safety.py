@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import pickle
 import shutil
 import subprocess
@@ -69,6 +70,18 @@ def _with_payload_in_metadata(source: Path, target: Path, marker: Path) -> Path:
     return target
 
 
+def _with_build_on_a_class_in_metadata(source: Path, target: Path, marker: Path) -> Path:
+    """The index with a pickle BUILD that patches `PosixPath.is_file` (allowed names only): a plain or allow-list
+    unpickler would change the process and carry on."""
+    from tests.test_pickle_tricks import _crafted_metadata, tricks
+
+    shutil.copytree(source, target)
+    (target / ".metadata").write_bytes(_crafted_metadata(source, tricks(marker)["BUILD on a class"]))
+    (target / "COMPLETE").unlink()
+    write_marker(target, {"step": 4, "metrics": {}})
+    return target
+
+
 def _with_payload_in_a_value(source: Path, target: Path, marker: Path) -> Path:
     """A plain DCP save (as anyone can write) whose train_state.step is a pickled payload."""
     from core.checkpointing.weights import read_model_weights
@@ -76,20 +89,24 @@ def _with_payload_in_a_value(source: Path, target: Path, marker: Path) -> Path:
     weights = read_model_weights(source)
     dcp.save({"model": weights, "train_state": {"step": _Payload(marker, pickle.dumps(4))}},
              checkpoint_id=str(target), no_dist=True)
+    shutil.copy(source / "config.yaml", target / "config.yaml")
     write_marker(target, {"step": 4, "metrics": {}})
     return target
 
 
-@pytest.mark.parametrize("craft", [_with_payload_in_metadata, _with_payload_in_a_value], ids=["metadata", "value"])
+@pytest.mark.parametrize("craft", [_with_payload_in_metadata, _with_build_on_a_class_in_metadata, _with_payload_in_a_value],
+                         ids=["metadata", "metadata-build", "value"])
 def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
     marker = tmp_path / "payload_ran"
+    is_file = pathlib.PosixPath.is_file
     root = tmp_path / "shared"
     evil = craft(trained / "step_4", root / "step_4", marker)
     attempts = {
         "auto-resume": lambda: _train(tmp_path, "auto", [f"checkpoint.path={root}", "training.steps=6"]),
         "resume=<dir>": lambda: _train(tmp_path, "explicit", [f"checkpoint.resume={evil}", "training.steps=6"]),
         "init_from": lambda: _train(tmp_path, "init", [f"checkpoint.init_from={evil}"]),
-        "predict.py": lambda: predict.predict(validated_config("mnist_predict", [
+        "predict.py": lambda: predict.predict(validated_config("vit_predict", [
+            "data=synthetic", "data.num_workers=0", "model.backend=torch", "precision=fp32",
             f"checkpoint.init_from={evil}", f"checkpoint.path={tmp_path}/unused"]), tmp_path / "predict"),
         "to-torch": lambda: checkpoint.main(["to-torch", str(evil), str(tmp_path / "w.pt")]),
         "to-safetensors": lambda: checkpoint.main(["to-safetensors", str(evil), str(tmp_path / "w.safetensors")]),
@@ -98,14 +115,15 @@ def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
         if craft is _with_payload_in_a_value and name not in ("auto-resume", "resume=<dir>"):
             try:
                 attempt()  # weights only: the crafted value is never read
-            except CheckpointError as e:  # (predict.py: an MNIST model does not fit the ViT's weights)
-                assert "does not fit the model" in str(e), (name, str(e))
+            except ConfigError as e:  # (predict.py, after loading the weights: synthetic data has no split)
+                assert name == "predict.py" and "synthetic" in str(e), (name, str(e))
         else:
             with pytest.raises((CheckpointError, SystemExit)) as error:
                 attempt()
             assert "refusing to load" in str(error.value), (name, str(error.value))
             assert str(evil) in str(error.value), name  # names the checkpoint
         assert not marker.exists(), f"{name} ran the checkpoint's code"
+        assert pathlib.PosixPath.is_file is is_file, f"{name} let the checkpoint patch a class"
 
 
 # ----------------------------------------------------------------------------- damaged files
@@ -211,22 +229,30 @@ def test_a_changed_learning_rate_is_refused_or_really_used(trained, tmp_path):
 
 
 def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
+    """With checkpoint.path given (e.g. on a shared filesystem), as under the default root <sweep dir>/checkpoints
+    (test_sweeps.py), each job's checkpoints go to its configuration's folder, so both jobs train and a sweep run
+    again resumes each configuration's own job."""
+    ckpts = tmp_path / "shared"
+
     def sweep(values: str, steps: int) -> str:
         proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "-m", *TINY,
-                               f"optim.lr={values}", f"training.steps={steps}", f"hydra.sweep.dir={tmp_path}/sweep"],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+                               f"optim.lr={values}", f"training.steps={steps}", f"hydra.sweep.dir={tmp_path}/sweep",
+                               f"checkpoint.path={ckpts}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout + proc.stderr
 
-    sweep("0.003,0.001", 2)
+    first = sweep("0.003,0.001", 2)
     out = sweep("0.0001,0.001", 4)
-    ckpts = tmp_path / "sweep" / "checkpoints"
+    assert not (tmp_path / "sweep" / "checkpoints").exists()
     folder = {}  # lr -> its configuration's folder
     for path in ckpts.iterdir():
         lrs = {OmegaConf.load(step / "config.yaml").optim.lr for step in path.glob("step_*")}
         assert len(lrs) == 1, path
         folder[str(lrs.pop())] = path.name
     assert sorted(folder) == ["0.0001", "0.001", "0.003"]
+    logged = [line.split("this job's checkpoints: ")[1].split()[0]
+              for line in first.splitlines() if "this job's checkpoints: " in line]
+    assert logged == [str(ckpts / folder["0.003"]), str(ckpts / folder["0.001"])]  # the log says where each job's go
     assert f"resumed from {ckpts / folder['0.001'] / 'step_2'}" in out
     resumed = [line for line in out.splitlines() if "resumed from" in line]
     assert resumed and all(folder["0.001"] in line for line in resumed)  # lr=0.0001 started fresh, not from job 0's
@@ -238,6 +264,20 @@ def test_configuration_names():
     assert configuration_name(["optim.lr=1e-3", "training.steps=80", "seed=2", "logger.wandb.enabled=true"]) == \
         "optim.lr=1e-3,seed=2"
     assert configuration_name(["training.steps=80"]) == "default"
-    assert configuration_name(["data.root=/a/b", "model=vit_base"]) == "data.root=_a_b,model=vit_base"
+    assert configuration_name(["data.root=/a/b", "model=vit_base"]) == "data.root=%2Fa%2Fb,model=vit_base"
+    assert configuration_name(["optim.betas=[0.9,0.95]", "+model.depth=-1"]) == \
+        "model.depth=-1,optim.betas=[0.9%2C0.95]"
+    # Overrides that differ give folders that differ: no character of a value passes for another, or for the
+    # comma between overrides, and a name shortened with a hash is longer than any name kept whole.
+    different = [["data.root=a/b"], ["data.root=a_b"], ["data.root=a\\b"], ["data.root=a\x00b"], ["data.root=a%2Fb"],
+                 ["data.root=a%252Fb"], ["data.root=a,b"], ["data.root=a%2Cb"], ["data.root=x,data.split=y"],
+                 ["data.root=x", "data.split=y"], ["data.root=a b"], ["data.root=a:b"], ["data.root=é"],
+                 ["data.root=%C3%A9"]]
+    names = [configuration_name(overrides) for overrides in different]
+    assert len(set(names)) == len(names), names
+    for name in names:
+        assert not {"/", "\\", "\x00", " ", ":"} & set(name) and name == name.encode("ascii").decode(), name
     long = configuration_name([f"model.layer_{i}=123456789" for i in range(30)])
-    assert len(long) <= 120 and long != configuration_name([f"model.layer_{i}=123456780" for i in range(30)])
+    assert len(long) == 121 and long != configuration_name([f"model.layer_{i}=123456780" for i in range(30)])
+    kept = "data.root=" + "a" * 110  # 120 characters: kept whole
+    assert configuration_name([kept]) == kept and len(configuration_name([kept + "a"])) == 121

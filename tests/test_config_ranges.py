@@ -1,50 +1,111 @@
 """Every number in a config is range-checked when the config is validated, before any work, with the key,
-the value and the allowed range named; and preprocessing errors name the file and the position."""
+the value and the allowed range named (no numeric field of any schema is left without a rule); and
+preprocessing errors name the file and the position."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
+import subprocess
+import sys
+import typing
 from pathlib import Path
 
 import pytest
 
 from core.config.errors import ConfigError
-from tests.helpers import CONFIGS, validated_config
+from core.config.ranges import Int, Numbers, Real, rules_of
+from tests.helpers import CONFIGS, REPO, validated_config
+
+INT32 = "2**31 - 1"
 
 BAD = [
-    ("vit_sanity", "training.micro_batch_size=-4", "training.micro_batch_size=-4: expected >= 1"),
-    ("vit_sanity", "training.micro_batch_size=0", "training.micro_batch_size=0: expected >= 1"),
-    ("vit_sanity", "training.steps=0", "training.steps=0: expected >= 1"),
-    ("vit_sanity", "training.epochs=2", "training.steps=300 and training.epochs=2 both give the run's length: give one"),
+    ("vit_sanity", "training.micro_batch_size=-4",
+     f"training.micro_batch_size=-4: expected an integer 1 <= micro_batch_size <= {INT32}"),
+    ("vit_sanity", "training.micro_batch_size=0", "training.micro_batch_size=0: expected an integer 1 <="),
+    ("vit_sanity", "training.steps=0", "training.steps=0: expected an integer 1 <= steps <="),
+    ("vit_sanity", "training.steps=99999999999",
+     f"training.steps=99999999999: expected an integer 1 <= steps <= {INT32}"),
+    ("vit_sanity", "training.epochs=2",
+     "training.steps=300 and training.epochs=2 both give the run's length: give one"),
     ("vit_sanity", "training.steps=null", "training.steps or training.epochs: give one"),
-    ("vit_sanity", "training.val_every_n_epochs=-1", "training.val_every_n_epochs=-1: expected >= 0"),
-    ("vit_sanity", "training.global_batch_size=0", "training.global_batch_size=0: expected >= 1"),
-    ("vit_sanity", "training.log_every_n_steps=0", "training.log_every_n_steps=0: expected >= 1"),
-    ("vit_sanity", "training.val_every_n_steps=-1", "training.val_every_n_steps=-1: expected >= 0"),
-    ("vit_sanity", "optim.lr=0", "optim.lr=0.0: expected a finite number > 0"),
-    ("vit_sanity", "optim.lr=-1", "optim.lr=-1.0: expected a finite number > 0"),
-    ("vit_sanity", "optim.lr=nan", "optim.lr=nan: expected a finite number > 0"),
-    ("vit_sanity", "optim.lr=inf", "optim.lr=inf: expected a finite number > 0"),
-    ("vit_sanity", "optim.weight_decay=-0.1", "optim.weight_decay=-0.1: expected a finite number >= 0"),
-    ("vit_sanity", "optim.eps=0", "optim.eps=0.0: expected a finite number > 0"),
-    ("vit_sanity", "optim.betas=[0.9,1.0]", "optim.betas=[0.9, 1.0]: expected values in [0, 1)"),
-    ("vit_sanity", "optim.max_grad_norm=nan", "optim.max_grad_norm=nan: expected a finite number >= 0"),
-    ("vit_sanity", "scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio=2.0: expected a number in [0, 1]"),
-    ("vit_sanity", "scheduler.warmup_steps=-1", "scheduler.warmup_steps=-1: expected >= 0"),
-    ("vit_sanity", "distributed.tp=0", "distributed.tp=0: expected >= 1"),
-    ("vit_sanity", "distributed.dp_shard=0", "distributed.dp_shard=0: expected -1 (what is left) or >= 1"),
-    ("vit_sanity", "distributed.timeout_minutes=inf", "distributed.timeout_minutes=inf: expected a finite number > 0"),
-    ("vit_sanity", "precision.fp8.amax_history_len=0", "precision.fp8.amax_history_len=0: expected >= 1"),
-    ("vit_sanity", "checkpoint.write_threads=0", "checkpoint.write_threads=0: expected >= 1"),
-    ("vit_sanity", "checkpoint.save_every_n_steps=-5", "checkpoint.save_every_n_steps=-5: expected >= 0"),
-    ("vit_sanity", "seed=-1", "seed=-1: expected 0 <= seed < 2**31"),
-    ("vit_sanity", "data.num_workers=-1", "data.num_workers=-1: expected >= 0"),
-    ("vit_sanity", "data.hflip=2", "data.hflip=2.0: expected a finite number in [0, 1]"),
-    ("vit_sanity", "model.depth=0", "model.depth=0: expected a finite number > 0"),
-    ("vit_sanity", "model.hidden_dropout=1.5", "model.hidden_dropout=1.5: expected a finite number in [0, 1]"),
-    ("gpt_sanity", "model.seq_length=0", "model.seq_length=0: expected a finite number > 0"),
-    ("gpt_sanity", "model.norm_epsilon=nan", "model.norm_epsilon=nan: expected a finite number > 0"),
-    ("mnist_pretrain", "model.latent_size=0", "model.latent_size=0: expected a finite number > 0"),
+    ("vit_sanity", "training.val_every_n_epochs=-1",
+     f"training.val_every_n_epochs=-1: expected an integer 0 <= val_every_n_epochs <= {INT32} (0: not by epoch)"),
+    ("vit_sanity", "training.global_batch_size=0", "training.global_batch_size=0: expected an integer 1 <="),
+    ("vit_sanity", "training.log_every_n_steps=0", "training.log_every_n_steps=0: expected an integer 1 <="),
+    ("vit_sanity", "training.val_every_n_steps=-1", "training.val_every_n_steps=-1: expected an integer 0 <="),
+    ("vit_sanity", "training.limit_val_batches=-2", "training.limit_val_batches=-2: expected an integer -1 <="),
+    ("vit_sanity", "training.profile.steps=0", "training.profile.steps=0: expected an integer 1 <= steps <="),
+    ("vit_sanity", "optim.lr=0", "optim.lr=0.0: expected 0 < lr <= 10"),
+    ("vit_sanity", "optim.lr=-1", "optim.lr=-1.0: expected 0 < lr <= 10"),
+    ("vit_sanity", "optim.lr=nan", "optim.lr=nan: expected 0 < lr <= 10"),
+    ("vit_sanity", "optim.lr=inf", "optim.lr=inf: expected 0 < lr <= 10"),
+    ("vit_sanity", "optim.lr=1e300", "optim.lr=1e+300: expected 0 < lr <= 10"),
+    ("vit_sanity", "optim.weight_decay=-0.1", "optim.weight_decay=-0.1: expected 0 <= weight_decay <= 10"),
+    ("vit_sanity", "optim.eps=0", "optim.eps=0.0: expected 0 < eps <= 1"),
+    ("vit_sanity", "optim.betas=[0.9,1.0]", "optim.betas=[0.9, 1.0]: expected two numbers, each 0 <= betas < 1"),
+    ("vit_sanity", "optim.betas=[0.9]", "optim.betas=[0.9]: expected two numbers, each 0 <= betas < 1"),
+    ("vit_sanity", "optim.max_grad_norm=nan",
+     "optim.max_grad_norm=nan: expected 0 <= max_grad_norm <= 1e6 (0: no clipping)"),
+    ("vit_sanity", "scheduler.min_lr_ratio=2", "scheduler.min_lr_ratio=2.0: expected 0 <= min_lr_ratio <= 1"),
+    ("vit_sanity", "scheduler.warmup_steps=-1", "scheduler.warmup_steps=-1: expected an integer 0 <= warmup_steps <="),
+    ("vit_sanity", "distributed.tp=0", "distributed.tp=0: expected an integer 1 <= tp <="),
+    ("vit_sanity", "distributed.dp_shard=0",
+     f"distributed.dp_shard=0: expected -1 or an integer 1 <= dp_shard <= {INT32} (-1: what is left)"),
+    ("vit_sanity", "distributed.timeout_minutes=inf",
+     "distributed.timeout_minutes=inf: expected 0 < timeout_minutes <= 10080"),
+    ("vit_sanity", "distributed.timeout_minutes=1e300",
+     "distributed.timeout_minutes=1e+300: expected 0 < timeout_minutes <= 10080"),
+    ("vit_sanity", "distributed.ddp.bucket_cap_mb=0",
+     "distributed.ddp.bucket_cap_mb=0.0: expected 0 < bucket_cap_mb <="),
+    ("vit_sanity", "precision.fp8.amax_history_len=0", "precision.fp8.amax_history_len=0: expected an integer 1 <="),
+    ("vit_sanity", "precision.fp8.margin=200", "precision.fp8.margin=200: expected an integer 0 <= margin <= 127"),
+    ("vit_sanity", "checkpoint.write_threads=0",
+     "checkpoint.write_threads=0: expected an integer 1 <= write_threads <= 1024"),
+    ("vit_sanity", "checkpoint.save_every_n_steps=-5", "checkpoint.save_every_n_steps=-5: expected an integer 0 <="),
+    ("vit_sanity", "checkpoint.keep_last_n=0", "checkpoint.keep_last_n=0: expected -1 or an integer 1 <= keep_last_n"),
+    ("vit_sanity", "seed=-1",
+     f"seed=-1: expected an integer 0 <= seed <= {INT32} (each rank seeds numpy with seed + rank)"),
+    ("vit_sanity", "predict.micro_batch_size=0", "predict.micro_batch_size=0: expected an integer 1 <="),
+    ("vit_sanity", "data.num_workers=-1", "data.num_workers=-1: expected an integer 0 <= num_workers <= 1024"),
+    ("vit_sanity", "data.hflip=2", "data.hflip=2.0: expected 0 <= hflip <= 1"),
+    ("vit_sanity", "data.std=[0,0,0]", "data.std=[0.0, 0.0, 0.0]: expected one or more numbers, each 0 < std <= 1"),
+    ("vit_sanity", "data.std=[]", "data.std=[]: expected one or more numbers, each 0 < std <= 1"),
+    ("vit_sanity", "data.mean=[nan,0,0]",
+     "data.mean=[nan, 0.0, 0.0]: expected one or more numbers, each 0 <= mean <= 1"),
+    ("vit_sanity", "data.mean=[0.5,0.5]",
+     "data.mean=[0.5, 0.5] and data.std=[0.5, 0.5, 0.5]: expected one value per channel"),
+    ("vit_sanity", "data.train_crop_scale=[-1,5]",
+     "data.train_crop_scale=[-1.0, 5.0]: expected two numbers 0 < low <= high <= 1"),
+    ("vit_sanity", "data.train_crop_scale=[0.9,0.5]",
+     "data.train_crop_scale=[0.9, 0.5]: expected two numbers 0 < low <= high"),
+    ("vit_sanity", "data.train_crop_ratio=[0,0]",
+     "data.train_crop_ratio=[0.0, 0.0]: expected two numbers 0.01 <= low <= high <= 100"),
+    ("vit_sanity", "data.val_crop_fraction=0", "data.val_crop_fraction=0.0: expected 0.1 <= val_crop_fraction <= 1"),
+    ("vit_sanity", "data.mixup_alpha=-1", "data.mixup_alpha=-1.0: expected 0 <= mixup_alpha <= 100 (0: off)"),
+    ("vit_sanity", "model.depth=0", "model.depth=0: expected an integer 1 <= depth <="),
+    ("vit_sanity", "model.mlp_ratio=1e300", "model.mlp_ratio=1e+300: expected 0 < mlp_ratio <= 64"),
+    ("vit_sanity", "model.hidden_dropout=1.5", "model.hidden_dropout=1.5: expected 0 <= hidden_dropout <= 1"),
+    ("gpt_sanity", "model.seq_length=0", "model.seq_length=0: expected an integer 1 <= seq_length <="),
+    ("gpt_sanity", "model.norm_epsilon=nan", "model.norm_epsilon=nan: expected 0 < norm_epsilon <= 1"),
+    ("gpt_sanity", "model.rotary_base=1", "model.rotary_base=1.0: expected 1 < rotary_base <= 1e12"),
+    ("gpt_sanity", "generate.temperature=1e-320",
+     "generate.temperature=1e-320: expected 0.001 <= temperature <= 100 (for the most likely token: "
+     "generate.greedy=true)"),
+    ("gpt_sanity", "generate.top_p=0", "generate.top_p=0.0: expected 0 < top_p <= 1"),
+    ("gpt_sanity", "data.val_num_samples=-5",
+     f"data.val_num_samples=-5: expected an integer 1 <= val_num_samples <= {INT32}"),
+    ("gpt_sanity", "data.weights=[-1.0]",
+     "data.weights=[-1.0]: expected one or more numbers, each 0 <= weights <= 1e15"),
+    ("gpt_sanity", "data.weights=[nan]", "data.weights=[nan]: expected one or more numbers, each 0 <= weights <= 1e15"),
+    ("gpt_sanity", "data.weights=[0.0]", "data.weights=[0.0]: expected a sum > 0"),
+    ("gpt_sanity", "data.split=abc", "data.split=abc: expected 1 to 3 numbers >= 0 separated by commas"),
+    ("gpt_sanity", "data.split='0,0,0'", "data.split=0,0,0: expected 1 to 3 numbers >= 0 separated by commas"),
+    ("mnist_pretrain", "model.latent_size=0", "model.latent_size=0: expected an integer 1 <= latent_size <="),
+    ("mnist_pretrain", "data.val_size=0",
+     f"data.val_size=0: expected an integer 1 <= val_size <= {INT32} (null: 1/12 of the training file)"),
+    ("mnist_pretrain", f"data.split_seed={10**23}",
+     f"data.split_seed={10**23}: expected an integer 0 <= split_seed <= {INT32}"),
 ]
 
 
@@ -53,6 +114,66 @@ def test_a_number_out_of_range_is_refused_naming_its_key(config, override, messa
     with pytest.raises(ConfigError) as error:
         validated_config(config, [f"checkpoint.path={tmp_path}", override])
     assert message in str(error.value)
+
+
+def test_an_mnist_validation_set_that_leaves_no_training_samples_is_refused():
+    from recipes.mnist.recipe import MNISTRecipe
+
+    recipe = MNISTRecipe(validated_config("mnist_pretrain", ["checkpoint.path=unused", "data.val_size=4000"]))
+    with pytest.raises(ConfigError, match=r"data.val_size=4000: expected 1 <= val_size < 4000 \(the training file"):
+        recipe.split("val")  # the shipped training file holds 4,000 samples
+
+
+def _schemas() -> list[type]:
+    """Every config schema: the TrainConfig tree and each recipe's model and data schemas."""
+    from core.config.schema import TrainConfig
+    from recipes.registry import KNOWN_RECIPES, get_recipe
+
+    found, todo = [], [TrainConfig]
+    for name in KNOWN_RECIPES:
+        todo += [get_recipe(name).model_schema, get_recipe(name).data_schema]
+    while todo:
+        schema = todo.pop()
+        found.append(schema)
+        todo += [hint for hint in typing.get_type_hints(schema).values() if dataclasses.is_dataclass(hint)]
+    return found
+
+
+def _numeric_kind(hint) -> str | None:
+    """The kind of a field of numbers (Optional or not): int, float or list; None for any other field."""
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    if typing.get_origin(hint) is typing.Union and len(args) == 1:
+        hint = args[0]  # Optional[X]
+    if typing.get_origin(hint) is list and typing.get_args(hint)[0] in (int, float):
+        return "list"
+    return {int: "int", float: "float"}.get(hint)  # bool and IntEnum fields are closed choices, not numbers
+
+
+@pytest.mark.parametrize("schema", _schemas(), ids=lambda schema: schema.__name__)
+def test_every_numeric_field_has_a_range_rule_and_every_rule_a_field(schema):
+    """A new numeric key cannot be forgotten: its schema's RANGES table (or a parent's) must give it a rule of
+    its kind (Int for an int, Real for a float, Numbers for a list of numbers)."""
+    hints, fields, rules = typing.get_type_hints(schema), [f.name for f in dataclasses.fields(schema)], rules_of(schema)
+    assert set(rules) <= set(fields), f"{schema.__name__}: rules for no field: {sorted(set(rules) - set(fields))}"
+    for name in fields:
+        kind = _numeric_kind(hints[name])
+        if kind is None:
+            continue
+        rule = rules.get(name)
+        assert rule is not None, f"{schema.__name__}.{name} has no rule in a RANGES table (core/config/ranges.py)"
+        expected = {"int": Int, "float": Real, "list": Numbers}[kind]
+        assert isinstance(rule, expected) and (kind != "float" or not isinstance(rule, Int)), \
+            f"{schema.__name__}.{name}: a {kind} field with the rule {rule}"
+
+
+def test_a_number_out_of_range_ends_the_command_line_run_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "optim.lr=1e300",
+                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    output = proc.stdout + proc.stderr
+    errors = [line for line in output.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].endswith("config error: optim.lr=1e+300: expected 0 < lr <= 10"), output
+    assert "Traceback" not in output and not (tmp_path / "metrics.jsonl").exists()
 
 
 @pytest.mark.parametrize("config", sorted(Path(p).stem for p in glob.glob(str(CONFIGS / "*.yaml"))

@@ -18,6 +18,7 @@ import core.checkpointing.layout as layout
 from core.checkpointing.dcp_index import load_index
 from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter
+from core.config.errors import ConfigError
 from tests.checkpoint_harness import TINY
 from tests.helpers import train_run, validated_config
 
@@ -117,17 +118,72 @@ def test_the_index_cannot_point_into_unlisted_files_or_claim_more_bytes_than_sto
         verify(folder)
 
 
-def test_automatic_resume_falls_back_from_a_malformed_marker_and_keeps_the_folder(tmp_path, caplog):
+def _resave_with(step: Path, target: Path, change: dict) -> None:
+    """A complete step folder like `step` (read in full, as our own trusted test data) with `change` applied to its
+    flat keys; its marker made to match."""
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    state = _load_state_dict_from_keys(checkpoint_id=str(step))
+    for key, value in change.items():
+        top, rest = key.split(".", 1)
+        state[top][rest] = value
+    shutil.rmtree(target, ignore_errors=True)
+    start_marker(target)
+    dcp.save(state, storage_writer=ChecksummingWriter(str(target)), no_dist=True)
+    shutil.copy(step / "config.yaml", target / "config.yaml")
+    write_marker(target, {"step": int(target.name.split("_")[1]), "metrics": {}})
+
+
+def test_automatic_resume_falls_back_from_malformed_files_and_keeps_the_folders(tmp_path, caplog):
     def run(name: str, steps: int) -> dict:
         cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/ckpt", f"training.steps={steps}",
                                                      "checkpoint.save_every_n_steps=2"])
         return train_run(cfg, tmp_path / name)["result"]
 
-    run("first", 4)
-    newest = tmp_path / "ckpt" / "step_4"
-    (newest / "COMPLETE").write_text("[1, 2, 3]")
+    run("first", 6)
+    ckpt = tmp_path / "ckpt"
+    _resave_with(ckpt / "step_4", ckpt / "step_6", {"train_state.step": -5})  # valid files, a value that is not
+    (ckpt / "step_4" / "COMPLETE").write_text("[1, 2, 3]")
+    with pytest.raises(ConfigError, match=f"this run saves step 4, but {ckpt / 'step_4'} exists and is not"):
+        run("blocked", 5)  # before any step, not when it gets there
+    assert not (tmp_path / "blocked" / "metrics.jsonl").exists()
     with caplog.at_level("WARNING"):
         result = run("again", 3)
-    assert result.resumed_from == str(tmp_path / "ckpt" / "step_2")
-    assert f"{newest / 'COMPLETE'}: not a completion marker" in caplog.text
-    assert (newest / "COMPLETE").read_text() == "[1, 2, 3]" and list(newest.glob("*.distcp"))  # left alone
+    assert result.resumed_from == str(ckpt / "step_2")
+    assert f"{ckpt / 'step_4' / 'COMPLETE'}: not a completion marker" in caplog.text
+    assert "its train_state state cannot be taken (ValueError: train_state.step=-5" in caplog.text
+    assert (ckpt / "step_4" / "COMPLETE").read_text() == "[1, 2, 3]" and list((ckpt / "step_4").glob("*.distcp"))
+
+
+@pytest.mark.parametrize("value", [-5, "3", 3.0, True, float("nan"), 2**70])
+def test_training_counters_from_a_file_are_whole_numbers(value):
+    from core.training.state import TrainState
+
+    with pytest.raises(ValueError, match=r"train_state\.consumed_samples="):
+        TrainState().load_state_dict({"step": 3, "consumed_samples": value})
+
+
+def test_fp8_state_restores_only_what_a_te_module_of_the_model_has(tmp_path):
+    from core.checkpointing.fp8 import _settings
+    from core.checkpointing.parts import FP8Part, Saved
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    model[0].fp8_meta = {"num_gemms": 1, "fp8_checkpoint": True, "recipe": object()}
+
+    class Held(Saved):
+        def __init__(self, keys):
+            self.path, self.keys = tmp_path, keys
+
+        def empty(self, key):
+            return torch.zeros(1)
+
+    part = FP8Part(model, fp8_recipe=object())
+    assert set(part.load_target(Held(["0.scale_fwd", "0.settings"]))["0"]) == {"scale_fwd", "settings"}
+    for keys in (["0.recipe"], ["1.scale_fwd"], ["scale_fwd"]):
+        with pytest.raises(CheckpointError, match="not FP8 state"):
+            part.load_target(Held(keys))
+    blob = torch.frombuffer(bytearray(json.dumps({"num_gemms": 3, "fp8_checkpoint": "yes", "unknown": 1,
+                                                  "recipe": "x"}).encode()), dtype=torch.uint8)
+    assert _settings(blob, model[0].fp8_meta) == {"num_gemms": 3, "unknown": 1}
+    with pytest.raises(ValueError, match="expected an object"):
+        _settings(torch.frombuffer(bytearray(b"[1]"), dtype=torch.uint8), model[0].fp8_meta)

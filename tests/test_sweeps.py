@@ -11,6 +11,7 @@ import sys
 import pytest
 import yaml
 
+from core.distributed.launch import configuration_name
 from tests.helpers import REPO
 
 TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
@@ -34,7 +35,10 @@ def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
     for job in ("0", "1", "2"):
         records = [json.loads(line) for line in (sweep / job / "metrics.jsonl").read_text().splitlines()]
         top1[job] = [r for r in records if r.get("split") == "val"][-1]["top1"]
-        lrs |= {o for o in yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text()) if "optim.lr" in o}
+        overrides = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+        lrs |= {o for o in overrides if "optim.lr" in o}
+        # The default checkpoint root: each trial's own folder, named by its overrides.
+        assert (sweep / "checkpoints" / configuration_name(overrides) / "step_4" / "COMPLETE").exists()
     assert not (sweep / "3").exists() and len(lrs) == 3  # three trials, each with the sampler's own lr
     results = yaml.safe_load((sweep / "optimization_results.yaml").read_text())
     assert results["best_value"] == max(top1.values())  # maximize: the trials' own val/top1 reached the study
@@ -48,7 +52,8 @@ def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
     (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1"], {"SLURM_NTASKS": "2"},
      "every rank would run its own sampler"),
     (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1", "training.objective.metric=val/top9"], {},
-     "training.objective.metric=val/top9: the run recorded no such value (it has: val/loss, val/top1, val/top5)"),
+     "training.objective.metric='val/top9' is not a metric of this run; there are: train/grad_norm, train/loss, "
+     "train/lr, val/loss, val/top1, val/top5"),
 ])
 def test_sweeps_that_cannot_work_are_refused(tmp_path, overrides, env, message):
     proc = _sweep(tmp_path, *overrides, env=env)

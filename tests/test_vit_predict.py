@@ -30,8 +30,8 @@ def trained(tmp_path_factory):
 
 def _predict(tmp, root, out, *overrides):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "predict.py"),
-           "--config-name", "vit_predict", "model=vit_tiny", "data=imagefolder", f"data.root={root}",
-           "precision=fp32", "data.val_crop_fraction=1.0", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
+           "--config-name", "vit_predict", "data=imagefolder", f"data.root={root}",  # the model: its config.yaml
+           "precision=fp32", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
            "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides]
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -72,8 +72,8 @@ def test_predict_a_folder_of_unlabeled_images(trained, tmp_path):
 
 
 def test_predict_a_folder_with_only_the_checkpoint(trained, tmp_path, caplog):
-    """No training data at hand: the head size comes from the checkpoint's config.yaml, the rows carry class
-    indices only (one process, in this one)."""
+    """No training data at hand: the model (its head size too) comes from the checkpoint's config.yaml, the
+    rows carry class indices only (one process, in this one)."""
     import predict
 
     tmp, _, classes = trained
@@ -81,13 +81,14 @@ def test_predict_a_folder_with_only_the_checkpoint(trained, tmp_path, caplog):
     folder.mkdir()
     for i in range(3):
         _image(np.random.default_rng(i), i).save(folder / f"{i}.png")
-    cfg = validated_config("vit_predict", ["model=vit_tiny", "data=imagefolder", f"data.root={tmp_path}/gone",
+    cfg = validated_config("vit_predict", ["data=imagefolder", f"data.root={tmp_path}/gone",
                                            "precision=fp32", "data.num_workers=0", f"predict.folder={folder}",
                                            f"checkpoint.path={tmp_path}/ckpt", "logger.progress_bar=never",
                                            f"checkpoint.init_from={tmp}/ckpt/step_30"])
     with caplog.at_level(logging.INFO):
         result = predict.predict(cfg, tmp_path / "run")
-    assert f"num_classes={len(classes)} from {tmp}/ckpt/step_30/config.yaml" in caplog.text
+    assert f"model settings from {tmp}/ckpt/step_30/config.yaml" in caplog.text
+    assert f"num_classes={len(classes)} as given" in caplog.text
     assert "class names unknown" in caplog.text
     with open(result.output) as f:
         rows = list(csv.DictReader(f))

@@ -1,6 +1,11 @@
 """Torch DCP checkpoints. `checkpoint.py` at the top level is the user's entry (CLI and public API).
 
   layout.py      step folders, the completion marker, verification
+  dcp_index.py   DCP's index (.metadata) read by PyTorch's weights_only unpickler, its shape checked
+  storage.py     DCP's reader and writer made safe to load and checksummed
+  lock.py        one writer per checkpoint path (LOCK)
+  saved_config.py  a step folder's config.yaml read safely; the model settings predict/generate take from it
+  changes.py     what a resume may change
   parts.py       the stateful parts a checkpoint holds (model, optimizer, schedule, train state, RNG, FP8)
   rng.py, fp8.py per-rank RNG state and TE's FP8 scaling state as plain tensors
   staging.py     host copies of sharded state for background saves

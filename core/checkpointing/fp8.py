@@ -39,9 +39,16 @@ def _is_plain(value: Any) -> bool:
     return isinstance(value, (bool, int, float, str))
 
 
-def _settings(blob: torch.Tensor) -> dict:
+def _settings(blob: torch.Tensor, meta: dict) -> dict:
+    """The saved plain settings, as TE restores them into the module's `meta`, except any that would replace a
+    setting of another type there (e.g. the recipe object with a string): the file restores plain values, as
+    the save took them (ValueError if the bytes are not a JSON object)."""
     plain = json.loads(blob.numpy().tobytes().decode())
-    return {k: (tuple(v[1]) if isinstance(v, list) and v[:1] == ["__tuple__"] else v) for k, v in plain.items()}
+    if not isinstance(plain, dict):
+        raise ValueError(f"FP8 settings are a JSON {type(plain).__name__}, expected an object")
+    restored = {k: (tuple(v[1]) if isinstance(v, list) and v[:1] == ["__tuple__"] else v) for k, v in plain.items()}
+    return {k: v for k, v in restored.items() if k != "buffer_index_and_autocast_key" and _is_plain(v)
+            and (k not in meta or (_is_plain(meta[k]) and type(v) is type(meta[k])))}
 
 
 def set_fp8_states(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], fp8_recipe: Any) -> None:
@@ -56,7 +63,7 @@ def set_fp8_states(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], 
     try:
         for name, tensors in saved.items():
             tensors = dict(tensors)
-            settings = _settings(tensors.pop("settings")) if "settings" in tensors else {}
+            settings = _settings(tensors.pop("settings"), modules[name].fp8_meta) if "settings" in tensors else {}
             payload = pickle.dumps({"recipe": fp8_recipe, **tensors, "extra_fp8_variables": settings})
             modules[name].set_extra_state(torch.frombuffer(bytearray(payload), dtype=torch.uint8))
         torch.cuda.synchronize()  # TE copies the tensors asynchronously

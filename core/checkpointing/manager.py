@@ -18,7 +18,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping, Optional
+from typing import Callable, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -111,6 +111,22 @@ class Checkpointer:
         if self.candidates:
             self._check_config_changes(self.candidates[0])
 
+    def check_save_targets(self, first_step: int, last_step: int, saves_at: Callable[[int], bool]) -> None:
+        """Before any training (a collective): a step folder this run will save (steps first_step..last_step for which
+        `saves_at` is true) that exists and is not a checkpoint this tool may replace stops the run now, not when the
+        run gets there. (A save on a signal is refused at that moment.)"""
+        error = [None]
+        if self.is_main:
+            blocked = [p for p in step_dirs(self.path)
+                       if first_step <= (step_of(p) or -1) <= last_step and saves_at(step_of(p)) and not is_own(p)]
+            if blocked:
+                error = [f"this run saves step {step_of(blocked[0])}, but {blocked[0]} exists and is not a checkpoint "
+                         "this tool wrote (or its COMPLETE marker is damaged), so it will not replace it: move it "
+                         "away, or use another checkpoint.path"]
+        dist.broadcast_object_list(error, src=0)
+        if error[0]:
+            raise ConfigError(error[0])
+
     def _take_lock(self) -> None:
         error = None
         if self.is_main:
@@ -176,7 +192,10 @@ class Checkpointer:
         except DCP_ERRORS as e:
             raise CheckpointError(f"{path}: loading failed ({describe(e)})") from None
         for key, loaded in state.items():
-            parts[key].load_state_dict(loaded)
+            try:
+                parts[key].load_state_dict(loaded)
+            except (ValueError, TypeError, KeyError, IndexError, RuntimeError) as e:  # values that do not fit the part
+                raise CheckpointError(f"{path}: its {key} state cannot be taken ({type(e).__name__}: {e})") from None
         if self.is_main:
             log.info("resumed from %s in %.1f s", path, time.perf_counter() - start)
 

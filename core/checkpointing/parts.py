@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.metadata import Metadata
 
-from core.checkpointing.fp8 import fp8_states, set_fp8_states
-from core.checkpointing.layout import empty_like_saved, saved_weights
+from core.checkpointing.fp8 import FP8_TENSORS, fp8_states, set_fp8_states
+from core.checkpointing.layout import CheckpointError, empty_like_saved, saved_weights
 from core.checkpointing.rng import rng_state, set_rng_state
 from core.checkpointing.weights import check_weights_fit
 
@@ -151,9 +151,14 @@ class FP8Part:
         if self.fp8_recipe is None:
             log.warning("%s holds FP8 scaling state, but this run does not use TE FP8: not loaded", saved.path)
             return None
+        modules = dict(self.model.named_modules())
         target: dict[str, dict[str, torch.Tensor]] = {}
         for key in saved.keys:
-            module, tensor = key.rsplit(".", 1)
+            module, _, tensor = key.rpartition(".")
+            if tensor not in (*FP8_TENSORS, "settings") or not isinstance(getattr(modules.get(module), "fp8_meta", None),
+                                                                           dict):
+                raise CheckpointError(f"{saved.path}: fp8.{key} is not FP8 state of a TransformerEngine module of "
+                                      "this model")
             target.setdefault(module, {})[tensor] = saved.empty(key)
         return target
 

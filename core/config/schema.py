@@ -4,37 +4,22 @@
 key, a value of the wrong type or a value outside a closed set (the `StrEnum` fields, which list their
 choices) while composing, before any work. The YAML files under `configs/` hold only the choices that
 differ from these defaults. The `model` and `data` groups belong to a recipe (`recipes/<name>/config.py`);
-`validation.validate` checks them against the recipe's schemas and runs the value checks (`check`
-methods below) that a type alone cannot express.
+`validation.validate` checks them against the recipe's schemas, then the values a type alone cannot
+judge: each schema's `RANGES` table gives every numeric field its valid range (`core/config/ranges.py`),
+and its `check` method what relates several fields or is not a number.
 """
 
 from __future__ import annotations
 
-import math
 import signal
 from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 from omegaconf import MISSING
 
-from core.config.errors import ConfigError, require
-
-
-def finite(value: Any) -> bool:
-    """A real number that is neither NaN nor infinite."""
-    return isinstance(value, (int, float)) and math.isfinite(value)
-
-
-def check_ranges(c, key: str, positive: tuple[str, ...] = (), non_negative: tuple[str, ...] = (),
-                 probabilities: tuple[str, ...] = ()) -> None:
-    """Range checks by field name (a field set to null is skipped): > 0, >= 0, in [0, 1]; numbers finite."""
-    for names, ok, expected in ((positive, lambda v: v > 0, "> 0"), (non_negative, lambda v: v >= 0, ">= 0"),
-                                (probabilities, lambda v: 0 <= v <= 1, "in [0, 1]")):
-        for name in names:
-            value = getattr(c, name)
-            if value is not None:
-                require(finite(value) and ok(value), f"{key}.{name}={value}: expected a finite number {expected}")
+from core.config.errors import require
+from core.config.ranges import INT32_MAX, Int, Numbers, Real, Rule
 
 
 class ParallelBackend(StrEnum):
@@ -158,10 +143,7 @@ class ProfileConfig:
     record_shapes: bool = False
     with_stack: bool = False
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(not c.enabled or (c.start_step >= 1 and c.steps >= 1),
-                f"{key}: start_step={c.start_step} and steps={c.steps} must be >= 1")
+    RANGES: ClassVar[dict[str, Rule]] = {"start_step": Int(1, INT32_MAX), "steps": Int(1, INT32_MAX)}
 
 
 @dataclass
@@ -199,17 +181,23 @@ class TrainingConfig:
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
 
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "steps": Int(1, INT32_MAX),
+        "epochs": Int(1, INT32_MAX),
+        "micro_batch_size": Int(1, INT32_MAX),
+        "global_batch_size": Int(1, INT32_MAX),
+        "val_every_n_steps": Int(0, INT32_MAX, note="0: only at the end"),
+        "val_every_n_epochs": Int(0, INT32_MAX, note="0: not by epoch"),
+        "limit_val_batches": Int(-1, INT32_MAX, note="-1: the whole validation set, 0: none"),
+        "log_every_n_steps": Int(1, INT32_MAX),
+    }
+
     @staticmethod
     def check(c, key: str) -> None:
         require(c.steps is None or c.epochs is None,
                 f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
                 f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
         require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
-        for name in ("steps", "epochs", "micro_batch_size", "global_batch_size", "log_every_n_steps"):
-            require(c[name] is None or c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
-        for name in ("val_every_n_steps", "val_every_n_epochs"):
-            require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
-        require(c.limit_val_batches >= -1, f"{key}.limit_val_batches={c.limit_val_batches}: expected >= -1")
 
 
 @dataclass
@@ -271,6 +259,9 @@ class DDPConfig:
     find_unused_parameters: bool = False
     static_graph: bool = False
 
+    # DDP turns the size into a byte count; 1 TiB is more than any device holds.
+    RANGES: ClassVar[dict[str, Rule]] = {"bucket_cap_mb": Real(0, 1024 * 1024, open_low=True)}
+
 
 @dataclass
 class DistributedConfig:
@@ -285,15 +276,14 @@ class DistributedConfig:
     fsdp2: FSDP2Config = field(default_factory=FSDP2Config)
     ddp: DDPConfig = field(default_factory=DDPConfig)
 
-    @staticmethod
-    def check(c, key: str) -> None:  # (the mesh sizes are checked against the world size at start-up)
-        require(finite(c.timeout_minutes) and c.timeout_minutes > 0,
-                f"{key}.timeout_minutes={c.timeout_minutes}: expected a finite number > 0")
-        require(c.dp_shard == -1 or c.dp_shard >= 1, f"{key}.dp_shard={c.dp_shard}: expected -1 (what is left) or >= 1")
-        for name in ("dp_outer", "tp"):
-            require(c[name] >= 1, f"{key}.{name}={c[name]}: expected >= 1")
-        require(finite(c.ddp.bucket_cap_mb) and c.ddp.bucket_cap_mb > 0,
-                f"{key}.ddp.bucket_cap_mb={c.ddp.bucket_cap_mb}: expected a finite number > 0")
+    # The mesh sizes are checked against the world size at start-up.
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "dp_shard": Int(1, INT32_MAX, also=-1, note="-1: what is left"),
+        "dp_outer": Int(1, INT32_MAX),
+        "tp": Int(1, INT32_MAX),
+        # A week: a collective that waits longer has hung; datetime.timedelta overflows far above.
+        "timeout_minutes": Real(0, 7 * 24 * 60, open_low=True),
+    }
 
 
 @dataclass
@@ -302,7 +292,8 @@ class CheckpointConfig:
 
     # The default is the same for every run of a config (outputs/<config>/checkpoints), so running the
     # same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
-    # so a sweep run again resumes each configuration's own job.
+    # so a sweep run again resumes each configuration's own job. A path given to a multirun is the root
+    # instead: <path>/<the job's overrides>.
     path: str = "${checkpoint_dir:}"
     save_every_n_steps: int = 0  # 0: only the final save
     save_every_n_epochs: int = 0  # also save at the end of every n-th epoch (0: not by epoch)
@@ -338,17 +329,20 @@ class CheckpointConfig:
     # or listed in the log and not used (true). Missing weights are always an error.
     init_ignore_unexpected: bool = False
 
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "save_every_n_steps": Int(0, INT32_MAX, note="0: only the final save"),
+        "save_every_n_epochs": Int(0, INT32_MAX, note="0: not by epoch"),
+        "keep_last_n": Int(1, INT32_MAX, also=-1, note="-1: keep all; never 0: a resume needs the newest"),
+        "keep_every_n_steps": Int(0, INT32_MAX, note="0: none"),
+        "keep_best_k": Int(0, INT32_MAX, note="0: none"),
+        "write_threads": Int(1, 1024),  # threads per rank: beyond a thousand, a typo
+    }
+
     @staticmethod
     def check(c, key: str) -> None:
-        require(c.keep_last_n == -1 or c.keep_last_n >= 1,
-                f"{key}.keep_last_n={c.keep_last_n}: expected -1 (keep all) or >= 1 (the newest checkpoint is "
-                "always needed to resume)")
         require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
         require(not c.monitor or str(c.monitor).startswith(("train/", "val/")),
                 f"{key}.monitor={c.monitor}: expected train/<name> or val/<name> (e.g. val/loss, train/loss)")
-        require(c.write_threads >= 1, f"{key}.write_threads={c.write_threads}: expected >= 1")
-        for name in ("save_every_n_steps", "save_every_n_epochs", "keep_every_n_steps", "keep_best_k"):
-            require(c[name] >= 0, f"{key}.{name}={c[name]}: expected >= 0")
         for name in c.save_on_signals:
             require(isinstance(getattr(signal.Signals, str(name).upper(), None), signal.Signals),
                     f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
@@ -367,16 +361,14 @@ class OptimConfig:
     # null: the fused kernel on CUDA, torch's default (foreach) on CPU.
     fused: Optional[bool] = None
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(finite(c.lr) and c.lr > 0, f"{key}.lr={c.lr}: expected a finite number > 0")
-        require(finite(c.weight_decay) and c.weight_decay >= 0,
-                f"{key}.weight_decay={c.weight_decay}: expected a finite number >= 0")
-        require(finite(c.eps) and c.eps > 0, f"{key}.eps={c.eps}: expected a finite number > 0")
-        require(len(c.betas) == 2, f"{key}.betas={list(c.betas)}: expected two values")
-        require(all(finite(b) and 0 <= b < 1 for b in c.betas), f"{key}.betas={list(c.betas)}: expected values in [0, 1)")
-        require(finite(c.max_grad_norm) and c.max_grad_norm >= 0,
-                f"{key}.max_grad_norm={c.max_grad_norm}: expected a finite number >= 0 (0: no clipping)")
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "lr": Real(0, 10, open_low=True),  # AdamW's steps are about lr in size: above 10 nothing trains
+        "weight_decay": Real(0, 10),  # decoupled: each step scales the weights by 1 - lr * weight_decay
+        "betas": Numbers(Real(0, 1, open_high=True), length=2),  # the moving averages' decay
+        "eps": Real(0, 1, open_low=True),  # added to the gradient's root mean square
+        # A gradient norm above the upper bound means the run has diverged; 0 switches clipping off.
+        "max_grad_norm": Real(0, 1e6, note="0: no clipping"),
+    }
 
 
 @dataclass
@@ -385,11 +377,7 @@ class SchedulerConfig:
     warmup_steps: int = 0  # linear warmup from 0 over these steps
     min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * optim.lr (constant: the lr stays)
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(c.warmup_steps >= 0, f"{key}.warmup_steps={c.warmup_steps}: expected >= 0")
-        require(finite(c.min_lr_ratio) and 0 <= c.min_lr_ratio <= 1,
-                f"{key}.min_lr_ratio={c.min_lr_ratio}: expected a number in [0, 1]")
+    RANGES: ClassVar[dict[str, Rule]] = {"warmup_steps": Int(0, INT32_MAX), "min_lr_ratio": Real(0, 1)}
 
 
 @dataclass
@@ -403,10 +391,10 @@ class FP8Config:
     amax_compute_algo: AmaxComputeAlgo = AmaxComputeAlgo.max  # delayed scaling only
     margin: int = 0  # delayed scaling only
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(c.amax_history_len >= 1, f"{key}.amax_history_len={c.amax_history_len}: expected >= 1")
-        require(c.margin >= 0, f"{key}.margin={c.margin}: expected >= 0")
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "amax_history_len": Int(1, INT32_MAX),
+        "margin": Int(0, 127),  # the scale is divided by 2**margin, a finite fp32 number up to 2**127
+    }
 
 
 @dataclass
@@ -453,9 +441,7 @@ class PredictConfig:
     micro_batch_size: int = 256  # per rank
     output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(c.micro_batch_size >= 1, f"{key}.micro_batch_size={c.micro_batch_size}: expected >= 1")
+    RANGES: ClassVar[dict[str, Rule]] = {"micro_batch_size": Int(1, INT32_MAX)}
 
 
 @dataclass
@@ -475,11 +461,16 @@ class GenerateConfig:
     kv_cache: bool = True  # false: recompute the whole sequence for every token (a reference)
     output: Optional[str] = None  # a .jsonl file; null: <run dir>/generations.jsonl
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        check_ranges(c, key, positive=("max_new_tokens", "temperature", "samples_per_prompt"),
-                     non_negative=("top_k", "seed"))
-        require(0 < c.top_p <= 1, f"{key}.top_p={c.top_p}: expected 0 < top_p <= 1")
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "max_new_tokens": Int(1, INT32_MAX),
+        # logits / temperature must stay finite, and lower ones pick the most likely token anyway; above
+        # the upper bound sampling is close to uniform.
+        "temperature": Real(0.001, 100, note="for the most likely token: generate.greedy=true"),
+        "top_k": Int(0, INT32_MAX, note="0: all"),
+        "top_p": Real(0, 1, open_low=True),
+        "samples_per_prompt": Int(1, INT32_MAX),
+        "seed": Int(0, INT32_MAX),
+    }
 
 
 @dataclass
@@ -496,9 +487,8 @@ class DataConfig:
     num_workers: int = 2  # loader worker processes per rank
     pin_memory: bool = True  # page-locked host batches (CUDA only)
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(c.num_workers >= 0, f"{key}.num_workers={c.num_workers}: expected >= 0")
+    # Processes per rank: beyond a thousand, a typo.
+    RANGES: ClassVar[dict[str, Rule]] = {"num_workers": Int(0, 1024, note="0: load in the training process")}
 
 
 @dataclass
@@ -518,7 +508,5 @@ class TrainConfig:
     predict: PredictConfig = field(default_factory=PredictConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        require(0 <= c.seed < 2**31, f"seed={c.seed}: expected 0 <= seed < 2**31 (each rank seeds numpy with seed + rank)")
+    RANGES: ClassVar[dict[str, Rule]] = {"seed": Int(0, INT32_MAX, note="each rank seeds numpy with seed + rank")}
 

@@ -4,7 +4,9 @@
 `<recipe>_model_schema` / `<recipe>_data_schema` in the `model` / `data` groups; the entry points call it
 (through `recipes.registry.register_configs`) before Hydra composes. `validate` then checks a composed
 config again, strictly, against the same schemas (a `+key=value` override bypasses Hydra's struct checks)
-and runs the schemas' value checks, before any work.
+and runs the schemas' value checks (their RANGES tables, then their `check` methods), before any work.
+`check_monitored_metrics` checks the keys that name a metric against the metrics the run will record, once the
+recipe and its data are known.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from core.config.errors import ConfigError
+from core.config.ranges import rules_of
 from core.config.schema import TrainConfig
 
 
@@ -63,14 +66,51 @@ def validate(cfg: DictConfig) -> DictConfig:
 
 
 def _run_checks(node: DictConfig, key: str) -> None:
-    """Call the `check(node, key)` of every schema in the tree, parents first."""
-    check = getattr(OmegaConf.get_type(node), "check", None)
+    """For every schema in the tree, parents first: apply its RANGES table, then call its `check(node, key)`."""
+    schema = OmegaConf.get_type(node)
+    for name, rule in rules_of(schema).items():
+        rule.check(node[name], f"{key}.{name}" if key else name)
+    check = getattr(schema, "check", None)
     if check is not None:
         check(node, key)
     for name in node:
         child = node._get_node(name)
         if isinstance(child, DictConfig) and not child._is_none():
             _run_checks(child, f"{key}.{name}" if key else str(name))
+
+
+# What the training loop records as train/<name> at its logging and saving steps (train.step_figures).
+TRAIN_METRICS = ("loss", "lr", "grad_norm")
+
+
+def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val_set: bool, steps: int, epochs: int,
+                            objective_required: bool) -> None:
+    """checkpoint.monitor and training.objective.metric must name a metric the run records: train/<TRAIN_METRICS>,
+    or val/<one of `val_metrics`> (the recipe's) when the run validates: it has a validation set, and a validation
+    step within its `steps` optimizer steps (`epochs` complete epochs), as train.validate schedules them. Checked
+    before any work: otherwise a misspelt monitor is found at the first save, after training. The objective's
+    value is needed only when a sweeper optimises it (`objective_required`); a plain run may leave it unrecorded."""
+    t = cfg.training
+    if not has_val_set:
+        no_validation = "it has no validation set" + (" (training.limit_val_batches=0)" if t.limit_val_batches == 0
+                                                      else "")
+    elif t.val_at_end or 0 < t.val_every_n_steps <= steps or 0 < t.val_every_n_epochs <= epochs:
+        no_validation = None
+    else:
+        no_validation = (f"training.val_at_end=false, and its {steps} steps ({epochs} epochs) reach no "
+                         f"training.val_every_n_steps={t.val_every_n_steps} or training.val_every_n_epochs="
+                         f"{t.val_every_n_epochs}")
+    train_names = sorted(f"train/{name}" for name in TRAIN_METRICS)
+    for key, metric, needs_validation in (("checkpoint.monitor", cfg.checkpoint.monitor, True),
+                                          ("training.objective.metric", t.objective.metric, objective_required)):
+        validates = not (needs_validation and no_validation)
+        known = train_names + (sorted(f"val/{name}" for name in val_metrics) if validates else [])
+        if not metric or metric in known:
+            continue
+        if metric.startswith("val/") and not validates:
+            raise ConfigError(f"{key}={metric!r}: this run never validates ({no_validation}); there are: "
+                              f"{', '.join(known)}")
+        raise ConfigError(f"{key}={metric!r} is not a metric of this run; there are: {', '.join(known)}")
 
 
 def to_plain(cfg: DictConfig) -> dict:

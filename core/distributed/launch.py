@@ -13,9 +13,9 @@ import datetime
 import hashlib
 import logging
 import os
-import re
 import sys
 from pathlib import Path
+from urllib.parse import quote
 
 from omegaconf import OmegaConf
 
@@ -87,18 +87,47 @@ def run_dir(checkpoint_path: str, new_run_dir: str) -> str:
     return recorded_run_dir(checkpoint_path, new_run_dir)
 
 
+# Characters an override keeps in a folder name besides letters, digits and _.-~; the others are percent-encoded:
+# path separators (/ and \), the comma between overrides, %, NUL, spaces, quotes and what shells or other
+# systems treat specially (: * ? $ ...).
+NAME_SAFE = "=+[]@"
+NAME_MAX = 120  # a longer name is shortened, ending in a hash of the whole
+
+
 def configuration_name(overrides: list[str]) -> str:
     """A folder name from the command-line overrides that change a run's result (core/config/identity.py),
-    sorted: `optim.lr=0.001,seed=2`; `default` when there are none. Path separators are replaced and a long
-    name is shortened, with a hash of the whole keeping it unique."""
+    sorted: `optim.lr=0.001,seed=2`; `default` when there are none. Two different sets of overrides never
+    share a name: each override is percent-encoded (`data.root=%2Fdata%2Fa`), so neither a value's `/`
+    nor its `,` can pass for another's; a name longer than NAME_MAX becomes its start and a hash of the
+    whole, one character longer than any name kept whole."""
     from core.config.identity import changes_result
 
     last = {o.lstrip("+~").split("=", 1)[0]: o.lstrip("+~") for o in overrides if "=" in o}  # the last one wins
-    name = ",".join(sorted(o for key, o in last.items() if changes_result(key))) or "default"
-    name = re.sub(r"[/\\\x00]", "_", name)
-    if len(name) > 120:
-        name = name[:100] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    name = ",".join(sorted(quote(o, safe=NAME_SAFE) for key, o in last.items() if changes_result(key)))
+    name = name or "default"
+    if len(name) > NAME_MAX:
+        name = name[:NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
     return name
+
+
+def separate_checkpoint_path(cfg) -> None:
+    """In a multirun, a checkpoint.path that is not the default (given on the command line or in a config, e.g.
+    on a shared filesystem) is the root of the jobs' checkpoints, as <sweep dir>/checkpoints is by default: each
+    job's go under <checkpoint.path>/<configuration_name(its overrides)>. Otherwise every job would write to the
+    same folder, and the second would refuse the first's checkpoints as another configuration's."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from core.config.schema import CheckpointConfig
+
+    hydra_cfg = HydraConfig.get()
+    given = OmegaConf.to_container(cfg.checkpoint)["path"]  # as written: the default is ${checkpoint_dir:}
+    if hydra_cfg.mode != RunMode.MULTIRUN or given == CheckpointConfig.path:
+        return
+    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(list(hydra_cfg.overrides.task)))
+    if global_rank() == 0:
+        logging.getLogger("train").info("this job's checkpoints: %s (checkpoint.path/<its overrides>)",
+                                        cfg.checkpoint.path)
 
 
 def register_resolvers() -> None:

@@ -18,6 +18,11 @@ class TrainState:
         return {k: int(v) for k, v in asdict(self).items()}
 
     def load_state_dict(self, state: dict) -> None:
+        """Take the saved counters; ValueError naming the counter if one is not a whole number >= 0 (a
+        checkpoint's values are data from a file: a negative step or a NaN must not steer the loop)."""
         for f in fields(self):
             if f.name in state:
-                setattr(self, f.name, int(state[f.name]))
+                value = state[f.name]
+                if type(value) is not int or not 0 <= value < 2**62:
+                    raise ValueError(f"train_state.{f.name}={value!r}: expected a whole number >= 0")
+                setattr(self, f.name, value)

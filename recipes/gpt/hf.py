@@ -19,7 +19,8 @@ grouped-query attention, SwiGLU, no biases. What differs is how weights are pack
 Checkpoints hold full tensors in the TP=1 layout whatever the training's tensor parallelism, so a TP=2
 step folder exports the same way. Writing needs only json and safetensors; `transformers` is needed to
 load the result, not to make it. Importing refuses a config.json this model does not compute (biases,
-RoPE scaling, another head_dim, ...) and tensors that do not fit it, naming the field or tensor.
+RoPE scaling, another head_dim, ...) or whose fields have the wrong type or range, an index naming shard
+files outside the folder, and tensors that do not fit, naming the file and the field or tensor.
 """
 
 from __future__ import annotations
@@ -27,11 +28,13 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
-from typing import Any, Optional
+from typing import Annotated, Any, Optional
 
 import torch
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-REQUIRED_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+from core.config.file_shape import problems
+
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
@@ -169,38 +172,106 @@ def llama_config(m: dict, vocab_size: int, specials: dict[str, Optional[int]], d
 
 
 
-def model_settings(config: dict) -> dict[str, Any]:
-    """A Llama config.json -> our model settings; refuses what our model does not compute, naming the field."""
+Count = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a size: what an int32 holds
+PositiveReal = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+Fraction = Annotated[float, Field(gt=0, le=1, allow_inf_nan=False)]
+
+
+class RopeParameters(BaseModel):
+    """rope_parameters (transformers 5) or rope_scaling (older): the fields model_settings reads."""
+
+    model_config = ConfigDict(strict=True)
+    rope_type: Optional[str] = None
+    type: Optional[str] = None  # rope_type's older name
+    rope_theta: Optional[PositiveReal] = None
+    partial_rotary_factor: Optional[Fraction] = None
+
+
+class LlamaConfigFields(BaseModel):
+    """The fields of a Llama config.json that model_settings reads, with their types and ranges (the others
+    are not read). Strict: 64.0 is not a size, 1 is not a boolean."""
+
+    model_config = ConfigDict(strict=True)
+    vocab_size: Count
+    hidden_size: Count
+    intermediate_size: Count
+    num_hidden_layers: Count
+    num_attention_heads: Count
+    num_key_value_heads: Optional[Count] = None  # null: one per attention head
+    head_dim: Optional[Count] = None  # null: hidden_size / num_attention_heads
+    max_position_embeddings: Count = 2048
+    rope_theta: Optional[PositiveReal] = None
+    rope_parameters: Optional[RopeParameters] = None
+    rope_scaling: Optional[RopeParameters] = None
+    partial_rotary_factor: Optional[Fraction] = None
+    rms_norm_eps: PositiveReal = 1e-6
+    tie_word_embeddings: bool = False
+    initializer_range: Annotated[float, Field(ge=0, allow_inf_nan=False)] = 0.02
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+
+
+def _plain_file_name(name: str) -> str:
+    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError("should be the name of a file in the model folder (no '/', no '..')")
+    return name
+
+
+class ShardIndex(BaseModel):
+    """model.safetensors.index.json: which shard file (in the same folder) holds each tensor."""
+
+    model_config = ConfigDict(strict=True)
+    weight_map: Annotated[dict[str, Annotated[str, AfterValidator(_plain_file_name)]], Field(min_length=1)]
+
+
+JSON_OBJECT = TypeAdapter(dict[str, Any])
+
+
+def read_json_object(file: Path) -> dict[str, Any]:
+    """A JSON file that must hold an object; ValueError naming the file if it is not UTF-8 JSON text or not
+    an object."""
+    try:
+        return JSON_OBJECT.validate_json(file.read_bytes(), strict=True)
+    except ValidationError as e:
+        raise ValueError(f"{file}: {problems(e)} (expected a JSON object, in UTF-8 text); nothing was "
+                         "imported") from None
+
+
+def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, Any]:
+    """A Llama config.json (`file`, for messages) -> our model settings; refuses a field of the wrong type or
+    out of range, and what our model does not compute, naming the field."""
     def refuse(field: str, value, want) -> None:
-        raise ValueError(f"config.json: {field}={value!r}, but the GPT recipe's model needs {want}")
+        raise ValueError(f"{file}: {field}={value!r}, but the GPT recipe's model needs {want}")
 
     if config.get("model_type") != "llama":
         refuse("model_type", config.get("model_type"), "'llama'")
-    missing = [f for f in REQUIRED_FIELDS if not isinstance(config.get(f), int)]
-    if missing:
-        raise ValueError(f"config.json: {', '.join(missing)} missing or not an integer")
+    try:
+        c = LlamaConfigFields.model_validate(config)
+    except ValidationError as e:
+        raise ValueError(f"{file}: {problems(e)}; nothing was imported") from None
     for field, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
-        if config.get(field, want) != want:
-            refuse(field, config.get(field), repr(want))
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", rope.get("type", "default")) != "default":
-        refuse("rope_parameters.rope_type", rope.get("rope_type", rope.get("type")), "'default' (no RoPE scaling)")
-    partial = rope.get("partial_rotary_factor", config.get("partial_rotary_factor", 1.0))
-    if partial not in (None, 1, 1.0):
+        if getattr(c, field) != want:
+            refuse(field, getattr(c, field), repr(want))
+    rope = c.rope_parameters or c.rope_scaling or RopeParameters()
+    rope_type = rope.rope_type or rope.type or "default"
+    if rope_type != "default":
+        refuse("rope_parameters.rope_type", rope_type, "'default' (no RoPE scaling)")
+    partial = rope.partial_rotary_factor or c.partial_rotary_factor or 1.0
+    if partial != 1.0:
         refuse("partial_rotary_factor", partial, "1.0 (rotary positions over the whole head)")
-    heads, hidden = config["num_attention_heads"], config["hidden_size"]
-    if config.get("head_dim") not in (None, hidden // heads) or hidden % heads:
-        refuse("head_dim", config.get("head_dim"), f"hidden_size / num_attention_heads = {hidden / heads:g}")
-    groups = config.get("num_key_value_heads") or heads
+    heads, hidden = c.num_attention_heads, c.hidden_size
+    if c.head_dim not in (None, hidden // heads) or hidden % heads:
+        refuse("head_dim", c.head_dim, f"hidden_size / num_attention_heads = {hidden / heads:g}")
+    groups = c.num_key_value_heads or heads
     if heads % groups:
         refuse("num_key_value_heads", groups, f"a divisor of num_attention_heads={heads}")
+    rope_theta = next((t for t in (rope.rope_theta, c.rope_theta) if t is not None), 10000.0)
     return {
-        "vocab_size": config["vocab_size"], "seq_length": config.get("max_position_embeddings", 2048),
-        "hidden_size": hidden, "num_layers": config["num_hidden_layers"], "num_attention_heads": heads,
-        "num_query_groups": groups, "ffn_hidden_size": config["intermediate_size"],
-        "rotary_base": float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-        "norm_epsilon": config.get("rms_norm_eps", 1e-6), "tie_embeddings": bool(config.get("tie_word_embeddings", False)),
-        "init_std": config.get("initializer_range", 0.02),
+        "vocab_size": c.vocab_size, "seq_length": c.max_position_embeddings,
+        "hidden_size": hidden, "num_layers": c.num_hidden_layers, "num_attention_heads": heads,
+        "num_query_groups": groups, "ffn_hidden_size": c.intermediate_size, "rotary_base": float(rope_theta),
+        "norm_epsilon": c.rms_norm_eps, "tie_embeddings": c.tie_word_embeddings, "init_std": c.initializer_range,
     }
 
 
@@ -273,12 +344,14 @@ def declared_special_ids(file: Path) -> dict[str, int]:
 # --- the two commands -------------------------------------------------------------------------------
 
 def read_run(source: Path, config: Optional[str], verify_checksums: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The run's config and full weights: a step folder (its config.yaml, or `config`) or a weights file
-    (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's config.yaml)."""
-    from omegaconf import OmegaConf
-
+    """The run's settings (a SavedConfig: the model, the tokenizer, the data format) and full weights: a step
+    folder (its config.yaml; `config`, when given too, must agree with it in every model setting) or a
+    weights file (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's
+    config.yaml). A config is read as plain data and checked against the GPT schemas (never resolved)."""
     from core.checkpointing.layout import CheckpointError, resolve_checkpoint
+    from core.checkpointing.saved_config import CONFIG_FILE, read_saved_config
     from core.checkpointing.weights import load_weights_file, read_model_weights
+    from recipes.registry import get_recipe
 
     source = resolve_checkpoint(source)  # a run's checkpoint root (or <root>/last): its newest step folder
     if not source.exists():
@@ -286,22 +359,30 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool) -> tup
     if config is None and source.is_file():
         raise CheckpointError(f"{source} is a weights file, which holds no model settings: give the run's "
                               "config with --config (a step folder's config.yaml or the run's resolved_config.yaml)")
-    config_file = Path(config) if config is not None else source / "config.yaml"
-    if not config_file.is_file():
-        raise CheckpointError(f"{config_file}: no such config (a step folder holds the run's settings in "
+    folder_config = source / CONFIG_FILE if source.is_dir() and (source / CONFIG_FILE).is_file() else None
+    files = [f for f in (folder_config, Path(config) if config is not None else None) if f is not None]
+    if not files:
+        raise CheckpointError(f"{source / CONFIG_FILE}: no such config (a step folder holds the run's settings in "
                               "config.yaml; --config names another)")
-    cfg = OmegaConf.load(config_file)
-    if cfg.get("recipe") != "gpt":
-        raise CheckpointError(f"{config_file} is a {cfg.get('recipe')!r} run's config; to-hf exports the GPT recipe's")
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: no such config")
+    runs = [read_saved_config(file, get_recipe, expected_recipe="gpt", data_keys=("format",)) for file in files]
+    saved = runs[0]  # the step folder's own, when it has one
+    for other in runs[1:]:
+        for key, value in saved.model_settings.items():
+            if other.settings.get(key) != value:
+                raise CheckpointError(f"--config {other.file} has {key}={other.settings.get(key)!r}, but {saved.file} "
+                                      f"trained with {key}={value!r}: leave --config out (the step folder's "
+                                      "config.yaml is the default), or name the run's own")
     weights = read_model_weights(source, verify_checksums) if source.is_dir() else load_weights_file(source)
-    return cfg, weights
+    return saved, weights
 
 
 def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
                  config: Optional[str] = None) -> dict:
     """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
     LlamaForCausalLM.from_pretrained loads. Returns the written config.json."""
-    from omegaconf import OmegaConf
     from safetensors.torch import save_file
 
     from core.checkpointing.layout import CheckpointError
@@ -310,22 +391,22 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
-    cfg, weights = read_run(Path(source), config, verify_checksums)
-    m = OmegaConf.to_container(cfg.model, resolve=True)
+    saved, weights = read_run(Path(source), config, verify_checksums)
+    m, data = saved.section("model"), saved.section("data")
     vocab_size = weights["embedding.weight"].shape[0]  # the padded vocabulary the model was built with
     specials: dict[str, Optional[int]] = {}
     tokenizer_note = ""
-    has_tokenizer = cfg.data.get("format") != "mock"  # mock data: synthetic ids, no tokenizer
+    has_tokenizer = data["format"] != "mock"  # mock data: synthetic ids, no tokenizer
     if has_tokenizer:
-        tokenizer = build_tokenizer(cfg.data.tokenizer, cfg.data.get("eod_token"))
+        tokenizer = build_tokenizer(data["tokenizer"], data["eod_token"])
         specials["eos"] = tokenizer.eod
-        if cfg.data.tokenizer == "byte":
+        if data["tokenizer"] == "byte":
             specials["pad"] = tokenizer.pad  # a real id of the byte tokenizer.json written below
             tokenizer_note = (f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
                               f"padding = id {tokenizer.pad})")
         else:  # the folder's own bos/pad tokens; its pad id in the data pipeline is no token at all
-            specials |= declared_special_ids(tokenizer_file(cfg.data.tokenizer))
-            tokenizer_note = f"; tokenizer {cfg.data.tokenizer} (end of document = id {tokenizer.eod})"
+            specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
+            tokenizer_note = f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, m).items()}
     out.mkdir(parents=True, exist_ok=True)
@@ -333,10 +414,10 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     written = llama_config(m, vocab_size, specials, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     copied = []
-    if has_tokenizer and cfg.data.tokenizer == "byte":
+    if has_tokenizer and data["tokenizer"] == "byte":
         copied = write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad)
     elif has_tokenizer:
-        folder = tokenizer_file(cfg.data.tokenizer).parent
+        folder = tokenizer_file(data["tokenizer"]).parent
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
                 shutil.copy2(folder / name, out / name)
@@ -348,14 +429,20 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin."""
-    from safetensors.torch import load_file
-
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return {k: v for shard in shards for k, v in load_file(str(folder / shard)).items()}
+        try:
+            weight_map = ShardIndex.model_validate(read_json_object(index)).weight_map
+        except ValidationError as e:
+            raise ValueError(f"{index}: {problems(e)}; nothing was imported") from None
+        shards = sorted(set(weight_map.values()))
+        absent = [shard for shard in shards if not (folder / shard).is_file()]
+        if absent:
+            raise ValueError(f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; "
+                             "nothing was imported")
+        return {k: v for shard in shards for k, v in _load_safetensors(folder / shard).items()}
     if (folder / "model.safetensors").is_file():
-        return load_file(str(folder / "model.safetensors"))
+        return _load_safetensors(folder / "model.safetensors")
     if (folder / "pytorch_model.bin").is_file():
         try:  # weights_only: loading runs no code from the file
             return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
@@ -363,6 +450,16 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
             raise ValueError(f"{folder}/pytorch_model.bin: cannot read as torch weights "
                              f"({type(e).__name__}: {e})") from None
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    try:
+        return load_file(str(file))
+    except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
+        raise ValueError(f"{file}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was "
+                         "imported") from None
 
 
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
@@ -377,7 +474,7 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
         raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
     if target.exists():
         raise FileExistsError(f"{target} exists; choose a new path")
-    settings = model_settings(json.loads((folder / "config.json").read_text()))
+    settings = model_settings(read_json_object(folder / "config.json"), folder / "config.json")
     hf = {k: v.float() for k, v in read_hf_weights(folder).items()}  # our master weights are fp32
     weights = from_llama(hf, settings, fuse_qkv)
     if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],

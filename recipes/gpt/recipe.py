@@ -26,6 +26,7 @@ class GPTRecipe(Recipe):
     name = "gpt"
     model_schema = GPTModelConfig
     data_schema = GPTDataConfig
+    model_data_keys = ("tokenizer", "eod_token")  # the token ids
 
     @functools.cached_property
     def vocab_size(self) -> int:
@@ -127,6 +128,9 @@ class GPTRecipe(Recipe):
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         return {**means, "perplexity": math.exp(min(means["loss"], 50.0))}
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        return ("loss", "perplexity")
 
     def tokens_per_sample(self) -> int:
         return self.cfg.model.seq_length

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Optional
+from typing import ClassVar, Optional
 
 from omegaconf import MISSING
 
-from core.config.schema import DataConfig, ModelConfig, check_ranges
+from core.config.ranges import INT32_MAX, Int, Rule
+from core.config.schema import DataConfig, ModelConfig
 
 
 class MNISTTask(StrEnum):
@@ -24,9 +25,12 @@ class MNISTModelConfig(ModelConfig):
     latent_size: int = 3
     num_classes: int = 10
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        check_ranges(c, key, positive=("image_size", "hidden_size", "latent_size", "num_classes"))
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "image_size": Int(1, INT32_MAX),
+        "hidden_size": Int(1, INT32_MAX),
+        "latent_size": Int(1, INT32_MAX),
+        "num_classes": Int(1, INT32_MAX),
+    }
 
 
 @dataclass
@@ -43,3 +47,12 @@ class MNISTDataConfig(DataConfig):
     val_seed: int = 44
     test_seed: int = 45
     num_workers: int = 0  # the images are decoded once into memory; workers rarely help
+
+    RANGES: ClassVar[dict[str, Rule]] = {
+        # An empty validation set cannot be evaluated; the upper end is the training file's size, checked
+        # when it is read (recipes/mnist/data.py).
+        "val_size": Int(1, INT32_MAX, note="null: 1/12 of the training file"),
+        "split_seed": Int(0, INT32_MAX),
+        "val_seed": Int(0, INT32_MAX),
+        "test_seed": Int(0, INT32_MAX),
+    }

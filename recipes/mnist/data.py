@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from torch.utils.data import Dataset
 
+from core.config.errors import ConfigError
 from core.data.datasets import PRNGResampleDataset, epoch_index
 from recipes.mnist.config import MNISTDataConfig
 
@@ -88,10 +89,11 @@ def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tenso
 
 
 def train_val_rows(n: int, val_size: int | None, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A fixed random split of n training-file rows into (train rows, validation rows)."""
+    """A fixed random split of n training-file rows into (train rows, validation rows), neither empty."""
     n_val = round(n * DEFAULT_VAL_FRACTION) if val_size is None else val_size
-    if not 0 <= n_val < n:
-        raise ValueError(f"data.val_size={val_size}: expected 0 <= val_size < {n} (the training file's samples)")
+    if not 1 <= n_val < n:
+        raise ConfigError(f"data.val_size={val_size}: expected 1 <= val_size < {n} (the training file's samples; "
+                          f"null: 1/12 of them)")
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return order[n_val:], order[:n_val]
 

@@ -60,6 +60,9 @@ class MNISTRecipe(Recipe):
             result["accuracy"] = (logits.argmax(dim=-1) == labels).float()
         return result
 
+    def validation_metrics(self) -> tuple[str, ...]:
+        return ("loss",) if self.cfg.model.task == "autoencoder" else ("loss", "accuracy")
+
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Per-sample output columns: the classifier's predicted digit and logits, or the autoencoder's
         reconstruction error; the latent code for both."""

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Optional
+from typing import ClassVar, Optional
 
 from core.config.errors import require
-from core.config.schema import check_ranges
+from core.config.ranges import INT32_MAX, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -47,11 +47,21 @@ class ViTModelConfig(ModelConfig):
     init_std: float = 0.02
     label_smoothing: float = 0.0
 
-    @staticmethod
-    def check(c, key: str) -> None:
-        check_ranges(c, key, positive=("img_size", "patch_size", "in_chans", "num_classes", "hidden_size", "depth",
-                                       "num_heads", "mlp_ratio", "layernorm_epsilon"),
-                     non_negative=("init_std",), probabilities=("hidden_dropout", "attention_dropout", "label_smoothing"))
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "img_size": Int(1, INT32_MAX),
+        "patch_size": Int(1, INT32_MAX),
+        "in_chans": Int(1, INT32_MAX),
+        "num_classes": Int(1, INT32_MAX),
+        "hidden_size": Int(1, INT32_MAX),
+        "depth": Int(1, INT32_MAX),
+        "num_heads": Int(1, INT32_MAX),
+        "mlp_ratio": Real(0, 64, open_low=True),  # the MLP's width over hidden_size
+        "layernorm_epsilon": Real(0, 1, open_low=True),
+        "hidden_dropout": Real(0, 1),
+        "attention_dropout": Real(0, 1),
+        "init_std": Real(0, 1),
+        "label_smoothing": Real(0, 1),
+    }
 
 
 @dataclass
@@ -89,11 +99,28 @@ class ImageDataConfig(DataConfig):
     synthetic_train_size: int = 100_000
     synthetic_val_size: int = 1_000
 
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "num_classes": Int(1, INT32_MAX),
+        "train_crop_scale": Numbers(Real(0, 1, open_low=True), length=2, ordered=True),  # of the image's area
+        "train_crop_ratio": Numbers(Real(0.01, 100), length=2, ordered=True),  # width / height
+        "hflip": Real(0, 1),
+        "mixup_alpha": Real(0, 100, note="0: off"),  # Beta(alpha, alpha): above, the weight is close to 0.5
+        "cutmix_alpha": Real(0, 100, note="0: off"),
+        "mix_prob": Real(0, 1),
+        "mix_switch_prob": Real(0, 1),
+        "val_crop_fraction": Real(0.1, 1),  # the resized image is at most 10x the crop
+        # Pixels are in [0, 1] when they are normalized: a mean outside that, or a std above 1 (no scaling),
+        # is in other units (e.g. 0-255).
+        "mean": Numbers(Real(0, 1)),
+        "std": Numbers(Real(0, 1, open_low=True)),
+        "synthetic_train_size": Int(1, INT32_MAX),
+        "synthetic_val_size": Int(1, INT32_MAX),
+    }
+
     @staticmethod
     def check(c, key: str) -> None:
-        DataConfig.check(c, key)
-        check_ranges(c, key, positive=("num_classes", "val_crop_fraction", "synthetic_train_size", "synthetic_val_size"),
-                     non_negative=("mixup_alpha", "cutmix_alpha"), probabilities=("hflip", "mix_prob", "mix_switch_prob"))
+        require(len(c.mean) == len(c.std),
+                f"{key}.mean={list(c.mean)} and {key}.std={list(c.std)}: expected one value per channel in each")
         require(c.num_classes is not None or c.format != ImageFormat.synthetic,
                 f"{key}.format=synthetic needs {key}.num_classes (random labels come from no folder)")
         mixes = c.mixup_alpha > 0 or c.cutmix_alpha > 0

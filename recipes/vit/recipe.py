@@ -29,6 +29,7 @@ log = logging.getLogger("train")
 class ViTRecipe(Recipe):
     name = "vit"
     model_schema = ViTModelConfig
+    model_data_keys = ("num_classes", "val_crop_fraction", "mean", "std")  # the head, the crop, the normalization
     data_schema = ImageDataConfig
     # The data's class names in label order, read once by resolve_config (None: synthetic data, or not read).
     classes: Optional[list[str]] = None
@@ -40,6 +41,9 @@ class ViTRecipe(Recipe):
         d, m = cfg.data, cfg.model
         if d.format == "synthetic":
             return cfg
+        if len(d.mean) != m.in_chans:  # the images are normalized channel by channel
+            raise ConfigError(f"data.mean and data.std have {len(d.mean)} values, but model.in_chans={m.in_chans}: "
+                              "expected one per channel")
         try:
             self.classes = image_classes(d)  # read once: the datasets and the prediction names use it too
             found = len(self.classes)
@@ -68,7 +72,11 @@ class ViTRecipe(Recipe):
         source = "as given"
         saved = resolve_checkpoint(cfg.checkpoint.init_from) / "config.yaml" if cfg.checkpoint.init_from else None
         if given is None and saved is not None and saved.is_file():
-            given, source = OmegaConf.load(saved).model.get("num_classes"), f"from {saved}"
+            from core.checkpointing.saved_config import read_saved_config
+            from recipes.registry import get_recipe
+
+            trained = read_saved_config(saved, get_recipe, expected_recipe=ViTRecipe.name)  # read as plain data
+            given, source = trained.settings["model.num_classes"], f"from {saved}"
         if given is None:
             raise ConfigError(f"data.num_classes=null takes the count from the data, but {missing}; "
                               "give data.num_classes (the trained model's) or a data.root that exists")
@@ -119,6 +127,9 @@ class ViTRecipe(Recipe):
             out["top1"] = (top5[:, 0] == labels).float()
             out["top5"] = (top5 == labels[:, None]).any(dim=-1).float()
         return out
+
+    def validation_metrics(self) -> tuple[str, ...]:
+        return ("loss", "top1", "top5")
 
     # --- prediction (predict.py) ---------------------------------------------------------------
     def split(self, name: str):

@@ -1,0 +1,263 @@
+"""A step folder's config.yaml (the resolved config of the run that trained it), read back safely, and the
+model settings that predict.py, generate.py and `checkpoint.py to-hf` take from it.
+
+The file may come from anyone (a downloaded checkpoint), so it is only ever parsed as plain YAML data
+(a safe loader: no tags that build objects, no aliases) and never handed to OmegaConf as text: OmegaConf
+resolves `${...}` interpolations on access, and resolvers run code (oc.env reads the environment, oc.create
+builds nodes, this repository's run_id / run_dir read the launcher's store and run records). A run writes
+every value resolved, so a `${` anywhere means the file is not one a run wrote, and it is refused. The
+parts that are used are checked against the recipe's schemas (keys, types, the RANGES tables); any problem
+is a CheckpointError naming the file.
+
+Which settings come from the file: every `model` key but the neutral ones (core/config/identity.py: e.g.
+model.backend, a speed choice), and the `data` keys the trained model depends on (its recipe's
+`model_data_keys`). The data
+itself (data.root, the splits, predict.split / predict.folder) stays the command's.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Callable, Iterable, Optional
+
+import yaml
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.errors import HydraException
+from omegaconf import DictConfig, OmegaConf, open_dict
+from omegaconf._utils import get_yaml_loader
+from omegaconf.errors import OmegaConfBaseException
+
+from core.checkpointing.layout import CheckpointError, resolve_checkpoint
+from core.config.errors import ConfigError
+from core.config.identity import changes_result
+from core.config.ranges import rules_of
+
+log = logging.getLogger("checkpoint")
+
+CONFIG_FILE = "config.yaml"
+# A run's config.yaml is a few kilobytes; a far larger file is not one, and is not parsed.
+MAX_BYTES = 1 << 20
+
+class _PlainLoader(get_yaml_loader()):
+    """The safe YAML loader OmegaConf itself reads with (so values read back as they were written: 1e-3 a
+    float, a date-like text a string; a duplicate key an error), refusing aliases: a run's file has none,
+    and nested ones let a small file expand into a huge one."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            raise yaml.composer.ComposerError(None, None, "found an alias (*name), which a run's config never has",
+                                              self.peek_event().start_mark)
+        return super().compose_node(parent, index)
+
+
+def _check_plain(value: Any, where: str) -> None:
+    """Only mappings with text keys, lists, text, numbers, booleans and null; no interpolation."""
+    if isinstance(value, dict):
+        for k, v in value.items():
+            if not isinstance(k, str) or "${" in k:
+                raise ValueError(f"key {k!r} under {where or 'the top'}: expected a plain name")
+            _check_plain(v, f"{where}.{k}" if where else k)
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            _check_plain(v, f"{where}[{i}]")
+    elif isinstance(value, str):
+        if "${" in value:
+            raise ValueError(f"{where}={value!r} is an interpolation, which a run's config never holds (its values are "
+                             "written resolved); refused without resolving it")
+    elif value is not None and not isinstance(value, (bool, int, float)):
+        raise ValueError(f"{where}: a {type(value).__name__} value, expected text, a number, a boolean or null")
+
+
+def read_config_file(file: Path) -> dict:
+    """A run's config.yaml as plain Python values; CheckpointError naming the file when it is not one."""
+    file = Path(file)
+    try:
+        with open(file, "rb") as f:
+            data = f.read(MAX_BYTES + 1)  # no more, whatever the file claims to be (e.g. a link to /dev/zero)
+        if len(data) > MAX_BYTES:
+            raise ValueError(f"more than {MAX_BYTES} bytes, far more than a run's config ever has")
+        tree = yaml.load(data.decode("utf-8"), Loader=_PlainLoader)
+        if not isinstance(tree, dict):
+            raise ValueError(f"expected a mapping of settings at the top, found {type(tree).__name__}")
+        _check_plain(tree, "")
+    except OSError as e:
+        raise CheckpointError(f"{file}: unreadable ({e})") from None
+    except UnicodeDecodeError as e:
+        raise CheckpointError(f"{file}: not UTF-8 text ({e})") from None
+    except (yaml.YAMLError, RecursionError) as e:
+        message = str(e).replace("\n", " ") if not isinstance(e, RecursionError) else "nested too deeply"
+        raise CheckpointError(f"{file}: not a YAML config ({message})") from None
+    except ValueError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return tree
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_plain(v) for v in value]
+    return value.value if isinstance(value, Enum) else value
+
+
+def _checked(file: Path, section: str, schema: type, values: Any, keys: Optional[Iterable[str]] = None) -> dict:
+    """`values` (the file's `section`) merged into the schema: unknown keys and wrong types are refused, a
+    key the file lacks takes the schema's default (a field added since: its default keeps the earlier
+    behaviour); then the RANGES rules. Returns the schema's fields (or `keys` of them) as plain values."""
+    if not isinstance(values, dict):
+        raise CheckpointError(f"{file}: '{section}' is a {type(values).__name__}, expected a mapping of settings")
+    wanted = list(keys) if keys is not None else None
+    try:
+        node = OmegaConf.merge(OmegaConf.structured(schema),
+                               values if wanted is None else {k: v for k, v in values.items() if k in wanted})
+        fields = OmegaConf.to_container(node, resolve=False)
+        picked = {k: fields[k] for k in (wanted if wanted is not None else fields)}
+        missing = [k for k, v in picked.items() if v == "???"]
+        if missing:
+            raise CheckpointError(f"{file}: {section}.{missing[0]} is missing (the schema has no default for it)")
+        rules = rules_of(schema)
+        for k, v in picked.items():
+            if k in rules:
+                rules[k].check(v, f"{section}.{k}")
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or ""
+        message = str(getattr(e, "msg", e)).splitlines()[0]
+        where = f"{section}.{key}" if key else f"'{section}'"
+        raise CheckpointError(f"{file}: {where}: {message}") from None
+    except (ConfigError, KeyError) as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    return {k: _plain(v) for k, v in picked.items()}
+
+
+@dataclass(frozen=True)
+class SavedConfig:
+    file: Path
+    recipe: str
+    # "model.<field>" for every field of the recipe's model schema, "data.<key>" for its model_data_keys (and
+    # any asked for), as plain values checked against the schemas.
+    settings: dict[str, Any]
+    model_data_keys: tuple[str, ...] = ()  # the recipe's
+
+    @property
+    def model_settings(self) -> dict[str, Any]:
+        """The settings a model built from this checkpoint takes: the model's and the recipe's model_data_keys,
+        but not the neutral ones (model.backend)."""
+        model_data = {f"data.{k}" for k in self.model_data_keys}
+        return {k: v for k, v in self.settings.items()
+                if (k.startswith("model.") or k in model_data) and changes_result(k)}
+
+    def section(self, name: str) -> dict[str, Any]:
+        """e.g. section("model") -> {"hidden_size": 64, ...}"""
+        return {k.split(".", 1)[1]: v for k, v in self.settings.items() if k.startswith(name + ".")}
+
+
+def read_saved_config(file: Path, get_recipe: Callable[[str], type], expected_recipe: Optional[str] = None,
+                      data_keys: Iterable[str] = ()) -> SavedConfig:
+    """A step folder's config.yaml: its recipe (which must be `expected_recipe` when given), its model section
+    and the recipe's model_data_keys (plus `data_keys`), checked against that recipe's schemas.
+    CheckpointError naming the file otherwise."""
+    file = Path(file)
+    tree = read_config_file(file)
+    recipe_name = tree.get("recipe")
+    if not isinstance(recipe_name, str):
+        raise CheckpointError(f"{file}: 'recipe' is {recipe_name!r}, expected the name of a recipe")
+    try:
+        recipe = get_recipe(recipe_name)
+    except ConfigError as e:
+        raise CheckpointError(f"{file}: {e}") from None
+    if expected_recipe is not None and recipe_name != expected_recipe:
+        raise CheckpointError(f"{file}: recipe: {recipe_name}, but this needs a checkpoint of the {expected_recipe} "
+                              f"recipe (recipe: {expected_recipe})")
+    keys = tuple(dict.fromkeys((*recipe.model_data_keys, *data_keys)))
+    settings = {f"model.{k}": v for k, v in _checked(file, "model", recipe.model_schema, tree.get("model")).items()}
+    if keys:
+        data = _checked(file, "data", recipe.data_schema, tree.get("data"), keys)
+        settings |= {f"data.{k}": v for k, v in data.items()}
+    return SavedConfig(file, recipe_name, settings, tuple(recipe.model_data_keys))
+
+
+def saved_config_file(init_from: Optional[str]) -> Optional[Path]:
+    """The config.yaml of checkpoint.init_from (a step folder, or a checkpoint root: its newest complete step);
+    None for a weights file (.pt / .safetensors), which holds no settings, or a folder without one (e.g.
+    `checkpoint.py from-torch` output)."""
+    if not init_from:
+        return None
+    step = resolve_checkpoint(init_from)
+    file = step / CONFIG_FILE
+    return file if step.is_dir() and file.is_file() else None
+
+
+def explicit_keys(overrides: Iterable[str]) -> dict[str, str]:
+    """The keys a command line sets, each with the override that sets it: `model.depth=4` sets model.depth,
+    and a `model=<name>` group choice sets every model key. A `data=<name>` choice picks the data, not its
+    preprocessing: it sets none of the data keys a model depends on."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except HydraException as e:
+        raise ConfigError(f"unreadable command-line override: {e}") from None
+    keys = {}
+    for override in parsed:
+        key = override.key_or_group
+        if override.package is None and ("." in key or key == "model"):
+            keys[key] = override.input_line
+    return keys
+
+
+def _setter(key: str, explicit: dict[str, str]) -> Optional[str]:
+    """The override that sets `key` (itself or a node above it), if any."""
+    parts = key.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in explicit:
+            return explicit[".".join(parts[:n])]
+    return None
+
+
+def _given(cfg: DictConfig, key: str, directly: bool) -> tuple[bool, Any]:
+    """(whether the config gives `key` a value of its own, that value as a plain value). A value that
+    follows another key (an interpolation such as model.num_classes: ${data.num_classes}) is its own only
+    when the key itself is on the command line."""
+    parent_key, name = key.rsplit(".", 1)
+    parent = OmegaConf.select(cfg, parent_key)
+    if not isinstance(parent, DictConfig) or name not in parent or OmegaConf.is_missing(parent, name):
+        return False, None
+    if OmegaConf.is_interpolation(parent, name) and not directly:
+        return False, None
+    value = parent[name]
+    return True, _plain(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+
+
+def adopt_saved_model(cfg: DictConfig, overrides: Iterable[str], get_recipe: Callable[[str], type]) -> DictConfig:
+    """`cfg` with the model settings of checkpoint.init_from's config.yaml (see the module's docstring), for
+    predict.py and generate.py, before the session validates it. `overrides`: the command line's (Hydra's
+    overrides.task); a key it sets to another value than the saved one is a ConfigError naming both.
+    A weights file, or a folder without config.yaml: `cfg` as it is."""
+    file = saved_config_file(cfg.checkpoint.init_from)
+    if file is None:
+        return cfg
+    saved = read_saved_config(file, get_recipe, expected_recipe=cfg.get("recipe"))
+    explicit = explicit_keys(overrides)
+    taken = {}
+    for key, value in saved.model_settings.items():
+        setter = _setter(key, explicit)
+        has_own, given = _given(cfg, key, directly=key in explicit)
+        if setter is not None and has_own and given != value:
+            via = "" if key in explicit else f" (by {setter})"
+            raise ConfigError(f"{key}={given!r} on the command line{via}, but {file} trained with {key}={value!r}: "
+                              "leave it out (the model's settings come from its step folder), or use a checkpoint "
+                              "trained with it")
+        if not has_own or given != value:
+            taken[key] = value
+    merged = copy.deepcopy(cfg)
+    OmegaConf.set_readonly(merged, False)  # (a validated config is read-only; the session checks this one again)
+    with open_dict(merged):
+        for key, value in taken.items():
+            OmegaConf.update(merged, key, value, merge=False)
+    if os.environ.get("RANK", "0") == "0":
+        changed = ", ".join(f"{k}={v}" for k, v in taken.items())
+        log.info("model settings from %s%s", file, f" (taken over: {changed})" if taken else " (as the config's)")
+    return merged
