@@ -176,7 +176,7 @@ def restore(run: Run) -> Optional[Path]:
     c, env, state = run.session.cfg.checkpoint, run.session.env, run.state
     path = run.checkpointer.restore(checkpoint_parts(run))
     if path is not None:  # the learning rate and optimizer settings in effect are the config's
-        optim.apply_config(run.optimizer, run.scheduler, run.session.cfg.optim)
+        optim.apply_config(run.optimizer, run.scheduler, run.session.cfg.optim, state.step - state.skipped_steps)
     if path is None and c.init_from:
         load_weights(run.parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, env.is_main,
                      c.verify_checksums)

@@ -5,6 +5,7 @@ COMPLETE before it is parsed, and the index cannot point outside the folder or c
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import shutil
 from pathlib import Path
@@ -120,17 +121,18 @@ def test_the_index_cannot_point_into_unlisted_files_or_claim_more_bytes_than_sto
 
 def _resave_with(step: Path, target: Path, change: dict) -> None:
     """A complete step folder like `step` (read in full, as our own trusted test data) with `change` applied to its
-    flat keys; its marker made to match."""
+    flat keys (a value may be a function of the saved one); its marker made to match."""
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
     state = _load_state_dict_from_keys(checkpoint_id=str(step))
+    config = (step / "config.yaml").read_bytes()
     for key, value in change.items():
         top, rest = key.split(".", 1)
-        state[top][rest] = value
+        state[top][rest] = value(state[top][rest]) if callable(value) else value
     shutil.rmtree(target, ignore_errors=True)
     start_marker(target)
     dcp.save(state, storage_writer=ChecksummingWriter(str(target)), no_dist=True)
-    shutil.copy(step / "config.yaml", target / "config.yaml")
+    (target / "config.yaml").write_bytes(config)
     write_marker(target, {"step": int(target.name.split("_")[1]), "metrics": {}})
 
 
@@ -187,3 +189,115 @@ def test_fp8_state_restores_only_what_a_te_module_of_the_model_has(tmp_path):
     assert _settings(blob, model[0].fp8_meta) == {"num_gemms": 3, "unknown": 1}
     with pytest.raises(ValueError, match="expected an object"):
         _settings(torch.frombuffer(bytearray(b"[1]"), dtype=torch.uint8), model[0].fp8_meta)
+
+
+def _records(run_dir: Path) -> dict[int, dict]:
+    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+
+
+def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_keeps_what_it_saves_over(tmp_path,
+                                                                                                           caplog):
+    """A checkpoint whose schedule position (last_epoch -1000: a negative learning rate) and AdamW switch (maximize:
+    gradient ascent) were rewritten resumes exactly like the untouched one; a benign edit to the newest step's
+    config.yaml makes automatic resume fall back, and the step saved again keeps the edited folder beside it."""
+    def run(name: str, root: str, steps: int) -> dict[int, dict]:
+        cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/{root}", f"training.steps={steps}",
+                                                     "checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n=-1"])
+        train_run(cfg, tmp_path / name)
+        return _records(tmp_path / name)
+
+    run("first", "ckpt", 6)
+    shutil.copytree(tmp_path / "ckpt", tmp_path / "clean")
+    step_6 = tmp_path / "ckpt" / "step_6"
+    _resave_with(step_6, step_6, {"scheduler.last_epoch": -1000, "optim.param_groups": lambda groups: [
+        {**g, "maximize": True, "amsgrad": False} for g in groups]})
+    crafted = run("crafted", "ckpt", 8)
+    with (tmp_path / "clean" / "step_6" / "config.yaml").open("a") as f:
+        f.write("# a note\n")
+    with caplog.at_level("WARNING"):
+        clean = run("clean", "clean", 8)  # falls back to step_4, trains 5..8, saves step_6 again
+    assert "config.yaml: checksum mismatch" in caplog.text or "config.yaml:" in caplog.text
+    for step in (7, 8):
+        assert (crafted[step]["loss"], crafted[step]["lr"]) == (clean[step]["loss"], clean[step]["lr"]), step
+    assert crafted[7]["lr"] > 0
+    kept = tmp_path / "clean" / "step_6.replaced"
+    assert (kept / "config.yaml").read_text().endswith("# a note\n") and list(kept.glob("*.distcp"))
+
+
+def test_a_scheduler_state_of_another_shape_is_refused():
+    from core.checkpointing.parts import StatefulPart
+
+    model = torch.nn.Linear(2, 2)
+    optimizer = torch.optim.AdamW(model.parameters())
+    part = StatefulPart(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
+    own = part.state_dict()
+    for change in ({"last_epoch": "abc"}, {"base_lrs": [0.1, 0.2]}, {"lr_lambdas": [{"__code__": 1}]},
+                   {"_last_lr": "x"}):
+        with pytest.raises(ValueError, match="LambdaLR"):
+            part.load_state_dict({**own, **change})
+    part.load_state_dict({**own, "last_epoch": 3, "base_lrs": [1]})  # a whole number stands for a float
+
+
+def test_retention_never_ranks_a_nan():
+    from core.checkpointing.retention import checkpoints_to_keep
+
+    assert checkpoints_to_keep([(2, 0.5), (4, float("nan")), (6, 0.3), (8, 0.9)], 1, 0, 1, "min", set()) == {6, 8}
+
+
+def test_the_index_must_cover_each_tensor_and_live_in_the_folder(step_dir, tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    folder = _copy(step_dir, tmp_path / "a")
+    index = load_index((folder / ".metadata").read_bytes())
+    entry = index.state_dict_metadata["model.w"]
+    entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 3]))]  # half of it
+    (folder / ".metadata").write_bytes(pickle.dumps(index))
+    (folder / "COMPLETE").unlink()
+    write_marker(folder, {"step": 4, "metrics": {}})
+    with pytest.raises(CheckpointError, match="the chunks of model.w do not hold its 6 elements"):
+        verify(folder)
+    folder = _copy(step_dir, tmp_path / "b")
+    shard = next(folder.glob("*.distcp"))
+    outside = tmp_path / "outside.distcp"
+    shard.rename(outside)
+    shard.symlink_to(outside)
+    with pytest.raises(CheckpointError, match="a symbolic link"):
+        verify(folder)
+
+
+def test_an_index_without_its_fields_or_with_more_is_refused(step_dir, tmp_path):
+    from core.checkpointing.dcp_index import UnsafeCheckpoint
+
+    empty = b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n)\x81."  # NEWOBJ, no state
+    with pytest.raises(UnsafeCheckpoint, match="not DCP metadata"):
+        load_index(empty)
+    index = load_index((step_dir / ".metadata").read_bytes())
+    index.extra = [0] * 10
+    with pytest.raises(UnsafeCheckpoint, match="not DCP metadata"):
+        load_index(pickle.dumps(index))
+
+
+def test_a_marker_that_is_no_regular_file_or_nested_too_deep_is_a_checkpoint_error(step_dir, tmp_path):
+    folder = _copy(step_dir, tmp_path)
+    marker = folder / "COMPLETE"
+    marker.write_text("[" * 100_000)
+    with pytest.raises(CheckpointError, match="unreadable completion marker"):
+        verify(folder)
+    marker.unlink()
+    outside = tmp_path / "COMPLETE_elsewhere"
+    outside.write_text((step_dir / "COMPLETE").read_text())
+    marker.symlink_to(outside)  # a whole marker, but not the folder's own file
+    with pytest.raises(CheckpointError, match="symbolic link"):
+        verify(folder)
+    marker.unlink()
+    os.mkfifo(marker)  # opened without waiting for a writer
+    assert not is_own(folder)
+
+
+def test_a_config_that_is_no_regular_file_is_a_checkpoint_error(step_dir, tmp_path):
+    from core.checkpointing.saved_config import read_config_file
+
+    fifo = tmp_path / "config.yaml"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointError, match="FIFO"):
+        read_config_file(fifo)

@@ -69,3 +69,64 @@ def test_the_objective_of_a_finished_run():
     with pytest.raises(train.ConfigError, match="it has: none: val never ran"):
         train.objective(unvalidated, "val/loss")  # an Optuna trial needs it
     assert train.objective(unvalidated, "val/loss", required=False) is None  # a plain run does not
+
+
+def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(tmp_path):
+    """training.steps does not change the result (a resume may extend a run), so it did not name a job's folder:
+    the steps=4 job of `training.steps=6,4` resumed the steps=6 job's step_6 and had nothing left to do. A swept
+    key names each job's folder, so each trains its own length from scratch."""
+    ckpts = tmp_path / "shared"
+    tiny = [o for o in TINY if not o.startswith("training.steps=")]
+    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", *tiny,
+                           "training.steps=6,4", f"checkpoint.path={ckpts}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-3000:]
+    assert "nothing left to do" not in out and "resumed from" not in out
+    for job, steps in (("0", 6), ("1", 4)):
+        overrides = yaml.safe_load((tmp_path / "sweep" / job / ".hydra" / "overrides.yaml").read_text())
+        folder = ckpts / configuration_name(overrides, {"training.steps"})
+        assert f"training.steps={steps}" in folder.name
+        assert sorted(p.name for p in folder.glob("step_*")) == [f"step_{steps}"], folder
+        records = [json.loads(line) for line in (tmp_path / "sweep" / job / "metrics.jsonl").read_text().splitlines()]
+        assert max(r["step"] for r in records if "split" not in r) == steps  # its own length, its own steps
+    assert len(list(ckpts.iterdir())) == 2
+
+
+def test_a_swept_key_names_the_folder_and_a_sweep_over_result_keys_keeps_its_names():
+    job = ["model.hidden_size=32", "training.micro_batch_size=8", "logger.progress_bar=never"]
+    # Not swept, training.steps and the micro-batch leave the name (a run again with other values resumes) ...
+    assert configuration_name([*job, "training.steps=6"]) == configuration_name([*job, "training.steps=4"]) == \
+        "model.hidden_size=32"
+    # ... swept, they name it, and only they: two jobs, two folders.
+    assert configuration_name([*job, "training.steps=6"], {"training.steps"}) == \
+        "model.hidden_size=32,training.steps=6"
+    assert configuration_name([*job, "+training.steps=4"], {"training.steps", "training.micro_batch_size"}) == \
+        "model.hidden_size=32,training.micro_batch_size=8,training.steps=4"
+    # A sweep over result-changing keys only is named as before: running it again resumes its jobs.
+    assert configuration_name(["optim.lr=0.001", "training.steps=4"], {"optim.lr"}) == "optim.lr=0.001"
+
+
+def test_the_swept_keys_are_read_from_the_command_line_and_the_sweeper(monkeypatch):
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import OmegaConf
+
+    from core.distributed import launch
+
+    argv = ["-m", "--config-name", "vit_sanity", "training.steps=6,4", "optim.lr=0.1", "+training.epochs=range(1,3)",
+            "optim.weight_decay=tag(log,interval(1e-4,1e-2))", "model=vit_tiny,vit_base_patch16_224",
+            "data.root='a,b'", "optim.betas=[0.9,0.95]", "hydra.sweeper.n_trials=3", "hydra.launcher.nodes=1,2",
+            "model@x=a,b", "broken=[", "--config-dir=a=b"]
+    assert launch.swept_on_command_line(argv) == ["training.steps", "training.epochs", "optim.weight_decay", "model",
+                                                  "model@x"]
+    # The launching process hands them to its jobs (submitit's run in other processes, with other command lines).
+    for name in ("PYTHONPATH", launch.RUN_ID_ENV, launch.SWEPT_KEYS_ENV):
+        monkeypatch.setenv(name, os.environ.get(name, ""))
+    monkeypatch.setattr(launch, "_RUN_ID", "run")
+    monkeypatch.setattr(sys, "argv", ["train.py", *argv])
+    launch.export_to_jobs()
+    monkeypatch.setattr(sys, "argv", ["submitit_job.py"])
+    sweeper = OmegaConf.create({"sweeper": {"params": {"optim.lr": "interval(1e-4, 1e-2)"}}})  # Optuna's, in a config
+    monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: sweeper))
+    assert launch.swept_keys() == {"training.steps", "training.epochs", "optim.weight_decay", "model", "model@x",
+                                   "optim.lr"}

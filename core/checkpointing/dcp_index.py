@@ -16,6 +16,7 @@ by PyTorch's unpickler. Last, the unpickled index is checked against the shape D
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import pathlib
 import pickle
@@ -52,10 +53,18 @@ _ALLOWED: list = [
 ]
 # torch's list of allowed globals is process-wide: one index at a time adds ours to it and takes them away.
 _ALLOWED_LOCK = threading.Lock()
+# The globals an index names: ours above and, of PyTorch's defaults, only sizes, dtypes, layouts and
+# OrderedDict. The rewrite refuses any other name before PyTorch's unpickler sees it: its defaults also
+# allow globals an index never needs, some of which allocate what the file asks for (bytearray(2**31),
+# torch.Tensor(2**31)) or import modules (_codecs.encode).
+_INDEX_GLOBALS = ({entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+                   for entry in _ALLOWED}
+                  | {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
+                  | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)})
 
 # Protocol-2 opcodes that PyTorch's unpickler reads and that the rewrite copies as they are.
 _COPIED = {"APPEND", "APPENDS", "BINFLOAT", "BININT", "BININT1", "BININT2", "BUILD", "EMPTY_DICT", "EMPTY_LIST",
-           "EMPTY_TUPLE", "GLOBAL", "LONG1", "MARK", "NEWFALSE", "NEWTRUE", "NEWOBJ", "NONE", "REDUCE", "SETITEM",
+           "EMPTY_TUPLE", "LONG1", "MARK", "NEWFALSE", "NEWTRUE", "NEWOBJ", "NONE", "REDUCE", "SETITEM",
            "SETITEMS", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"}
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
 _PUTS = {"MEMOIZE", "BINPUT", "LONG_BINPUT"}
@@ -111,8 +120,12 @@ def to_protocol_2(data: bytes) -> bytes:
             if len(pending) < 2:
                 raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names a global by computed values")
             global_name, module = pending.pop(), pending.pop()
-            if "\n" in module or "\n" in global_name:
-                raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names an invalid global")
+            _check_global(module, global_name, position)
+            flush()
+            out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
+        elif name == "GLOBAL":
+            module, _, global_name = arg.partition(" ")
+            _check_global(module, global_name, position)
             flush()
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
         elif name in _COPIED:
@@ -127,6 +140,11 @@ def to_protocol_2(data: bytes) -> bytes:
     return bytes(out)
 
 
+def _check_global(module: str, name: str, position: int) -> None:
+    if f"{module}.{name}" not in _INDEX_GLOBALS:
+        raise UnsafeCheckpoint(f"global {module}.{name} at byte {position} is not one a DCP index holds")
+
+
 def load_index(data: bytes) -> Metadata:
     """A DCP index from the bytes of a `.metadata` file; UnsafeCheckpoint (with the reason) for anything that
     is not plain DCP metadata."""
@@ -139,7 +157,12 @@ def load_index(data: bytes) -> Metadata:
             index = _weights_only_unpickler.load(io.BytesIO(rewritten))
     except Exception as e:  # noqa: BLE001  (the unpickler's refusals are UnpicklingErrors; malformed data anything)
         raise UnsafeCheckpoint(f"refusing to load it: {_first_line(e)}") from None
-    check_shape(index)
+    try:
+        check_shape(index)
+    except UnsafeCheckpoint:
+        raise
+    except Exception as e:  # noqa: BLE001  (e.g. an instance built without its fields)
+        raise UnsafeCheckpoint(f"not DCP metadata ({_first_line(e)})") from None
     return index
 
 
@@ -171,16 +194,23 @@ def _is_plain_file_name(name: Any) -> bool:
             and "\x00" not in name)
 
 
+def _has_fields_only(obj: Any) -> bool:
+    """The instance holds exactly its dataclass fields (a field left at its class default may be absent), nothing
+    smuggled beside them."""
+    names = {f.name for f in dataclasses.fields(obj)}
+    return set(vars(obj)) <= names and all(hasattr(obj, name) for name in names)
+
+
 def check_shape(index: Any) -> None:
     """Raise UnsafeCheckpoint unless `index` is a Metadata whose every part has the type DCP expects."""
-    _expect(type(index) is Metadata, f"holds a {type(index).__name__}, not DCP metadata")
+    _expect(type(index) is Metadata and _has_fields_only(index), f"holds a {type(index).__name__}, not DCP metadata")
     entries = index.state_dict_metadata
     _expect(type(entries) is dict, "state_dict_metadata is not a dict")
     for key, entry in entries.items():
         _expect(isinstance(key, str), f"a state dict key of type {type(key).__name__}")
         if type(entry) is BytesStorageMetadata:
             continue
-        _expect(type(entry) is TensorStorageMetadata, f"{key!r} is a {type(entry).__name__}")
+        _expect(type(entry) is TensorStorageMetadata and _has_fields_only(entry), f"{key!r} is a malformed entry")
         p = entry.properties
         _expect(type(p) is TensorProperties and isinstance(p.dtype, torch.dtype) and isinstance(p.layout, torch.layout)
                 and type(p.requires_grad) is bool and type(p.pin_memory) is bool
@@ -188,23 +218,25 @@ def check_shape(index: Any) -> None:
         _expect(_is_size(entry.size), f"{key!r} has a malformed size")
         _expect(type(entry.chunks) is list, f"{key!r} has malformed chunks")
         for chunk in entry.chunks:
-            _expect(type(chunk) is ChunkStorageMetadata and _is_size(chunk.offsets) and _is_size(chunk.sizes)
+            _expect(type(chunk) is ChunkStorageMetadata and _has_fields_only(chunk) and _is_size(chunk.offsets)
+                    and _is_size(chunk.sizes)
                     and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
                     and all(o + n <= full for o, n, full in zip(chunk.offsets, chunk.sizes, entry.size)),
                     f"{key!r} has a chunk outside its size")
     storage = index.storage_data
     _expect(type(storage) is dict, "storage_data is not a dict")
     for where, info in storage.items():
-        _expect(type(where) is MetadataIndex and isinstance(where.fqn, str)
+        _expect(type(where) is MetadataIndex and _has_fields_only(where) and isinstance(where.fqn, str)
                 and (where.offset is None or _is_size(where.offset)), "a malformed storage key")
-        _expect(type(info) is _StorageInfo and _is_plain_file_name(info.relative_path) and _is_int(info.offset)
+        _expect(type(info) is _StorageInfo and _has_fields_only(info) and _is_plain_file_name(info.relative_path)
+                and _is_int(info.offset)
                 and _is_int(info.length), f"storage of {where.fqn!r}: not a file of the folder with an offset and length")
         descriptors = getattr(info, "transform_descriptors", None)
         _expect(descriptors is None or (isinstance(descriptors, (list, tuple))
                                         and all(isinstance(d, str) for d in descriptors)),
                 f"storage of {where.fqn!r}: malformed transform descriptors")
     meta = index.storage_meta
-    _expect(meta is None or (type(meta) is StorageMeta and type(meta.modules) is list
+    _expect(meta is None or (type(meta) is StorageMeta and _has_fields_only(meta) and type(meta.modules) is list
                              and all(isinstance(m, str) for m in meta.modules)
                              and all(v is None or isinstance(v, str) for v in (meta.save_id, meta.load_id))
                              and (meta.checkpoint_id is None or isinstance(meta.checkpoint_id, (str, pathlib.PurePath)))),

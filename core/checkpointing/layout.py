@@ -37,9 +37,11 @@ from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, Tenso
 
 from core.checkpointing.dcp_index import UnsafeCheckpoint, load_index
 from core.checkpointing.storage import collect_checksums, file_crc32, is_checksum_sidecar
+from core.config.file_shape import read_small_file
 
 STEP_DIR = re.compile(r"^step_(\d+)$")
 COMPLETE_MARKER = "COMPLETE"
+MARKER_MAX_BYTES = 64 * 1024 * 1024  # a marker lists each file in some 60 bytes: room for a million files
 SAVING_MARKER = "SAVING"
 # What a save of this tool writes into a step folder (a folder holding anything else is not deleted).
 _OWN_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|config\.yaml|"
@@ -150,8 +152,8 @@ def read_marker(path: Path) -> dict:
     CheckpointError naming the file otherwise (automatic resume then falls back to the checkpoint before)."""
     file = Path(path) / COMPLETE_MARKER
     try:
-        marker = json.loads(file.read_bytes())
-    except (OSError, ValueError) as e:  # (a UnicodeDecodeError is a ValueError)
+        marker = json.loads(read_small_file(file, MARKER_MAX_BYTES))
+    except (OSError, ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise CheckpointError(f"{file}: unreadable completion marker ({type(e).__name__}: {e})") from None
     problem = _marker_problem(marker)
     if problem:
@@ -192,6 +194,8 @@ def read_metadata(path: Path, data: Optional[bytes] = None) -> Metadata:
     """The DCP index of the folder `path` (from `data`, its bytes, when already read), read safely
     (core/checkpointing/dcp_index.py)."""
     file = Path(path) / ".metadata"
+    if data is None and file.is_symlink():
+        raise CheckpointError(f"{file}: a symbolic link; a checkpoint's files are its own")
     try:
         return load_index(file.read_bytes() if data is None else data)
     except OSError as e:
@@ -243,6 +247,8 @@ def verify(path: Path) -> Metadata:
     listed = _listed(read_marker(path))
     for name, (size, _) in listed.items():
         file = path / name
+        if file.is_symlink():
+            raise CheckpointError(f"{file}: a symbolic link; a checkpoint's files are its own")
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
         if file.stat().st_size != size:
@@ -260,20 +266,24 @@ def verify(path: Path) -> Metadata:
 
 
 def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None) -> None:
-    """Every file the DCP index points into is there (and listed in COMPLETE, when `listed` is given) and long
-    enough, and every tensor chunk's storage holds at least its bytes (so no tensor is made larger than the
-    data on disk)."""
+    """Every file the DCP index points into is a file of the folder (no symbolic link; listed in COMPLETE,
+    when `listed` is given) and long enough; every tensor's chunks hold all of its elements, and each chunk's
+    storage at least its bytes (so no tensor is made larger than the data on disk, or left partly unread)."""
     storage = metadata.storage_data
+    index = Path(path) / ".metadata"
     for where, info in storage.items():
         file = Path(path) / info.relative_path
         if listed is not None and info.relative_path not in listed:
-            raise CheckpointError(f"{Path(path) / '.metadata'}: points into {info.relative_path}, which "
-                                  f"{COMPLETE_MARKER} does not list")
+            raise CheckpointError(f"{index}: points into {info.relative_path}, which {COMPLETE_MARKER} does not list")
+        if file.is_symlink():
+            raise CheckpointError(f"{file}: a symbolic link; a checkpoint's files are its own")
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
             raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
+        if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size):
+            raise CheckpointError(f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements")
         itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
@@ -307,9 +317,10 @@ def check_checksums(path: Path) -> None:
 
 
 def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
-    """An uninitialised tensor of the shape and dtype a checkpoint stores under `key`, for DCP to fill."""
+    """A tensor of the shape and dtype a checkpoint stores under `key`, for DCP to fill (zeros, not
+    uninitialised memory: nothing of this process can pass for checkpoint data)."""
     m = metadata.state_dict_metadata[key]
-    return torch.empty(m.size, dtype=m.properties.dtype)
+    return torch.zeros(m.size, dtype=m.properties.dtype)
 
 
 def saved_weights(metadata: Metadata, prefix: str = "model.") -> dict[str, TensorStorageMetadata]:

@@ -2,13 +2,17 @@
 
 A second run on the same path stops at start with a message naming the holder (host, pid, job id, since
 when). A lock left behind by a run that died is taken over, with a warning, when it is provably stale:
-  * its holder ran on this host and that process no longer exists;
+  * its holder ran on this host, in this PID namespace and since the same boot, and that process no longer
+    exists (two containers sharing a host name have their own PIDs: there a pid tells nothing, and the
+    rules below decide);
   * its holder ran on another host as an earlier attempt of this same cluster job (a SLURM requeue:
     same job and step id);
   * it has not been refreshed for `stale_after_s` (the holder refreshes it every `refresh_s` from a
     background thread, so a live run on another host always looks alive).
 A LOCK that is not a lock record (empty, not JSON, another shape) names no holder: it counts as held by an
-unknown run until it has not been modified for `stale_after_s`.
+unknown run until it has not been modified for `stale_after_s`; so does a LOCK that is not a regular file (a FIFO,
+a link), read without blocking or following it. A LOCK that is a directory is never taken over: the message
+says to remove it.
 
 No starter ever sees a half-written LOCK: the record is written to a private file first and then linked
 into place under the name LOCK, which fails if a LOCK exists. Of two starters that judge the same lock
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import socket
+import stat
 import threading
 import time
 import uuid
@@ -32,7 +37,7 @@ from typing import Annotated, Optional
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.config.file_shape import problems
+from core.config.file_shape import NotThisKindOfFile, problems, read_small_file_and_stat
 
 log = logging.getLogger("checkpoint")
 
@@ -41,6 +46,7 @@ ATTEMPTS = 5  # create, or judge and take away a stale lock, then create again
 # link() errors of filesystems without hard links: the lock is then created in place (O_EXCL), and readers
 # that catch it empty treat it as held by an unknown run.
 NO_HARD_LINKS = {errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.ENOSYS}
+MAX_BYTES = 64 * 1024  # a lock record is some 200 bytes
 
 
 class LockRecord(BaseModel):
@@ -51,6 +57,10 @@ class LockRecord(BaseModel):
     pid: Annotated[int, Field(ge=1, le=2**31 - 1)]  # what os.kill accepts
     job: Optional[str]
     since: Annotated[float, Field(allow_inf_nan=False)]
+    # Where `pid` means a process: the PID namespace (inode of /proc/self/ns/pid) and the boot id of the
+    # holder; null where unreadable. A lock written before these fields has neither (`model_fields_set`).
+    pidns: Optional[str] = None
+    boot: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,7 @@ class LockFile:
     problem: Optional[str]
     content: bytes
     written: tuple[int, int, int]
+    directory: bool = False  # LOCK is a directory: never taken over (removing it could delete what it holds)
 
     @property
     def mtime(self) -> float:
@@ -82,6 +93,20 @@ def _job_id() -> Optional[str]:
     return None
 
 
+def _pid_namespace() -> Optional[str]:
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:  # not Linux, or /proc not mounted
+        return None
+
+
+def _boot_id() -> Optional[str]:
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None
+    except OSError:
+        return None
+
+
 def _process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
@@ -95,11 +120,16 @@ def _process_alive(pid: int) -> bool:
 def read_lock(path: Path) -> Optional[LockFile]:
     """LOCK as it is now; None if there is none."""
     try:
-        with open(path, "rb") as f:
-            stat = os.fstat(f.fileno())
-            content = f.read()
+        content, status = read_small_file_and_stat(path, MAX_BYTES)
     except FileNotFoundError:
         return None
+    except NotThisKindOfFile as e:  # a FIFO, a link, a directory, ...: judged by the name's own lstat
+        try:
+            status = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        return LockFile(None, str(e), b"", (status.st_dev, status.st_ino, status.st_mtime_ns),
+                        directory=stat.S_ISDIR(status.st_mode))
     holder, problem = None, None
     if not content.strip():
         problem = "it is empty"
@@ -108,7 +138,7 @@ def read_lock(path: Path) -> Optional[LockFile]:
             holder = LockRecord.model_validate_json(content)
         except ValidationError as e:
             problem = problems(e)
-    return LockFile(holder, problem, content, (stat.st_dev, stat.st_ino, stat.st_mtime_ns))
+    return LockFile(holder, problem, content, (status.st_dev, status.st_ino, status.st_mtime_ns))
 
 
 class LockHeld(RuntimeError):
@@ -119,7 +149,8 @@ class PathLock:
     def __init__(self, root: Path, refresh_s: float = 30.0, stale_after_s: float = 300.0):
         self.path = Path(root) / LOCK_NAME
         self.refresh_s, self.stale_after_s = refresh_s, stale_after_s
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id()}
+        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(), "pidns": _pid_namespace(),
+                   "boot": _boot_id()}
         self.since: Optional[float] = None  # when this process created its LOCK
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -213,11 +244,13 @@ class PathLock:
     def _stale_reason(self, lock: LockFile) -> Optional[str]:
         age = time.time() - lock.mtime
         holder = lock.holder
+        if lock.directory:
+            return None
         if holder is None:
             if age > self.stale_after_s:
                 return f"it is not a lock record ({lock.problem}) and has not been modified for {age:.0f} s"
             return None
-        if holder.host == self.me["host"]:
+        if self._same_processes(holder):
             return None if _process_alive(holder.pid) else "its process no longer runs"
         if holder.job and holder.job == self.me["job"]:
             return "it was held by an earlier attempt of this job"
@@ -225,7 +258,18 @@ class PathLock:
             return f"not refreshed for {age:.0f} s"
         return None
 
+    def _same_processes(self, holder: LockRecord) -> bool:
+        """Whether the holder's pid names a process this one can see: the same host, PID namespace and boot.
+        A field a lock of an earlier version lacks is not compared."""
+        return holder.host == self.me["host"] and all(
+            getattr(holder, key) == self.me[key] for key in ("pidns", "boot") if key in holder.model_fields_set)
+
     def _held_message(self, lock: LockFile) -> str:
+        if lock.directory:
+            return (f"{self.path} is a directory, not a lock file: no run creates one, so it names no holder, and "
+                    f"this run neither takes it over nor deletes what it holds. If no run uses {self.path.parent}, "
+                    f"look inside, remove it (rm -r {self.path}) and start again; otherwise use another "
+                    f"checkpoint.path")
         if lock.holder is None:
             left = self.stale_after_s - (time.time() - lock.mtime)
             return (f"{self.path} is not a lock record ({lock.problem}), so the run using {self.path.parent} is "

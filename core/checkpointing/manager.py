@@ -41,6 +41,15 @@ from core.config.validation import save_config
 log = logging.getLogger("checkpoint")
 
 
+def _unused_name(path: Path, suffix: str) -> Path:
+    """`path` + suffix, or + suffix-2, -3, ...: a name no file has yet."""
+    candidate, n = path.with_name(path.name + suffix), 1
+    while candidate.exists():
+        n += 1
+        candidate = path.with_name(f"{path.name}{suffix}-{n}")
+    return candidate
+
+
 @dataclass
 class PendingSave:
     """An async save whose files are still being written; completed by `wait`."""
@@ -217,9 +226,14 @@ class Checkpointer:
                 if target.exists() and not is_own(target):
                     raise CheckpointError(f"{target} exists and is not a checkpoint this tool wrote: move it away "
                                           "(the checkpoints before it are kept)")
-                if target.exists():  # a save of this step before (resumed from an earlier one)
-                    log.warning("removing %s %s before saving it again", "complete" if is_complete(target) else
-                                "incomplete", target)
+                if target.exists() and is_complete(target):
+                    # A save of this step before, which this run did not resume from (it went back, or found it
+                    # damaged): kept beside, never lost.
+                    kept = _unused_name(target, ".replaced")
+                    target.rename(kept)
+                    log.warning("%s exists (this run resumed from an earlier step): kept as %s, saving anew",
+                                target, kept.name)
+                elif target.exists():  # an interrupted save of this tool
                     shutil.rmtree(target)
                 start_marker(target)
             except (CheckpointError, OSError) as e:

@@ -92,7 +92,9 @@ class OptimizerPart:
 
 
 class StatefulPart:
-    """Anything with state_dict() / load_state_dict() (e.g. the LR scheduler), loaded when saved."""
+    """Anything with state_dict() / load_state_dict() (e.g. the LR scheduler), loaded when saved. The loaded state
+    must have the shape of the object's own (load_state_dict methods such as LambdaLR's copy it into the
+    object's attributes: a value of another type would replace one of them)."""
 
     def __init__(self, obj: Any):
         self.obj = obj
@@ -104,7 +106,30 @@ class StatefulPart:
         return self.obj.state_dict() if saved else None
 
     def load_state_dict(self, state: dict) -> None:
+        check_like(state, self.obj.state_dict(), type(self.obj).__name__)
         self.obj.load_state_dict(state)
+
+
+def check_like(loaded: Any, own: Any, where: str) -> None:
+    """ValueError naming the place unless `loaded` has the structure and value types of `own` (a whole number
+    may stand for a float)."""
+    if isinstance(own, dict):
+        if not isinstance(loaded, dict) or set(loaded) - set(own):
+            raise ValueError(f"{where}: {type(loaded).__name__} with keys {sorted(map(str, loaded))[:8]}, expected "
+                             f"the keys {sorted(map(str, own))[:8]}" if isinstance(loaded, dict) else
+                             f"{where}: a {type(loaded).__name__}, expected a dict")
+        for key, value in loaded.items():
+            check_like(value, own[key], f"{where}.{key}")
+    elif isinstance(own, (list, tuple)):
+        if type(loaded) is not type(own) or len(loaded) != len(own):
+            raise ValueError(f"{where}: {loaded!r:.80}, expected a {type(own).__name__} of {len(own)}")
+        for i, (value, mine) in enumerate(zip(loaded, own)):
+            check_like(value, mine, f"{where}[{i}]")
+    elif torch.is_tensor(own):
+        if not torch.is_tensor(loaded) or loaded.dtype != own.dtype:
+            raise ValueError(f"{where}: expected a {own.dtype} tensor")
+    elif not (type(loaded) is type(own) or (type(own) is float and type(loaded) is int)):
+        raise ValueError(f"{where}={loaded!r:.80}: expected a {type(own).__name__}")
 
 
 class TrainStatePart(StatefulPart):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 
@@ -12,7 +13,9 @@ def checkpoints_to_keep(entries: list[tuple[int, Optional[float]]], keep_last_n:
     keep = set(protected) | (set(steps) if keep_last_n < 0 else set(steps[-keep_last_n:]))
     if keep_every_n_steps > 0:
         keep |= {s for s in steps if s % keep_every_n_steps == 0}
-    scored = [(value if mode == "min" else -value, step) for step, value in entries if value is not None]
+    # A NaN never ranks (it compares false with everything, so sorting would place it anywhere).
+    scored = [(value if mode == "min" else -value, step) for step, value in entries
+              if value is not None and not math.isnan(value)]
     keep |= {step for _, step in sorted(scored)[:keep_best_k]}
     if steps:
         keep.add(steps[-1])  # the newest: what a restart resumes from

@@ -34,6 +34,7 @@ from omegaconf.errors import OmegaConfBaseException
 
 from core.checkpointing.layout import CheckpointError, resolve_checkpoint
 from core.config.errors import ConfigError
+from core.config.file_shape import read_small_file
 from core.config.identity import changes_result
 from core.config.ranges import rules_of
 
@@ -77,10 +78,8 @@ def read_config_file(file: Path) -> dict:
     """A run's config.yaml as plain Python values; CheckpointError naming the file when it is not one."""
     file = Path(file)
     try:
-        with open(file, "rb") as f:
-            data = f.read(MAX_BYTES + 1)  # no more, whatever the file claims to be (e.g. a link to /dev/zero)
-        if len(data) > MAX_BYTES:
-            raise ValueError(f"more than {MAX_BYTES} bytes, far more than a run's config ever has")
+        # A regular file of at most MAX_BYTES, opened without waiting (a FIFO, a link to /dev/zero: refused).
+        data = read_small_file(file, MAX_BYTES, follow_symlinks=True)
         tree = yaml.load(data.decode("utf-8"), Loader=_PlainLoader)
         if not isinstance(tree, dict):
             raise ValueError(f"expected a mapping of settings at the top, found {type(tree).__name__}")

@@ -18,6 +18,7 @@ import io
 import json
 import os
 import zlib
+from collections import OrderedDict
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -62,11 +63,37 @@ class SafeLoadPlanner(DefaultLoadPlanner):
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
             raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: it is not plain data "
                                    f"({reason})") from None
+        try:
+            loaded = plain_copy(loaded)
+        except (TypeError, RecursionError) as e:
+            raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: {e}") from None
         # Hand DCP the value as a pickle of our own making, so that it places it as it always does.
         buffer = io.BytesIO()
         torch.save(loaded, buffer)
         buffer.seek(0)
         super().load_bytes(read_item, buffer)
+
+
+_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
+            torch.memory_format)
+
+
+def plain_copy(value: Any) -> Any:
+    """`value`, as the weights_only unpickler built it, rebuilt from plain types: fresh containers (no instance
+    attributes set by the file, e.g. an OrderedDict's own `__reduce__`) and detached tensors. TypeError for
+    anything else."""
+    kind = type(value)
+    if kind in _SCALARS:
+        return value
+    if isinstance(value, torch.Tensor) and kind in (torch.Tensor, torch.nn.Parameter):
+        return value.detach()
+    if kind is torch.Size:
+        return torch.Size(int(n) for n in value)
+    if kind in (dict, OrderedDict):
+        return kind((plain_copy(k), plain_copy(v)) for k, v in value.items())
+    if kind in (list, tuple, set, frozenset):
+        return kind(plain_copy(v) for v in value)
+    raise TypeError(f"it holds a {kind.__name__}, which is not plain data")
 
 
 # ---- writing, with a checksum per file

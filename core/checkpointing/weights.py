@@ -13,7 +13,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
-                                       is_complete, resolve_checkpoint, saved_weights, verify, verify_plain_dcp)
+                                       empty_like_saved, is_complete, resolve_checkpoint, saved_weights, verify,
+                                       verify_plain_dcp)
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
@@ -125,8 +126,7 @@ def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[st
     metadata = verify(step_dir)
     if verify_checksums:
         check_checksums(step_dir)
-    weights = {k[6:]: torch.empty(m.size, dtype=m.properties.dtype)
-               for k, m in metadata.state_dict_metadata.items()
+    weights = {k[6:]: empty_like_saved(metadata, k) for k, m in metadata.state_dict_metadata.items()
                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     state: dict[str, Any] = {"model": weights}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent

@@ -2,14 +2,67 @@
 
 The files this tool reads back (LOCK, run.json, a Hugging Face config.json, ...) are checked against pydantic
 models; a `ValidationError` becomes one line for the user's message: `pid='abc': Input should be a valid
-integer; host missing`.
+integer; host missing`. Before that, `read_small_file` makes sure the name is a small regular file at all:
+a FIFO, a device, a directory or a link to one would otherwise hang the reader or fill its memory.
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import stat
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
+
+
+class NotThisKindOfFile(ValueError):
+    """The name is there, but is not a small regular file (the message says what it is instead)."""
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+
+
+def read_small_file_and_stat(path: str | Path, max_bytes: int,
+                             follow_symlinks: bool = False) -> tuple[bytes, os.stat_result]:
+    """`read_small_file`, with the file's fstat (device, inode, mtime of exactly the file read)."""
+    flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: opening a FIFO does not wait
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(path, flags)
+    except OSError as e:
+        if e.errno == errno.ELOOP and not follow_symlinks:  # O_NOFOLLOW met a link (or a loop of links)
+            raise NotThisKindOfFile("it is a symbolic link, not followed: a file of this kind never is one") from None
+        raise
+    try:
+        status = os.fstat(fd)
+        if not stat.S_ISREG(status.st_mode):
+            kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a regular file")
+            raise NotThisKindOfFile(f"it is {kind}, not a regular file")
+        content = b""
+        while len(content) <= max_bytes:  # one byte more than max_bytes tells a file that is too large
+            chunk = os.read(fd, max_bytes + 1 - len(content))
+            if not chunk:
+                break
+            content += chunk
+    finally:
+        os.close(fd)
+    if len(content) > max_bytes:
+        raise NotThisKindOfFile(f"it is larger than {max_bytes} bytes, far more than a file of this kind holds")
+    return content, status
+
+
+def read_small_file(path: str | Path, max_bytes: int, follow_symlinks: bool = False) -> bytes:
+    """The bytes of a small regular file, read without blocking and at most `max_bytes` of them.
+
+    NotThisKindOfFile (a ValueError; its message reads after the file's name: `<path>: it is a FIFO, ...`)
+    when `path` is a directory, FIFO, device or socket, is larger than `max_bytes`, or, unless
+    `follow_symlinks`, is a symbolic link (even to a regular file). FileNotFoundError and other OSErrors
+    (permission denied, ...) as `open` raises them."""
+    return read_small_file_and_stat(path, max_bytes, follow_symlinks)[0]
 
 
 def shown(value: Any) -> str:

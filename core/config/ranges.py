@@ -18,6 +18,11 @@ from core.config.errors import ConfigError
 # The largest count or seed: what an int32 holds (torch indices, numpy seeds with a rank added).
 INT32_MAX = 2**31 - 1
 
+# The smallest epsilon added to a variance or a root mean square before dividing by it (optimizer, norms):
+# far from the smallest normal fp32 / bf16 number (1.2e-38). A denormal one may be flushed to 0 on GPUs,
+# and below 1.4e-45 it is 0 in fp32 (1e-320 gives NaN at the first zero variance); real ones are 1e-5 to 1e-15.
+EPSILON_MIN = 1e-30
+
 
 def is_real(value: Any) -> bool:
     """A finite number: not NaN, not infinite, and not a bool (which Python counts as an int)."""
@@ -29,10 +34,11 @@ def is_real(value: Any) -> bool:
 
 
 def show(bound: float) -> str:
-    """A bound as it reads best: 2**31 - 1, 1e15."""
+    """A bound as it reads best: 2**31 - 1, 1e15, 1e-6."""
     if bound == INT32_MAX:
         return "2**31 - 1"
-    return f"{bound:g}".replace("e+0", "e").replace("e+", "e") if isinstance(bound, float) else str(bound)
+    text = f"{bound:g}".replace("e+0", "e").replace("e+", "e").replace("e-0", "e-")
+    return text if isinstance(bound, float) else str(bound)
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Optional
 from omegaconf import MISSING
 
 from core.config.errors import require
-from core.config.ranges import INT32_MAX, Int, Numbers, Real, Rule
+from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
 
 
 class ParallelBackend(StrEnum):
@@ -281,9 +281,21 @@ class DistributedConfig:
         "dp_shard": Int(1, INT32_MAX, also=-1, note="-1: what is left"),
         "dp_outer": Int(1, INT32_MAX),
         "tp": Int(1, INT32_MAX),
-        # A week: a collective that waits longer has hung; datetime.timedelta overflows far above.
-        "timeout_minutes": Real(0, 7 * 24 * 60, open_low=True),
+        # A week: a collective that waits longer has hung; datetime.timedelta overflows far above. Below 6 s,
+        # ranks that start a moment apart time out at start-up (1e-300: "timed out after 0ms").
+        "timeout_minutes": Real(0.1, 7 * 24 * 60),
     }
+
+
+# Signals a run cannot save on, and why (refused by CheckpointConfig.check before any work).
+_FAULT = ("a fault of the process's own code: Python's handler returns to the faulting instruction, which faults "
+          "again, so the crash becomes a hang")
+UNFIT_SIGNALS = {
+    "SIGKILL": "cannot be caught",
+    "SIGSTOP": "cannot be caught",
+    "SIGCHLD": "sent whenever a child process ends (a loader or compile worker), not a request to stop",
+    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT,
+}
 
 
 @dataclass
@@ -344,8 +356,12 @@ class CheckpointConfig:
         require(not c.monitor or str(c.monitor).startswith(("train/", "val/")),
                 f"{key}.monitor={c.monitor}: expected train/<name> or val/<name> (e.g. val/loss, train/loss)")
         for name in c.save_on_signals:
-            require(isinstance(getattr(signal.Signals, str(name).upper(), None), signal.Signals),
+            sig = getattr(signal.Signals, str(name).upper(), None)
+            require(isinstance(sig, signal.Signals),
                     f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
+            require(sig.name not in UNFIT_SIGNALS,
+                    f"{key}.save_on_signals: {name}: {UNFIT_SIGNALS.get(sig.name)}; save on a request to stop "
+                    "(e.g. SIGTERM, SIGUSR1)")
         require(isinstance(c.resume, (bool, str)),
                 f"{key}.resume={c.resume!r}: expected auto, true, false or a step folder")
 
@@ -362,10 +378,13 @@ class OptimConfig:
     fused: Optional[bool] = None
 
     RANGES: ClassVar[dict[str, Rule]] = {
-        "lr": Real(0, 10, open_low=True),  # AdamW's steps are about lr in size: above 10 nothing trains
+        # AdamW's steps are about lr in size: above 10 nothing trains. 1e-30, far below any weight's last bit, is
+        # a step that leaves the weights as they are (the tests' "load, step, compare"); below it the step nears
+        # fp32's denormals, and a denormal lr is 0 in fp32.
+        "lr": Real(1e-30, 10),
         "weight_decay": Real(0, 10),  # decoupled: each step scales the weights by 1 - lr * weight_decay
         "betas": Numbers(Real(0, 1, open_high=True), length=2),  # the moving averages' decay
-        "eps": Real(0, 1, open_low=True),  # added to the gradient's root mean square
+        "eps": Real(EPSILON_MIN, 1),  # added to the gradient's root mean square, which is 0 for a zero gradient
         # A gradient norm above the upper bound means the run has diverged; 0 switches clipping off.
         "max_grad_norm": Real(0, 1e6, note="0: no clipping"),
     }

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import json
 import logging
 import os
 import sys
 from pathlib import Path
+from typing import Collection
 from urllib.parse import quote
 
 from omegaconf import OmegaConf
 
 REPO_DIR = Path(__file__).resolve().parents[2]
 RUN_ID_ENV = "RECIPES_RUN_ID"  # the launch's run id, handed to the jobs a Hydra launcher starts (submitit)
+SWEPT_KEYS_ENV = "RECIPES_SWEPT_KEYS"  # the keys its command line sweeps, handed to the jobs the same way
 _RUN_ID: str | None = None
 
 
@@ -63,14 +66,15 @@ def run_id() -> str:
 def checkpoint_dir() -> str:
     """Default checkpoint.path: the same for every run of a config, so running the same command again
     resumes (outputs/<config>/checkpoints). In a multirun sweep, one folder per configuration,
-    <sweep dir>/checkpoints/<its overrides that change the result>, not per job number: a sweep run again
-    with a changed value list resumes each configuration's own job."""
+    <sweep dir>/checkpoints/<its overrides that change the result or that the sweep varies>, not per job
+    number: a sweep run again with a changed value list resumes each configuration's own job."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        return str(Path(hydra_cfg.sweep.dir) / "checkpoints" / configuration_name(list(hydra_cfg.overrides.task)))
+        name = configuration_name(list(hydra_cfg.overrides.task), swept_keys())
+        return str(Path(hydra_cfg.sweep.dir) / "checkpoints" / name)
     return str(Path("outputs") / hydra_cfg.job.config_name / "checkpoints")
 
 
@@ -94,20 +98,52 @@ NAME_SAFE = "=+[]@"
 NAME_MAX = 120  # a longer name is shortened, ending in a hash of the whole
 
 
-def configuration_name(overrides: list[str]) -> str:
-    """A folder name from the command-line overrides that change a run's result (core/config/identity.py),
-    sorted: `optim.lr=0.001,seed=2`; `default` when there are none. Two different sets of overrides never
-    share a name: each override is percent-encoded (`data.root=%2Fdata%2Fa`), so neither a value's `/`
-    nor its `,` can pass for another's; a name longer than NAME_MAX becomes its start and a hash of the
-    whole, one character longer than any name kept whole."""
+def configuration_name(overrides: list[str], swept: Collection[str] = ()) -> str:
+    """A folder name from the command-line overrides that change a run's result (core/config/identity.py) or
+    whose key is `swept` (varied by the sweep: two jobs of one sweep that differ only in training.steps must not
+    share a folder, or the second resumes the first's checkpoints), sorted: `optim.lr=0.001,seed=2`; `default`
+    when there are none. Two different sets of overrides never share a name: each override is percent-encoded
+    (`data.root=%2Fdata%2Fa`), so neither a value's `/` nor its `,` can pass for another's; a name longer than
+    NAME_MAX becomes its start and a hash of the whole, one character longer than any name kept whole."""
     from core.config.identity import changes_result
 
     last = {o.lstrip("+~").split("=", 1)[0]: o.lstrip("+~") for o in overrides if "=" in o}  # the last one wins
-    name = ",".join(sorted(quote(o, safe=NAME_SAFE) for key, o in last.items() if changes_result(key)))
+    named = [o for key, o in last.items() if changes_result(key) or key in swept]
+    name = ",".join(sorted(quote(o, safe=NAME_SAFE) for o in named))
     name = name or "default"
     if len(name) > NAME_MAX:
         name = name[:NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
     return name
+
+
+def swept_on_command_line(argv: list[str]) -> list[str]:
+    """The keys that the command line's overrides sweep (`training.steps=4,6`, `model=a,b`, Optuna's
+    `optim.lr=interval(...)`), as Hydra parses them; Hydra's own keys and what is not an override are left out
+    (a malformed override, too: Hydra refuses it itself)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    parser, keys = OverridesParser.create(), []
+    for arg in argv:
+        if "=" not in arg or arg.startswith("-"):  # -m, --config-name x
+            continue
+        try:
+            override = parser.parse_override(arg)
+        except HydraException:
+            continue
+        if override.is_sweep_override() and not override.is_hydra_override():
+            keys.append(override.get_key_element().lstrip("+~"))
+    return keys
+
+
+def swept_keys() -> set[str]:
+    """The keys this multirun varies: its command line's sweeps (read by the launching process, which hands them
+    to every job in SWEPT_KEYS_ENV, also to one a Hydra launcher starts elsewhere) and the sweeper's own
+    `params` (e.g. Optuna's search space given in a config)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    params = HydraConfig.get().sweeper.get("params") or {}
+    return set(json.loads(os.environ.get(SWEPT_KEYS_ENV) or "[]")) | {str(key).lstrip("+~") for key in params}
 
 
 def separate_checkpoint_path(cfg) -> None:
@@ -124,7 +160,8 @@ def separate_checkpoint_path(cfg) -> None:
     given = OmegaConf.to_container(cfg.checkpoint)["path"]  # as written: the default is ${checkpoint_dir:}
     if hydra_cfg.mode != RunMode.MULTIRUN or given == CheckpointConfig.path:
         return
-    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(list(hydra_cfg.overrides.task)))
+    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(list(hydra_cfg.overrides.task),
+                                                                             swept_keys()))
     if global_rank() == 0:
         logging.getLogger("train").info("this job's checkpoints: %s (checkpoint.path/<its overrides>)",
                                         cfg.checkpoint.path)
@@ -169,12 +206,14 @@ def exit_process(code: int = 0) -> None:
 
 def export_to_jobs() -> None:
     """What a job started by a Hydra launcher (submitit: a new process, on SLURM maybe another node, run again
-    when requeued) needs from this process: the repository on its import path, and this launch's run id, so
-    its `hydra.sweep.dir` and checkpoint paths are the ones this process resolved."""
+    when requeued) needs from this process: the repository on its import path, this launch's run id, so
+    its `hydra.sweep.dir` and checkpoint paths are the ones this process resolved, and the keys its command
+    line sweeps, which name the jobs' checkpoint folders (the job's own command line is not this one)."""
     paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(REPO_DIR) not in paths:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(REPO_DIR), *paths])
     os.environ.setdefault(RUN_ID_ENV, run_id())
+    os.environ[SWEPT_KEYS_ENV] = json.dumps(swept_on_command_line(sys.argv[1:]))  # this command's, not an outer one's
 
 
 def optimising_sweep() -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 from core.config.run_record import RUN_FILE, new_wandb_id, read_run_record, write_run_record
 from core.config.schema import LoggerConfig, ProgressBar
-from core.metrics.history import SUPERSEDED, keep_history_up_to
+from core.metrics.history import SUPERSEDED, keep_history_up_to, open_for_append, refuse_links
 
 log = logging.getLogger("train")
 
@@ -48,6 +48,8 @@ class MetricsLogger:
         checkpoint folder. `resumed`: the weights came from this run's own checkpoint (else a new W&B run)."""
         if not self.enabled:
             return
+        if self.cfg.jsonl:
+            refuse_links(self.jsonl_path)  # before anything reads or writes them, a clear stop
         record = read_run_record(self.checkpoint_path)
         if self.cfg.jsonl and start_step > 0 and not self.jsonl_path.is_file():
             self._warn_history_missing(record.get("run_dir"), start_step)
@@ -76,7 +78,7 @@ class MetricsLogger:
         elif recorded:
             why = f"{run_file} names {recorded} as this run's directory: the earlier history may be there"
         else:
-            why = f"{run_file} names no run directory"
+            why = f"{run_file} names no run directory of this checkpoint folder"
         log.warning("resuming at step %d, but the metrics history of earlier invocations (steps up to %d) is not "
                     "in %s (%s). This invocation writes its records there from step %d on, and later invocations "
                     "of the run continue in that directory", start_step, start_step, self.jsonl_path, why,
@@ -101,7 +103,7 @@ class MetricsLogger:
             return
         if self.cfg.jsonl:
             if self.jsonl is None:
-                self.jsonl = open(self.jsonl_path, "a", buffering=1)
+                self.jsonl = open_for_append(self.jsonl_path, "a", buffering=1)
             self.jsonl.write(json.dumps({**record, **({"split": prefix} if prefix else {})}) + "\n")
         if self.cfg.stdout:
             fields = " | ".join(_format(k, v) for k, v in record.items() if k != "step")

@@ -52,12 +52,17 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
 
 
-def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig) -> None:
-    """After a resume: the optimizer's hyperparameters and the schedule's base rate are the config's (a
-    checkpoint restores those it was saved with), and the learning rate is the schedule's value at the
-    resumed step (the schedule itself, e.g. its length, always comes from the config)."""
+def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, schedule_steps: int) -> None:
+    """After a resume: every optimizer setting (AdamW's switches such as amsgrad or maximize as well) and the
+    schedule's base rate are the config's (a checkpoint restores those it was saved with, and a file may
+    hold anything); the schedule's position is `schedule_steps` (the optimizer steps taken, not skipped, from
+    the checked training counters), and the learning rate is the schedule's value there (the schedule itself,
+    e.g. its length, always comes from the config)."""
     scheduler.base_lrs = []
+    scheduler.last_epoch, scheduler._step_count = schedule_steps, schedule_steps + 1
+    built_with = {k: v for k, v in getattr(optimizer, "defaults", {}).items() if k not in ("lr", "weight_decay")}
     for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
+        group.update(built_with)
         group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
                      weight_decay=cfg.weight_decay if group.get("name") != "no_decay" else 0.0)
         group["lr"] = cfg.lr * multiplier(scheduler.last_epoch)

@@ -26,3 +26,5 @@ class TrainState:
                 if type(value) is not int or not 0 <= value < 2**62:
                     raise ValueError(f"train_state.{f.name}={value!r}: expected a whole number >= 0")
                 setattr(self, f.name, value)
+        if self.skipped_steps > self.step:
+            raise ValueError(f"train_state.skipped_steps={self.skipped_steps} > train_state.step={self.step}")

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import ClassVar, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from core.config.errors import require
-from core.config.ranges import INT32_MAX, Int, Numbers, Real, Rule
+from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 
@@ -61,11 +61,32 @@ class GPTModelConfig(ModelConfig):
         # The slowest rotating pair of dimensions turns once in about 2 pi base positions: far past any
         # seq_length at the upper bound; at 1 or below, every pair turns at least as fast as the first.
         "rotary_base": Real(1, 1e12, open_low=True),
-        "norm_epsilon": Real(0, 1, open_low=True),
-        "init_std": Real(0, 1),
+        "norm_epsilon": Real(EPSILON_MIN, 1),
+        # Weights are drawn from a normal truncated at +-2 std: torch divides by it, and it must stay > 0 in the
+        # output projections' init_std / sqrt(2 num_layers); below 1e-6 they start as good as zero anyway.
+        "init_std": Real(1e-6, 1),
         "hidden_dropout": Real(0, 1),
         "attention_dropout": Real(0, 1),
     }
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        """What recipes/gpt/model.py builds from these sizes, with distributed.tp ranks."""
+        heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
+        require(c.hidden_size % heads == 0,
+                f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: expected hidden_size "
+                "divisible by num_attention_heads (each head takes hidden_size / num_attention_heads of it)")
+        require(c.hidden_size // heads % 2 == 0,
+                f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: the head size "
+                f"{c.hidden_size // heads} must be even (rotary embeddings turn pairs of its channels)")
+        require(heads % groups == 0,
+                f"{key}.num_attention_heads={heads} and {key}.num_query_groups={groups}: expected num_attention_heads "
+                "divisible by num_query_groups (each key/value group serves the same number of query heads)")
+        tp = tensor_parallel_size(c)
+        for name, n in (("num_attention_heads", heads), ("num_query_groups", groups),
+                        ("ffn_hidden_size", c.ffn_hidden_size)):
+            require(n % tp == 0, f"{key}.{name}={n} is not divisible by distributed.tp={tp}: each tensor-parallel "
+                                 "rank holds an equal part of them")
 
 
 @dataclass
@@ -95,10 +116,25 @@ class GPTDataConfig(DataConfig):
                 f"{key}.split={c.split}: expected 1 to 3 numbers >= 0 separated by commas (or slashes), not all 0: "
                 "the train, validation, test shares (e.g. 949,50,1)")
         require(c.weights is None or sum(c.weights) > 0, f"{key}.weights={list(c.weights or [])}: expected a sum > 0")
-        both = c.weights is not None and c.prefixes and c.format == TextFormat.indexed
-        require(not both or len(c.weights) == len(c.prefixes),
-                f"{key}.weights={list(c.weights or [])} and {key}.prefixes={list(c.prefixes)}: expected one weight per "
-                "prefix (or weights=null: by size)")
+        # Megatron-Core blends one dataset per prefix and asserts one weight per dataset: format=indexed reads
+        # data.prefixes, format=text makes one dataset of all its files; format=mock uses neither.
+        weights = list(c.weights or [])
+        if c.format == TextFormat.indexed and c.prefixes:
+            require(c.weights is None or len(weights) == len(c.prefixes),
+                    f"{key}.weights={weights} and {key}.prefixes={list(c.prefixes)}: expected one weight per prefix "
+                    "(or weights=null: by size)")
+        if c.format == TextFormat.text:
+            require(c.weights is None or len(weights) == 1,
+                    f"{key}.weights={weights}: {key}.format=text makes one dataset of all {key}.text_files; expected "
+                    "one weight (or weights=null)")
+
+
+def tensor_parallel_size(c) -> int:
+    """distributed.tp of the config that holds the node `c`; 1 for a node on its own, or for a tp that is not valid
+    (its own rule names it: `distributed` is checked after `model`)."""
+    root = c._get_root() if OmegaConf.is_config(c) else None
+    tp = OmegaConf.select(root, "distributed.tp", default=1) if OmegaConf.is_dict(root) else 1
+    return tp if isinstance(tp, int) and not isinstance(tp, bool) and tp >= 1 else 1
 
 
 def is_valid_split(split: str) -> bool:

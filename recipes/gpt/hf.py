@@ -33,7 +33,7 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from core.config.file_shape import problems
+from core.config.file_shape import problems, shown
 
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -444,12 +444,29 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     if (folder / "model.safetensors").is_file():
         return _load_safetensors(folder / "model.safetensors")
     if (folder / "pytorch_model.bin").is_file():
-        try:  # weights_only: loading runs no code from the file
-            return torch.load(folder / "pytorch_model.bin", map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001
-            raise ValueError(f"{folder}/pytorch_model.bin: cannot read as torch weights "
-                             f"({type(e).__name__}: {e})") from None
+        return _load_torch_weights(folder / "pytorch_model.bin")
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
+    """A state dict saved by torch.save; ValueError naming the file if it holds anything else (a list, a dict of
+    numbers or of dicts), which the import would otherwise meet as an AttributeError. (safetensors files always
+    hold a dict of tensor names to tensors.)"""
+    try:  # weights_only: loading runs no code from the file
+        weights = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001
+        raise ValueError(f"{file}: cannot read as torch weights ({type(e).__name__}: {e}); nothing was "
+                         "imported") from None
+    if not isinstance(weights, dict):
+        raise ValueError(f"{file}: holds {type(weights).__name__}, not a state dict (tensor names to tensors); "
+                         "nothing was imported")
+    for key, value in weights.items():
+        what = (f"key {shown(key)} is not a string" if not isinstance(key, str) else
+                f"{shown(key)} holds {type(value).__name__}, not a tensor" if not isinstance(value, torch.Tensor)
+                else None)
+        if what:
+            raise ValueError(f"{file}: not a state dict (tensor names to tensors): {what}; nothing was imported")
+    return weights
 
 
 def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:

@@ -104,8 +104,9 @@ def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dat
     if split not in SPLITS:
         raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
     images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
-    if tuple(images.shape[1:]) != (image_size, image_size):
-        raise ValueError(f"{data.root}: images are {tuple(images.shape[1:])}, but model.image_size={image_size}")
+    if tuple(images.shape[1:]) != (image_size, image_size):  # the model takes any size the files hold
+        raise ConfigError(f"model.image_size={image_size}, but the images under data.root={data.root} are "
+                          f"{images.shape[1]} x {images.shape[2]}")
     if split == "test":
         return PRNGResampleDataset(MNISTSamples(images, labels, torch.arange(len(images))), seed=data.test_seed,
                                    replacement=False)

@@ -7,7 +7,7 @@ from enum import StrEnum
 from typing import ClassVar, Optional
 
 from core.config.errors import require
-from core.config.ranges import INT32_MAX, Int, Numbers, Real, Rule
+from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 IMAGENET_MEAN = [0.485, 0.456, 0.406]
@@ -56,12 +56,27 @@ class ViTModelConfig(ModelConfig):
         "depth": Int(1, INT32_MAX),
         "num_heads": Int(1, INT32_MAX),
         "mlp_ratio": Real(0, 64, open_low=True),  # the MLP's width over hidden_size
-        "layernorm_epsilon": Real(0, 1, open_low=True),
+        "layernorm_epsilon": Real(EPSILON_MIN, 1),
         "hidden_dropout": Real(0, 1),
         "attention_dropout": Real(0, 1),
-        "init_std": Real(0, 1),
+        # Weights are drawn from a normal truncated at +-2 init_std: torch divides by it, and below 1e-6 they
+        # start as good as zero anyway.
+        "init_std": Real(1e-6, 1),
         "label_smoothing": Real(0, 1),
     }
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        """What recipes/vit/model.py builds from these sizes."""
+        require(c.hidden_size % c.num_heads == 0,
+                f"{key}.hidden_size={c.hidden_size} and {key}.num_heads={c.num_heads}: expected hidden_size divisible "
+                "by num_heads (each head takes hidden_size / num_heads of it)")
+        require(c.img_size % c.patch_size == 0,
+                f"{key}.img_size={c.img_size} and {key}.patch_size={c.patch_size}: expected img_size divisible by "
+                "patch_size (the image is cut into whole patches)")
+        require(int(c.hidden_size * c.mlp_ratio) >= 1,
+                f"{key}.mlp_ratio={c.mlp_ratio} and {key}.hidden_size={c.hidden_size}: the MLP's width "
+                f"int(hidden_size * mlp_ratio) is {int(c.hidden_size * c.mlp_ratio)}; expected at least 1")
 
 
 @dataclass
@@ -101,7 +116,9 @@ class ImageDataConfig(DataConfig):
 
     RANGES: ClassVar[dict[str, Rule]] = {
         "num_classes": Int(1, INT32_MAX),
-        "train_crop_scale": Numbers(Real(0, 1, open_low=True), length=2, ordered=True),  # of the image's area
+        # Of the image's area: below 1e-3, a crop of a 32 x 32 image is under one pixel (and falls back to the
+        # whole image).
+        "train_crop_scale": Numbers(Real(1e-3, 1), length=2, ordered=True),
         "train_crop_ratio": Numbers(Real(0.01, 100), length=2, ordered=True),  # width / height
         "hflip": Real(0, 1),
         "mixup_alpha": Real(0, 100, note="0: off"),  # Beta(alpha, alpha): above, the weight is close to 0.5
@@ -110,9 +127,11 @@ class ImageDataConfig(DataConfig):
         "mix_switch_prob": Real(0, 1),
         "val_crop_fraction": Real(0.1, 1),  # the resized image is at most 10x the crop
         # Pixels are in [0, 1] when they are normalized: a mean outside that, or a std above 1 (no scaling),
-        # is in other units (e.g. 0-255).
+        # is in other units (e.g. 0-255). Normalized pixels reach 1 / std: below 1e-3, the first layer's sums of
+        # hundreds of them near fp16's largest number (65504), and a denormal std is 0 in fp32 (inf pixels); real
+        # image sets vary far more (ImageNet: 0.22).
         "mean": Numbers(Real(0, 1)),
-        "std": Numbers(Real(0, 1, open_low=True)),
+        "std": Numbers(Real(1e-3, 1)),
         "synthetic_train_size": Int(1, INT32_MAX),
         "synthetic_val_size": Int(1, INT32_MAX),
     }
