@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional
 
 from core.checkpointing.conversion import from_torch, to_safetensors, to_torch
@@ -34,6 +35,17 @@ from core.checkpointing.weights import load_weights, read_model_weights
 __all__ = ["CheckpointError", "Checkpointer", "HostStager", "checkpoints_to_keep", "complete_checkpoints",
            "empty_like_saved", "from_torch", "is_complete", "load_weights", "read_model_weights", "step_dirs",
            "to_safetensors", "to_torch", "verify", "main"]
+
+
+def _check_writable(out: str) -> None:
+    """An OSError naming `out` if it cannot be written (a missing folder, a directory, no permission): torch.save
+    and safetensors report that as a RuntimeError of their own, after the weights are read."""
+    path = Path(out)
+    existed = path.exists()
+    with open(path, "ab"):
+        pass
+    if not existed:
+        path.unlink()
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -63,10 +75,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
     args = parser.parse_args(argv)
     try:
-        if args.command == "to-torch":
-            to_torch(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
-        elif args.command == "to-safetensors":
-            to_safetensors(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
+        if args.command in ("to-torch", "to-safetensors"):
+            _check_writable(args.out)
+            convert = to_torch if args.command == "to-torch" else to_safetensors
+            convert(args.step_dir, args.out, verify_checksums=not args.skip_checksums)
         elif args.command == "from-torch":
             from_torch(args.source, args.step_dir)
         elif args.command == "to-hf":
@@ -78,7 +90,7 @@ def main(argv: Optional[list[str]] = None) -> None:
             from recipes.gpt.hf import import_from_hf
 
             import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
-    except (CheckpointError, ValueError, FileNotFoundError, FileExistsError) as e:
+    except (CheckpointError, ValueError, OSError) as e:  # OSError: an output that cannot be written, a missing input
         raise SystemExit(f"error: {e}") from None
 
 

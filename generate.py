@@ -38,6 +38,7 @@ from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
 from core.distributed import launch
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
+from recipes.gpt.recipe import GPTRecipe
 from recipes.registry import config_keys, get_recipe, register_configs
 
 log = logging.getLogger("generate")
@@ -73,7 +74,8 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
         # 1. The model in one process, its weights from checkpoint.init_from.
         if s.env.world_size != 1:
             raise ConfigError(f"generate.py runs in one process (started with {s.env.world_size}): use python, not torchrun")
-        if not hasattr(s.recipe, "tokenizer"):
+        # The class, not hasattr(recipe, "tokenizer"): hasattr would call the property and swallow its error.
+        if not isinstance(s.recipe, GPTRecipe):
             raise ConfigError(f"generate.py needs a language model; the {s.cfg.recipe} recipe is not one")
         parallel, _ = session.build_model(s, training=False)
         c = s.cfg.checkpoint

@@ -66,6 +66,7 @@ def _with_payload_in_metadata(source: Path, target: Path, marker: Path) -> Path:
     real = (target / ".metadata").read_bytes()
     (target / ".metadata").write_bytes(pickle.dumps(_Payload(marker, real)))
     (target / "COMPLETE").unlink()
+    (target / "index.json").unlink(missing_ok=True)  # the pickle index is read
     write_marker(target, {"step": 4, "metrics": {}})  # an attacker makes the marker match
     return target
 
@@ -78,6 +79,7 @@ def _with_build_on_a_class_in_metadata(source: Path, target: Path, marker: Path)
     shutil.copytree(source, target)
     (target / ".metadata").write_bytes(_crafted_metadata(source, tricks(marker)["BUILD on a class"]))
     (target / "COMPLETE").unlink()
+    (target / "index.json").unlink(missing_ok=True)  # the pickle index is read
     write_marker(target, {"step": 4, "metrics": {}})
     return target
 

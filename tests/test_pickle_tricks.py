@@ -138,6 +138,7 @@ def _load_metadata_of_complete_folder(step_dir: Path, trick: bytes, tmp: Path) -
     shutil.copytree(step_dir, target)
     (target / ".metadata").write_bytes(_crafted_metadata(step_dir, trick))
     (target / "COMPLETE").unlink()
+    (target / "index.json").unlink(missing_ok=True)  # the pickle index is read
     write_marker(target, {"step": 4, "metrics": {}})  # the attacker makes the marker match
     verify(target)
 

@@ -76,16 +76,55 @@ def test_a_marker_that_is_not_utf8_or_json_is_a_checkpoint_error(step_dir, tmp_p
             verify(folder)
 
 
-def test_the_index_is_compared_with_the_marker_before_it_is_parsed(step_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("index", ["index.json", ".metadata"])
+def test_the_index_is_compared_with_the_marker_before_it_is_parsed(step_dir, tmp_path, monkeypatch, index):
+    """index.json where the save wrote one; .metadata in a folder without it (written before it existed)."""
     folder = _copy(step_dir, tmp_path)
-    data = (folder / ".metadata").read_bytes()
+    if index == ".metadata":
+        listed = _marker(step_dir)
+        (folder / "index.json").unlink()
+        del listed["files"]["index.json"]
+        (folder / "COMPLETE").write_text(json.dumps(listed))
+    data = (folder / index).read_bytes()
     assert data.count(b"1.0.0") == 1
-    (folder / ".metadata").write_bytes(data.replace(b"1.0.0", b"2.0.0"))  # same length: only the CRC tells
+    (folder / index).write_bytes(data.replace(b"1.0.0", b"2.0.0"))  # same length: only the CRC tells
     parsed = []
-    monkeypatch.setattr(layout, "load_index", lambda data: parsed.append(data))
-    with pytest.raises(CheckpointError, match=r"\.metadata: checksum mismatch"):
+    for reader in ("load_index", "index_from_json"):
+        monkeypatch.setattr(layout, reader, lambda data: parsed.append(data))
+    with pytest.raises(CheckpointError, match=f"{index}: checksum mismatch"):
         verify(folder)
     assert not parsed
+
+
+def test_an_index_json_of_another_shape_is_refused(step_dir, tmp_path):
+    from core.checkpointing.dcp_index import UnsafeCheckpoint, index_from_json
+
+    good = json.loads((step_dir / "index.json").read_text())
+    assert index_from_json(json.dumps(good).encode()).state_dict_metadata.keys() == \
+        load_index((step_dir / ".metadata").read_bytes()).state_dict_metadata.keys()
+    tensor = next(k for k, v in good["entries"].items() if v["kind"] == "tensor")
+    bad = {
+        "a list": [],
+        "another format": {**good, "format": 2},
+        "an unknown field": {**good, "more": 1},
+        "a quantized dtype": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
+                                                                              "dtype": "torch.qint8"}}},
+        "a size beyond any tensor": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
+                                                                                     "size": [2**62, 2**62, 0]}}},
+        "a file outside the folder": {**good, "storage": [{**s, "file": "../x"} for s in good["storage"]]},
+        "a negative offset": {**good, "storage": [{**s, "at": -1} for s in good["storage"]]},
+        "a string for a size": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
+                                                                                "size": ["2", "3"]}}},
+    }
+    for name, value in bad.items():
+        with pytest.raises(UnsafeCheckpoint):
+            index_from_json(json.dumps(value).encode())
+        folder = _copy(step_dir, tmp_path / name.replace(" ", "_"))
+        (folder / "index.json").write_text(json.dumps(value))
+        (folder / "COMPLETE").unlink()
+        write_marker(folder, {"step": 4, "metrics": {}})
+        with pytest.raises(CheckpointError, match="index.json"):
+            verify(folder)
 
 
 def _with_storage(step_dir: Path, tmp_path: Path, change) -> Path:
@@ -95,6 +134,7 @@ def _with_storage(step_dir: Path, tmp_path: Path, change) -> Path:
     index.storage_data = {k: change(v) for k, v in index.storage_data.items()}
     (folder / ".metadata").write_bytes(pickle.dumps(index))
     (folder / "COMPLETE").unlink()
+    (folder / "index.json").unlink(missing_ok=True)  # the pickle index is read
     write_marker(folder, {"step": 4, "metrics": {}})
     return folder
 
@@ -199,7 +239,7 @@ def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_
                                                                                                            caplog):
     """A checkpoint whose schedule position (last_epoch -1000: a negative learning rate) and AdamW switch (maximize:
     gradient ascent) were rewritten resumes exactly like the untouched one; a benign edit to the newest step's
-    config.yaml makes automatic resume fall back, and the step saved again keeps the edited folder beside it."""
+    config.yaml makes automatic resume fall back, and the folder skipped is kept beside, never saved over."""
     def run(name: str, root: str, steps: int) -> dict[int, dict]:
         cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/{root}", f"training.steps={steps}",
                                                      "checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n=-1"])
@@ -220,7 +260,7 @@ def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_
     for step in (7, 8):
         assert (crafted[step]["loss"], crafted[step]["lr"]) == (clean[step]["loss"], clean[step]["lr"]), step
     assert crafted[7]["lr"] > 0
-    kept = tmp_path / "clean" / "step_6.replaced"
+    kept = tmp_path / "clean" / "step_6.superseded"
     assert (kept / "config.yaml").read_text().endswith("# a note\n") and list(kept.glob("*.distcp"))
 
 
@@ -253,6 +293,7 @@ def test_the_index_must_cover_each_tensor_and_live_in_the_folder(step_dir, tmp_p
     entry.chunks = [ChunkStorageMetadata(offsets=torch.Size([0, 0]), sizes=torch.Size([1, 3]))]  # half of it
     (folder / ".metadata").write_bytes(pickle.dumps(index))
     (folder / "COMPLETE").unlink()
+    (folder / "index.json").unlink(missing_ok=True)  # the pickle index is read
     write_marker(folder, {"step": 4, "metrics": {}})
     with pytest.raises(CheckpointError, match="the chunks of model.w do not hold its 6 elements"):
         verify(folder)

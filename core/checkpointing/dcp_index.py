@@ -12,20 +12,27 @@ global named by two strings (STACK_GLOBAL) written as the protocol-2 GLOBAL; any
 protocol-2 form is refused. The rewrite only changes the encoding: what the result may build is decided
 by PyTorch's unpickler. Last, the unpickled index is checked against the shape DCP's code expects
 (`check_shape`), so nothing downstream meets an object of an unexpected type.
+
+Step folders this tool writes also hold the index as JSON (`index.json`, written beside `.metadata` by
+core/checkpointing/storage.py), which is read instead: no pickle at all, parsed against its shape by pydantic
+(`index_from_json`). The pickle path serves DCP folders from elsewhere and checkpoints written before it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import io
+import json
+import math
 import pathlib
 import pickle
 import pickletools
 import struct
 import threading
-from typing import Any
+from typing import Annotated, Any, Literal, Optional, Union
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationError
 from torch import _weights_only_unpickler
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
@@ -89,11 +96,18 @@ def to_protocol_2(data: bytes) -> bytes:
             out.extend(b"X" + struct.pack("<I", len(encoded)) + encoded)
         pending.clear()
 
-    try:
-        ops = list(pickletools.genops(data))
-    except Exception as e:  # noqa: BLE001  (any parse error means: not a pickle we read)
-        raise UnsafeCheckpoint(f"not a readable pickle ({type(e).__name__}: {e})") from None
-    for i, (op, arg, position) in enumerate(ops):
+    copy_from = None  # where an opcode to copy as it is starts; it ends where the next one starts
+    ops = pickletools.genops(data)
+    while True:
+        try:
+            op, arg, position = next(ops)
+        except StopIteration:
+            break
+        except Exception as e:  # noqa: BLE001  (any parse error means: not a pickle we read)
+            raise UnsafeCheckpoint(f"not a readable pickle ({type(e).__name__}: {e})") from None
+        if copy_from is not None:
+            out.extend(data[copy_from:position])
+            copy_from = None
         name = op.name
         if name in ("PROTO", "FRAME"):
             continue
@@ -130,8 +144,7 @@ def to_protocol_2(data: bytes) -> bytes:
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
         elif name in _COPIED:
             flush()
-            end = ops[i + 1][2] if i + 1 < len(ops) else len(data)
-            out.extend(data[position:end])
+            copy_from = position
         elif name == "STOP":
             flush()
             out.extend(b".")
@@ -179,9 +192,16 @@ def _expect(condition: bool, what: str) -> None:
         raise UnsafeCheckpoint(f"not DCP metadata: {what}")
 
 
+# A tensor of more elements than this is no checkpoint's (2**50 bytes and more); a bound keeps every size
+# computation in range.
+MAX_ELEMENTS = 2**50
+
+
 def _is_size(value: Any) -> bool:
-    """A torch.Size, or the tuple some writers keep instead, of whole numbers >= 0."""
-    return isinstance(value, tuple) and all(type(n) is int and n >= 0 for n in value)
+    """A torch.Size, or the tuple some writers keep instead, of whole numbers >= 0 whose product is below
+    MAX_ELEMENTS."""
+    return (isinstance(value, tuple) and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
+            and math.prod(value) < MAX_ELEMENTS)
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
@@ -212,7 +232,7 @@ def check_shape(index: Any) -> None:
             continue
         _expect(type(entry) is TensorStorageMetadata and _has_fields_only(entry), f"{key!r} is a malformed entry")
         p = entry.properties
-        _expect(type(p) is TensorProperties and isinstance(p.dtype, torch.dtype) and isinstance(p.layout, torch.layout)
+        _expect(type(p) is TensorProperties and p.dtype in _DTYPES.values() and isinstance(p.layout, torch.layout)
                 and type(p.requires_grad) is bool and type(p.pin_memory) is bool
                 and isinstance(p.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
         _expect(_is_size(entry.size), f"{key!r} has a malformed size")
@@ -231,10 +251,9 @@ def check_shape(index: Any) -> None:
         _expect(type(info) is _StorageInfo and _has_fields_only(info) and _is_plain_file_name(info.relative_path)
                 and _is_int(info.offset)
                 and _is_int(info.length), f"storage of {where.fqn!r}: not a file of the folder with an offset and length")
-        descriptors = getattr(info, "transform_descriptors", None)
-        _expect(descriptors is None or (isinstance(descriptors, (list, tuple))
-                                        and all(isinstance(d, str) for d in descriptors)),
-                f"storage of {where.fqn!r}: malformed transform descriptors")
+        # Compressed storage would make what is built larger than what is stored: this tool writes none.
+        _expect(not getattr(info, "transform_descriptors", None),
+                f"storage of {where.fqn!r} is compressed (transform descriptors), which this tool does not read")
     meta = index.storage_meta
     _expect(meta is None or (type(meta) is StorageMeta and _has_fields_only(meta) and type(meta.modules) is list
                              and all(isinstance(m, str) for m in meta.modules)
@@ -246,3 +265,111 @@ def check_shape(index: Any) -> None:
     _expect(planner is None or (type(planner) is dict and all(
         isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
         for k, v in planner.items())), "malformed planner_data")
+
+
+# ---- the index as JSON: what step folders of this tool hold beside .metadata
+
+INDEX_FILE = "index.json"
+# The dtypes a checkpoint's tensors have (not quantized or bit-packed ones, which no part of a run saves).
+_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)
+           and (d.is_floating_point or d.is_complex or d == torch.bool or d in (
+               torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64))}
+_LAYOUTS = {str(torch.strided): torch.strided}
+_MEMORY_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d,
+                                       torch.preserve_format)}
+Count = NonNegativeInt
+
+
+class _Plain(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class _Chunk(_Plain):
+    offsets: list[Count]
+    sizes: list[Count]
+
+
+class _Tensor(_Plain):
+    kind: Literal["tensor"]
+    dtype: str
+    layout: str
+    memory_format: str
+    requires_grad: bool
+    pin_memory: bool
+    size: list[Count]
+    chunks: list[_Chunk]
+
+
+class _Bytes(_Plain):
+    kind: Literal["bytes"]
+
+
+class _Stored(_Plain):
+    fqn: str
+    offset: Optional[list[Count]]  # the chunk's offsets in its tensor; null for a non-tensor value
+    index: Optional[Count]
+    file: str
+    at: Count
+    length: Count
+
+
+class _Index(_Plain):
+    format: Literal[1]
+    version: Optional[str]
+    entries: dict[str, Annotated[Union[_Tensor, _Bytes], Field(discriminator="kind")]]
+    storage: list[_Stored]
+    planner_data: Optional[dict[str, list[Union[str, int]]]]
+
+
+def index_to_json(index: Metadata) -> bytes:
+    """DCP's index as JSON (index_from_json reads it back), for a step folder of this tool."""
+    entries = {}
+    for key, entry in index.state_dict_metadata.items():
+        if isinstance(entry, BytesStorageMetadata):
+            entries[key] = {"kind": "bytes"}
+            continue
+        p = entry.properties
+        entries[key] = {"kind": "tensor", "dtype": str(p.dtype), "layout": str(p.layout),
+                        "memory_format": str(p.memory_format), "requires_grad": p.requires_grad,
+                        "pin_memory": p.pin_memory, "size": list(entry.size),
+                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks]}
+    storage = [{"fqn": where.fqn, "offset": None if where.offset is None else list(where.offset), "index": where.index,
+                "file": info.relative_path, "at": info.offset, "length": info.length}
+               for where, info in index.storage_data.items()]
+    planner = {k: list(v) for k, v in index.planner_data.items()} if isinstance(index.planner_data, dict) else None
+    return json.dumps({"format": 1, "version": index.version, "entries": entries, "storage": storage,
+                       "planner_data": planner}, separators=(",", ":")).encode()
+
+
+def _known(table: dict, name: str, what: str) -> Any:
+    if name not in table:
+        raise UnsafeCheckpoint(f"not an index of this tool: {what} {name!r}")
+    return table[name]
+
+
+def index_from_json(data: bytes) -> Metadata:
+    """The DCP index of an index.json; UnsafeCheckpoint (with the reason) for anything of another shape."""
+    try:
+        parsed = _Index.model_validate_json(data)
+    except ValidationError as e:
+        raise UnsafeCheckpoint(f"not an index of this tool ({e.error_count()} problems; first: "
+                               f"{e.errors(include_url=False)[0]['loc']}: {e.errors(include_url=False)[0]['msg']})") from None
+    entries: dict[str, Any] = {}
+    for key, entry in parsed.entries.items():
+        if isinstance(entry, _Bytes):
+            entries[key] = BytesStorageMetadata()
+            continue
+        properties = TensorProperties(dtype=_known(_DTYPES, entry.dtype, "dtype"),
+                                      layout=_known(_LAYOUTS, entry.layout, "layout"),
+                                      requires_grad=entry.requires_grad,
+                                      memory_format=_known(_MEMORY_FORMATS, entry.memory_format, "memory format"),
+                                      pin_memory=entry.pin_memory)
+        chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in entry.chunks]
+        entries[key] = TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
+    storage = {MetadataIndex(s.fqn, None if s.offset is None else torch.Size(s.offset), s.index):
+               _StorageInfo(relative_path=s.file, offset=s.at, length=s.length) for s in parsed.storage}
+    planner = {k: tuple(v) for k, v in parsed.planner_data.items()} if parsed.planner_data is not None else None
+    index = Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
+                     storage_meta=StorageMeta(), version=parsed.version)
+    check_shape(index)
+    return index

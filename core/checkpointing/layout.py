@@ -8,6 +8,7 @@
   rng.rank_<r>.*        python/numpy/torch/CUDA RNG states of rank r
   fp8.<module>.*        TransformerEngine's delayed-scaling FP8 state (scales and amax histories), which
                         Megatron-FSDP's state dict drops with the rest of TE's `_extra_state`
+  .metadata, index.json DCP's index, as its pickle (for DCP and other tools) and as JSON (what this tool reads)
   config.yaml           the resolved config of the run (rank 0)
   SAVING                written first, by rank 0: the folder is a save of this tool in progress
   COMPLETE              written last, by rank 0, after every rank finished; lists every file's size and
@@ -35,17 +36,17 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 
-from core.checkpointing.dcp_index import UnsafeCheckpoint, load_index
-from core.checkpointing.storage import collect_checksums, file_crc32, is_checksum_sidecar
+from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_from_json, load_index
+from core.checkpointing.storage import collect_checksums, file_crc32, is_checksum_sidecar, stored_plainly
 from core.config.file_shape import read_small_file
 
-STEP_DIR = re.compile(r"^step_(\d+)$")
+STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")  # step_<N> as a save names it: no step_04, no other digits
 COMPLETE_MARKER = "COMPLETE"
 MARKER_MAX_BYTES = 64 * 1024 * 1024  # a marker lists each file in some 60 bytes: room for a million files
 SAVING_MARKER = "SAVING"
 # What a save of this tool writes into a step folder (a folder holding anything else is not deleted).
-_OWN_FILES = re.compile(r"^(\.metadata(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|config\.yaml|"
-                        r"COMPLETE(\.tmp)?|SAVING)$")
+_OWN_FILES = re.compile(r"^(\.metadata(\.tmp)?|index\.json(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|"
+                        r"config\.yaml|COMPLETE(\.tmp)?|SAVING)$", re.ASCII)
 
 # DCP gathers every rank's failure into one CheckpointException, which derives from BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
@@ -112,6 +113,8 @@ def is_own(path: Path) -> bool:
     """A step folder this tool wrote (complete, with a well-formed marker, or an interrupted save) holding nothing
     but the files a save writes: the only kind it ever deletes."""
     path = Path(path)
+    if path.is_symlink():  # a link to a folder elsewhere is not this run's to delete
+        return False
     if is_own_incomplete(path):
         return True
     if not is_complete(path) or not all(_OWN_FILES.match(p.name) and p.is_file() for p in path.iterdir()):
@@ -253,22 +256,32 @@ def verify(path: Path) -> Metadata:
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
         if file.stat().st_size != size:
             raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)")
+    # The index as JSON where the save wrote one (no pickle read at all), else DCP's pickle, read safely; either
+    # compared with its size and CRC-32 in the marker first.
+    name = INDEX_FILE if INDEX_FILE in listed else ".metadata"
     try:
-        data = (path / ".metadata").read_bytes()
+        data = (path / name).read_bytes()
     except OSError as e:
-        raise CheckpointError(f"{path / '.metadata'}: unreadable ({type(e).__name__}: {e})") from None
-    size, crc = listed[".metadata"]
+        raise CheckpointError(f"{path / name}: unreadable ({type(e).__name__}: {e})") from None
+    size, crc = listed[name]
     if len(data) != size or (crc is not None and zlib.crc32(data) != crc):
-        raise CheckpointError(f"{path / '.metadata'}: checksum mismatch (the file changed after it was written); not read")
-    metadata = read_metadata(path, data)
+        raise CheckpointError(f"{path / name}: checksum mismatch (the file changed after it was written); not read")
+    if name == INDEX_FILE:
+        try:
+            metadata = index_from_json(data)
+        except UnsafeCheckpoint as e:
+            raise CheckpointError(f"{path / name}: {e}") from None
+    else:
+        metadata = read_metadata(path, data)
     check_storage(path, metadata, listed)
     return metadata
 
 
 def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None) -> None:
     """Every file the DCP index points into is a file of the folder (no symbolic link; listed in COMPLETE,
-    when `listed` is given) and long enough; every tensor's chunks hold all of its elements, and each chunk's
-    storage at least its bytes (so no tensor is made larger than the data on disk, or left partly unread)."""
+    when `listed` is given) and long enough; every tensor's chunks hold all of its elements once, each chunk's
+    storage at least its bytes, and every item is a torch.save archive with its entries stored uncompressed
+    (so nothing loaded is larger than the data on disk, or left partly unread)."""
     storage = metadata.storage_data
     index = Path(path) / ".metadata"
     for where, info in storage.items():
@@ -282,15 +295,44 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None)
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
-        if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size):
-            raise CheckpointError(f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements")
+        if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size) or _overlap(entry):
+            raise CheckpointError(f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements "
+                                  "(each once)")
         itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
             if info is None:
                 raise CheckpointError(f"{Path(path) / '.metadata'}: {key} has a chunk with no storage")
-            if not getattr(info, "transform_descriptors", None) and info.length < math.prod(chunk.sizes) * itemsize:
+            if info.length < math.prod(chunk.sizes) * itemsize:
                 raise CheckpointError(f"{Path(path) / '.metadata'}: {key} claims more bytes than its storage holds")
+    by_file: dict[str, list] = {}
+    for where, info in storage.items():
+        by_file.setdefault(info.relative_path, []).append((where, info))
+    for name, items in by_file.items():
+        with open(Path(path) / name, "rb") as shard:
+            for where, info in items:
+                problem = stored_plainly(shard, info.offset, info.length)
+                if problem:
+                    raise CheckpointError(f"{Path(path) / name}: the item of {where.fqn} at byte {info.offset}: {problem}")
+
+
+def _overlap(entry: TensorStorageMetadata) -> bool:
+    """Whether two chunks of a tensor share elements (with the element counts adding up, chunks that do not
+    overlap hold every element once). Chunks split along the first dimension, as sharding does, are checked
+    exactly by sorting; others pairwise, up to a few hundred of them."""
+    chunks = entry.chunks
+    rest = tuple(entry.size[1:])
+    if entry.size and all(tuple(c.offsets[1:]) == (0,) * len(rest) and tuple(c.sizes[1:]) == rest for c in chunks):
+        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks if c.sizes[0] and math.prod(rest))
+        return any(start < previous_end for (_, previous_end), (start, _) in zip(spans, spans[1:]))
+    if len(chunks) > 256:
+        return False
+
+    def meet(a, b) -> bool:
+        return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
+
+    solid = [c for c in chunks if math.prod(c.sizes)]
+    return any(meet(a, b) for i, a in enumerate(solid) for b in solid[i + 1:])
 
 
 def verify_plain_dcp(path: Path) -> Metadata:

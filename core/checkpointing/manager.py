@@ -13,6 +13,7 @@ Checkpointer never reaches into them. Methods are collectives (call them on ever
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from concurrent.futures import Future
@@ -126,8 +127,10 @@ class Checkpointer:
         run gets there. (A save on a signal is refused at that moment.)"""
         error = [None]
         if self.is_main:
-            blocked = [p for p in step_dirs(self.path)
-                       if first_step <= (step_of(p) or -1) <= last_step and saves_at(step_of(p)) and not is_own(p)]
+            named = [self.path / name for name in (os.listdir(self.path) if self.path.is_dir() else [])]
+            blocked = sorted((p for p in named  # a file or a link named step_<N> blocks a save too
+                              if first_step <= (step_of(p) or -1) <= last_step and saves_at(step_of(p))
+                              and not (p.is_dir() and not p.is_symlink() and is_own(p))), key=step_of)
             if blocked:
                 error = [f"this run saves step {step_of(blocked[0])}, but {blocked[0]} exists and is not a checkpoint "
                          "this tool wrote (or its COMPLETE marker is damaged), so it will not replace it: move it "
@@ -186,8 +189,22 @@ class Checkpointer:
                 log.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
                 continue
             self.protected.add(step_of(path) or -1)
+            self._set_aside_newer(read_marker(path)["step"])
             return path
         return None
+
+    def _set_aside_newer(self, step: int) -> None:
+        """A collective, after resuming from `step`: this tool's checkpoints under checkpoint.path of later steps
+        (a branch the run went back from, or damaged ones automatic resume skipped) are renamed
+        step_<N>.superseded: kept, but never resumed from, ranked by retention or saved over."""
+        if self.is_main:
+            for p in step_dirs(self.path):
+                if (step_of(p) or -1) > step and is_own(p):
+                    kept = _unused_name(p, ".superseded")
+                    p.rename(kept)
+                    log.warning("%s is newer than the checkpoint this run continues from (step %d): kept as %s",
+                                p, step, kept.name)
+        dist.barrier()
 
     def _load(self, path: Path, parts: Mapping[str, CheckpointPart]) -> None:
         start = time.perf_counter()
@@ -227,9 +244,9 @@ class Checkpointer:
                     raise CheckpointError(f"{target} exists and is not a checkpoint this tool wrote: move it away "
                                           "(the checkpoints before it are kept)")
                 if target.exists() and is_complete(target):
-                    # A save of this step before, which this run did not resume from (it went back, or found it
-                    # damaged): kept beside, never lost.
-                    kept = _unused_name(target, ".replaced")
+                    # A save of this step before that this run did not continue from (usually set aside at
+                    # resume already): kept beside, never lost.
+                    kept = _unused_name(target, ".superseded")
                     target.rename(kept)
                     log.warning("%s exists (this run resumed from an earlier step): kept as %s, saving anew",
                                 target, kept.name)
@@ -292,7 +309,7 @@ class Checkpointer:
     def _apply_retention(self) -> None:
         """Rank 0, after a checkpoint completed: drop interrupted saves and what the keep_* rules release."""
         in_flight = self.pending.target if self.pending is not None else None
-        entries = []
+        entries, folders = [], {}
         for p in step_dirs(self.path):
             if p == in_flight:
                 continue
@@ -306,12 +323,13 @@ class Checkpointer:
                 continue
             value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
             entries.append((step_of(p), value))
+            folders[step_of(p)] = p
         keep = checkpoints_to_keep(entries, self.cfg.keep_last_n, self.cfg.keep_every_n_steps,
                                    self.cfg.keep_best_k, self.cfg.monitor_mode, self.protected)
         for step, _ in entries:
-            if step not in keep:
-                log.info("deleting checkpoint step_%d (retention)", step)
-                shutil.rmtree(self.path / f"step_{step}", ignore_errors=True)
+            if step not in keep:  # the folder examined above, never a name made up from its step
+                log.info("deleting checkpoint %s (retention)", folders[step].name)
+                shutil.rmtree(folders[step], ignore_errors=True)
 
     def check_monitor(self, metrics: dict) -> None:
         """checkpoint.monitor must name a metric the run records, train/<name> (loss, lr, grad_norm) or val/<name>;

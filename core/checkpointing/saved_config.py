@@ -96,11 +96,12 @@ def read_config_file(file: Path) -> dict:
     return tree
 
 
-def _plain(value: Any) -> Any:
+def plain_values(value: Any) -> Any:
+    """`value` with enum members as their values (the plain data a YAML file holds)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        return {k: plain_values(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain_values(v) for v in value]
     return value.value if isinstance(value, Enum) else value
 
 
@@ -130,7 +131,7 @@ def _checked(file: Path, section: str, schema: type, values: Any, keys: Optional
         raise CheckpointError(f"{file}: {where}: {message}") from None
     except (ConfigError, KeyError) as e:
         raise CheckpointError(f"{file}: {e}") from None
-    return {k: _plain(v) for k, v in picked.items()}
+    return {k: plain_values(v) for k, v in picked.items()}
 
 
 @dataclass(frozen=True)
@@ -227,7 +228,7 @@ def _given(cfg: DictConfig, key: str, directly: bool) -> tuple[bool, Any]:
     if OmegaConf.is_interpolation(parent, name) and not directly:
         return False, None
     value = parent[name]
-    return True, _plain(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
+    return True, plain_values(OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value)
 
 
 def adopt_saved_model(cfg: DictConfig, overrides: Iterable[str], get_recipe: Callable[[str], type]) -> DictConfig:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import zipfile
 import zlib
 from collections import OrderedDict
 from contextlib import contextmanager
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
-from core.checkpointing.dcp_index import UnsafeCheckpoint, load_index
+from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index
 
 CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
 
@@ -96,6 +97,52 @@ def plain_copy(value: Any) -> Any:
     raise TypeError(f"it holds a {kind.__name__}, which is not plain data")
 
 
+class _Slice(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a seekable file of their own."""
+
+    def __init__(self, file: io.BufferedReader, start: int, length: int):
+        super().__init__()
+        self.file, self.start, self.length, self.position = file, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.position
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        self.position = {io.SEEK_SET: 0, io.SEEK_CUR: self.position, io.SEEK_END: self.length}[whence] + offset
+        return self.position
+
+    def readinto(self, buffer) -> int:
+        count = max(0, min(len(buffer), self.length - self.position))
+        self.file.seek(self.start + self.position)
+        data = self.file.read(count)
+        buffer[:len(data)] = data
+        self.position += len(data)
+        return len(data)
+
+
+def stored_plainly(file: io.BufferedReader, offset: int, length: int) -> Optional[str]:
+    """What is wrong with the item at [offset, offset + length) of a shard, or None: DCP stores each item as a
+    torch.save archive, whose entries torch writes uncompressed; a compressed entry would make what is loaded far
+    larger than what is stored (an archive of a few MB unpacking to GBs)."""
+    try:
+        with zipfile.ZipFile(_Slice(file, offset, length)) as archive:
+            entries = archive.infolist()
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+        return f"not a torch.save archive ({type(e).__name__}: {e})"
+    packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED or e.file_size != e.compress_size]
+    if packed:
+        return f"{packed[0]} is compressed"
+    if sum(e.file_size for e in entries) > length:
+        return "its entries claim more bytes than it holds"
+    return None
+
+
 # ---- writing, with a checksum per file
 
 
@@ -158,6 +205,15 @@ class ChecksummingWriter(FileSystemWriter):
     def __init__(self, path: str | os.PathLike, **kwargs: Any):
         super().__init__(path, **kwargs)
         self.fs = _ChecksummingFileSystem()
+
+    def finish(self, metadata: Metadata, results) -> None:
+        """DCP's index as its pickle (.metadata, for DCP and other tools) and as JSON (index.json, which this
+        tool reads: core/checkpointing/dcp_index.py). Runs on the coordinating rank, after every rank wrote."""
+        super().finish(metadata, results)
+        index = Path(self.path) / INDEX_FILE
+        temporary = index.with_name(INDEX_FILE + ".tmp")
+        temporary.write_bytes(index_to_json(metadata))
+        os.replace(temporary, index)
 
     def write_data(self, plan, planner):
         future = super().write_data(plan, planner)

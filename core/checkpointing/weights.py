@@ -59,8 +59,14 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path}: cannot read as a torch file ({type(e).__name__}: {e})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
         state = state["model"]
-    if not isinstance(state, dict) or not all(torch.is_tensor(v) for v in state.values()):
-        raise CheckpointError(f"{path}: expected a dict of tensors (a model state dict)")
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path}: a {type(state).__name__}, expected a dict of tensors (a model state dict)")
+    # Names are matched as text (prefixes, suffixes): anything else is not a state dict, refused here.
+    for name, value in state.items():
+        if not isinstance(name, str) or not torch.is_tensor(value):
+            what = (f"a key that is not a name ({name!r:.60}, type {type(name).__name__})" if not isinstance(name, str)
+                    else f"{name!r:.60} holds a value of type {type(value).__name__}, not a tensor")
+            raise CheckpointError(f"{path}: {what}; expected a dict of names to tensors (a model state dict)")
     return state
 
 

@@ -31,8 +31,6 @@ class TrainingData:
         datasets = recipe.build_datasets()
         self.train, self.val = datasets.train, datasets.val
         self.length = run_length(t.steps, t.epochs, t.global_batch_size, len(self.train))  # training.epochs -> steps
-        self.stream = MultiEpochDatasetResampler(self.train, num_samples=self.length.steps * t.global_batch_size,
-                                                 seed=cfg.seed)
         self.val_loader = None
         if self.val is not None and t.limit_val_batches != 0:
             sampler = EvalBatchSampler(len(self.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches)
@@ -45,6 +43,11 @@ class TrainingData:
         env = self.env
         sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size, env.dp_rank,
                                      consumed_samples)
-        loader = make_loader(self.stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
+        # The stream reaches from `consumed_samples` to the last sample these micro-batches take, whatever the
+        # position: a run resumed with another global batch (checkpoint.allow_config_changes) stands at a count
+        # that is no multiple of this one, and may be past training.steps x this batch.
+        end = consumed_samples + max(-(-count // self.accumulation), 1) * self.global_batch_size
+        stream = MultiEpochDatasetResampler(self.train, num_samples=end, seed=self.seed)
+        loader = make_loader(stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
                              self.recipe.collate_fn(), self.ignore_signals)
         return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device)

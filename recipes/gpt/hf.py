@@ -26,6 +26,8 @@ files outside the folder, and tensors that do not fit, naming the file and the f
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import shutil
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -34,6 +36,7 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from core.config.file_shape import problems, shown
+from recipes.gpt.config import GPTModelConfig
 
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
@@ -267,12 +270,43 @@ def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, 
     if heads % groups:
         refuse("num_key_value_heads", groups, f"a divisor of num_attention_heads={heads}")
     rope_theta = next((t for t in (rope.rope_theta, c.rope_theta) if t is not None), 10000.0)
-    return {
+    settings = {
         "vocab_size": c.vocab_size, "seq_length": c.max_position_embeddings,
         "hidden_size": hidden, "num_layers": c.num_hidden_layers, "num_attention_heads": heads,
         "num_query_groups": groups, "ffn_hidden_size": c.intermediate_size, "rotary_base": float(rope_theta),
         "norm_epsilon": c.rms_norm_eps, "tie_embeddings": c.tie_word_embeddings, "init_std": c.initializer_range,
     }
+    # The settings become model.<key> on the command line printed for training, which applies the GPT schema's
+    # ranges: refuse here, naming the config.json field, what training would refuse.
+    for key, field in LLAMA_FIELDS.items():
+        rule = GPTModelConfig.RANGES.get(key)
+        if rule is not None and not rule.accepts(settings[key]):
+            refuse(field, settings[key], f"{rule.expected(key)} (it becomes model.{key})")
+    return settings
+
+
+# Our model settings and the config.json fields they come from.
+LLAMA_FIELDS = {"vocab_size": "vocab_size", "seq_length": "max_position_embeddings", "hidden_size": "hidden_size",
+                "num_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
+                "num_query_groups": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
+                "rotary_base": "rope_theta", "norm_epsilon": "rms_norm_eps", "init_std": "initializer_range"}
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` as one shell word that Hydra reads back as the text of `value`: quoted for Hydra only where
+    it would read something else (a comma makes a sweep, `1e5` a number, edge spaces are dropped), then for
+    the shell (spaces)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    text = str(value)
+    try:
+        plain = OverridesParser.create().parse_override(f"{key}={text}").value() == text
+    except HydraException:
+        plain = False
+    if not plain:  # Hydra's quoted strings: backslashes are escaped only before a quote or at the end
+        text = '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), text) + '"'
+    return shlex.quote(f"{key}={text}")
 
 
 def overrides(settings: dict[str, Any]) -> list[str]:
@@ -327,12 +361,14 @@ def declared_special_ids(file: Path) -> dict[str, int]:
     special_tokens_map.json), where their tokens are in its vocabulary."""
     from tokenizers import Tokenizer
 
+    from recipes.gpt.tokenizer import SETTINGS_FILES, read_settings_file
+
     vocabulary = Tokenizer.from_file(str(file))
     found: dict[str, int] = {}
-    for config in ("tokenizer_config.json", "special_tokens_map.json"):
+    for config in SETTINGS_FILES:
         if not (file.parent / config).is_file():
             continue
-        declared = json.loads((file.parent / config).read_text())
+        declared = read_settings_file(file.parent / config)
         for name in ("bos", "pad"):
             token = declared.get(f"{name}_token")
             token = token.get("content") if isinstance(token, dict) else token
@@ -506,7 +542,7 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     else:
         write_weights_step(weights, target, str(folder))
     settings_line = " ".join(overrides(settings) + ([] if fuse_qkv else ["model.fuse_qkv_params=false"]))
-    tokenizer = f" data.tokenizer={folder}" if (folder / "tokenizer.json").is_file() else ""
+    tokenizer = f" {override('data.tokenizer', folder)}" if (folder / "tokenizer.json").is_file() else ""
     print(f"wrote {len(weights)} tensors to {target}\n"
-          f"train, predict or generate with: checkpoint.init_from={target} {settings_line}{tokenizer}")
+          f"train, predict or generate with: {override('checkpoint.init_from', target)} {settings_line}{tokenizer}")
     return overrides(settings)

@@ -35,10 +35,12 @@ class GPTRecipe(Recipe):
         if m.vocab_size is not None:
             needed = None if d.format == "mock" else build_tokenizer(d.tokenizer, d.eod_token).vocab_size
             if needed is not None and m.vocab_size < needed:
-                raise ValueError(f"model.vocab_size={m.vocab_size} is smaller than the tokenizer's {needed}")
+                raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.tokenizer="
+                                  f"{d.tokenizer} ({needed} tokens): its ids would have no embedding; give at least "
+                                  f"{needed}, or null (the tokenizer's, rounded up)")
             return m.vocab_size
         if d.format == "mock":
-            raise ValueError("data.format=mock needs model.vocab_size")
+            raise ConfigError("data.format=mock needs model.vocab_size (mock data has no tokenizer to take it from)")
         return padded_vocab_size(build_tokenizer(d.tokenizer, d.eod_token).vocab_size, m.make_vocab_size_divisible_by)
 
     @functools.cached_property

@@ -12,6 +12,8 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
+from core.config.errors import ConfigError
+
 
 class ByteTokenizer:
     """UTF-8 bytes as ids 0-255, end-of-document 256, padding 257: any text, no vocabulary file, and
@@ -68,11 +70,29 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
 
 
+SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # where the special tokens are declared
+
+
+def read_settings_file(file: Path) -> dict:
+    """A tokenizer folder's tokenizer_config.json or special_tokens_map.json. One that is not a JSON object is
+    refused (ConfigError naming it), not skipped: the special tokens it should declare would silently come from
+    the other file, or be missing, and Hugging Face's own loaders fail on it too."""
+    try:
+        settings = json.loads(file.read_bytes())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ConfigError(f"{file}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then "
+                          "run again") from None
+    if not isinstance(settings, dict):
+        raise ConfigError(f"{file}: a JSON {type(settings).__name__}, expected an object of the tokenizer's settings "
+                          "(eos_token, ...); fix or remove it, then run again")
+    return settings
+
+
 def _eos_token(folder: Path) -> Optional[str]:
-    for name in ("tokenizer_config.json", "special_tokens_map.json"):
+    for name in SETTINGS_FILES:
         file = folder / name
         if file.is_file():
-            token = json.loads(file.read_text()).get("eos_token")
+            token = read_settings_file(file).get("eos_token")
             if isinstance(token, dict):
                 token = token.get("content")
             if token:
