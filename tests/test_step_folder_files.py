@@ -4,6 +4,7 @@ COMPLETE before it is parsed, and the index cannot point outside the folder or c
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pickle
@@ -13,10 +14,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 
 import core.checkpointing.layout as layout
-from core.checkpointing.dcp_index import load_index
+from core.checkpointing.dcp_index import index_from_json, load_index
 from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter
 from core.config.errors import ConfigError
@@ -74,6 +76,25 @@ def test_a_marker_that_is_not_utf8_or_json_is_a_checkpoint_error(step_dir, tmp_p
         (folder / "COMPLETE").write_bytes(content)
         with pytest.raises(CheckpointError, match="unreadable completion marker"):
             verify(folder)
+
+
+@pytest.mark.parametrize("parent", ["fills the index in place", "fills a copy"])
+def test_index_json_holds_what_the_pickled_index_holds(tmp_path, monkeypatch, parent):
+    """PyTorch versions differ in whether the writer's finish completes the index it is given or a copy of it
+    (version, where each item lies); index.json must hold what .metadata holds either way."""
+    if parent == "fills a copy":
+        finish = FileSystemWriter.finish
+        monkeypatch.setattr(FileSystemWriter, "finish",
+                            lambda self, metadata, results: finish(self, dataclasses.replace(metadata), results))
+    folder = tmp_path / "step_1"
+    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, "train_state": {"step": 1}},
+             storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    pickled = load_index((folder / ".metadata").read_bytes())
+    from_json = index_from_json((folder / "index.json").read_bytes())
+    assert from_json.version == pickled.version is not None
+    assert from_json.state_dict_metadata == pickled.state_dict_metadata
+    assert from_json.storage_data == pickled.storage_data and len(pickled.storage_data) == 3
+    assert from_json.planner_data == pickled.planner_data
 
 
 @pytest.mark.parametrize("index", ["index.json", ".metadata"])

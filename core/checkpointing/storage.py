@@ -14,6 +14,7 @@ CRC-32 catches corruption (any flipped bit, truncation, a torn write), not tampe
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import os
@@ -26,7 +27,7 @@ from typing import Any, Iterator, Optional
 
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
+from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata
 
 from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index
@@ -210,9 +211,13 @@ class ChecksummingWriter(FileSystemWriter):
         """DCP's index as its pickle (.metadata, for DCP and other tools) and as JSON (index.json, which this
         tool reads: core/checkpointing/dcp_index.py). Runs on the coordinating rank, after every rank wrote."""
         super().finish(metadata, results)
+        # The index as the pickle holds it: some PyTorch versions fill in the version and where each item lies
+        # on a copy of `metadata` only, so both are taken here as they do.
+        where = {result.index: result.storage_data for per_rank in results for result in per_rank}
+        written = dataclasses.replace(metadata, version=CURRENT_DCP_VERSION, storage_data=where)
         index = Path(self.path) / INDEX_FILE
         temporary = index.with_name(INDEX_FILE + ".tmp")
-        temporary.write_bytes(index_to_json(metadata))
+        temporary.write_bytes(index_to_json(written))
         os.replace(temporary, index)
 
     def write_data(self, plan, planner):
