@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 
@@ -9,7 +10,7 @@ import pytest
 
 from core.config.errors import ConfigError
 from core.config.validation import validate
-from core.data.sampling import accumulation_steps
+from core.data.sampling import GlobalBatchSampler, accumulation_steps
 from core.distributed.env import mesh_shape
 from tests.helpers import REPO, compose_config
 
@@ -19,18 +20,27 @@ def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProces
                           cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.mark.parametrize("override,key", [
-    ("optim.lrr=1", "optim.lrr"),                       # unknown key
-    ("training.steps=abc", "training.steps"),           # wrong type
-    ("model.hidden_size=big", "model.hidden_size"),     # wrong type in a recipe's group
-    ("+optim.foo=1", "optim.foo"),                      # forced new key: caught by our validation
-    ("+model.dropout=0.1", "model.dropout"),
-    ("distributed.mfsdp.zero_dp_strategy=x", "distributed.mfsdp.zero_dp_strategy"),
+@pytest.mark.parametrize("override,code,message", [
+    # unknown key: our check, with the closest key
+    ("optim.lrr=1", 2, "config error: unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
+    # wrong type: Hydra's merge into the schema, naming the full key
+    ("training.steps=abc", 1, "could not be converted to Integer\n    full_key: training.steps"),
+    ("model.hidden_size=big", 1, "could not be converted to Integer\n    full_key: model.hidden_size"),
+    # forced new keys (+key=...) pass Hydra's merge: caught by our validation
+    ("+optim.foo=1", 2, "config error: unknown key 'optim.foo'"),
+    ("+model.dropout=0.1", 2, "config error: unknown key 'model.dropout'; did you mean 'model.hidden_dropout'?"),
+    ("distributed.mfsdp.zero_dp_strategy=x", 1,
+     "Invalid value 'x', expected one of [no_shard, optim, optim_grads, optim_grads_params]\n"
+     "    full_key: distributed.mfsdp.zero_dp_strategy"),
 ])
-def test_cli_rejects_bad_key_or_type(override, key, tmp_path):
+def test_cli_rejects_bad_key_or_type(override, code, message, tmp_path):
+    """Each bad override stops train.py with its own message and exit code (2: our config check; 1: Hydra's
+    merge), never a traceback, before anything runs."""
     proc = run_train(override, f"hydra.run.dir={tmp_path}")
-    assert proc.returncode != 0
-    assert key in proc.stderr + proc.stdout
+    output = proc.stderr + proc.stdout
+    assert message in output, output[-2000:]
+    assert proc.returncode == code, output[-2000:]
+    assert "Traceback" not in output
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
 
 
@@ -77,9 +87,23 @@ def test_cli_fp8_without_transformer_engine_is_refused(tmp_path):
 
 @pytest.mark.parametrize("gpus", [1, 2, 4, 8])
 def test_vit_base_runs_as_typed_on_1_to_8_gpus(gpus):
-    """The README's ViT command (distributed.dp_shard=NGPU) keeps the fast micro-batch of 256 on 1-8 GPUs:
-    the global batch divides into it, with 8 / NGPU accumulated micro-batches."""
+    """The README's ViT command (distributed.dp_shard=NGPU), composed and split as a run on NGPU processes splits
+    it: the mesh the run builds, the accumulation it works out and each rank's sampler. Every rank trains
+    micro-batches of 256 (the fast size), and one step's micro-batches over all ranks are the global batch's
+    samples, each once."""
     cfg = validate(compose_config("vit_base_patch16_224", [f"distributed.dp_shard={gpus}", "checkpoint.path=./ckpts/vit"]))
-    t = cfg.training
-    assert t.micro_batch_size == 256
-    assert accumulation_steps(t.global_batch_size, t.micro_batch_size, gpus) * gpus == 8
+    t, d = cfg.training, cfg.distributed
+    dp_outer, dp_shard, tp = mesh_shape(gpus, d.dp_outer, d.dp_shard, d.tp)
+    assert (dp_outer * dp_shard, tp) == (gpus, 1)
+    accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp_outer * dp_shard)
+    step = []
+    for rank in range(gpus):
+        micro_batches = itertools.islice(GlobalBatchSampler(t.micro_batch_size, t.global_batch_size, gpus, rank),
+                                         accumulation)
+        for micro_batch in micro_batches:
+            assert len(micro_batch) == 256
+            step += micro_batch
+    assert sorted(step) == list(range(t.global_batch_size))
+    assert accumulation == 8 // gpus
+
+

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers  # pinned in requirements.txt: a missing one is an error here, never a skip
 from safetensors.torch import load_file, save_file
 
 from checkpoint import main as checkpoint_cli
@@ -20,8 +21,6 @@ from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
 from recipes.registry import get_recipe
 from tests.helpers import REPO, train_run, validated_config
-
-transformers = pytest.importorskip("transformers")
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=96", "model.seq_length=32", "training.micro_batch_size=4",

@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 from hydra import compose, initialize_config_dir
 
 from tests.helpers import CONFIGS, REPO
@@ -46,16 +47,49 @@ def test_torchrun_rendezvous_id_names_the_run_without_agent_store():
     assert got["run_id"] == "exp7" and got["rank"] == 1
 
 
-def test_slurm_launcher_config_composes():
+def test_the_slurm_launcher_asks_slurm_for_the_job_the_readme_describes(tmp_path, monkeypatch):
+    """hydra/launcher=slurm, as the README's command gives it, composed and handed to the plugin: the batch script
+    that submitit would submit (stopped before sbatch) asks for the nodes, one task per GPU, the partition, the
+    time limit and the warning signal the loop saves on; a key of the YAML that the plugin or submitit does not
+    take would fail here."""
+    import submitit
+    from hydra.core.utils import JobReturn
+    from hydra.types import HydraContext
+    from hydra.utils import instantiate
+
     from tests.helpers import register
+
+    class Submitted(Exception):
+        pass
+
+    script = {}
+
+    def map_array(executor, fn, *args):
+        script["text"] = executor._executor._make_submission_file_text("python train.py", "0")
+        script["requeues"] = executor._executor.max_num_timeout
+        raise Submitted
 
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
         cfg = compose(config_name="vit_base_patch16_224", return_hydra_config=True,
-                      overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=gpu"])
-    launcher = cfg.hydra.launcher
-    assert launcher._target_.endswith("SlurmLauncher")
-    assert (launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node, launcher.partition) == (2, 8, 8, "gpu")
+                      overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=gpu",
+                                 f"hydra.sweep.dir={tmp_path}", "distributed.dp_shard=16"])
+    monkeypatch.setattr(submitit.AutoExecutor, "map_array", map_array)
+    fake_bin = tmp_path / "bin"  # submitit looks for srun before it writes anything
+    fake_bin.mkdir()
+    (fake_bin / "srun").write_text("#!/bin/sh\nexit 1\n")
+    (fake_bin / "srun").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
+    launcher = instantiate(cfg.hydra.launcher)
+    launcher.setup(hydra_context=HydraContext(config_loader=None, callbacks=None),
+                   task_function=lambda c: JobReturn(), config=cfg)
+    with pytest.raises(Submitted):
+        launcher.launch([["optim.lr=1e-3"]], initial_job_idx=0)
+    directives = {line.split()[1] for line in script["text"].splitlines() if line.startswith("#SBATCH ")}
+    for wanted in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--time=240",
+                   "--partition=gpu", "--signal=USR2@120", "--job-name=vit_base_patch16_224"):
+        assert wanted in directives, (wanted, sorted(directives))
+    assert script["requeues"] == 20  # submitit requeues the job itself on the signal, this many times
 
 
 def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
