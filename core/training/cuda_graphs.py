@@ -33,12 +33,14 @@ delayed and current scaling, torch.compile, more than one data-parallel rank, te
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, TYPE_CHECKING
 
 import torch
 
-from core.parallel.base import Parallel
 from core.training.forward_backward import ForwardBackward
+
+if TYPE_CHECKING:  # the backend's interface, named in annotations only (docs/architecture.md: imports)
+    from core.parallel.base import Parallel
 
 log = logging.getLogger("train")
 

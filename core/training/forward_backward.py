@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from typing import Callable, ContextManager, TYPE_CHECKING
 
 import torch
 
-from core.parallel.base import Parallel
+if TYPE_CHECKING:  # the backend's interface, named in annotations only (docs/architecture.md: imports)
+    from core.parallel.base import Parallel
 
 
 class ForwardBackward:
