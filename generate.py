@@ -68,7 +68,7 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
     if (g.prompt is None) == (g.prompt_file is None):
         raise ConfigError("generate.py needs one of generate.prompt=\"...\" or generate.prompt_file=<file>")
     prompts = [g.prompt] if g.prompt is not None else read_prompts(Path(g.prompt_file))
-    register_configs()
+    register_configs()  # as in train.run: for a caller from Python, which never ran __main__
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
     with session.start(whole_weights(cfg), run_dir, get_recipe) as s:
         # 1. The model in one process, its weights from checkpoint.init_from.

@@ -59,7 +59,9 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
     one the checkpoint was trained with."""
     if not cfg.checkpoint.init_from:
         raise ConfigError("predict.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
-    register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
+    # Validation reads the schemas from Hydra's store. Registered again here (a no-op when there) for the processes
+    # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
+    register_configs()
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
     with session.start(cfg, run_dir, get_recipe) as s:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.

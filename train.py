@@ -102,7 +102,9 @@ def main(cfg: DictConfig) -> Optional[float]:
 def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     launch.check_sweeper(str(cfg.training.objective.direction))  # before any work
     launch.separate_checkpoint_path(cfg)  # a multirun's jobs each get a folder of their own under checkpoint.path
-    register_configs()  # validation reads the schemas from Hydra's store (a no-op when already there)
+    # Validation reads the schemas from Hydra's store. Registered again here (a no-op when there) for the processes
+    # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
+    register_configs()
     with session.start(cfg, run_dir, get_recipe) as s:
         return train(setup(s, objective_required=launch.optimising_sweep()))
 
