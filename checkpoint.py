@@ -1,4 +1,4 @@
-"""Checkpoints of this repository's runs: the command line, and the public API (from core/checkpointing/).
+"""Checkpoints of this repository's runs, on the command line (the functions it calls: core/checkpointing/).
 
 Torch DCP step folders `<checkpoint.path>/step_<N>/` (layout: core/checkpointing/layout.py), resumed
 automatically, kept by the `checkpoint.keep_*` rules, and converted to and from plain weight files:
@@ -10,8 +10,8 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-hf <file.pt|file.safetensors> <out_dir> --config <the run's config.yaml>
   python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama folder -> GPT weights
 
-One process, no GPU needed. Reading a step folder runs no code from it (DCP's pickled index is read through
-an allow-list: core/checkpointing/storage.py; its config.yaml is read as plain data and checked against the
+One process, no GPU needed. Reading a step folder runs no code from it (DCP's index is read from index.json, or
+from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as plain data and checked against the
 recipe's schemas: core/checkpointing/saved_config.py) and checks every file against the CRC-32 recorded when
 it was written (`--skip-checksums` to read a damaged checkpoint anyway). to-hf takes the model settings from
 the step folder's config.yaml; a `--config` whose model settings differ from it is refused.
@@ -25,16 +25,7 @@ from pathlib import Path
 from typing import Optional
 
 from core.checkpointing.conversion import from_torch, to_safetensors, to_torch
-from core.checkpointing.layout import (CheckpointError, complete_checkpoints, empty_like_saved, is_complete, step_dirs,
-                                       verify)
-from core.checkpointing.manager import Checkpointer
-from core.checkpointing.retention import checkpoints_to_keep
-from core.checkpointing.staging import HostStager
-from core.checkpointing.weights import load_weights, read_model_weights
-
-__all__ = ["CheckpointError", "Checkpointer", "HostStager", "checkpoints_to_keep", "complete_checkpoints",
-           "empty_like_saved", "from_torch", "is_complete", "load_weights", "read_model_weights", "step_dirs",
-           "to_safetensors", "to_torch", "verify", "main"]
+from core.checkpointing.layout import CheckpointError
 
 
 def _check_writable(out: str) -> None:

@@ -47,9 +47,36 @@ def train_run(cfg, run_dir, full_state: bool = False) -> dict:
     with session.start(cfg, Path(run_dir), get_recipe) as s:
         run = train.setup(s)
         result = train.train(run)
-        state = run.parallel.full_state_dict() if full_state else None  # a collective: before teardown
+        state = full_state_dict(run.parallel) if full_state else None  # a collective: before teardown
         groups = [(g["name"], len(g["params"]), g["weight_decay"]) for g in run.optimizer.param_groups]
     return {"result": result, "state": state, "param_groups": groups}
+
+
+def full_state_dict(parallel) -> dict:
+    """Unsharded model weights by canonical name (TP=1 layout), on the CPU, on every rank (a collective).
+
+    Each rank sends the pieces it holds with their offsets, the way a checkpoint stores them, so this works
+    alike for even (FSDP2) and uneven (Megatron-FSDP) shards and tensor-parallel splits."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+
+    from core.layers.tensor_parallel import local_pieces
+
+    out = {}
+    for name, value in parallel.model_state_dict().items():
+        if not isinstance(value, DTensor):
+            out[name] = value.detach().cpu()
+            continue
+        mine = [(offsets, piece.detach().cpu()) for offsets, piece in local_pieces(value)]
+        everyone: list = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        full = torch.empty(value.shape, dtype=value.dtype)
+        for pieces in everyone:
+            for offsets, piece in pieces:
+                full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
+        out[name] = full
+    return out
 
 
 def free_port() -> int:

@@ -16,7 +16,8 @@ import numpy as np
 import torch
 import torch.multiprocessing as mp
 
-from checkpoint import checkpoints_to_keep, complete_checkpoints, step_dirs, verify
+from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
+from core.checkpointing.retention import checkpoints_to_keep
 from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
 from tests.helpers import REPO, _worker, compose_config, free_port, run_workers
 
@@ -110,9 +111,9 @@ def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
 
 def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
     """Stall rank 0 between the DCP writes and the COMPLETE marker of step `slow_step`."""
-    import checkpoint
+    from core.checkpointing.manager import Checkpointer
 
-    finish = checkpoint.Checkpointer._finish
+    finish = Checkpointer._finish
 
     def slow(self, save):
         if save.step == slow_step and self.is_main:
@@ -120,7 +121,7 @@ def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
             time.sleep(600)
         finish(self, save)
 
-    checkpoint.Checkpointer._finish = slow
+    Checkpointer._finish = slow
     run_phases(phases)
 
 
@@ -326,11 +327,11 @@ def _assert_equal(a, b, path: str = "", atol: float = 0.0) -> None:
 
 
 def _export(step_dir: str, out_dir: str) -> None:
-    import checkpoint
+    from core.checkpointing.conversion import from_torch, to_safetensors, to_torch
 
-    checkpoint.to_torch(step_dir, f"{out_dir}/weights.pt")
-    checkpoint.to_safetensors(step_dir, f"{out_dir}/weights.safetensors")
-    checkpoint.from_torch(f"{out_dir}/weights.pt", f"{out_dir}/converted/step_0")
+    to_torch(step_dir, f"{out_dir}/weights.pt")
+    to_safetensors(step_dir, f"{out_dir}/weights.safetensors")
+    from_torch(f"{out_dir}/weights.pt", f"{out_dir}/converted/step_0")
 
 
 def _unsharded_vit():

@@ -183,7 +183,7 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
     """A TP=2 checkpoint (GLU fc1 weights and their Adam moments included) resumes at TP=1 x DP=2 and on one
     process, continuing with the TP=2 run's own losses; its to-torch export is the TP=1 layout of the
     weights, equal to what the resumed runs end with."""
-    from checkpoint import read_model_weights
+    from core.checkpointing.weights import read_model_weights
     from tests.checkpoint_harness import run_phases
     from tests.helpers import run_workers
 
@@ -275,7 +275,7 @@ def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     """A biased SwiGLU block: fc1 weight, fc1 bias and their Adam moments saved at TP=2 equal those saved at TP=1."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    from checkpoint import empty_like_saved
+    from core.checkpointing.layout import empty_like_saved
     from tests.helpers import run_workers
     import torch.distributed.checkpoint as dcp
 

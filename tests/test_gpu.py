@@ -177,11 +177,11 @@ def _amax_histories(model) -> dict[str, torch.Tensor]:
 
 
 def _capture_amax(phases: list[dict]) -> list[dict]:
-    import checkpoint
+    from core.checkpointing.manager import Checkpointer
     from tests.checkpoint_harness import run_phases
 
     seen = {}
-    save, restore = checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore
+    save, restore = Checkpointer.save, Checkpointer.restore
 
     def capturing_save(self, step, parts, *args, **kwargs):
         seen["saved"] = _amax_histories(parts["model"].parallel.model)
@@ -192,7 +192,7 @@ def _capture_amax(phases: list[dict]) -> list[dict]:
         seen["restored"] = _amax_histories(parts["model"].parallel.model)
         return result
 
-    checkpoint.Checkpointer.save, checkpoint.Checkpointer.restore = capturing_save, capturing_restore
+    Checkpointer.save, Checkpointer.restore = capturing_save, capturing_restore
     run_phases(phases[:1])
     saved = seen.pop("saved")  # at the first run's final save
     run_phases(phases[1:])
@@ -425,7 +425,7 @@ def test_te_token_cross_entropy_matches_torch():
 
 def test_host_stager_reuses_pinned_buffers_and_copies_exactly():
     """Async saves stage into pinned buffers kept between saves; each staging holds that moment's values."""
-    from checkpoint import HostStager
+    from core.checkpointing.staging import HostStager
 
     stager = HostStager()
     weights = torch.randn(4096, 1024, device="cuda")

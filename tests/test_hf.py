@@ -20,7 +20,7 @@ from core.checkpointing.weights import load_weights, read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
 from recipes.registry import get_recipe
-from tests.helpers import REPO, train_run, validated_config
+from tests.helpers import REPO, full_state_dict, train_run, validated_config
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=96", "model.seq_length=32", "training.micro_batch_size=4",
@@ -120,7 +120,7 @@ def test_from_hf_brings_back_the_same_weights(overrides, out, flags, cache, tmp_
     with session.start(run_cfg, tmp_path / "load", get_recipe) as s:
         parallel, _ = session.build_model(s, training=False)
         load_weights(parallel, run_cfg.checkpoint.init_from)
-        loaded = parallel.full_state_dict()
+        loaded = full_state_dict(parallel)
     original = read_model_weights(step)
     assert set(loaded) == set(original)
     assert all(torch.equal(loaded[k], original[k]) for k in original)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from core.layers.tensor_parallel import local_pieces, use_full_layout
+from core.layers.tensor_parallel import use_full_layout
 
 
 class Parallel:
@@ -21,8 +21,6 @@ class Parallel:
     checkpoints). With tensor parallelism, `glu` names the GLU fc1 weights, whose state dict entries are
     described to DCP in their TP=1 layout (see core/layers/tensor_parallel.py).
     """
-
-    name = ""
 
     def __init__(self, wrapped: nn.Module, model: nn.Module):
         self.wrapped = wrapped
@@ -128,24 +126,4 @@ class Parallel:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.wrapped, optimizer, state)
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Unsharded model weights by canonical name (TP=1 layout), on the CPU, on every rank (a collective).
-
-        Each rank sends the pieces it holds with their offsets, the way a checkpoint stores them, so this
-        works alike for even (FSDP2) and uneven (Megatron-FSDP) shards and tensor-parallel splits."""
-        out = {}
-        for name, value in self.model_state_dict().items():
-            if not isinstance(value, DTensor):
-                out[name] = value.detach().cpu()
-                continue
-            mine = [(offsets, piece.detach().cpu()) for offsets, piece in local_pieces(value)]
-            everyone: list = [None] * dist.get_world_size()
-            dist.all_gather_object(everyone, mine)
-            full = torch.empty(value.shape, dtype=value.dtype)
-            for pieces in everyone:
-                for offsets, piece in pieces:
-                    full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
-            out[name] = full
-        return out
 

@@ -14,8 +14,6 @@ from core.parallel.base import Parallel
 
 
 class DDP(Parallel):
-    name = "ddp"
-
     def __init__(self, model: nn.Module, env: DistEnv, cfg: DDPConfig):
         wrapped = DistributedDataParallel(
             model,

@@ -23,8 +23,6 @@ from core.training.precision import DTYPES
 
 
 class FSDP2(Parallel):
-    name = "fsdp2"
-
     def __init__(self, model: nn.Module, env: DistEnv, cfg: FSDP2Config, unit_modules: list[type],
                  param_dtype: torch.dtype):
         if env.tp > 1:

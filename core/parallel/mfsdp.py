@@ -73,8 +73,6 @@ def _fuse_te_wgrad_accumulation(model: nn.Module, zero: int, dp_shard: int) -> N
 
 
 class MegatronFSDP(Parallel):
-    name = "mfsdp"
-
     def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str],
                  cuda_graph_mode: bool = False):
         import megatron_fsdp
