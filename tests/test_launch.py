@@ -48,7 +48,7 @@ def test_torchrun_rendezvous_id_names_the_run_without_agent_store():
 
 
 def test_the_slurm_launcher_asks_slurm_for_the_job_the_readme_describes(tmp_path, monkeypatch):
-    """hydra/launcher=slurm, as the README's command gives it, composed and handed to the plugin: the batch script
+    """hydra/launcher=slurm, as docs/clusters.md's command gives it, composed and handed to the plugin: the batch script
     that submitit would submit (stopped before sbatch) asks for the nodes, one task per GPU, the partition, the
     time limit and the warning signal the loop saves on; a key of the YAML that the plugin or submitit does not
     take would fail here."""

@@ -109,7 +109,7 @@ def _torchrun(nproc: int, script: str, config: str, cwd: Path, *overrides: str) 
 
 
 def test_pretrain_finetune_predict_commands(tmp_path):
-    """The README's three commands on the shipped digits: pretrain and fine-tune on 2 processes, predict
+    """docs/mnist.md's three commands on the shipped digits: pretrain and fine-tune on 2 processes, predict
     on 3 (1,000 test samples do not divide by 3): one row per test sample, accuracy well above chance;
     the same fine-tune command again finds its checkpoint and has nothing left to do."""
     _torchrun(2, "train.py", "mnist_pretrain", tmp_path, "checkpoint.path=ckpt/pre", "training.steps=200",
