@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -470,11 +469,17 @@ def test_a_copied_or_moved_checkpoint_folder_starts_its_own_run_directory(how, t
         assert read_run_record(original)["run_dir"] == str(first_dir)  # the original still follows its own
 
 
-def test_a_run_json_of_the_previous_version_is_followed(tmp_path):
-    """Written before run.json named its checkpoint folder: followed as before, and named from now on."""
+def test_a_run_json_of_the_previous_version_starts_a_new_record(tmp_path, caplog):
+    """Written before run.json named its checkpoint folder, a record cannot tell the folder it was written in
+    from a copy of it (a copy would write into the original run's directory): not followed, with a warning
+    naming the directory it names; the new record names its folder."""
     (tmp_path / "ckpt").mkdir()
     (tmp_path / "ckpt" / "run.json").write_text(json.dumps({"run_dir": "/runs/a", "wandb_id": "0123abcd"}))
-    assert recorded_run_dir(str(tmp_path / "ckpt"), "/runs/new") == "/runs/a"
+    assert recorded_run_dir(str(tmp_path / "ckpt"), "/runs/new") == "/runs/new"
+    with caplog.at_level(logging.WARNING, logger="train"):
+        assert read_run_record(tmp_path / "ckpt") == {}  # MetricsLogger.open reads it so and warns
+    assert (f"{tmp_path / 'ckpt' / 'run.json'} was written by an earlier version of this tool, without the checkpoint "
+            "folder it belongs to") in caplog.text and "(/runs/a)" in caplog.text
 
 
 def test_a_run_resumed_without_its_earlier_history_says_so(tmp_path, caplog):

@@ -23,7 +23,7 @@ from core.checkpointing.layout import CheckpointError, is_own, start_marker, ver
 from core.checkpointing.storage import ChecksummingWriter
 from core.config.errors import ConfigError
 from tests.checkpoint_harness import TINY
-from tests.helpers import train_run, validated_config
+from tests.helpers import read_records, train_run, validated_config
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +132,9 @@ def test_an_index_json_of_another_shape_is_refused(step_dir, tmp_path):
                                                                               "dtype": "torch.qint8"}}},
         "a size beyond any tensor": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
                                                                                      "size": [2**62, 2**62, 0]}}},
+        # Each dimension in range and no element at all, but the sizes' product overflows an allocation.
+        "sizes that overflow behind a 0": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
+                                                                                           "size": [2**49, 2**49, 0]}}},
         "a file outside the folder": {**good, "storage": [{**s, "file": "../x"} for s in good["storage"]]},
         "a negative offset": {**good, "storage": [{**s, "at": -1} for s in good["storage"]]},
         "a string for a size": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
@@ -253,7 +256,7 @@ def test_fp8_state_restores_only_what_a_te_module_of_the_model_has(tmp_path):
 
 
 def _records(run_dir: Path) -> dict[int, dict]:
-    return {r["step"]: r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines()) if "loss" in r}
+    return {r["step"]: r for r in read_records(run_dir) if "loss" in r}
 
 
 def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_keeps_what_it_saves_over(tmp_path,
@@ -363,3 +366,93 @@ def test_a_config_that_is_no_regular_file_is_a_checkpoint_error(step_dir, tmp_pa
     os.mkfifo(fifo)
     with pytest.raises(CheckpointError, match="FIFO"):
         read_config_file(fifo)
+
+
+def _forged(folder: Path, change) -> Path:
+    """`folder` with its index.json rewritten by `change` and COMPLETE written again to match, as a forger would."""
+    index = json.loads((folder / "index.json").read_text())
+    change(index)
+    (folder / "index.json").write_text(json.dumps(index))
+    step = json.loads((folder / "COMPLETE").read_text())["step"]
+    (folder / "COMPLETE").unlink()
+    write_marker(folder, {"step": step, "metrics": {}})
+    return folder
+
+
+def test_a_weight_stored_as_bytes_is_refused_on_every_reader(step_dir, tmp_path):
+    """An index may declare any entry a value (bytes); a weight declared so is refused where weights are read:
+    the fit check of resume and init_from, the export, and DCP's load planner, as a CheckpointError (so
+    automatic resume falls back), never an AttributeError."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from core.checkpointing.layout import describe, saved_weights
+    from core.checkpointing.storage import SafeLoadPlanner, SafeReader
+    from core.checkpointing.weights import check_weights_fit, read_model_weights
+
+    def as_bytes(index):
+        index["entries"]["model.w"] = {"kind": "bytes"}
+        for item in index["storage"]:
+            if item["fqn"] == "model.w":
+                item["offset"] = None
+
+    folder = _forged(_copy(step_dir, tmp_path), as_bytes)
+    metadata = verify(folder)  # the index itself has a valid shape
+    with pytest.raises(CheckpointError, match=r"model\.w is stored as bytes, not as a tensor"):
+        read_model_weights(folder)
+    with pytest.raises(CheckpointError, match=r"w: not a tensor vs model \(2, 3\)"):
+        check_weights_fit(str(folder), {"w": torch.zeros(2, 3)}, saved_weights(metadata))
+    with pytest.raises(CheckpointException) as failed:
+        dcp.load({"model": {"w": torch.zeros(2, 3)}}, storage_reader=SafeReader(str(folder), metadata),
+                 planner=SafeLoadPlanner(), no_dist=True)
+    assert "'model.w' is stored as bytes, where a tensor belongs" in describe(failed.value)  # as the loaders report it
+
+
+def test_the_chunks_must_hold_every_element_once_however_many_there_are(tmp_path):
+    """294 tiles of one column each (more than any pairwise check would look at): laid out right they pass the
+    coverage check; one tile moved onto its neighbours (the counts still add up) leaves elements unstored and
+    is refused, naming index.json."""
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    from core.checkpointing.layout import _overlap
+
+    folder = tmp_path / "step_4"
+    start_marker(folder)
+    dcp.save({"model": {"w": torch.zeros(32, 147)}}, storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    write_marker(folder, {"step": 4, "metrics": {}})
+    tiles = [{"offsets": [row, column], "sizes": [16, 1]} for row in (0, 16) for column in range(147)]
+    entry = index_from_json((folder / "index.json").read_bytes()).state_dict_metadata["model.w"]
+    tiled = dataclasses.replace(entry, chunks=[ChunkStorageMetadata(torch.Size(t["offsets"]), torch.Size(t["sizes"]))
+                                               for t in tiles])
+    assert _overlap(tiled) is False
+    moved = [*tiles[:-1], {"offsets": [8, 0], "sizes": [16, 1]}]  # rows 16-31 of the last column never stored
+
+    def tile(index):
+        index["entries"]["model.w"]["chunks"] = moved
+
+    _forged(folder, tile)
+    with pytest.raises(CheckpointError, match=rf"{folder / 'index.json'}: the chunks of model\.w do not hold its "
+                                              r"4704 elements \(each once\)"):
+        verify(folder)
+    outside = dataclasses.replace(entry, chunks=[ChunkStorageMetadata(torch.Size([17, 0]), torch.Size([16, 147])),
+                                                 ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([16, 147]))])
+    assert _overlap(outside) is True
+    diagonal = dataclasses.replace(entry, size=torch.Size([8192, 8192]),
+                                   chunks=[ChunkStorageMetadata(torch.Size([i, i]), torch.Size([1, 1])) for i in range(8192)])
+    assert _overlap(diagonal) is None  # 2**26 cells: too many to check, refused by check_storage
+
+
+def test_index_problems_name_the_file_the_index_was_read_from(step_dir, tmp_path):
+    def no_storage(index):
+        index["storage"] = [item for item in index["storage"] if item["fqn"] != "model.w"]
+
+    folder = _forged(_copy(step_dir, tmp_path), no_storage)
+    with pytest.raises(CheckpointError, match=rf"^{folder / 'index.json'}: model\.w has a chunk with no storage"):
+        verify(folder)
+
+
+def test_a_marker_of_another_step_than_its_folder_is_refused(step_dir, tmp_path):
+    folder = _copy(step_dir, tmp_path)
+    (folder / "COMPLETE").write_text(json.dumps({**_marker(step_dir), "step": 2}))
+    with pytest.raises(CheckpointError, match=r"not a completion marker of this tool \(step 2, in the folder of step 4\)"):
+        verify(folder)
+    assert not is_own(folder)  # never ranked, deleted or set aside as a checkpoint of this tool

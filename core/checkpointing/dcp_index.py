@@ -201,7 +201,7 @@ def _is_size(value: Any) -> bool:
     """A torch.Size, or the tuple some writers keep instead, of whole numbers >= 0 whose product is below
     MAX_ELEMENTS."""
     return (isinstance(value, tuple) and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
-            and math.prod(value) < MAX_ELEMENTS)
+            and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS)  # a 0 among the sizes hides no overflow
 
 
 def _is_int(value: Any, low: int = 0) -> bool:

@@ -27,6 +27,7 @@ import math
 import os
 import re
 import zlib
+from bisect import bisect_left
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
@@ -159,6 +160,9 @@ def read_marker(path: Path) -> dict:
     except (OSError, ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise CheckpointError(f"{file}: unreadable completion marker ({type(e).__name__}: {e})") from None
     problem = _marker_problem(marker)
+    named = STEP_DIR.match(Path(path).name)
+    if not problem and named and marker["step"] != int(named.group(1)):
+        problem = f"step {marker['step']}, in the folder of step {named.group(1)}"
     if problem:
         raise CheckpointError(f"{file}: not a completion marker of this tool ({problem})")
     return marker
@@ -273,17 +277,17 @@ def verify(path: Path) -> Metadata:
             raise CheckpointError(f"{path / name}: {e}") from None
     else:
         metadata = read_metadata(path, data)
-    check_storage(path, metadata, listed)
+    check_storage(path, metadata, listed, index_name=name)
     return metadata
 
 
-def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None) -> None:
+def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None, index_name: str = ".metadata") -> None:
     """Every file the DCP index points into is a file of the folder (no symbolic link; listed in COMPLETE,
     when `listed` is given) and long enough; every tensor's chunks hold all of its elements once, each chunk's
     storage at least its bytes, and every item is a torch.save archive with its entries stored uncompressed
     (so nothing loaded is larger than the data on disk, or left partly unread)."""
     storage = metadata.storage_data
-    index = Path(path) / ".metadata"
+    index = Path(path) / index_name  # the file the index was read from, named in every message
     for where, info in storage.items():
         file = Path(path) / info.relative_path
         if listed is not None and info.relative_path not in listed:
@@ -295,16 +299,19 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None)
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
-        if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size) or _overlap(entry):
+        overlap = _overlap(entry)
+        if overlap is None:
+            raise CheckpointError(f"{index}: {key} is split into more pieces than can be checked")
+        if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size) or overlap:
             raise CheckpointError(f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements "
                                   "(each once)")
         itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
             if info is None:
-                raise CheckpointError(f"{Path(path) / '.metadata'}: {key} has a chunk with no storage")
+                raise CheckpointError(f"{index}: {key} has a chunk with no storage")
             if info.length < math.prod(chunk.sizes) * itemsize:
-                raise CheckpointError(f"{Path(path) / '.metadata'}: {key} claims more bytes than its storage holds")
+                raise CheckpointError(f"{index}: {key} claims more bytes than its storage holds")
     by_file: dict[str, list] = {}
     for where, info in storage.items():
         by_file.setdefault(info.relative_path, []).append((where, info))
@@ -316,23 +323,28 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None)
                     raise CheckpointError(f"{Path(path) / name}: the item of {where.fqn} at byte {info.offset}: {problem}")
 
 
-def _overlap(entry: TensorStorageMetadata) -> bool:
-    """Whether two chunks of a tensor share elements (with the element counts adding up, chunks that do not
-    overlap hold every element once). Chunks split along the first dimension, as sharding does, are checked
-    exactly by sorting; others pairwise, up to a few hundred of them."""
-    chunks = entry.chunks
-    rest = tuple(entry.size[1:])
-    if entry.size and all(tuple(c.offsets[1:]) == (0,) * len(rest) and tuple(c.sizes[1:]) == rest for c in chunks):
-        spans = sorted((c.offsets[0], c.offsets[0] + c.sizes[0]) for c in chunks if c.sizes[0] and math.prod(rest))
-        return any(start < previous_end for (_, previous_end), (start, _) in zip(spans, spans[1:]))
-    if len(chunks) > 256:
-        return False
+# A tensor's chunks are checked on a grid of their edges; a tensor cut into more cells than this is refused.
+MAX_GRID_CELLS = 1 << 24
 
-    def meet(a, b) -> bool:
-        return all(oa < ob + sb and ob < oa + sa for oa, sa, ob, sb in zip(a.offsets, a.sizes, b.offsets, b.sizes))
 
-    solid = [c for c in chunks if math.prod(c.sizes)]
-    return any(meet(a, b) for i, a in enumerate(solid) for b in solid[i + 1:])
+def _overlap(entry: TensorStorageMetadata) -> Optional[bool]:
+    """Whether two chunks of a tensor share elements, or one reaches outside it (with the element counts adding
+    up, chunks that do neither hold every element once); None when there are too many pieces to check. Exact:
+    the chunks' edges along each dimension cut the tensor into a grid of cells, and each chunk marks its cells."""
+    solid = [c for c in entry.chunks if math.prod(c.sizes)]
+    if any(o < 0 or o + n > size for c in solid for o, n, size in zip(c.offsets, c.sizes, entry.size)):
+        return True
+    edges = [sorted({0, size} | {c.offsets[d] for c in solid} | {c.offsets[d] + c.sizes[d] for c in solid})
+             for d, size in enumerate(entry.size)]
+    if math.prod(len(e) - 1 for e in edges) > MAX_GRID_CELLS:
+        return None
+    taken = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
+    for c in solid:
+        cells = tuple(slice(bisect_left(e, o), bisect_left(e, o + n)) for e, o, n in zip(edges, c.offsets, c.sizes))
+        if taken[cells].any():
+            return True
+        taken[cells] = True
+    return False
 
 
 def verify_plain_dcp(path: Path) -> Metadata:

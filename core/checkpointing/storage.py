@@ -28,7 +28,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
-from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index
 
@@ -55,7 +55,19 @@ class SafeReader(FileSystemReader):
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's load planner with non-tensor values loaded as data only (plain containers and numbers)."""
+    """DCP's load planner with non-tensor values loaded as data only (plain containers and numbers), and each
+    item read from storage of its own kind."""
+
+    def create_local_plan(self):
+        # A tensor is read from a tensor's chunks, a value from a value's bytes: a checkpoint that stores a weight
+        # as bytes (or a value as a tensor) is refused before anything is read.
+        for fqn, target in self.state_dict.items():
+            saved = self.metadata.state_dict_metadata.get(fqn)
+            if saved is not None and torch.is_tensor(target) != isinstance(saved, TensorStorageMetadata):
+                stored = "a tensor" if isinstance(saved, TensorStorageMetadata) else "bytes"
+                wanted = "a tensor" if torch.is_tensor(target) else "a value"
+                raise UnsafeCheckpoint(f"{fqn!r} is stored as {stored}, where {wanted} belongs")
+        return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,16 +25,19 @@ def check_weights_fit(source: str, model: dict[str, torch.Tensor], saved: dict[s
     """Raise, listing them, if weights are missing from `saved`, unexpected in it, or of another shape.
     `saved` maps names to tensors or to DCP metadata."""
     missing, unexpected = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
-    shapes = [f"{k}: {tuple(_shape(saved[k]))} vs model {tuple(model[k].shape)}" for k in sorted(set(saved) & set(model))
-              if tuple(_shape(saved[k])) != tuple(model[k].shape)]
+    shapes = [f"{k}: {_shape(saved[k]) or 'not a tensor'} vs model {tuple(model[k].shape)}"
+              for k in sorted(set(saved) & set(model)) if _shape(saved[k]) != tuple(model[k].shape)]
     if missing or unexpected or shapes:
         raise CheckpointError(
             f"{source} does not fit the model:\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in "
             f"the checkpoint: {unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
 
 
-def _shape(value) -> torch.Size:
-    return value.size if isinstance(value, TensorStorageMetadata) else value.shape
+def _shape(value) -> Optional[tuple]:
+    """The shape of a saved tensor (a tensor, or its DCP metadata); None for a value stored as bytes."""
+    if isinstance(value, TensorStorageMetadata):
+        return tuple(value.size)
+    return tuple(value.shape) if torch.is_tensor(value) else None
 
 
 def copy_full_into(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -132,8 +135,11 @@ def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[st
     metadata = verify(step_dir)
     if verify_checksums:
         check_checksums(step_dir)
-    weights = {k[6:]: empty_like_saved(metadata, k) for k, m in metadata.state_dict_metadata.items()
-               if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+    not_tensors = [k for k, m in metadata.state_dict_metadata.items()
+                   if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)]
+    if not_tensors:
+        raise CheckpointError(f"{step_dir}: {not_tensors[0]} is stored as bytes, not as a tensor: not model weights")
+    weights = {k[6:]: empty_like_saved(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model.")}
     state: dict[str, Any] = {"model": weights}
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)

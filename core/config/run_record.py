@@ -58,7 +58,8 @@ class RunRecord(BaseModel):
     model_config = ConfigDict(strict=True, extra="allow")
     run_dir: Annotated[str, Field(min_length=1), AfterValidator(_absolute)]
     wandb_id: Optional[str] = None  # written once the run has logged to W&B; null reads as none
-    # The checkpoint folder the record was written in (absolute, resolved); records of earlier versions lack it.
+    # The checkpoint folder the record was written in (absolute, resolved); records of earlier versions lack it
+    # and are not followed (read_run_record).
     checkpoint_path: Annotated[Optional[str], AfterValidator(_absolute)] = None
 
     @model_validator(mode="after")
@@ -71,7 +72,8 @@ class RunRecord(BaseModel):
 
 def read_run_record(checkpoint_path: str | Path, warn: bool = True) -> dict:
     """The record an earlier invocation left in the checkpoint folder; {} if there is none, if it is not a run
-    record, or if it was written for another checkpoint folder (this one is a copy of it, or was moved). Then,
+    record, or if it was written for another checkpoint folder (this one is a copy of it, or was moved) or by an
+    earlier version that did not name its folder. Then,
     with `warn`, a warning says why this invocation starts a new record."""
     path = Path(checkpoint_path) / RUN_FILE
     try:
@@ -86,7 +88,14 @@ def read_run_record(checkpoint_path: str | Path, warn: bool = True) -> dict:
         problem = problems(e)
     else:
         recorded = record.get("checkpoint_path")
-        if recorded is None or _same_folder(recorded, checkpoint_path):
+        if recorded is None:  # an earlier version's record: an original cannot be told from a copy
+            if warn:
+                log.warning("%s was written by an earlier version of this tool, without the checkpoint folder it "
+                            "belongs to, so this folder cannot be told from a copy of it: this invocation does not "
+                            "write to the run directory it names (%s); it starts a new run record, with its own run "
+                            "directory and W&B run, and replaces the file", path, record["run_dir"])
+            return {}
+        if _same_folder(recorded, checkpoint_path):
             problem = _run_dir_problem(record["run_dir"])
             if problem is None:
                 return record
