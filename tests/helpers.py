@@ -3,8 +3,10 @@ functions in gloo worker processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
+import sys
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -14,6 +16,16 @@ from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = REPO / "configs"
+
+
+def torchrun(nproc: int, script: str, *args: str) -> list[str]:
+    """The command `torchrun --nproc-per-node <nproc> <repository>/<script> <args>`, with this Python's torchrun."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / script), *args]
+
+
+def read_records(run_dir: Path | str) -> list[dict]:
+    """A run directory's metrics.jsonl, one record per line."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
 
 
 def register() -> None:

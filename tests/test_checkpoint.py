@@ -19,9 +19,8 @@ import torch.multiprocessing as mp
 from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
 from core.checkpointing.retention import checkpoints_to_keep
 from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
-from tests.helpers import REPO, _worker, compose_config, free_port, run_workers
+from tests.helpers import REPO, _worker, free_port, read_records, run_workers, torchrun
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 
 
 # ----------------------------------------------------------------------------- real signals and kill -9
@@ -29,8 +28,8 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "
 
 def _start(args: list[str], cwd: Path, run_dir: str) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(TORCHRUN + [str(REPO / "train.py"), "--config-name", "vit_sanity", *args,
-                                        f"hydra.run.dir={run_dir}"],
+    return subprocess.Popen(torchrun(2, "train.py", "--config-name", "vit_sanity", *args,
+                                        f"hydra.run.dir={run_dir}"),
                             cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 
@@ -268,7 +267,7 @@ def test_retention_keeps_exactly_the_right_folders_and_async_equals_sync(tmp_pat
     run_workers(1, run_phases, [phase(tmp_path, "keep", "ckpt_keep", keep),
                                 phase(tmp_path, "sync", "ckpt_sync", both),
                                 phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"])])
-    rows = [json.loads(line) for line in (tmp_path / "keep" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(tmp_path / "keep")
     val = {r["step"]: r["loss"] for r in rows if r.get("split") == "val"}
     best = min(val, key=val.get)
     assert {p.name for p in step_dirs(tmp_path / "ckpt_keep")} == {f"step_{s}" for s in {5, 6, 3, best}}

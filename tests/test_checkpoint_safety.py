@@ -14,7 +14,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import torch.distributed.checkpoint as dcp
 from omegaconf import OmegaConf
 
@@ -27,7 +26,7 @@ from core.distributed.launch import configuration_name
 from core.checkpointing.layout import CheckpointError
 from core.training.optim import lr_multiplier
 from tests.checkpoint_harness import TINY
-from tests.helpers import REPO, train_run, validated_config
+from tests.helpers import REPO, read_records, train_run, validated_config
 
 
 def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict:
@@ -36,7 +35,7 @@ def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict:
 
 
 def _log(tmp_path: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return read_records(tmp_path / name)
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ CPU: torchvision's libjpeg decoder instead of PIL's)."""
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 
@@ -18,7 +17,7 @@ from core.config.errors import ConfigError
 from core.data.datasets import EpochIndex
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
-from tests.helpers import REPO, compose_config
+from tests.helpers import REPO, compose_config, read_records
 
 SIZES = [(40, 56), (64, 48), (33, 33), (80, 120), (50, 70), (45, 90)]
 
@@ -81,6 +80,6 @@ def test_training_with_device_decoding_runs_end_to_end(tmp_path):
            "logger.progress_bar=never"]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(tmp_path / "run")
     assert [r["step"] for r in rows if "split" not in r] == [1, 2, 3]
     assert any(r.get("split") == "val" and r["top1"] >= 0 for r in rows)

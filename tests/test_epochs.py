@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from collections import Counter
 
 from core.training.length import run_length
 from tests.checkpoint_harness import phase, run_phases
-from tests.helpers import run_workers
+from tests.helpers import read_records, run_workers
 
 # TINY: 48 training samples, global batch 16, so an epoch is 3 steps.
 BY_EPOCHS = ["training.steps=null", "training.epochs=2", "training.val_every_n_epochs=1",
@@ -25,7 +24,7 @@ def test_two_epochs_train_every_sample_exactly_twice_and_validate_and_save_at_ea
     assert Counter(trained) == {i: 2 for i in range(48)}  # two passes, nothing more
     first, second = trained[:48], trained[48:]
     assert sorted(first) == sorted(second) == list(range(48)) and first != second  # reshuffled per epoch
-    records = [json.loads(line) for line in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    records = read_records(tmp_path / "whole")
     assert [r["step"] for r in records if r.get("split") == "val"] == [3, 6]
     assert sorted(p.name for p in (tmp_path / "ckpt_whole").glob("step_*")) == ["step_3", "step_6"]
     # Stopped and resumed by epochs: the same length, the same losses.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 import uuid
 from pathlib import Path
@@ -17,9 +16,8 @@ import pytest
 from PIL import Image
 
 from tests.checkpoint_harness import TINY
-from tests.helpers import REPO
+from tests.helpers import torchrun
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 BOUND_S = 90  # every failing run must have ended by then (each takes ~20 s to start and fail on 2 cores)
 WORKERS = ["data.num_workers=2"]
 
@@ -48,8 +46,8 @@ def _kill(pids: list[int]) -> None:
 
 def _start(tmp_path: Path, overrides: list[str], fault: dict, tag: str) -> subprocess.Popen:
     env = {**os.environ, "FAULT_TEST_TAG": tag, **fault}
-    return subprocess.Popen(TORCHRUN + [str(REPO / "tests" / "fault_run.py"), "--config-name", "vit_sanity", *overrides,
-                                        f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run"],
+    return subprocess.Popen(torchrun(2, "tests/fault_run.py", "--config-name", "vit_sanity", *overrides,
+                                        f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run"),
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 

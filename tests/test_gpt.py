@@ -12,7 +12,7 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
-from tests.helpers import REPO
+from tests.helpers import REPO, read_records, torchrun
 
 DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
 
@@ -129,13 +129,13 @@ def test_model_shapes_parameter_count_and_flops():
 
 
 def test_gpt_sanity_learns_on_two_processes(tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "train.py"),
+    cmd = torchrun(2, "train.py",
            "--config-name", "gpt_sanity", "training.steps=40", "training.val_every_n_steps=40",
            "training.log_every_n_steps=10", "logger.progress_bar=never", f"data.cache_dir={tmp_path}/cache",
-           f"hydra.run.dir={tmp_path}/run", f"checkpoint.path={tmp_path}/ckpt"]
+           f"hydra.run.dir={tmp_path}/run", f"checkpoint.path={tmp_path}/ckpt")
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(tmp_path / "run")
     train = [r for r in rows if "split" not in r]
     (val,) = [r for r in rows if r.get("split") == "val"]
     assert train[0]["loss"] > 3.0 and train[-1]["loss"] < 0.6 * train[0]["loss"]  # ln(258) = 5.55 at the start
@@ -167,7 +167,7 @@ def test_tensor_and_data_parallel_match_one_process(tmp_path):
         phase = {"config": "gpt_sanity", "run_dir": str(folder),
                  "overrides": STEPS4 + extra + [f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={folder}/c"]}
         run_workers(nproc, run_phases, [phase])
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+        rows = read_records(folder)
         runs[label] = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "split" not in r}
     reference = runs["1 process"]
     assert sorted(reference) == [1, 2, 3, 4]

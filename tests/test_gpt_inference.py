@@ -17,7 +17,7 @@ import generate
 from core.checkpointing.weights import read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
-from tests.helpers import REPO, compose_config, train_run, validated_config
+from tests.helpers import REPO, compose_config, torchrun, train_run, validated_config
 
 STEPS = 80
 
@@ -111,10 +111,10 @@ def test_generate_command_prints_a_continuation_and_refuses_bad_input(trained, t
 
 
 def test_per_document_perplexity_on_two_processes(trained, tmp_path):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "predict.py"),
+    cmd = torchrun(2, "predict.py",
            "--config-name", "gpt_sanity", f"checkpoint.init_from={trained}/ckpt/step_{STEPS}", "predict.split=val",
            "predict.micro_batch_size=64", f"data.cache_dir={trained}/cache", f"hydra.run.dir={tmp_path}/run",
-           "predict.output=perplexity.csv"]
+           "predict.output=perplexity.csv")
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "perplexity.csv") as f:

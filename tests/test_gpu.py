@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from tests.checkpoint_harness import train_losses
-from tests.helpers import REPO, compose_config, run_workers
+from tests.helpers import REPO, read_records, run_workers, torchrun
 from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
 pytestmark = pytest.mark.gpu
@@ -50,12 +48,12 @@ def test_te_and_torch_vit_agree(autocast_dtype, rtol):
 
 
 def train_cli(nproc: int, tmp: Path, *overrides: str) -> list[dict]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+    cmd = torchrun(nproc, "train.py",
            "--config-name", "vit_base_patch16_224", f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt",
-           "logger.progress_bar=never", *overrides]
+           "logger.progress_bar=never", *overrides)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return [json.loads(line) for line in (tmp / "run" / "metrics.jsonl").read_text().splitlines()]
+    return read_records(tmp / "run")
 
 
 MEMORIZE = ["data=synthetic", "data.synthetic_train_size=256", "data.synthetic_val_size=64", "data.num_classes=10",
@@ -105,9 +103,9 @@ CKPT = MEMORIZE + ["precision=fp8_delayed", "training.steps=20", "training.log_e
 
 
 def _cli(nproc: int, cwd: Path, run: str, *overrides: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+    cmd = torchrun(nproc, "train.py",
            "--config-name", "vit_base_patch16_224", f"hydra.run.dir={cwd}/{run}", f"checkpoint.path={cwd}/ckpt",
-           "logger.progress_bar=never", *overrides]
+           "logger.progress_bar=never", *overrides)
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -227,8 +225,8 @@ def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
     gpu = ["distributed=mfsdp", "model.backend=te", "precision=bf16", "logger.progress_bar=never"]
 
     def torchrun(script: str, config: str, *overrides: str) -> str:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / script),
-               "--config-name", config, *gpu, *overrides]
+        cmd = torchrun(nproc, script,
+               "--config-name", config, *gpu, *overrides)
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc.stdout + proc.stderr
@@ -281,13 +279,13 @@ def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
 
 def gpt_cli(nproc: int, tmp: Path, name: str, *overrides: str) -> list[dict]:
     """train.py on gpt_125m (TE + Megatron-FSDP, bf16, mock data) through torchrun; the training rows."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / "train.py"),
+    cmd = torchrun(nproc, "train.py",
            "--config-name", "gpt_125m", f"hydra.run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache",
            "logger.progress_bar=never", "training.log_every_n_steps=1", "training.val_every_n_steps=0",
-           "training.val_at_end=false", *overrides]
+           "training.val_at_end=false", *overrides)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-    rows = [json.loads(line) for line in (tmp / name / "metrics.jsonl").read_text().splitlines()]
+    rows = read_records(tmp / name)
     return [r for r in rows if "split" not in r and "loss" in r]
 
 

@@ -3,7 +3,6 @@ corrupt, empty, hidden and stray files; the classes counted from the data; and b
 
 from __future__ import annotations
 
-import json
 import logging
 
 import numpy as np
@@ -13,7 +12,7 @@ from PIL import Image
 from core.config.errors import ConfigError
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import image_classes, prediction_samples, split_files
-from tests.helpers import train_run, validated_config
+from tests.helpers import read_records, train_run, validated_config
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40), (160, 50, 200)]
 
@@ -123,7 +122,7 @@ def test_quirky_trees_train_and_learn_with_classes_from_the_data(tree, tmp_path,
         train_run(cfg, tmp_path / "run")
     saved = (tmp_path / "run" / "resolved_config.yaml").read_text()
     assert f"num_classes: {len(classes)}" in saved and "num_classes: null" not in saved
-    (val,) = [r for r in map(json.loads, (tmp_path / "run" / "metrics.jsonl").read_text().splitlines())
+    (val,) = [r for r in read_records(tmp_path / "run")
               if r.get("split") == "val"]
     assert val["top1"] >= 0.9, val  # chance: 1 / classes
     with pytest.raises(ConfigError, match=f"data.num_classes=7, but .* holds {len(classes)} classes"):

@@ -17,7 +17,7 @@ import torch
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import MultiEpochDatasetResampler
 from tests.checkpoint_harness import run_phases
-from tests.helpers import REPO, run_workers
+from tests.helpers import REPO, run_workers, torchrun
 
 RAW = REPO / "data" / "mnist_5k" / "MNIST" / "raw"
 QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num_workers=0"]
@@ -101,8 +101,8 @@ def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
 
 
 def _torchrun(nproc: int, script: str, config: str, cwd: Path, *overrides: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / script),
-           "--config-name", config, *overrides]
+    cmd = torchrun(nproc, script,
+           "--config-name", config, *overrides)
     proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout + proc.stderr

@@ -158,7 +158,7 @@ def test_an_output_that_cannot_be_written_is_an_error_line(tmp_path, command):
     torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
     checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_1")])  # a step folder to convert
     for out, says in ((tmp_path / "missing" / "out.bin", "No such file or directory"), (tmp_path, "Is a directory")):
-        with pytest.raises(SystemExit, match=re.escape(f"error: [Errno") + ".*" + re.escape(f"{says}: '{out}'")):
+        with pytest.raises(SystemExit, match=re.escape("error: [Errno") + ".*" + re.escape(f"{says}: '{out}'")):
             checkpoint_cli([command, str(tmp_path / "step_1"), str(out)])
     checkpoint_cli([command, str(tmp_path / "step_1"), str(tmp_path / "out.bin")])  # control: a writable path
     assert (tmp_path / "out.bin").stat().st_size > 0

@@ -3,7 +3,6 @@ returns training.objective, and the study's best is the best trial's own figure.
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 import yaml
 
 from core.distributed.launch import configuration_name
-from tests.helpers import REPO
+from tests.helpers import REPO, read_records
 
 TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
         "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
@@ -33,7 +32,7 @@ def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
     sweep = tmp_path / "sweep"
     top1, lrs = {}, set()
     for job in ("0", "1", "2"):
-        records = [json.loads(line) for line in (sweep / job / "metrics.jsonl").read_text().splitlines()]
+        records = read_records(sweep / job)
         top1[job] = [r for r in records if r.get("split") == "val"][-1]["top1"]
         overrides = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
         lrs |= {o for o in overrides if "optim.lr" in o}
@@ -88,7 +87,7 @@ def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(
         folder = ckpts / configuration_name(overrides, {"training.steps"})
         assert f"training.steps={steps}" in folder.name
         assert sorted(p.name for p in folder.glob("step_*")) == [f"step_{steps}"], folder
-        records = [json.loads(line) for line in (tmp_path / "sweep" / job / "metrics.jsonl").read_text().splitlines()]
+        records = read_records(tmp_path / "sweep" / job)
         assert max(r["step"] for r in records if "split" not in r) == steps  # its own length, its own steps
     assert len(list(ckpts.iterdir())) == 2
 

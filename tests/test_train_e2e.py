@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.helpers import REPO, read_records, torchrun
 
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
 QUICK = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "data.num_workers=0",
          "logger.progress_bar=never"]
 
@@ -23,12 +21,12 @@ def run(cmd: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) 
 
 
 def records(run_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return read_records(run_dir)
 
 
 def test_vit_sanity_on_two_processes_learns(tmp_path):
-    proc = run(TORCHRUN + [str(REPO / "train.py"), "--config-name", "vit_sanity", "training.steps=150",
-                           "training.val_every_n_steps=75", "logger.progress_bar=never"], cwd=tmp_path)
+    proc = run(torchrun(2, "train.py", "--config-name", "vit_sanity", "training.steps=150",
+                           "training.val_every_n_steps=75", "logger.progress_bar=never"), cwd=tmp_path)
     # One run directory for both ranks, with Hydra's files written once (by rank 0).
     (run_dir,) = [p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "resolved_config.yaml").exists()
@@ -53,8 +51,8 @@ def test_plain_python_single_process(tmp_path):
 
 
 def test_multirun_sweep_on_two_processes(tmp_path):
-    run(TORCHRUN + [str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", "optim.lr=1e-3,3e-4",
-                    "training.steps=3", "training.limit_val_batches=1", *QUICK], cwd=tmp_path)
+    run(torchrun(2, "train.py", "-m", "--config-name", "vit_sanity", "optim.lr=1e-3,3e-4",
+                    "training.steps=3", "training.limit_val_batches=1", *QUICK), cwd=tmp_path)
     (sweep,) = list((tmp_path / "multirun" / "vit_sanity").iterdir())
     for job, lr in (("0", "0.001"), ("1", "0.0003")):  # checkpoints by configuration, not by job number
         assert (sweep / "checkpoints" / f"optim.lr={lr}" / "step_3" / "COMPLETE").exists()

@@ -7,13 +7,12 @@ import csv
 import json
 import logging
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
 from core.config.errors import ConfigError
-from tests.helpers import REPO, train_run, validated_config
+from tests.helpers import torchrun, train_run, validated_config
 from tests.test_image_folders import _image, make_quirky_imagefolder
 
 
@@ -29,10 +28,10 @@ def trained(tmp_path_factory):
 
 
 def _predict(tmp, root, out, *overrides):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", str(REPO / "predict.py"),
+    cmd = torchrun(2, "predict.py",
            "--config-name", "vit_predict", "data=imagefolder", f"data.root={root}",  # the model: its config.yaml
            "precision=fp32", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
-           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides]
+           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides)
     proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "predictions.csv") as f:
