@@ -224,18 +224,17 @@ def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
     """mnist_pretrain -> mnist_finetune -> predict.py with the GPU defaults (mfsdp + TE layers), bf16."""
     gpu = ["distributed=mfsdp", "model.backend=te", "precision=bf16", "logger.progress_bar=never"]
 
-    def torchrun(script: str, config: str, *overrides: str) -> str:
-        cmd = torchrun(nproc, script,
-               "--config-name", config, *gpu, *overrides)
+    def run(script: str, config: str, *overrides: str) -> str:
+        cmd = torchrun(nproc, script, "--config-name", config, *gpu, *overrides)
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
         return proc.stdout + proc.stderr
 
-    out = torchrun("train.py", "mnist_pretrain", "checkpoint.path=ckpt/pre", "training.steps=1000")
+    out = run("train.py", "mnist_pretrain", "checkpoint.path=ckpt/pre", "training.steps=1000")
     assert "distributed.backend=mfsdp" in out and "model.backend=te" in out
-    out = torchrun("train.py", "mnist_finetune", "checkpoint.init_from=ckpt/pre/step_1000", "checkpoint.path=ckpt/ft")
+    out = run("train.py", "mnist_finetune", "checkpoint.init_from=ckpt/pre/step_1000", "checkpoint.path=ckpt/ft")
     val = [line for line in out.splitlines() if "val step" in line]
-    out = torchrun("predict.py", "mnist_predict", "checkpoint.init_from=ckpt/ft/step_600", "predict.output=pred.csv")
+    out = run("predict.py", "mnist_predict", "checkpoint.init_from=ckpt/ft/step_600", "predict.output=pred.csv")
     accuracy = float(out.split("| accuracy ")[1].split()[0])
     print(f"MNIST on {nproc} GPU(s), mfsdp + TE: fine-tune {val[-1].split(' - ')[-1]}; test accuracy {accuracy:.4f}")
     assert len((tmp_path / "pred.csv").read_text().splitlines()) == 1001 and accuracy > 0.8
