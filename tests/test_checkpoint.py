@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 import torch.multiprocessing as mp
 
@@ -68,6 +69,7 @@ def _finish(proc: subprocess.Popen) -> str:
     return out
 
 
+@pytest.mark.slow
 def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
     """torchrun with 2 processes and the default checkpoint.path (outputs/<config>/checkpoints):
     SIGTERM to torchrun saves and stops; kill -9 right after a save loses only the steps since.
@@ -124,6 +126,7 @@ def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
     run_phases(phases)
 
 
+@pytest.mark.slow
 def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     sentinel = tmp_path / "sentinel"
@@ -156,6 +159,7 @@ def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
 # ----------------------------------------------------------------------------- bad checkpoints, bad disks
 
 
+@pytest.mark.slow
 def test_corrupt_missing_and_incomplete_checkpoints(tmp_path):
     save = phase(tmp_path, "save", "ckpt", ["training.steps=4", "checkpoint.save_every_n_steps=2"])
     (first,) = run_workers(1, run_phases, [save])[0]
@@ -202,6 +206,7 @@ def _disk_full_at(phases: list[dict], failing_step: int) -> list[dict]:
     return run_phases(phases)
 
 
+@pytest.mark.slow
 def test_a_failing_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
     (result,) = run_workers(1, _disk_full_at, [
@@ -232,6 +237,7 @@ def _nan_at_step(phases: list[dict], bad_step: int, micro_batches_per_step: int)
     return results
 
 
+@pytest.mark.slow
 def test_nonfinite_loss_stops_or_skips_and_is_never_saved(tmp_path):
     # 1 rank: 4 micro-batches per step; step 3 gets a NaN loss.
     common = ["training.steps=6", "checkpoint.save_every_n_steps=2", "training.log_every_n_steps=5"]
@@ -259,6 +265,7 @@ def test_retention_rule():
     assert checkpoints_to_keep([], 1, 0, 1, "min", set()) == set()
 
 
+@pytest.mark.slow
 def test_retention_keeps_exactly_the_right_folders_and_async_equals_sync(tmp_path):
     keep = ["training.steps=6", "checkpoint.save_every_n_steps=1", "training.val_every_n_steps=1",
             "checkpoint.keep_last_n=2", "checkpoint.keep_every_n_steps=3", "checkpoint.monitor=val/loss",
@@ -283,6 +290,7 @@ def test_retention_keeps_exactly_the_right_folders_and_async_equals_sync(tmp_pat
         _assert_equal(*contents)
 
 
+@pytest.mark.slow
 def test_async_saves_of_megatron_fsdp_equal_sync_ones(tmp_path):
     """Megatron-FSDP (ZeRO-3, 2 ranks, CPU shim) state is copied shard by shard for the background
     writer; the checkpoints are identical to synchronous ones."""
@@ -342,6 +350,7 @@ def _unsharded_vit():
     return ViTRecipe(cfg).build_model(get_layers("torch"), torch.device("cpu"))
 
 
+@pytest.mark.slow
 def test_conversion_round_trips(tmp_path):
     """DCP -> .pt / .safetensors / format_utils dcp_to_torch load strictly into the unsharded model with
     identical outputs; .pt -> DCP -> resume starts from exactly those weights."""
@@ -372,6 +381,7 @@ def test_conversion_round_trips(tmp_path):
     _assert_equal(resumed["state"], trained["state"], atol=TINY_LR_ATOL)
 
 
+@pytest.mark.slow
 def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     (source,) = run_workers(1, run_phases, [phase(tmp_path, "src", "ckpt", ["training.steps=2"], state=True)])[0]
     step_dir = tmp_path / "ckpt" / "step_2"
@@ -404,6 +414,7 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     assert "does not fit the model" in wrong["error"] and "head.weight: (10, 32) vs model (5, 32)" in wrong["error"]
 
 
+@pytest.mark.slow
 def test_retention_by_training_loss_and_a_checkpoint_root_for_init_from_and_resume(tmp_path):
     """checkpoint.monitor=train/loss keeps the checkpoint of the lowest training loss; a checkpoint root, or
     <root>/last, names its newest complete step folder wherever a checkpoint is taken (init_from, resume,

@@ -97,6 +97,7 @@ def _with_payload_in_a_value(source: Path, target: Path, marker: Path) -> Path:
 
 @pytest.mark.parametrize("craft", [_with_payload_in_metadata, _with_build_on_a_class_in_metadata, _with_payload_in_a_value],
                          ids=["metadata", "metadata-build", "value"])
+@pytest.mark.slow
 def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
     marker = tmp_path / "payload_ran"
     is_file = pathlib.PosixPath.is_file
@@ -229,6 +230,7 @@ def test_a_changed_learning_rate_is_refused_or_really_used(trained, tmp_path):
     assert "lr: 0.001" in saved
 
 
+@pytest.mark.slow
 def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
     """With checkpoint.path given (e.g. on a shared filesystem), as under the default root <sweep dir>/checkpoints
     (test_sweeps.py), each job's checkpoints go to its configuration's folder, so both jobs train and a sweep run

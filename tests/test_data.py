@@ -87,6 +87,7 @@ def _extract(root: str) -> int:
     return len(list(ensure_extracted(root).rglob("*.png")))
 
 
+@pytest.mark.slow
 def test_tar_gz_beside_missing_root_is_extracted_once(tmp_path):
     src = tmp_path / "src" / "mydata"
     write_image_folder(src)

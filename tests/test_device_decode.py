@@ -71,6 +71,7 @@ def test_device_decoding_refuses_what_it_cannot_do(tmp_path):
         train[0]
 
 
+@pytest.mark.slow
 def test_training_with_device_decoding_runs_end_to_end(tmp_path):
     root = write_jpeg_folder(tmp_path / "jpegs", per_class=4)
     cmd = [sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "data=imagefolder",

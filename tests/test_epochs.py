@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections import Counter
 
+import pytest
+
 from core.training.length import run_length
 from tests.checkpoint_harness import phase, run_phases
 from tests.helpers import read_records, run_workers
@@ -13,6 +15,7 @@ BY_EPOCHS = ["training.steps=null", "training.epochs=2", "training.val_every_n_e
              "checkpoint.save_every_n_epochs=1", "checkpoint.save_final=false"]
 
 
+@pytest.mark.slow
 def test_two_epochs_train_every_sample_exactly_twice_and_validate_and_save_at_each_epoch_end(tmp_path):
     (whole, stopped, resumed), = run_workers(1, run_phases, [
         phase(tmp_path, "whole", "ckpt_whole", BY_EPOCHS),

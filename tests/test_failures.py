@@ -93,6 +93,7 @@ def _digits_with_bad_images(root: Path) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_a_corrupt_image_ends_the_job(tmp_path):
     root = _digits_with_bad_images(tmp_path / "images")
     overrides = [o for o in TINY if not o.startswith("data")] + WORKERS + [
@@ -102,6 +103,7 @@ def test_a_corrupt_image_ends_the_job(tmp_path):
     assert "cannot decode the image" in out and "7.png" in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_workers_stop_when_torchrun_is_killed(tmp_path):
     """kill -9 of torchrun alone: its workers (and their loader workers) stop on their own."""
     tag = uuid.uuid4().hex

@@ -27,6 +27,7 @@ def _write_inputs(tmp: Path) -> list[Path]:
     return [tmp / "a.txt", tmp / "b.jsonl", tmp / "c.parquet"]
 
 
+@pytest.mark.slow
 def test_preprocess_round_trips_text_to_tokens_to_text(tmp_path):
     """txt (paragraphs), jsonl and parquet -> .bin/.idx with the byte tokenizer -> the same text, exactly."""
     from recipes.gpt.preprocess import decode_document
@@ -128,6 +129,7 @@ def test_model_shapes_parameter_count_and_flops():
     assert torch.allclose(model(tokens)[0, :8], model(changed)[0, :8], atol=1e-5)
 
 
+@pytest.mark.slow
 def test_gpt_sanity_learns_on_two_processes(tmp_path):
     cmd = torchrun(2, "train.py",
            "--config-name", "gpt_sanity", "training.steps=40", "training.val_every_n_steps=40",
@@ -151,6 +153,7 @@ def _close(a: float, b: float) -> bool:
     return abs(a - b) <= 1e-5 * abs(b)
 
 
+@pytest.mark.slow
 def test_tensor_and_data_parallel_match_one_process(tmp_path):
     """gpt_sanity from the same initial weights: 2 processes at TP=2 (fsdp2 over DTensors, 2 accumulated
     micro-batches), 2 at DP=2 (1 micro-batch each), 4 at DP=2 x TP=2 (2-D shards), 2 at TP=2 with activation
@@ -179,6 +182,7 @@ def test_tensor_and_data_parallel_match_one_process(tmp_path):
             assert _close(runs[label][step][1], grad_norm), (label, step, grad_norm, runs[label][step])
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
     """A TP=2 checkpoint (GLU fc1 weights and their Adam moments included) resumes at TP=1 x DP=2 and on one
     process, continuing with the TP=2 run's own losses; its to-torch export is the TP=1 layout of the
@@ -271,6 +275,7 @@ def _glu_layer_step(tmp: str, tp: int):
         distributed.teardown()
 
 
+@pytest.mark.slow
 def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     """A biased SwiGLU block: fc1 weight, fc1 bias and their Adam moments saved at TP=2 equal those saved at TP=1."""
     from torch.distributed.checkpoint import FileSystemReader

@@ -39,6 +39,7 @@ def _generate(tmp, run: str, *overrides: str) -> list[generate.Generation]:
     return generate.generate(cfg, tmp / run)
 
 
+@pytest.mark.slow
 def test_greedy_with_the_kv_cache_equals_recomputing(trained):
     """300 new tokens: the text outgrows the 128-token context twice, so the cache is also refilled."""
     cached = _generate(trained, "kv", "generate.greedy=true", "generate.max_new_tokens=300")
@@ -94,6 +95,7 @@ def test_the_twin_kv_cache_continues_several_tokens_at_a_time():
     torch.testing.assert_close(torch.cat([first, second], dim=1), whole, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_generate_command_prints_a_continuation_and_refuses_bad_input(trained, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "The whale"}) + "\n" + json.dumps({"prompt": "Queequeg"}) + "\n")
@@ -110,6 +112,7 @@ def test_generate_command_prints_a_continuation_and_refuses_bad_input(trained, t
     assert bad.returncode == 2 and "generate.top_p=1.5: expected 0 < top_p <= 1" in bad.stdout + bad.stderr
 
 
+@pytest.mark.slow
 def test_per_document_perplexity_on_two_processes(trained, tmp_path):
     cmd = torchrun(2, "predict.py",
            "--config-name", "gpt_sanity", f"checkpoint.init_from={trained}/ckpt/step_{STEPS}", "predict.split=val",

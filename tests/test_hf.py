@@ -88,6 +88,7 @@ def test_a_weights_file_exports_with_its_runs_config(cache, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k].bfloat16(), b[k]) for k in a)
 
 
+@pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_the_same_way(cache, tmp_path):
     cmd = torchrun(2, "train.py",
            "--config-name", "gpt_sanity", *SMALL, "distributed.tp=2", f"data.cache_dir={cache}",

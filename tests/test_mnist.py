@@ -77,6 +77,7 @@ def _phase(config: str, tmp: Path, name: str, extra: list[str], **kw) -> dict:
             "run_dir": f"{tmp}/{name}_run", **kw}
 
 
+@pytest.mark.slow
 def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
     """init_from the autoencoder: trunk weights equal the pretrained ones, digit_classifier keeps its
     fresh initialisation, the decoder (not in this model) is left out; without init_ignore_unexpected
@@ -108,6 +109,7 @@ def _torchrun(nproc: int, script: str, config: str, cwd: Path, *overrides: str) 
     return proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_pretrain_finetune_predict_commands(tmp_path):
     """docs/mnist.md's three commands on the shipped digits: pretrain and fine-tune on 2 processes, predict
     on 3 (1,000 test samples do not divide by 3): one row per test sample, accuracy well above chance;

@@ -104,6 +104,7 @@ BACKENDS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("overrides,shim", BACKENDS)
 def test_two_ranks_match_single_process_reference(overrides, shim, reference, tmp_path):
     # 2 ranks x micro-batch 4 x 2 accumulation steps (or 8 x 1) = the reference's one batch of 16.
@@ -118,6 +119,7 @@ def test_two_ranks_match_single_process_reference(overrides, shim, reference, tm
 @pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False),
                                             (["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=3"], True)],
                          ids=["fsdp2", "mfsdp-one-rank-runs-zero0"])
+@pytest.mark.slow
 def test_single_process_loop_matches_reference(overrides, shim, reference, tmp_path):
     # 1 rank x micro-batch 4 x 4 accumulation steps.
     (result,) = run_workers(1, _train_worker, COMMON + overrides, str(tmp_path), shim)
@@ -133,6 +135,7 @@ def _save_worker(overrides: list[str], run_dir: str, shim: bool) -> list[str]:
 
 @pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False), (["distributed=ddp"], False),
                                             (["distributed=mfsdp"], True)], ids=["fsdp2", "ddp", "mfsdp"])
+@pytest.mark.slow
 def test_final_checkpoint_uses_canonical_names(overrides, shim, tmp_path):
     """Every backend writes the same key layout: model.<name>, optim.state.<name>.<state>."""
     keys = run_workers(2, _save_worker, COMMON + overrides + ["training.steps=1", "checkpoint.save_final=true"],

@@ -13,6 +13,7 @@ from tests.helpers import REPO, run_workers
 from tests.test_parity import COMMON, _train_worker
 
 
+@pytest.mark.slow
 def test_compiled_blocks_train_like_eager_blocks(tmp_path):
     """training.compile=true compiles each block's forward: same parameter names (checkpoints), same
     losses and final weights as eager up to fused-kernel rounding."""
@@ -47,6 +48,7 @@ def test_compile_replaces_each_block_forward_and_runs_compiled():
     assert [n for n, _ in model.named_parameters()] == names
 
 
+@pytest.mark.slow
 def test_profiler_writes_a_trace_and_a_summary_of_the_chosen_steps(tmp_path):
     overrides = COMMON + ["distributed=fsdp2", "training.profile.enabled=true", "training.profile.start_step=2",
                           "training.profile.steps=2"]
@@ -58,6 +60,7 @@ def test_profiler_writes_a_trace_and_a_summary_of_the_chosen_steps(tmp_path):
     assert "aten::mm" in summary or "aten::addmm" in summary
 
 
+@pytest.mark.slow
 def test_ddp_refuses_bf16_weights_without_a_master_copy(tmp_path):
     with pytest.raises(AssertionError, match="no fp32 master copy"):
         run_workers(1, _train_worker, COMMON + ["distributed=ddp", "precision.param_dtype=bf16"], str(tmp_path), False)

@@ -72,6 +72,7 @@ def test_the_figures_of_a_hand_written_history(tmp_path):
     assert val.get_marker() == "o" and list(val.get_ydata())[-1] == 0.5
 
 
+@pytest.mark.slow
 def test_plots_a_short_training_run(tmp_path):
     tiny = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
             "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO
 
 # About 40 s of training on one CPU thread: longer than the 30 s before the first warning, so the job is stopped
@@ -32,6 +34,7 @@ def _losses(metrics: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in train}
 
 
+@pytest.mark.slow
 def test_a_time_limited_submitit_job_saves_on_the_warning_is_requeued_and_finishes(tmp_path):
     sweep = tmp_path / "sweep"
     job = _train(tmp_path, "hydra/launcher=submitit_local", "hydra.launcher.timeout_min=1", f"hydra.sweep.dir={sweep}",

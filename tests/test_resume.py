@@ -18,6 +18,7 @@ DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # so the 
     pytest.param("ddp", False, [], id="ddp"),
     pytest.param("mfsdp", True, ["distributed.mfsdp.zero_dp_strategy=3"], id="mfsdp-zero3"),
 ])
+@pytest.mark.slow
 def test_stop_and_go_equals_uninterrupted_run(backend, shim, extra, tmp_path):
     """Stopped by SIGTERM (sent to rank 0 only) after step 4 and started again with the same config:
     steps 5-8 cross the end of warmup (step 5) and an epoch boundary (step 6) and match exactly."""
@@ -50,6 +51,7 @@ def _trained_on(result: dict) -> Counter:
     return Counter(i for batch in result["samples"] for i in batch)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before,after", [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
 def test_resume_on_another_world_size(before, after, tmp_path):
     """Saved on `before` ranks after step 4, resumed on `after`: every sample of the stream is trained
@@ -70,6 +72,7 @@ def test_resume_on_another_world_size(before, after, tmp_path):
         assert second[0][0]["losses"][step] == pytest.approx(ref["losses"][step], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_checkpoints_move_between_mfsdp_and_fsdp2(tmp_path):
     """An mfsdp (ZeRO-3) checkpoint resumes under fsdp2 and an fsdp2 one under mfsdp; both continue the
     uninterrupted mfsdp run's losses (the backends agree to rounding)."""
@@ -87,6 +90,7 @@ def test_checkpoints_move_between_mfsdp_and_fsdp2(tmp_path):
             assert loss == pytest.approx(ref["losses"][step], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_checkpoint_written_by_the_previous_code_resumes_exactly(tmp_path):
     """tests/fixtures/previous_main: step_4 of a 2-rank fsdp2 run with dropout, saved by the code before the
     checkpointing package (commit 18e2495), and that code's losses for the uninterrupted 8 steps. This code

@@ -150,17 +150,20 @@ def test_a_weights_file_that_is_not_a_state_dict_is_refused(tmp_path, state, say
     with pytest.raises(CheckpointError, match=re.escape(f"{file}: {says}")):
         load_weights_file(file)
     with pytest.raises(SystemExit, match=re.escape(f"error: {file}: {says}")):  # was an AttributeError traceback
-        checkpoint_cli(["from-torch", str(file), str(tmp_path / "step_1")])
+        checkpoint_cli(["from-torch", str(file), str(tmp_path / "step_0")])
 
 
 @pytest.mark.parametrize("command", ["to-torch", "to-safetensors"])
 def test_an_output_that_cannot_be_written_is_an_error_line(tmp_path, command):
     torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
-    checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_1")])  # a step folder to convert
+    with pytest.raises(SystemExit, match="a folder of weights alone holds step 0; name it step_0"):
+        checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_1")])
+    assert not (tmp_path / "step_1").exists()
+    checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_0")])  # a step folder to convert
     for out, says in ((tmp_path / "missing" / "out.bin", "No such file or directory"), (tmp_path, "Is a directory")):
         with pytest.raises(SystemExit, match=re.escape("error: [Errno") + ".*" + re.escape(f"{says}: '{out}'")):
-            checkpoint_cli([command, str(tmp_path / "step_1"), str(out)])
-    checkpoint_cli([command, str(tmp_path / "step_1"), str(tmp_path / "out.bin")])  # control: a writable path
+            checkpoint_cli([command, str(tmp_path / "step_0"), str(out)])
+    checkpoint_cli([command, str(tmp_path / "step_0"), str(tmp_path / "out.bin")])  # control: a writable path
     assert (tmp_path / "out.bin").stat().st_size > 0
 
 

@@ -41,6 +41,7 @@ def _tensorboard(run_dir: Path, tag: str) -> dict[int, float]:
     return {e.step: e.value for e in events.Scalars(tag)}
 
 
+@pytest.mark.slow
 def test_stopped_resumed_and_sent_back_runs_keep_one_history(tmp_path):
     run = tmp_path / "run"
     ckpt = tmp_path / "ckpt"
@@ -77,6 +78,7 @@ def test_keep_history_up_to_moves_later_and_broken_lines_aside(tmp_path):
     assert keep_history_up_to(metrics, 2) == 0 and keep_history_up_to(tmp_path / "none.jsonl", 0) == 0
 
 
+@pytest.mark.slow
 def test_the_same_command_again_continues_in_the_same_run_dir(tmp_path):
     """Without hydra.run.dir on the command line: the second invocation (more steps) finds the run directory of
     the first through checkpoint.path's run.json; predict.py of the same config gets a directory of its own."""

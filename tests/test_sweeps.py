@@ -24,6 +24,7 @@ def _sweep(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.Com
                           text=True, timeout=600, env={**os.environ, **(env or {})})
 
 
+@pytest.mark.slow
 def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
     proc = _sweep(tmp_path, "hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=3",
                   "optim.lr=tag(log,interval(1e-4,1e-2))", "training.objective.metric=val/top1",
@@ -54,6 +55,7 @@ def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
      "training.objective.metric='val/top9' is not a metric of this run; there are: train/grad_norm, train/loss, "
      "train/lr, val/loss, val/top1, val/top5"),
 ])
+@pytest.mark.slow
 def test_sweeps_that_cannot_work_are_refused(tmp_path, overrides, env, message):
     proc = _sweep(tmp_path, *overrides, env=env)
     assert proc.returncode != 0 and message in proc.stderr + proc.stdout, proc.stderr[-3000:]
@@ -70,6 +72,7 @@ def test_the_objective_of_a_finished_run():
     assert train.objective(unvalidated, "val/loss", required=False) is None  # a plain run does not
 
 
+@pytest.mark.slow
 def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(tmp_path):
     """training.steps does not change the result (a resume may extend a run), so it did not name a job's folder:
     the steps=4 job of `training.steps=6,4` resumed the steps=6 job's step_6 and had nothing left to do. A swept

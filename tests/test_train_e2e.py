@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import REPO, read_records, torchrun
 
 QUICK = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "data.num_workers=0",
@@ -24,6 +26,7 @@ def records(run_dir: Path) -> list[dict]:
     return read_records(run_dir)
 
 
+@pytest.mark.slow
 def test_vit_sanity_on_two_processes_learns(tmp_path):
     proc = run(torchrun(2, "train.py", "--config-name", "vit_sanity", "training.steps=150",
                            "training.val_every_n_steps=75", "logger.progress_bar=never"), cwd=tmp_path)
@@ -43,6 +46,7 @@ def test_vit_sanity_on_two_processes_learns(tmp_path):
     assert (tmp_path / "outputs" / "vit_sanity" / "checkpoints" / "step_150" / "COMPLETE").exists()
 
 
+@pytest.mark.slow
 def test_plain_python_single_process(tmp_path):
     run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "training.steps=2",
          f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path)
@@ -50,6 +54,7 @@ def test_plain_python_single_process(tmp_path):
     assert rows == [(1, None), (2, None), (2, "val"), (2, "checkpoint")]  # two steps, validation, the save
 
 
+@pytest.mark.slow
 def test_multirun_sweep_on_two_processes(tmp_path):
     run(torchrun(2, "train.py", "-m", "--config-name", "vit_sanity", "optim.lr=1e-3,3e-4",
                     "training.steps=3", "training.limit_val_batches=1", *QUICK), cwd=tmp_path)
@@ -60,6 +65,7 @@ def test_multirun_sweep_on_two_processes(tmp_path):
         assert f"lr: {float(lr)}" in (sweep / job / "resolved_config.yaml").read_text()
 
 
+@pytest.mark.slow
 def test_wandb_offline(tmp_path):
     run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "logger=wandb", "training.steps=2",
          f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path, env={"WANDB_MODE": "offline"})

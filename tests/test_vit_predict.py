@@ -38,6 +38,7 @@ def _predict(tmp, root, out, *overrides):
         return list(csv.DictReader(f)), json.loads((out / "prediction_metrics.json").read_text())
 
 
+@pytest.mark.slow
 def test_predict_a_labelled_split(trained, tmp_path):
     tmp, root, classes = trained
     rows, metrics = _predict(tmp, root, tmp_path)
@@ -52,6 +53,7 @@ def test_predict_a_labelled_split(trained, tmp_path):
     assert top1 >= 0.9
 
 
+@pytest.mark.slow
 def test_predict_a_folder_of_unlabeled_images(trained, tmp_path):
     tmp, root, classes = trained
     rng = np.random.default_rng(5)

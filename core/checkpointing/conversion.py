@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch.distributed.checkpoint as dcp
 
-from core.checkpointing.layout import start_marker, write_marker
+from core.checkpointing.layout import STEP_DIR, CheckpointError, start_marker, write_marker
 from core.checkpointing.storage import ChecksummingWriter
 from core.checkpointing.weights import load_weights_file, read_model_weights
 from core.training.state import TrainState
@@ -41,6 +41,10 @@ def from_torch(source: str, step_dir: str) -> None:
 
 def write_weights_step(weights: dict, target: Path, source: str) -> None:
     """A complete step folder (checksummed, marked) of model weights alone, at step 0."""
+    named = STEP_DIR.match(target.name)
+    if named and named.group(1) != "0":  # a marker's step must be its folder's (layout.read_marker)
+        raise CheckpointError(f"{target}: a folder of weights alone holds step 0; name it step_0, or anything but "
+                              "step_<N>")
     weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
