@@ -132,6 +132,8 @@ def test_an_index_json_of_another_shape_is_refused(step_dir, tmp_path):
                                                                               "dtype": "torch.qint8"}}},
         "a size beyond any tensor": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
                                                                                      "size": [2**62, 2**62, 0]}}},
+        "more dimensions than a tensor can have": {**good, "entries": {**good["entries"], tensor: {
+            **good["entries"][tensor], "size": [1] * 65, "chunks": [{"offsets": [0] * 65, "sizes": [1] * 65}]}}},
         # Each dimension in range and no element at all, but the sizes' product overflows an allocation.
         "sizes that overflow behind a 0": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
                                                                                            "size": [2**49, 2**49, 0]}}},
@@ -385,7 +387,7 @@ def test_a_weight_stored_as_bytes_is_refused_on_every_reader(step_dir, tmp_path)
     automatic resume falls back), never an AttributeError."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from core.checkpointing.layout import describe, saved_weights
+    from core.checkpointing.layout import describe, empty_like_saved, saved_weights
     from core.checkpointing.storage import SafeLoadPlanner, SafeReader
     from core.checkpointing.weights import check_weights_fit, read_model_weights
 
@@ -399,6 +401,8 @@ def test_a_weight_stored_as_bytes_is_refused_on_every_reader(step_dir, tmp_path)
     metadata = verify(folder)  # the index itself has a valid shape
     with pytest.raises(CheckpointError, match=r"model\.w is stored as bytes, not as a tensor"):
         read_model_weights(folder)
+    with pytest.raises(CheckpointError, match=r"model\.w is stored as bytes, where a tensor belongs"):
+        empty_like_saved(metadata, "model.w")  # how the other parts (rng, fp8, optimizer) take their targets
     with pytest.raises(CheckpointError, match=r"w: not a tensor vs model \(2, 3\)"):
         check_weights_fit(str(folder), {"w": torch.zeros(2, 3)}, saved_weights(metadata))
     with pytest.raises(CheckpointException) as failed:

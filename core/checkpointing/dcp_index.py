@@ -195,12 +195,14 @@ def _expect(condition: bool, what: str) -> None:
 # A tensor of more elements than this is no checkpoint's (2**50 bytes and more); a bound keeps every size
 # computation in range.
 MAX_ELEMENTS = 2**50
+MAX_DIMS = 64  # the most dimensions a torch tensor can have
 
 
 def _is_size(value: Any) -> bool:
-    """A torch.Size, or the tuple some writers keep instead, of whole numbers >= 0 whose product is below
-    MAX_ELEMENTS."""
-    return (isinstance(value, tuple) and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
+    """A torch.Size, or the tuple some writers keep instead, of at most MAX_DIMS whole numbers >= 0 whose product
+    is below MAX_ELEMENTS."""
+    return (isinstance(value, tuple) and len(value) <= MAX_DIMS
+            and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
             and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS)  # a 0 among the sizes hides no overflow
 
 

@@ -374,6 +374,8 @@ def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
     """A tensor of the shape and dtype a checkpoint stores under `key`, for DCP to fill (zeros, not
     uninitialised memory: nothing of this process can pass for checkpoint data)."""
     m = metadata.state_dict_metadata[key]
+    if not isinstance(m, TensorStorageMetadata):
+        raise CheckpointError(f"{key} is stored as bytes, where a tensor belongs")
     return torch.zeros(m.size, dtype=m.properties.dtype)
 
 
