@@ -100,6 +100,9 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    # A spawned child inherits "spawn" as its default start method, so its data loader's workers would start as
+    # fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under torchrun.
+    mp.set_start_method("fork", force=True)
     try:
         results[rank] = ("ok", fn(*args))
     except BaseException:  # report any failure to the parent, with its traceback
