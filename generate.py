@@ -62,46 +62,49 @@ def main(cfg: DictConfig) -> None:
 def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> list[Generation]:
     """`overrides`: the command line's (Hydra's overrides.task); a model setting given there must be the
     one the checkpoint was trained with."""
-    g = cfg.generate
+    gen = cfg.generate
     if not cfg.checkpoint.init_from:
         raise ConfigError("generate.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
-    if (g.prompt is None) == (g.prompt_file is None):
+    if (gen.prompt is None) == (gen.prompt_file is None):
         raise ConfigError("generate.py needs one of generate.prompt=\"...\" or generate.prompt_file=<file>")
-    prompts = [g.prompt] if g.prompt is not None else read_prompts(Path(g.prompt_file))
+    prompts = [gen.prompt] if gen.prompt is not None else read_prompts(Path(gen.prompt_file))
     register_configs()  # as in train.run: for a caller from Python, which never ran __main__
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
-    with session.start(whole_weights(cfg), run_dir, get_recipe) as s:
+    with session.start(whole_weights(cfg), run_dir, get_recipe) as sess:
         # 1. The model in one process, its weights from checkpoint.init_from.
-        if s.env.world_size != 1:
-            raise ConfigError(f"generate.py runs in one process (started with {s.env.world_size}): use python, not torchrun")
+        if sess.env.world_size != 1:
+            raise ConfigError(f"generate.py runs in one process (started with {sess.env.world_size}): use python, "
+                              "not torchrun")
         # The class, not hasattr(recipe, "tokenizer"): hasattr would call the property and swallow its error.
-        if not isinstance(s.recipe, GPTRecipe):
-            raise ConfigError(f"generate.py needs a language model; the {s.cfg.recipe} recipe is not one")
-        parallel, _ = session.build_model(s, training=False)
-        c = s.cfg.checkpoint
-        load_weights(parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, True,
-                     c.verify_checksums)
+        if not isinstance(sess.recipe, GPTRecipe):
+            raise ConfigError(f"generate.py needs a language model; the {sess.cfg.recipe} recipe is not one")
+        parallel, _ = session.build_model(sess, training=False)
+        ckpt = sess.cfg.checkpoint
+        load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, True,
+                     ckpt.verify_checksums)
         model = parallel.model.eval()
         # 2.-3. Each prompt, each sample.
-        tokenizer, g = s.recipe.tokenizer, s.cfg.generate
-        seq_length = s.cfg.model.seq_length
-        sampling = Sampling(g.greedy, g.temperature, g.top_k, g.top_p)
-        banned = banned_tokens(s.recipe.vocab_size, tokenizer)
-        kv_dtype = (s.runtime.autocast_dtype or torch.float32) if g.kv_cache else None
+        tokenizer, gen = sess.recipe.tokenizer, sess.cfg.generate
+        seq_length = sess.cfg.model.seq_length
+        sampling = Sampling(gen.greedy, gen.temperature, gen.top_k, gen.top_p)
+        banned = banned_tokens(sess.recipe.vocab_size, tokenizer)
+        kv_dtype = (sess.runtime.autocast_dtype or torch.float32) if gen.kv_cache else None
         results = []
         for i, prompt in enumerate(prompts):
             ids = tokenizer.encode(prompt)
             if not ids:
                 raise ConfigError(f"prompt {i + 1} is empty")
-            for j in range(1 if g.greedy else g.samples_per_prompt):
-                out = continue_prompt(model, ids, g.max_new_tokens, seq_length, sampling,
-                                      None if g.greedy else sample_generator(g.seed, i, j), banned,
-                                      tokenizer.eod if g.stop_at_eod else None, s.env.device, s.autocast, kv_dtype)
+            for j in range(1 if gen.greedy else gen.samples_per_prompt):
+                out = continue_prompt(model, ids, gen.max_new_tokens, seq_length, sampling,
+                                      None if gen.greedy else sample_generator(gen.seed, i, j), banned,
+                                      tokenizer.eod if gen.stop_at_eod else None, sess.env.device, sess.autocast,
+                                      kv_dtype)
                 results.append(Generation(prompt, j, tokenizer.decode(out.tokens), len(out.tokens), out.stop))
-                print(f"--- prompt {i + 1}" + (f", sample {j + 1}" if g.samples_per_prompt > 1 and not g.greedy else "")
+                sample = f", sample {j + 1}" if gen.samples_per_prompt > 1 and not gen.greedy else ""
+                print(f"--- prompt {i + 1}{sample}"
                       + f" ({out.stop}, {len(out.tokens)} tokens)\n{prompt}{results[-1].text}", flush=True)
         # 4. Write them all.
-        output = Path(g.output) if g.output else run_dir / "generations.jsonl"
+        output = Path(gen.output) if gen.output else run_dir / "generations.jsonl"
         output.parent.mkdir(parents=True, exist_ok=True)
         output.write_text("".join(json.dumps(vars(r)) + "\n" for r in results))
         log.info("wrote %d continuations of %d prompts to %s", len(results), len(prompts), output)

@@ -63,47 +63,50 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
     # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
     register_configs()
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
-    with session.start(cfg, run_dir, get_recipe) as s:
+    with session.start(cfg, run_dir, get_recipe) as sess:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
-        parallel, _ = session.build_model(s, training=False)
-        c = s.cfg.checkpoint
-        load_weights(parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, s.is_main,
-                     c.verify_checksums)
+        parallel, _ = session.build_model(sess, training=False)
+        ckpt = sess.cfg.checkpoint
+        load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, sess.is_main,
+                     ckpt.verify_checksums)
         # 2. Data: rank r takes samples r, r + dp, ...; every rank runs the same number of batches (the
         #    sharded model's collectives need that), shorter shares padded with samples marked invalid.
-        p = s.cfg.predict
-        dataset = s.recipe.unlabeled(p.folder) if p.folder else s.recipe.split(p.split)
-        sampler = EvalBatchSampler(len(dataset), s.cfg.predict.micro_batch_size, s.env.dp_size, s.env.dp_rank)
-        loader = make_loader(PaddedEval(dataset), sampler, s.cfg.data.num_workers,
-                             s.env.device.type == "cuda" and s.cfg.data.pin_memory, s.cfg.seed, s.recipe.collate_fn())
-        if s.is_main:
-            log.info("predicting %d samples of %s with %s", len(dataset), p.folder or f"the {p.split} split", c.init_from)
+        pred = sess.cfg.predict
+        dataset = sess.recipe.unlabeled(pred.folder) if pred.folder else sess.recipe.split(pred.split)
+        sampler = EvalBatchSampler(len(dataset), sess.cfg.predict.micro_batch_size, sess.env.dp_size, sess.env.dp_rank)
+        loader = make_loader(PaddedEval(dataset), sampler, sess.cfg.data.num_workers,
+                             sess.env.device.type == "cuda" and sess.cfg.data.pin_memory, sess.cfg.seed,
+                             sess.recipe.collate_fn())
+        if sess.is_main:
+            log.info("predicting %d samples of %s with %s", len(dataset), pred.folder or f"the {pred.split} split",
+                     ckpt.init_from)
         # 3. Predict, gather on rank 0, write.
-        local = predict_rows(s, parallel.wrapped, loader)
-        output = Path(s.cfg.predict.output) if s.cfg.predict.output else run_dir / "predictions.csv"
-        return write_predictions(s, local, output, len(dataset))
+        local = predict_rows(sess, parallel.wrapped, loader)
+        output = Path(sess.cfg.predict.output) if sess.cfg.predict.output else run_dir / "predictions.csv"
+        return write_predictions(sess, local, output, len(dataset))
 
 
-def predict_rows(s: session.Session, model: torch.nn.Module, loader) -> dict[str, torch.Tensor]:
+def predict_rows(sess: session.Session, model: torch.nn.Module, loader) -> dict[str, torch.Tensor]:
     """This rank's valid rows of the recipe's per-sample columns, on the CPU."""
     model.eval()
     parts: list[dict[str, torch.Tensor]] = []
     with torch.no_grad():
         for batch in loader:
             valid = batch.pop("valid").bool()
-            batch = s.recipe.to_device(batch, s.env.device)
-            with s.autocast():
-                columns = s.recipe.predict(model, batch)
+            batch = sess.recipe.to_device(batch, sess.env.device)
+            with sess.autocast():
+                columns = sess.recipe.predict(model, batch)
             parts.append({k: v.detach().cpu()[valid] for k, v in columns.items()})
     local = {k: torch.cat([p[k] for p in parts]) for k in parts[0]} if parts else {}
-    return local if s.env.tp_rank == 0 else {}  # tensor-parallel peers computed the same rows
+    return local if sess.env.tp_rank == 0 else {}  # tensor-parallel peers computed the same rows
 
 
-def write_predictions(s: session.Session, local: dict[str, torch.Tensor], output: Path, expected_rows: int) -> PredictResult:
+def write_predictions(sess: session.Session, local: dict[str, torch.Tensor], output: Path,
+                      expected_rows: int) -> PredictResult:
     """Gather every rank's rows on rank 0, order them by "idx", write the CSV and the split's metrics."""
-    gathered = [None] * s.env.world_size if s.is_main else None
+    gathered = [None] * sess.env.world_size if sess.is_main else None
     dist.gather_object(local, gathered, dst=0)
-    if not s.is_main:
+    if not sess.is_main:
         return PredictResult(output, 0)
     shares = [g for g in gathered if g]
     columns = {k: torch.cat([share[k] for share in shares]) for k in shares[0]}
@@ -113,9 +116,9 @@ def write_predictions(s: session.Session, local: dict[str, torch.Tensor], output
     gathered_rows = len(next(iter(columns.values())))
     if gathered_rows != expected_rows:
         raise RuntimeError(f"gathered {gathered_rows} rows for {expected_rows} samples")
-    columns = s.recipe.finish_predictions(columns)
+    columns = sess.recipe.finish_predictions(columns)
     rows = write_csv(output, columns)
-    metrics = s.recipe.summarize_predictions(columns)
+    metrics = sess.recipe.summarize_predictions(columns)
     (output.parent / "prediction_metrics.json").write_text(json.dumps({"rows": rows, **metrics}, indent=1))
     shown = "".join(f" | {k} {v}" if isinstance(v, int) else f" | {k} {v:.4f}" for k, v in metrics.items())
     log.info("wrote %d rows to %s%s", rows, output, shown)

@@ -105,46 +105,46 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     # Validation reads the schemas from Hydra's store. Registered again here (a no-op when there) for the processes
     # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
     register_configs()
-    with session.start(cfg, run_dir, get_recipe) as s:
-        return train(setup(s, objective_required=launch.optimising_sweep()))
+    with session.start(cfg, run_dir, get_recipe) as sess:
+        return train(setup(sess, objective_required=launch.optimising_sweep()))
 
 
-def setup(s: session.Session, objective_required: bool = False) -> Run:
+def setup(sess: session.Session, objective_required: bool = False) -> Run:
     """Everything a run holds, in the order it is needed; what can be refused is refused before the work.
     `objective_required`: a sweeper optimises training.objective.metric, so the run must record it."""
-    cfg, env, t = s.cfg, s.env, s.cfg.training
+    cfg, env, training = sess.cfg, sess.env, sess.cfg.training
     with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
         # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
         #    a resumed run must keep its result-changing settings), the global batch's split.
         checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg)
         on_failure.callback(checkpointer.close)
         checkpointer.prepare()
-        accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, env.dp_size)
+        accumulation = accumulation_steps(training.global_batch_size, training.micro_batch_size, env.dp_size)
         # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
         for seed in (torch.manual_seed, random.seed, np.random.seed):
             seed(cfg.seed + env.dp_rank)
         # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
-        parallel, num_params = session.build_model(s)
+        parallel, num_params = session.build_model(sess)
         # 4. Data; its size gives the run's length when it is given in epochs. With it, whether the run validates:
         #    checkpoint.monitor and training.objective.metric must name metrics the run records.
-        data = TrainingData(s.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
-        check_monitored_metrics(cfg, s.recipe.validation_metrics(), data.val_loader is not None, data.length.steps,
+        data = TrainingData(sess.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
+        check_monitored_metrics(cfg, sess.recipe.validation_metrics(), data.val_loader is not None, data.length.steps,
                                 data.length.epochs_done(data.length.steps), objective_required)
         # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
         groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
-                                    s.recipe.no_weight_decay(parallel.model))
+                                    sess.recipe.no_weight_decay(parallel.model))
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
         # 6. The micro-batch step, replayed as a CUDA graph with training.cuda_graphs; logging, throughput, the NaN
         #    policy.
-        forward_backward = cuda_graphs.forward_backward(parallel, s.recipe, s.autocast, s.runtime.cuda_graphs,
-                                                        s.runtime.layers == "te")
-        logger = MetricsLogger(s.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
+        forward_backward = cuda_graphs.forward_backward(parallel, sess.recipe, sess.autocast, sess.runtime.cuda_graphs,
+                                                        sess.runtime.layers == "te")
+        logger = MetricsLogger(sess.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
-        meter = ThroughputMeter(env.device, t.global_batch_size, env.world_size, s.recipe.tokens_per_sample(),
-                                s.recipe.flops_per_sample(), t.time_phases)
-        run = Run(s, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
-                  NonFiniteGuard(t.on_nonfinite, env.device), data.length)
+        meter = ThroughputMeter(env.device, training.global_batch_size, env.world_size, sess.recipe.tokens_per_sample(),
+                                sess.recipe.flops_per_sample(), training.time_phases)
+        run = Run(sess, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
+                  NonFiniteGuard(training.on_nonfinite, env.device), data.length)
         # 7. Resume, last: the restored RNG state must meet the first step untouched. A step folder the run would
         #    save over but may not replace stops it here. The run's history (run dir, metrics.jsonl, W&B,
         #    TensorBoard) continues from the step resumed from.
@@ -156,9 +156,10 @@ def setup(s: session.Session, objective_required: bool = False) -> Run:
     if env.is_main:
         log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
                  "%d accumulation steps | %s | AdamW groups %s", num_params / 1e6, len(data.train),
-                 len(data.val) if data.val is not None else "none", t.global_batch_size, t.micro_batch_size,
-                 env.dp_size, accumulation, run.length.describe(t.epochs), ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay "
-                                                               f"{g['weight_decay']}" for g in optimizer.param_groups))
+                 len(data.val) if data.val is not None else "none", training.global_batch_size,
+                 training.micro_batch_size, env.dp_size, accumulation, run.length.describe(training.epochs),
+                 ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']}"
+                           for g in optimizer.param_groups))
     return run
 
 
@@ -175,16 +176,16 @@ def restore(run: Run) -> Optional[Path]:
     """The newest complete checkpoint under checkpoint.path (or checkpoint.resume=<dir>) gives weights,
     optimizer, schedule, the position in the data and the RNG states; else init_from gives weights only;
     else the run starts from the fresh init."""
-    c, env, state = run.session.cfg.checkpoint, run.session.env, run.state
+    ckpt, env, state = run.session.cfg.checkpoint, run.session.env, run.state
     path = run.checkpointer.restore(checkpoint_parts(run))
     if path is not None:  # the learning rate and optimizer settings in effect are the config's
         optim.apply_config(run.optimizer, run.scheduler, run.session.cfg.optim, state.step - state.skipped_steps)
-    if path is None and c.init_from:
-        load_weights(run.parallel, c.init_from, list(c.init_skip_prefixes), c.init_ignore_unexpected, env.is_main,
-                     c.verify_checksums)
+    if path is None and ckpt.init_from:
+        load_weights(run.parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected,
+                     env.is_main, ckpt.verify_checksums)
     elif path is not None and env.is_main:
         log.info("resumed from %s (step %d, %d samples consumed)", path, state.step, state.consumed_samples)
-        if c.init_from:
+        if ckpt.init_from:
             log.info("checkpoint.init_from is not used: this run continues from its own checkpoint")
         if state.dataset_len not in (0, len(run.data.train)):
             log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
@@ -195,13 +196,13 @@ def restore(run: Run) -> Optional[Path]:
 
 def train(run: Run) -> RunResult:
     """The loop. `step` counts optimizer steps completed; run.state, saved with checkpoints, follows it."""
-    s, t, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
+    sess, training, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
     start_step, last_train, last_val, stopped_by = state.step, {}, {}, None
-    if start_step >= steps and s.is_main:
+    if start_step >= steps and sess.is_main:
         log.info("the checkpoint is at step %d of %d: nothing left to do", start_step, steps)
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
-    profiler = StepProfiler(t.profile, s.run_dir, s.env.rank, s.env.device, first_step=start_step + 1)
-    signals = StopSignals(parse_signals(s.cfg.checkpoint.save_on_signals))
+    profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
+    signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))
     run.logger.start_progress(start_step, steps)
     run.meter.start_interval()  # setup and restore do not count as step time
     try:
@@ -209,13 +210,13 @@ def train(run: Run) -> RunResult:
             with run.meter.waiting_for_data():
                 micro_batches = [next(batches) for _ in range(run.data.accumulation)]
             out = train_step(run, step, micro_batches)
-            state.step, state.consumed_samples = step, state.consumed_samples + t.global_batch_size
+            state.step, state.consumed_samples = step, state.consumed_samples + training.global_batch_size
             run.logger.advance()
             run.meter.step_done()
             stop = signals.stop_requested()  # on every rank if any rank got the signal
             saving = (run.checkpointer.should_save(step, steps) or stop
-                      or run.length.ends_epoch(step, s.cfg.checkpoint.save_every_n_epochs))
-            logging_step = step % t.log_every_n_steps == 0 or step == steps
+                      or run.length.ends_epoch(step, sess.cfg.checkpoint.save_every_n_epochs))
+            logging_step = step % training.log_every_n_steps == 0 or step == steps
             figures = {}
             if logging_step or saving:
                 run.guard.check()  # never log on, or save, a NaN model
@@ -232,7 +233,7 @@ def train(run: Run) -> RunResult:
             profiler.step()
             if stop:
                 stopped_by = signals.received or "a signal on another rank"
-                if s.is_main:
+                if sess.is_main:
                     log.warning("stopping after step %d on %s; checkpoint saved: run the same command to resume",
                                 step, stopped_by)
                 break
@@ -250,7 +251,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     """One optimizer step: forward and backward over the micro-batches (the backend reduces gradients over
     data-parallel ranks after the last one), clip, then step the optimizer and the schedule, or drop the
     step's gradients if its loss or gradient norm is not finite and training.on_nonfinite=skip."""
-    p, env, recipe, meter = run.parallel, run.session.env, run.session.recipe, run.meter
+    parallel, env, recipe, meter = run.parallel, run.session.env, run.session.recipe, run.meter
     last = len(micro_batches) - 1
     # The loss is the mean over every loss term (sample or token) of the global batch, so count them first.
     # The backends average gradients over data-parallel ranks; dp_size undoes that.
@@ -262,18 +263,18 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
         for i, batch in enumerate(micro_batches):
             loss_sum += run.forward_backward(batch, loss_scale, is_last=i == last)
     with meter.phase("grad_sync_clip"):
-        p.finish_grad_sync()
-        grad_norm = p.clip_grad_norm(run.session.cfg.optim.max_grad_norm)
+        parallel.finish_grad_sync()
+        grad_norm = parallel.clip_grad_norm(run.session.cfg.optim.max_grad_norm)
     lr = run.optimizer.param_groups[0]["lr"]
     finite = torch.isfinite(grad_norm) & torch.isfinite(loss_sum)
     if run.guard.step_may_proceed(step, finite, run.state.skipped_steps):
         with meter.phase("optimizer"):
-            p.optimizer_step(run.optimizer)
+            parallel.optimizer_step(run.optimizer)
             run.scheduler.step()
-            p.zero_grad(run.optimizer)
+            parallel.zero_grad(run.optimizer)
     else:
         run.state.skipped_steps += 1
-        p.zero_grad(run.optimizer)  # weights, optimizer and schedule stay put
+        parallel.zero_grad(run.optimizer)  # weights, optimizer and schedule stay put
     return StepOutput(loss_sum, count, grad_norm, lr)
 
 
@@ -294,12 +295,14 @@ def log_step(run: Run, step: int, figures: dict[str, float]) -> None:
 
 def validate(run: Run, step: int) -> dict[str, float]:
     """The validation metrics at a validation step (every val_every_n_steps, and at the end), else {}."""
-    s, t = run.session, run.session.cfg.training
-    due = ((t.val_every_n_steps > 0 and step % t.val_every_n_steps == 0) or run.length.ends_epoch(step, t.val_every_n_epochs)
-           or (step == run.length.steps and t.val_at_end))
+    sess, training = run.session, run.session.cfg.training
+    due = ((training.val_every_n_steps > 0 and step % training.val_every_n_steps == 0)
+           or run.length.ends_epoch(step, training.val_every_n_epochs)
+           or (step == run.length.steps and training.val_at_end))
     if run.data.val_loader is None or not due:
         return {}
-    metrics = evaluate(s.recipe, run.parallel.wrapped, run.data.val_loader, s.autocast, s.env.device, s.env.dp_group)
+    metrics = evaluate(sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device,
+                       sess.env.dp_group)
     run.logger.log({"step": step, **metrics}, prefix="val")
     run.checkpointer.check_monitor({f"val/{k}": v for k, v in metrics.items()})
     return metrics

@@ -143,7 +143,7 @@ def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBacke
 
 def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> list[str]:
     """Why this config cannot replay its micro-batches as CUDA graphs ([] if it can)."""
-    t = cfg.training
+    training = cfg.training
     refusals = [
         (not machine.cuda, "needs a CUDA GPU (CUDA graphs are a GPU feature); use training.cuda_graphs=none on CPU"),
         (parallel != ParallelBackend.mfsdp, f"needs distributed.backend=mfsdp (not {parallel}): its graph-safe "
@@ -153,6 +153,6 @@ def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBa
         (cfg.precision.fp8.enabled and cfg.precision.fp8.recipe not in GRAPHED_FP8_RECIPES,
          f"runs FP8 with precision.fp8.recipe={' or '.join(GRAPHED_FP8_RECIPES)}, not "
          f"{cfg.precision.fp8.recipe} (not checked under CUDA graphs); use training.cuda_graphs=none"),
-        (t.compile, "and training.compile=true both take over the forward pass: choose one"),
+        (training.compile, "and training.compile=true both take over the forward pass: choose one"),
     ]
     return [why for refused, why in refusals if refused]

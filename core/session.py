@@ -1,7 +1,7 @@
 """The setup every entry point shares (train.py, predict.py, and any generation or export to come):
 
-    with session.start(cfg, run_dir, get_recipe) as s:   # config checked, runtime resolved, processes up
-        parallel, num_params = session.build_model(s)   # built by the recipe on every rank, parallelized
+    with session.start(cfg, run_dir, get_recipe) as sess:   # config checked, runtime resolved, processes up
+        parallel, num_params = session.build_model(sess)   # built by the recipe on every rank, parallelized
         ...
 
 and the way each one ends: a clear line and an exit code for the errors a user can fix (`exit_on_error`).
@@ -60,8 +60,9 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     recipe = get_recipe(cfg.recipe)(cfg)
     cfg = recipe.cfg = recipe.resolve_config(cfg)  # e.g. sizes taken from the data
     runtime = resolve(cfg)
-    d = cfg.distributed
-    env = distributed.setup(d.dp_outer, d.dp_shard, d.tp, d.timeout_minutes, runtime.device_type)
+    dist_cfg = cfg.distributed
+    env = distributed.setup(dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes,
+                            runtime.device_type)
     try:
         runtime = runtime.on_mesh(env.dp_size, env.tp)
         # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
@@ -80,18 +81,19 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
         distributed.teardown()
 
 
-def build_model(s: Session, training: bool = True) -> tuple[Parallel, int]:
+def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
     """The recipe's model on this rank's device, weights drawn from cfg.seed (the same full weights on every
     rank; with distributed.tp > 1 each rank keeps its tensor-parallel part), wrapped by core.parallel
     (`training=False` leaves out activation recomputation and compilation). Returns it and its full
     parameter count."""
-    layers = get_layers(s.runtime.layers, s.env.tensor_parallel())
-    model = s.recipe.build_model(layers, s.env.device)
-    num_params = full_numel(model, s.env.tp)
-    t = s.cfg.training
-    parallel = parallelize(model, s.runtime, s.env, s.cfg.distributed, layers, s.recipe.unit_modules(layers),
-                           activation_checkpointing=training and t.activation_checkpointing,
-                           compile=training and t.compile)
+    layers = get_layers(sess.runtime.layers, sess.env.tensor_parallel())
+    model = sess.recipe.build_model(layers, sess.env.device)
+    num_params = full_numel(model, sess.env.tp)
+    train_cfg = sess.cfg.training
+    parallel = parallelize(model, sess.runtime, sess.env, sess.cfg.distributed, layers,
+                           sess.recipe.unit_modules(layers),
+                           activation_checkpointing=training and train_cfg.activation_checkpointing,
+                           compile=training and train_cfg.compile)
     return parallel, num_params
 
 

@@ -56,8 +56,8 @@ def train_run(cfg, run_dir, full_state: bool = False) -> dict:
     from core import session
     from recipes.registry import get_recipe
 
-    with session.start(cfg, Path(run_dir), get_recipe) as s:
-        run = train.setup(s)
+    with session.start(cfg, Path(run_dir), get_recipe) as sess:
+        run = train.setup(sess)
         result = train.train(run)
         state = full_state_dict(run.parallel) if full_state else None  # a collective: before teardown
         groups = [(g["name"], len(g["params"]), g["weight_decay"]) for g in run.optimizer.param_groups]
@@ -89,6 +89,37 @@ def full_state_dict(parallel) -> dict:
                 full[tuple(slice(o, o + n) for o, n in zip(offsets, piece.shape))] = piece
         out[name] = full
     return out
+
+
+def selected_params(request, test_name: str, param: str) -> list:
+    """The values of `param` in the cases of `test_name` (in the requesting module) that this session runs, in
+    order: for a module fixture that computes every selected case in one process (each process pays seconds of
+    imports and CUDA start-up) and hands each test its own result."""
+    values = [item.callspec.params[param] for item in request.session.items
+              if item.module is request.module and item.originalname == test_name]
+    return list(dict.fromkeys(values))
+
+
+def each_case(fn: Callable, cases: dict) -> dict:
+    """Worker body for a shared process: fn(*args) for each {name: args}; a case that raises gives its traceback
+    (the others still run)."""
+    out = {}
+    for name, args in cases.items():
+        try:
+            out[name] = ("ok", fn(*args))
+        except Exception:
+            out[name] = ("error", traceback.format_exc())
+    return out
+
+
+def case_result(results: dict, name: str):
+    """One case's value from each_case's results, or the test fails with that case's traceback."""
+    import pytest
+
+    status, value = results[name]
+    if status != "ok":
+        pytest.fail(f"{name} failed in the shared worker:\n{value}", pytrace=False)
+    return value
 
 
 def free_port() -> int:

@@ -105,6 +105,22 @@ def test_datasets_come_from_megatron_core_and_are_deterministic(tmp_path):
     assert not torch.equal(other.train[EpochIndex(0, 5)]["tokens"], sample["tokens"])  # another shuffle
 
 
+def test_mock_data_masks_do_not_depend_on_the_first_sample_read(tmp_path):
+    """Megatron-Core caches one loss mask per dataset, taken from the first sample read after masking that
+    sample's pad labels in place: with a pad id the mock data produces, every later sample's mask depended on
+    which sample a process (or loader worker) read first, and a resumed run trained on other masks."""
+    def dataset():
+        return gpt_recipe([f"data.cache_dir={tmp_path}/cache", "data=gpt_mock", "model.vocab_size=64",
+                           "model.seq_length=64", "training.steps=4"]).build_datasets().train
+
+    in_order, other_first = dataset(), dataset()
+    other_first[EpochIndex(0, 9)]
+    for i in range(8):
+        a, b = in_order[EpochIndex(0, i)], other_first[EpochIndex(0, i)]
+        assert torch.equal(a["tokens"], b["tokens"])
+        assert torch.equal(a["loss_mask"], b["loss_mask"]) and a["loss_mask"].sum() == 64, i  # no mask here
+
+
 def test_model_shapes_parameter_count_and_flops():
     from core.layers.namespace import TORCH_LAYERS
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoint_harness import train_losses
-from tests.helpers import run_workers
+from tests.helpers import case_result, each_case, run_workers, selected_params
 
 pytestmark = pytest.mark.gpu
 
@@ -70,14 +70,24 @@ def _run(tmp_path, case: str, name: str, overrides: list[str], **phase) -> dict:
             "run_dir": f"{tmp_path}/{name}/run", **phase}
 
 
+def _case_phases(tmp_path, case: str) -> list[dict]:
+    return [_run(tmp_path, case, "eager", ["training.cuda_graphs=none", "training.steps=12"]),
+            _run(tmp_path, case, "graphed", [GRAPHED, "training.steps=12"]),
+            _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"], signal_at=5),
+            _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"])]  # the same command again
+
+
+@pytest.fixture(scope="module")
+def graph_runs(request, tmp_path_factory) -> dict:
+    """Every selected case's four runs, all in one worker process (its imports and CUDA start-up paid once)."""
+    cases = selected_params(request, "test_graphed_training_matches_eager_and_resumes_exactly", "case")
+    root = tmp_path_factory.mktemp("graphs")
+    return run_workers(1, each_case, _phases, {case: (_case_phases(root / case, case),) for case in cases})[0]
+
+
 @pytest.mark.parametrize("case", list(CASES))
-def test_graphed_training_matches_eager_and_resumes_exactly(case, tmp_path):
-    eager, graphed, stopped, resumed = run_workers(1, _phases, [
-        _run(tmp_path, case, "eager", ["training.cuda_graphs=none", "training.steps=12"]),
-        _run(tmp_path, case, "graphed", [GRAPHED, "training.steps=12"]),
-        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"], signal_at=5),
-        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"]),  # the same command again
-    ])[0]
+def test_graphed_training_matches_eager_and_resumes_exactly(case, graph_runs):
+    eager, graphed, stopped, resumed = case_result(graph_runs, case)
     assert sorted(graphed["losses"]) == list(range(1, 13))
     diffs = {s: abs(graphed["losses"][s] - eager["losses"][s]) / abs(eager["losses"][s]) for s in eager["losses"]}
     print(f"GRAPHS {case}: eager {eager['losses']}\nGRAPHS {case}: graphed {graphed['losses']}\n"

@@ -117,8 +117,8 @@ def test_from_hf_brings_back_the_same_weights(overrides, out, flags, cache, tmp_
     settings = printed.split("train, predict or generate with: ")[1].split()
     assert settings[0] == f"checkpoint.init_from={tmp_path / out}"
     run_cfg = validated_config("gpt_sanity", [*SMALL, *settings, f"data.cache_dir={cache}", "checkpoint.path=unused"])
-    with session.start(run_cfg, tmp_path / "load", get_recipe) as s:
-        parallel, _ = session.build_model(s, training=False)
+    with session.start(run_cfg, tmp_path / "load", get_recipe) as sess:
+        parallel, _ = session.build_model(sess, training=False)
         load_weights(parallel, run_cfg.checkpoint.init_from)
         loaded = full_state_dict(parallel)
     original = read_model_weights(step)

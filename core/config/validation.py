@@ -90,19 +90,19 @@ def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val
     step within its `steps` optimizer steps (`epochs` complete epochs), as train.validate schedules them. Checked
     before any work: otherwise a misspelt monitor is found at the first save, after training. The objective's
     value is needed only when a sweeper optimises it (`objective_required`); a plain run may leave it unrecorded."""
-    t = cfg.training
+    training = cfg.training
     if not has_val_set:
-        no_validation = "it has no validation set" + (" (training.limit_val_batches=0)" if t.limit_val_batches == 0
-                                                      else "")
-    elif t.val_at_end or 0 < t.val_every_n_steps <= steps or 0 < t.val_every_n_epochs <= epochs:
+        no_validation = "it has no validation set" + (" (training.limit_val_batches=0)"
+                                                      if training.limit_val_batches == 0 else "")
+    elif training.val_at_end or 0 < training.val_every_n_steps <= steps or 0 < training.val_every_n_epochs <= epochs:
         no_validation = None
     else:
         no_validation = (f"training.val_at_end=false, and its {steps} steps ({epochs} epochs) reach no "
-                         f"training.val_every_n_steps={t.val_every_n_steps} or training.val_every_n_epochs="
-                         f"{t.val_every_n_epochs}")
+                         f"training.val_every_n_steps={training.val_every_n_steps} or training.val_every_n_epochs="
+                         f"{training.val_every_n_epochs}")
     train_names = sorted(f"train/{name}" for name in TRAIN_METRICS)
     for key, metric, needs_validation in (("checkpoint.monitor", cfg.checkpoint.monitor, True),
-                                          ("training.objective.metric", t.objective.metric, objective_required)):
+                                          ("training.objective.metric", training.objective.metric, objective_required)):
         validates = not (needs_validation and no_validation)
         known = train_names + (sorted(f"val/{name}" for name in val_metrics) if validates else [])
         if not metric or metric in known:

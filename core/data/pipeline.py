@@ -23,17 +23,19 @@ from core.training.length import run_length
 class TrainingData:
     def __init__(self, recipe, cfg: DictConfig, env: DistEnv, accumulation: int,
                  ignore_signals: tuple[signal.Signals, ...] = ()):
-        t = cfg.training
+        training = cfg.training
         self.recipe, self.env, self.accumulation, self.ignore_signals = recipe, env, accumulation, ignore_signals
-        self.micro_batch_size, self.global_batch_size = t.micro_batch_size, t.global_batch_size
+        self.micro_batch_size, self.global_batch_size = training.micro_batch_size, training.global_batch_size
         self.num_workers, self.seed = cfg.data.num_workers, cfg.seed
         self.pin_memory = env.device.type == "cuda" and cfg.data.pin_memory
         datasets = recipe.build_datasets()
         self.train, self.val = datasets.train, datasets.val
-        self.length = run_length(t.steps, t.epochs, t.global_batch_size, len(self.train))  # training.epochs -> steps
+        # training.epochs -> steps
+        self.length = run_length(training.steps, training.epochs, training.global_batch_size, len(self.train))
         self.val_loader = None
-        if self.val is not None and t.limit_val_batches != 0:
-            sampler = EvalBatchSampler(len(self.val), t.micro_batch_size, env.dp_size, env.dp_rank, t.limit_val_batches)
+        if self.val is not None and training.limit_val_batches != 0:
+            sampler = EvalBatchSampler(len(self.val), training.micro_batch_size, env.dp_size, env.dp_rank,
+                                       training.limit_val_batches)
             self.val_loader = make_loader(PaddedEval(self.val), sampler, self.num_workers, self.pin_memory, cfg.seed,
                                           recipe.collate_fn(), ignore_signals)
 

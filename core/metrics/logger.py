@@ -87,10 +87,11 @@ class MetricsLogger:
     def _open_wandb(self, run_id: str | None) -> str:
         import wandb
 
-        w = self.cfg.wandb
-        mode = None if w.mode is None else str(w.mode)
+        wandb_cfg = self.cfg.wandb
+        mode = None if wandb_cfg.mode is None else str(wandb_cfg.mode)
         self.wandb = wandb.init(
-            project=w.project, entity=w.entity, name=w.name or self.run_dir.name, group=w.group, tags=list(w.tags),
+            project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or self.run_dir.name,
+            group=wandb_cfg.group, tags=list(wandb_cfg.tags),
             mode=mode, dir=str(self.run_dir), config=self.config, id=run_id or new_wandb_id(), resume="allow",
         )
         if run_id:

@@ -39,10 +39,14 @@ def megatron_datasets():
 
 
 class MockTokenizer:
-    """What MockGPTDataset needs: a vocabulary size and an end-of-document id (the last id)."""
+    """What MockGPTDataset needs: a vocabulary size, an end-of-document id (the last id) and a pad id.
+
+    The mock documents hold every id below the vocabulary size, so the pad id is one past it: Megatron-Core
+    masks the loss on pad labels in place on the loss mask it caches from the first sample it reads, and an id
+    the data holds made every later mask depend on which sample came first (a resumed run saw other masks)."""
 
     def __init__(self, vocab_size: int):
-        self.vocab_size, self.eod, self.pad = vocab_size, vocab_size - 1, vocab_size - 2
+        self.vocab_size, self.eod, self.pad = vocab_size, vocab_size - 1, vocab_size
         self.unique_identifiers = {"tokenizer": "mock", "vocab_size": vocab_size}
 
 

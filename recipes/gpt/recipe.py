@@ -31,33 +31,36 @@ class GPTRecipe(Recipe):
     @functools.cached_property
     def vocab_size(self) -> int:
         """The model's vocabulary: model.vocab_size, or the tokenizer's rounded up for fast GEMMs."""
-        m, d = self.cfg.model, self.cfg.data
-        if m.vocab_size is not None:
-            needed = None if d.format == "mock" else build_tokenizer(d.tokenizer, d.eod_token).vocab_size
-            if needed is not None and m.vocab_size < needed:
-                raise ConfigError(f"model.vocab_size={m.vocab_size} is smaller than the vocabulary of data.tokenizer="
-                                  f"{d.tokenizer} ({needed} tokens): its ids would have no embedding; give at least "
-                                  f"{needed}, or null (the tokenizer's, rounded up)")
-            return m.vocab_size
-        if d.format == "mock":
+        model_cfg, data_cfg = self.cfg.model, self.cfg.data
+        if model_cfg.vocab_size is not None:
+            needed = (None if data_cfg.format == "mock"
+                      else build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size)
+            if needed is not None and model_cfg.vocab_size < needed:
+                raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the vocabulary of "
+                                  f"data.tokenizer={data_cfg.tokenizer} ({needed} tokens): its ids would have no "
+                                  f"embedding; give at least {needed}, or null (the tokenizer's, rounded up)")
+            return model_cfg.vocab_size
+        if data_cfg.format == "mock":
             raise ConfigError("data.format=mock needs model.vocab_size (mock data has no tokenizer to take it from)")
-        return padded_vocab_size(build_tokenizer(d.tokenizer, d.eod_token).vocab_size, m.make_vocab_size_divisible_by)
+        return padded_vocab_size(build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size,
+                                 model_cfg.make_vocab_size_divisible_by)
 
     @functools.cached_property
     def tokenizer(self):
         """The tokenizer the data was made with (data.tokenizer): text in and out of generate.py."""
-        d = self.cfg.data
-        if d.format == "mock":
+        data_cfg = self.cfg.data
+        if data_cfg.format == "mock":
             raise ConfigError("data.format=mock has no tokenizer: give the data config the model was trained "
                               "with (data.tokenizer)")
-        return build_tokenizer(d.tokenizer, d.eod_token)
+        return build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token)
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
-        m = self.cfg.model
+        model_cfg = self.cfg.model
         self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
-        model = GPT(m, self.vocab_size, layers, device=device)
+        model = GPT(model_cfg, self.vocab_size, layers, device=device)
         # Megatron's init: normal(0, init_std), the blocks' output projections scaled by 1/sqrt(2 layers).
-        base, scaled = standard_rule(m.init_std), standard_rule(m.init_std / math.sqrt(2 * m.num_layers))
+        base = standard_rule(model_cfg.init_std)
+        scaled = standard_rule(model_cfg.init_std / math.sqrt(2 * model_cfg.num_layers))
 
         def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
             (scaled if name.endswith(("proj.weight", "fc2_weight")) else base)(name, t, g)
@@ -69,12 +72,12 @@ class GPTRecipe(Recipe):
         return [layers.TransformerLayer]
 
     def _splits(self) -> dict:
-        t = self.cfg.training
-        if t.steps is None:  # Megatron's indexed datasets are built for a number of samples
+        training = self.cfg.training
+        if training.steps is None:  # Megatron's indexed datasets are built for a number of samples
             raise ConfigError("training.epochs: the GPT recipe's datasets are built for a number of samples; give "
                               "training.steps")
         datasets = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
-                                      t.steps * t.global_batch_size, self.vocab_size)
+                                      training.steps * training.global_batch_size, self.vocab_size)
         return dict(zip(("train", "val", "test"), datasets))
 
     def build_datasets(self) -> Datasets:
@@ -87,9 +90,9 @@ class GPTRecipe(Recipe):
         """predict.py: the split's documents in windows of seq_length tokens (per-document perplexity)."""
         if name not in ("train", "val", "test"):
             raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
-        d = self.cfg.data
+        data_cfg = self.cfg.data
         self.documents = document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
-                                          d.eod_mask_loss)
+                                          data_cfg.eod_mask_loss)
         return self.documents
 
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
@@ -139,19 +142,19 @@ class GPTRecipe(Recipe):
 
     def non_embedding_parameters(self) -> int:
         """All parameters but the input embedding table (the output projection counts: tied or not)."""
-        m = self.cfg.model
-        h, f, heads = m.hidden_size, m.ffn_hidden_size, m.num_attention_heads
-        kv = (m.num_query_groups or heads) * (h // heads)
+        model_cfg = self.cfg.model
+        h, f, heads = model_cfg.hidden_size, model_cfg.ffn_hidden_size, model_cfg.num_attention_heads
+        kv = (model_cfg.num_query_groups or heads) * (h // heads)
         block = h * (h + 2 * kv) + h * h + 2 * f * h + f * h + 2 * h  # QKV, proj, fc1 (gate+up), fc2, 2 norms
-        return m.num_layers * block + h + self.vocab_size * h  # + final norm + output projection
+        return model_cfg.num_layers * block + h + self.vocab_size * h  # + final norm + output projection
 
     def flops_per_sample(self) -> float:
         """Training FLOPs of one sequence of S tokens: S x (6 N + 12 L H S), N = non-embedding parameters
         (the output projection included), 12 L H S the attention scores and their weighting of the values
         (forward + backward, causal masking not discounted)."""
-        m = self.cfg.model
-        s = m.seq_length
-        return s * (6.0 * self.non_embedding_parameters() + 12.0 * m.num_layers * m.hidden_size * s)
+        model_cfg = self.cfg.model
+        s = model_cfg.seq_length
+        return s * (6.0 * self.non_embedding_parameters() + 12.0 * model_cfg.num_layers * model_cfg.hidden_size * s)
 
 
 RECIPE = GPTRecipe

@@ -87,11 +87,11 @@ class MNISTRecipe(Recipe):
 
     def flops_per_sample(self) -> float:
         """3 x the forward matmul FLOPs (2 per multiply-add) of one image."""
-        m = self.cfg.model
-        pixels = m.image_size * m.image_size
-        trunk = pixels * m.hidden_size + m.hidden_size * m.latent_size
-        head = (m.latent_size * m.hidden_size + m.hidden_size * pixels if m.task == "autoencoder"
-                else m.latent_size * m.num_classes)
+        model_cfg = self.cfg.model
+        pixels = model_cfg.image_size * model_cfg.image_size
+        trunk = pixels * model_cfg.hidden_size + model_cfg.hidden_size * model_cfg.latent_size
+        head = (model_cfg.latent_size * model_cfg.hidden_size + model_cfg.hidden_size * pixels
+                if model_cfg.task == "autoencoder" else model_cfg.latent_size * model_cfg.num_classes)
         return 3.0 * 2 * (trunk + head)
 
 

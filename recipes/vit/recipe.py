@@ -38,37 +38,37 @@ class ViTRecipe(Recipe):
     def resolve_config(self, cfg):
         """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
         an explicit number must be that one."""
-        d, m = cfg.data, cfg.model
-        if d.format == "synthetic":
+        data_cfg, model_cfg = cfg.data, cfg.model
+        if data_cfg.format == "synthetic":
             return cfg
-        if len(d.mean) != m.in_chans:  # the images are normalized channel by channel
-            raise ConfigError(f"data.mean and data.std have {len(d.mean)} values, but model.in_chans={m.in_chans}: "
-                              "expected one per channel")
+        if len(data_cfg.mean) != model_cfg.in_chans:  # the images are normalized channel by channel
+            raise ConfigError(f"data.mean and data.std have {len(data_cfg.mean)} values, but "
+                              f"model.in_chans={model_cfg.in_chans}: expected one per channel")
         try:
-            self.classes = image_classes(d)  # read once: the datasets and the prediction names use it too
+            self.classes = image_classes(data_cfg)  # read once: the datasets and the prediction names use it too
             found = len(self.classes)
         except FileNotFoundError as e:  # e.g. predict.py on a folder of new images, with the checkpoint only
             self.classes_missing = str(e)
             found = self._num_classes_without_data(cfg, e)
-        for key, given in (("data.num_classes", d.num_classes), ("model.num_classes", m.num_classes)):
+        for key, given in (("data.num_classes", data_cfg.num_classes), ("model.num_classes", model_cfg.num_classes)):
             if given is not None and given != found:
-                raise ConfigError(f"{key}={given}, but {d.root} holds {found} classes (null takes the data's)")
-        if d.num_classes == found and m.num_classes == found:
+                raise ConfigError(f"{key}={given}, but {data_cfg.root} holds {found} classes (null takes the data's)")
+        if data_cfg.num_classes == found and model_cfg.num_classes == found:
             return cfg
         cfg = cfg.copy()
         OmegaConf.set_readonly(cfg, False)
         cfg.data.num_classes = cfg.model.num_classes = found
         OmegaConf.set_readonly(cfg, True)
         if self.classes is not None and os.environ.get("RANK", "0") == "0":
-            log.info("data.num_classes=%d: the classes %s holds", found, d.root)
+            log.info("data.num_classes=%d: the classes %s holds", found, data_cfg.root)
         return cfg
 
     @staticmethod
     def _num_classes_without_data(cfg, missing: FileNotFoundError) -> int:
         """The class count when data.root is not there: the one given, else the one in the config.yaml of the
         checkpoint.init_from step folder (the trained head's). Training then stops at the missing data."""
-        d, m = cfg.data, cfg.model
-        given = d.num_classes if d.num_classes is not None else m.num_classes
+        data_cfg, model_cfg = cfg.data, cfg.model
+        given = data_cfg.num_classes if data_cfg.num_classes is not None else model_cfg.num_classes
         source = "as given"
         saved = resolve_checkpoint(cfg.checkpoint.init_from) / "config.yaml" if cfg.checkpoint.init_from else None
         if given is None and saved is not None and saved.is_file():
@@ -196,11 +196,11 @@ class ViTRecipe(Recipe):
           embed/head 2 * patches * (C p^2) * H + 2 * H * classes
         Norms, softmax, GELU and the optimizer are not counted (the usual MFU convention).
         """
-        m = self.cfg.model
-        patches = (m.img_size // m.patch_size) ** 2
-        s, h, f = patches + 1, m.hidden_size, int(m.hidden_size * m.mlp_ratio)
-        forward = (2 * s * m.depth * (4 * h * h + 2 * h * f) + 4 * s * s * h * m.depth
-                   + 2 * patches * m.in_chans * m.patch_size**2 * h + 2 * h * m.num_classes)
+        model_cfg = self.cfg.model
+        patches = (model_cfg.img_size // model_cfg.patch_size) ** 2
+        s, h, f = patches + 1, model_cfg.hidden_size, int(model_cfg.hidden_size * model_cfg.mlp_ratio)
+        forward = (2 * s * model_cfg.depth * (4 * h * h + 2 * h * f) + 4 * s * s * h * model_cfg.depth
+                   + 2 * patches * model_cfg.in_chans * model_cfg.patch_size**2 * h + 2 * h * model_cfg.num_classes)
         return 3.0 * forward
 
 
