@@ -91,13 +91,13 @@ def full_state_dict(parallel) -> dict:
     return out
 
 
-def selected_params(request, test_name: str, param: str) -> list:
-    """The values of `param` in the cases of `test_name` (in the requesting module) that this session runs, in
-    order: for a module fixture that computes every selected case in one process (each process pays seconds of
+def selected_cases(request, test_name: str) -> list[dict]:
+    """The parameters of each case of `test_name` (in the requesting module) that this session runs, in order:
+    for a module fixture that computes every selected case in one process (each process pays seconds of
     imports and CUDA start-up) and hands each test its own result."""
-    values = [item.callspec.params[param] for item in request.session.items
-              if item.module is request.module and item.originalname == test_name]
-    return list(dict.fromkeys(values))
+    cases = [item.callspec.params for item in request.session.items
+             if item.module is request.module and item.originalname == test_name]
+    return [dict(c) for i, c in enumerate(cases) if c not in cases[:i]]
 
 
 def each_case(fn: Callable, cases: dict) -> dict:
@@ -128,11 +128,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict,
+            cwd: str) -> None:
+    # The fork server started earlier: take the caller's environment and directory of now, as spawn would.
+    os.environ.clear()
+    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    # A spawned child inherits "spawn" as its default start method, so its data loader's workers would start as
-    # fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under torchrun.
+    os.chdir(cwd)
+    # The child's default start method is its parent's, so its data loader's workers would start through a fork
+    # server or as fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under
+    # torchrun.
     mp.set_start_method("fork", force=True)
     try:
         results[rank] = ("ok", fn(*args))
@@ -140,13 +145,21 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         results[rank] = ("error", traceback.format_exc())
 
 
+# Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
+# per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers"]
+
+
 def run_workers(world_size: int, fn: Callable, *args) -> list:
-    """Run fn(*args) in `world_size` spawned processes (a gloo group each); return each rank's value."""
-    ctx = mp.get_context("spawn")
+    """Run fn(*args) in `world_size` worker processes (a gloo group each); return each rank's value."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results)) for r in range(world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(os.environ),
+                                                   os.getcwd()))
+                 for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

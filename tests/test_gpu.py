@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import subprocess
 from pathlib import Path
 
@@ -9,7 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoint_harness import train_losses
-from tests.helpers import REPO, read_records, run_workers, torchrun
+from tests.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
 from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
 pytestmark = pytest.mark.gpu
@@ -25,6 +26,7 @@ def build_vit(backend: str, overrides: list[str]):
     return ViTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("autocast_dtype,rtol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_te_and_torch_vit_agree(autocast_dtype, rtol):
     small = ["model.depth=2", "data.num_classes=16"]
@@ -71,24 +73,67 @@ def test_mfsdp_te_vit_base_learns_synthetic(nproc, tmp_path):
     assert (tmp_path / "ckpt" / "step_40" / "COMPLETE").exists()
 
 
+def _train_losses(config: str, overrides: list[str], run_dir: str) -> dict[int, float]:
+    """Worker body: train `config` in this process; its losses by step."""
+    from tests.helpers import compose_config, train_run
+
+    train_run(compose_config(config, overrides), run_dir)
+    return train_losses(run_dir)
+
+
+@pytest.fixture(scope="module")
+def fp8_runs(request, tmp_path_factory) -> dict:
+    """test_fp8_trains' runs, in one worker process (the command line is test_mfsdp_te_vit_base_learns_synthetic's)."""
+    root = tmp_path_factory.mktemp("fp8")
+    cases = {c["precision"]: ("vit_base_patch16_224", [*MEMORIZE, f"precision={c['precision']}",
+                                                      f"checkpoint.path={root}/{c['precision']}/ckpt",
+                                                      "logger.progress_bar=never"], f"{root}/{c['precision']}/run")
+             for c in selected_cases(request, "test_fp8_trains")}
+    return run_workers(1, each_case, _train_losses, cases)[0]
+
+
 @pytest.mark.parametrize("precision", ["fp8_delayed", "fp8_current"])
-def test_fp8_trains(precision, tmp_path):
-    rows = train_cli(1, tmp_path, *MEMORIZE, f"precision={precision}")
-    losses = [r["loss"] for r in rows if "split" not in r]
-    assert all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
+def test_fp8_trains(precision, fp8_runs):
+    losses = list(case_result(fp8_runs, precision).values())
+    assert len(losses) == 8 and all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
 
 
+@pytest.fixture(scope="module")
+def mfsdp_runs(request, tmp_path_factory):
+    """test_mfsdp_matches_single_gpu_reference's runs for a process count: its selected cases in one group of
+    worker processes, started when the first of them runs (a case skipped for want of GPUs starts none)."""
+    root = tmp_path_factory.mktemp("mfsdp")
+    selected = selected_cases(request, "test_mfsdp_matches_single_gpu_reference")
+
+    @functools.cache
+    def runs(nproc: int) -> dict:
+        cases = {(c["layers"], c["fused_wgrad"]): (
+                     [o for o in COMMON if not o.startswith("model.backend")]
+                     + [f"model.backend={c['layers']}", "distributed=mfsdp",
+                        f"distributed.mfsdp.te_fuse_wgrad_accumulation={c['fused_wgrad']}"],
+                     f"{root}/{nproc}-{c['layers']}-{c['fused_wgrad']}", False)
+                 for c in selected if c["nproc"] == nproc}
+        return run_workers(nproc, each_case, _train_worker, cases)[0]
+
+    return runs
+
+
+@functools.cache
+def _gpu_reference(layers: str) -> dict:
+    """The plain loop on this GPU, once per kind of layers."""
+    return reference_run(torch.device("cuda"), layers)
+
+
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("layers,fused_wgrad", [("torch", False), ("te", False), ("te", True)],
                          ids=["torch", "te", "te-fused-wgrad"])
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
-def test_mfsdp_matches_single_gpu_reference(nproc, layers, fused_wgrad, tmp_path):
+def test_mfsdp_matches_single_gpu_reference(nproc, layers, fused_wgrad, mfsdp_runs):
     """Megatron-FSDP on 1 or 2 GPUs vs a plain loop on one GPU with the same layers (fp32), with 4 (1 GPU,
     ZeRO-0) or 2 (2 GPUs, ZeRO-3) accumulated micro-batches per step; fused_wgrad: TE's wgrad GEMMs write
     into Megatron-FSDP's main gradients (accumulating on ZeRO-0, overwriting a fresh bucket on ZeRO-3)."""
-    reference = reference_run(torch.device("cuda"), layers)
-    overrides = [o for o in COMMON if not o.startswith("model.backend")] + [f"model.backend={layers}", "distributed=mfsdp",
-                                                                           f"distributed.mfsdp.te_fuse_wgrad_accumulation={fused_wgrad}"]
-    result = run_workers(nproc, _train_worker, overrides, str(tmp_path), False)[0]
+    reference = _gpu_reference(layers)
+    result = case_result(mfsdp_runs(nproc), (layers, fused_wgrad))
     result["state"] = {k: v.to("cuda") for k, v in result["state"].items()}
     # The plain loop is bitwise reproducible run to run. With TE's bias+GELU GEMM epilogues
     # (core/layers/te_transformer_layer.py) Megatron-FSDP's run, whose weights live in one flat buffer,
@@ -219,25 +264,33 @@ def test_fp8_amax_history_survives_resume(tmp_path):
 # ----------------------------------------------------------------------------- the MNIST workflow on GPUs
 
 
+def mnist_workflow(root: str, overrides: list[str], pretrain_steps: int = 1000) -> dict:
+    """Worker body: docs/mnist.md's three steps (pretrain, fine-tune from its last step, predict the test split)
+    through train.py's and predict.py's functions, in this process; the fine-tune's last validation and the
+    prediction's rows and metrics."""
+    import predict
+    from tests.helpers import compose_config, train_run
+
+    train_run(compose_config("mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre",
+                                                f"training.steps={pretrain_steps}"]), f"{root}/pre")
+    finetune = [*overrides, f"checkpoint.init_from={root}/ckpt/pre/step_{pretrain_steps}", f"checkpoint.path={root}/ckpt/ft"]
+    tuned = train_run(compose_config("mnist_finetune", finetune), f"{root}/ft")["result"]
+    predicting = [*overrides, f"checkpoint.init_from={root}/ckpt/ft/step_{tuned.steps}", f"predict.output={root}/pred.csv",
+                  f"checkpoint.path={root}/ckpt/unused"]
+    predicted = predict.predict(compose_config("mnist_predict", predicting), Path(f"{root}/predict"), predicting)
+    return {"val": tuned.val, "rows": predicted.rows, "metrics": predicted.metrics}
+
+
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
 def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
-    """mnist_pretrain -> mnist_finetune -> predict.py with the GPU defaults (mfsdp + TE layers), bf16."""
+    """mnist_pretrain -> mnist_finetune -> predict with the GPU defaults (mfsdp + TE layers), bf16, in one group
+    of worker processes (the command lines: tests/test_mnist.py on CPUs)."""
     gpu = ["distributed=mfsdp", "model.backend=te", "precision=bf16", "logger.progress_bar=never"]
-
-    def run(script: str, config: str, *overrides: str) -> str:
-        cmd = torchrun(nproc, script, "--config-name", config, *gpu, *overrides)
-        proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=900)
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        return proc.stdout + proc.stderr
-
-    out = run("train.py", "mnist_pretrain", "checkpoint.path=ckpt/pre", "training.steps=1000")
-    assert "distributed.backend=mfsdp" in out and "model.backend=te" in out
-    out = run("train.py", "mnist_finetune", "checkpoint.init_from=ckpt/pre/step_1000", "checkpoint.path=ckpt/ft")
-    val = [line for line in out.splitlines() if "val step" in line]
-    out = run("predict.py", "mnist_predict", "checkpoint.init_from=ckpt/ft/step_600", "predict.output=pred.csv")
-    accuracy = float(out.split("| accuracy ")[1].split()[0])
-    print(f"MNIST on {nproc} GPU(s), mfsdp + TE: fine-tune {val[-1].split(' - ')[-1]}; test accuracy {accuracy:.4f}")
-    assert len((tmp_path / "pred.csv").read_text().splitlines()) == 1001 and accuracy > 0.8
+    out = run_workers(nproc, mnist_workflow, str(tmp_path), gpu)[0]
+    accuracy = out["metrics"]["accuracy"]
+    print(f"MNIST on {nproc} GPU(s), mfsdp + TE: fine-tune val {out['val']}; test accuracy {accuracy:.4f}")
+    assert out["rows"] == 1000 and len((tmp_path / "pred.csv").read_text().splitlines()) == 1001
+    assert accuracy > 0.8
 
 
 # ----------------------------------------------------------------------------- GPT on GPUs
@@ -252,6 +305,7 @@ def build_gpt(backend: str, overrides: list[str]):
     return GPTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("autocast_dtype,rtol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
     """RoPE, GQA with fused interleaved QKV, RMSNorm, SwiGLU, causal attention: TE and the twins agree."""
@@ -326,6 +380,7 @@ GPT_BLOCK = dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, nu
                  normalization="RMSNorm", activation="swiglu", self_attn_mask_type="causal")
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True)],
                          ids=["vit", "gpt", "gpt-fp8"])
 def test_tuned_transformer_layer_matches_te(block, fp8):
@@ -362,6 +417,7 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
         assert _relative_difference(a, b) < 2e-2, (name, a.float().norm().item(), b.float().norm().item())
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("tensor_format,outer,groups,per_group,head_dim,dtype", [
     ("bshd", (4, 2048), 8, 2, 128, torch.bfloat16),  # gpt_1b's heads
     ("sbhd", (197, 3), 12, 1, 64, torch.bfloat16),   # no GQA; rows not a multiple of the block
@@ -403,6 +459,7 @@ def _relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return diff / ref if ref > 0 else diff
 
 
+@pytest.mark.gpu_smoke
 def test_te_token_cross_entropy_matches_torch():
     from core.layers.namespace import TORCH_LAYERS, get_layers
 
@@ -420,6 +477,7 @@ def test_te_token_cross_entropy_matches_torch():
     torch.testing.assert_close(results[0][1], results[1][1], rtol=1e-2, atol=1e-4)
 
 
+@pytest.mark.gpu_smoke
 def test_host_stager_reuses_pinned_buffers_and_copies_exactly():
     """Async saves stage into pinned buffers kept between saves; each staging holds that moment's values."""
     from core.checkpointing.staging import HostStager

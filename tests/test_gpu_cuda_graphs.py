@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tests.checkpoint_harness import train_losses
-from tests.helpers import case_result, each_case, run_workers, selected_params
+from tests.helpers import case_result, each_case, run_workers, selected_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -80,7 +80,7 @@ def _case_phases(tmp_path, case: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def graph_runs(request, tmp_path_factory) -> dict:
     """Every selected case's four runs, all in one worker process (its imports and CUDA start-up paid once)."""
-    cases = selected_params(request, "test_graphed_training_matches_eager_and_resumes_exactly", "case")
+    cases = [c["case"] for c in selected_cases(request, "test_graphed_training_matches_eager_and_resumes_exactly")]
     root = tmp_path_factory.mktemp("graphs")
     return run_workers(1, each_case, _phases, {case: (_case_phases(root / case, case),) for case in cases})[0]
 

@@ -25,6 +25,7 @@ def _models():
     return twin, te_model
 
 
+@pytest.mark.gpu_smoke
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_te_kv_cache_gives_the_logits_of_a_whole_pass(dtype):
     """Prefill 20 tokens, then 12 steps of one token through TE's cache: the logits of one pass over all
