@@ -47,6 +47,7 @@ from core.training.evaluation import evaluate
 from core.training.forward_backward import ForwardBackward
 from core.training.nonfinite import NonFiniteGuard
 from core.training.length import RunLength
+from core.training.schedule import StepSchedule
 from core.training.state import TrainState
 from recipes.registry import config_keys, get_recipe, register_configs
 
@@ -68,6 +69,7 @@ class Run:
     meter: ThroughputMeter
     guard: NonFiniteGuard
     length: RunLength  # optimizer steps (training.steps, or worked out from training.epochs) and epoch ends
+    schedule: StepSchedule  # which steps log, validate and save
     state: TrainState = field(default_factory=TrainState)
     resumed_from: Optional[Path] = None
 
@@ -128,8 +130,9 @@ def setup(sess: session.Session, objective_required: bool = False) -> Run:
         # 4. Data; its size gives the run's length when it is given in epochs. With it, whether the run validates:
         #    checkpoint.monitor and training.objective.metric must name metrics the run records.
         data = TrainingData(sess.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
-        check_monitored_metrics(cfg, sess.recipe.validation_metrics(), data.val_loader is not None, data.length.steps,
-                                data.length.epochs_done(data.length.steps), objective_required)
+        schedule = StepSchedule.from_config(cfg, data.length)
+        check_monitored_metrics(cfg, sess.recipe.validation_metrics(), data.val_loader is not None, schedule,
+                                objective_required)
         # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
         groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
                                     sess.recipe.no_weight_decay(parallel.model))
@@ -144,13 +147,12 @@ def setup(sess: session.Session, objective_required: bool = False) -> Run:
         meter = ThroughputMeter(env.device, training.global_batch_size, env.world_size, sess.recipe.tokens_per_sample(),
                                 sess.recipe.flops_per_sample(), training.time_phases)
         run = Run(sess, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
-                  NonFiniteGuard(training.on_nonfinite, env.device), data.length)
+                  NonFiniteGuard(training.on_nonfinite, env.device), data.length, schedule)
         # 7. Resume, last: the restored RNG state must meet the first step untouched. A step folder the run would
         #    save over but may not replace stops it here. The run's history (run dir, metrics.jsonl, W&B,
         #    TensorBoard) continues from the step resumed from.
         run.resumed_from = restore(run)
-        checkpointer.check_save_targets(run.state.step + 1, run.length.steps, lambda step: checkpointer.should_save(
-            step, run.length.steps) or run.length.ends_epoch(step, cfg.checkpoint.save_every_n_epochs))
+        checkpointer.check_save_targets(run.state.step + 1, run.length.steps, schedule.saves)
         logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
@@ -214,9 +216,8 @@ def train(run: Run) -> RunResult:
             run.logger.advance()
             run.meter.step_done()
             stop = signals.stop_requested()  # on every rank if any rank got the signal
-            saving = (run.checkpointer.should_save(step, steps) or stop
-                      or run.length.ends_epoch(step, sess.cfg.checkpoint.save_every_n_epochs))
-            logging_step = step % training.log_every_n_steps == 0 or step == steps
+            saving = run.schedule.saves(step) or stop
+            logging_step = run.schedule.logs(step)
             figures = {}
             if logging_step or saving:
                 run.guard.check()  # never log on, or save, a NaN model
@@ -295,11 +296,8 @@ def log_step(run: Run, step: int, figures: dict[str, float]) -> None:
 
 def validate(run: Run, step: int) -> dict[str, float]:
     """The validation metrics at a validation step (every val_every_n_steps, and at the end), else {}."""
-    sess, training = run.session, run.session.cfg.training
-    due = ((training.val_every_n_steps > 0 and step % training.val_every_n_steps == 0)
-           or run.length.ends_epoch(step, training.val_every_n_epochs)
-           or (step == run.length.steps and training.val_at_end))
-    if run.data.val_loader is None or not due:
+    sess = run.session
+    if run.data.val_loader is None or not run.schedule.validates(step):
         return {}
     metrics = evaluate(sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device,
                        sess.env.dp_group)

@@ -132,7 +132,8 @@ def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     sentinel = tmp_path / "sentinel"
     first = [phase(tmp_path, "first", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"])]
     ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, _slow_marker, (first, str(sentinel), 4), {}))
+    procs = [ctx.Process(target=_worker, args=(r, 2, port, _slow_marker, (first, str(sentinel), 4), {}, dict(os.environ),
+                                               os.getcwd()))
              for r in range(2)]
     for p in procs:
         p.start()

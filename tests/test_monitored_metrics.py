@@ -13,6 +13,8 @@ from torch.utils.data import default_collate
 
 from core.config.errors import ConfigError
 from core.config.validation import TRAIN_METRICS, check_monitored_metrics
+from core.training.length import RunLength
+from core.training.schedule import StepSchedule
 from tests.checkpoint_harness import TINY
 from tests.helpers import train_run, validated_config
 
@@ -64,10 +66,11 @@ def test_the_loops_train_metrics_are_the_ones_checked(monkeypatch):
     assert sorted(train.step_figures(run, out)) == sorted(TRAIN_METRICS)
 
 
-def _check(overrides: list[str], has_val_set: bool = True, steps: int = 8, epochs: int = 2,
-           objective_required: bool = False) -> None:
+def _check(overrides: list[str], has_val_set: bool = True, objective_required: bool = False) -> None:
+    """A run of 8 steps over 2 epochs (4 samples, 1 per step)."""
     cfg = validated_config("vit_sanity", ["checkpoint.path=unused", *overrides])
-    check_monitored_metrics(cfg, ("loss", "top1", "top5"), has_val_set, steps, epochs, objective_required)
+    schedule = StepSchedule.from_config(cfg, RunLength(steps=8, global_batch_size=1, dataset_len=4))
+    check_monitored_metrics(cfg, ("loss", "top1", "top5"), has_val_set, schedule, objective_required)
 
 
 VALIDATES = ["training.val_at_end=false", "training.val_every_n_steps=0", "training.val_every_n_epochs=0"]

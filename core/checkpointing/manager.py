@@ -227,11 +227,6 @@ class Checkpointer:
 
     # ---- saving
 
-    def should_save(self, step: int, last_step: int) -> bool:
-        """Whether `step` is a save step (not a collective)."""
-        periodic = self.cfg.save_every_n_steps > 0 and step % self.cfg.save_every_n_steps == 0
-        return periodic or (self.cfg.save_final and step == last_step)
-
     def save(self, step: int, parts: Mapping[str, CheckpointPart], metrics: dict, force_sync: bool = False) -> float:
         """Save step_<step>; return the seconds the training loop was held up."""
         start = time.perf_counter()

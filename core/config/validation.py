@@ -12,7 +12,7 @@ recipe and its data are known.
 from __future__ import annotations
 
 from enum import Enum
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.config_source import ConfigLoadError
@@ -22,6 +22,9 @@ from omegaconf.errors import OmegaConfBaseException
 from core.config.errors import ConfigError
 from core.config.ranges import rules_of
 from core.config.schema import TrainConfig
+
+if TYPE_CHECKING:
+    from core.training.schedule import StepSchedule
 
 
 def register_schemas(recipes: Iterable[Any]) -> None:
@@ -83,18 +86,19 @@ def _run_checks(node: DictConfig, key: str) -> None:
 TRAIN_METRICS = ("loss", "lr", "grad_norm")
 
 
-def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val_set: bool, steps: int, epochs: int,
+def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val_set: bool, schedule: StepSchedule,
                             objective_required: bool) -> None:
     """checkpoint.monitor and training.objective.metric must name a metric the run records: train/<TRAIN_METRICS>,
-    or val/<one of `val_metrics`> (the recipe's) when the run validates: it has a validation set, and a validation
-    step within its `steps` optimizer steps (`epochs` complete epochs), as train.validate schedules them. Checked
-    before any work: otherwise a misspelt monitor is found at the first save, after training. The objective's
-    value is needed only when a sweeper optimises it (`objective_required`); a plain run may leave it unrecorded."""
+    or val/<one of `val_metrics`> (the recipe's) when the run validates: it has a validation set, and its
+    `schedule` (the loop's) validates at some step. Checked before any work: otherwise a misspelt monitor is
+    found at the first save, after training. The objective's value is needed only when a sweeper optimises it
+    (`objective_required`); a plain run may leave it unrecorded."""
     training = cfg.training
+    steps, epochs = schedule.length.steps, schedule.length.epochs_done(schedule.length.steps)
     if not has_val_set:
         no_validation = "it has no validation set" + (" (training.limit_val_batches=0)"
                                                       if training.limit_val_batches == 0 else "")
-    elif training.val_at_end or 0 < training.val_every_n_steps <= steps or 0 < training.val_every_n_epochs <= epochs:
+    elif schedule.validates_at_all():
         no_validation = None
     else:
         no_validation = (f"training.val_at_end=false, and its {steps} steps ({epochs} epochs) reach no "
