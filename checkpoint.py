@@ -44,26 +44,26 @@ def main(argv: Optional[list[str]] = None) -> None:
     sub = parser.add_subparsers(dest="command", required=True)
     for name, help in (("to-torch", "step folder -> one torch.save file of the full model weights"),
                        ("to-safetensors", "step folder -> one .safetensors file of the full model weights")):
-        p = sub.add_parser(name, help=help)
-        p.add_argument("step_dir")
-        p.add_argument("out")
-        p.add_argument("--skip-checksums", action="store_true",
+        command = sub.add_parser(name, help=help)
+        command.add_argument("step_dir")
+        command.add_argument("out")
+        command.add_argument("--skip-checksums", action="store_true",
                        help="do not check the files against the checksums recorded when they were written")
-    p = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
-    p.add_argument("source")
-    p.add_argument("step_dir")
-    p = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
-    p.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
-    p.add_argument("out_dir")
-    p.add_argument("--config", help="the run's config.yaml: needed for a weights file; a step folder's own is the "
+    command = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
+    command.add_argument("source")
+    command.add_argument("step_dir")
+    command = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
+    command.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
+    command.add_argument("out_dir")
+    command.add_argument("--config", help="the run's config.yaml: needed for a weights file; a step folder's own is the "
                    "default, and a --config whose model settings differ from it is refused")
-    p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
-    p.add_argument("--skip-checksums", action="store_true",
+    command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
+    command.add_argument("--skip-checksums", action="store_true",
                    help="do not check the files against the checksums recorded when they were written")
-    p = sub.add_parser("from-hf", help="a Hugging Face Llama folder -> GPT weights for checkpoint.init_from")
-    p.add_argument("hf_dir")
-    p.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
-    p.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
+    command = sub.add_parser("from-hf", help="a Hugging Face Llama folder -> GPT weights for checkpoint.init_from")
+    command.add_argument("hf_dir")
+    command.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
+    command.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
     args = parser.parse_args(argv)
     try:
         if args.command in ("to-torch", "to-safetensors"):

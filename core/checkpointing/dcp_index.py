@@ -233,10 +233,11 @@ def check_shape(index: Any) -> None:
         if type(entry) is BytesStorageMetadata:
             continue
         _expect(type(entry) is TensorStorageMetadata and _has_fields_only(entry), f"{key!r} is a malformed entry")
-        p = entry.properties
-        _expect(type(p) is TensorProperties and p.dtype in _DTYPES.values() and isinstance(p.layout, torch.layout)
-                and type(p.requires_grad) is bool and type(p.pin_memory) is bool
-                and isinstance(p.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
+        props = entry.properties
+        _expect(type(props) is TensorProperties and props.dtype in _DTYPES.values()
+                and isinstance(props.layout, torch.layout)
+                and type(props.requires_grad) is bool and type(props.pin_memory) is bool
+                and isinstance(props.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
         _expect(_is_size(entry.size), f"{key!r} has a malformed size")
         _expect(type(entry.chunks) is list, f"{key!r} has malformed chunks")
         for chunk in entry.chunks:
@@ -265,7 +266,7 @@ def check_shape(index: Any) -> None:
     _expect(index.version is None or isinstance(index.version, str), "malformed version")
     planner = index.planner_data
     _expect(planner is None or (type(planner) is dict and all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(p, (str, int)) for p in v)
+        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(props, (str, int)) for props in v)
         for k, v in planner.items())), "malformed planner_data")
 
 
@@ -330,10 +331,10 @@ def index_to_json(index: Metadata) -> bytes:
         if isinstance(entry, BytesStorageMetadata):
             entries[key] = {"kind": "bytes"}
             continue
-        p = entry.properties
-        entries[key] = {"kind": "tensor", "dtype": str(p.dtype), "layout": str(p.layout),
-                        "memory_format": str(p.memory_format), "requires_grad": p.requires_grad,
-                        "pin_memory": p.pin_memory, "size": list(entry.size),
+        props = entry.properties
+        entries[key] = {"kind": "tensor", "dtype": str(props.dtype), "layout": str(props.layout),
+                        "memory_format": str(props.memory_format), "requires_grad": props.requires_grad,
+                        "pin_memory": props.pin_memory, "size": list(entry.size),
                         "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks]}
     storage = [{"fqn": where.fqn, "offset": None if where.offset is None else list(where.offset), "index": where.index,
                 "file": info.relative_path, "at": info.offset, "length": info.length}

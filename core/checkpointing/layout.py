@@ -373,10 +373,10 @@ def check_checksums(path: Path) -> None:
 def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
     """A tensor of the shape and dtype a checkpoint stores under `key`, for DCP to fill (zeros, not
     uninitialised memory: nothing of this process can pass for checkpoint data)."""
-    m = metadata.state_dict_metadata[key]
-    if not isinstance(m, TensorStorageMetadata):
+    entry = metadata.state_dict_metadata[key]
+    if not isinstance(entry, TensorStorageMetadata):
         raise CheckpointError(f"{key} is stored as bytes, where a tensor belongs")
-    return torch.zeros(m.size, dtype=m.properties.dtype)
+    return torch.zeros(entry.size, dtype=entry.properties.dtype)
 
 
 def saved_weights(metadata: Metadata, prefix: str = "model.") -> dict[str, TensorStorageMetadata]:

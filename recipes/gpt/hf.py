@@ -250,31 +250,32 @@ def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, 
     if config.get("model_type") != "llama":
         refuse("model_type", config.get("model_type"), "'llama'")
     try:
-        c = LlamaConfigFields.model_validate(config)
+        fields = LlamaConfigFields.model_validate(config)
     except ValidationError as e:
         raise ValueError(f"{file}: {problems(e)}; nothing was imported") from None
     for field, want in (("attention_bias", False), ("mlp_bias", False), ("hidden_act", "silu")):
-        if getattr(c, field) != want:
-            refuse(field, getattr(c, field), repr(want))
-    rope = c.rope_parameters or c.rope_scaling or RopeParameters()
+        if getattr(fields, field) != want:
+            refuse(field, getattr(fields, field), repr(want))
+    rope = fields.rope_parameters or fields.rope_scaling or RopeParameters()
     rope_type = rope.rope_type or rope.type or "default"
     if rope_type != "default":
         refuse("rope_parameters.rope_type", rope_type, "'default' (no RoPE scaling)")
-    partial = rope.partial_rotary_factor or c.partial_rotary_factor or 1.0
+    partial = rope.partial_rotary_factor or fields.partial_rotary_factor or 1.0
     if partial != 1.0:
         refuse("partial_rotary_factor", partial, "1.0 (rotary positions over the whole head)")
-    heads, hidden = c.num_attention_heads, c.hidden_size
-    if c.head_dim not in (None, hidden // heads) or hidden % heads:
-        refuse("head_dim", c.head_dim, f"hidden_size / num_attention_heads = {hidden / heads:g}")
-    groups = c.num_key_value_heads or heads
+    heads, hidden = fields.num_attention_heads, fields.hidden_size
+    if fields.head_dim not in (None, hidden // heads) or hidden % heads:
+        refuse("head_dim", fields.head_dim, f"hidden_size / num_attention_heads = {hidden / heads:g}")
+    groups = fields.num_key_value_heads or heads
     if heads % groups:
         refuse("num_key_value_heads", groups, f"a divisor of num_attention_heads={heads}")
-    rope_theta = next((t for t in (rope.rope_theta, c.rope_theta) if t is not None), 10000.0)
+    rope_theta = next((t for t in (rope.rope_theta, fields.rope_theta) if t is not None), 10000.0)
     settings = {
-        "vocab_size": c.vocab_size, "seq_length": c.max_position_embeddings,
-        "hidden_size": hidden, "num_layers": c.num_hidden_layers, "num_attention_heads": heads,
-        "num_query_groups": groups, "ffn_hidden_size": c.intermediate_size, "rotary_base": float(rope_theta),
-        "norm_epsilon": c.rms_norm_eps, "tie_embeddings": c.tie_word_embeddings, "init_std": c.initializer_range,
+        "vocab_size": fields.vocab_size, "seq_length": fields.max_position_embeddings,
+        "hidden_size": hidden, "num_layers": fields.num_hidden_layers, "num_attention_heads": heads,
+        "num_query_groups": groups, "ffn_hidden_size": fields.intermediate_size, "rotary_base": float(rope_theta),
+        "norm_epsilon": fields.rms_norm_eps, "tie_embeddings": fields.tie_word_embeddings,
+        "init_std": fields.initializer_range,
     }
     # The settings become model.<key> on the command line printed for training, which applies the GPT schema's
     # ranges: refuse here, naming the config.json field, what training would refuse.
@@ -428,7 +429,7 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
     saved, weights = read_run(Path(source), config, verify_checksums)
-    m, data = saved.section("model"), saved.section("data")
+    model_cfg, data = saved.section("model"), saved.section("data")
     vocab_size = weights["embedding.weight"].shape[0]  # the padded vocabulary the model was built with
     specials: dict[str, Optional[int]] = {}
     tokenizer_note = ""
@@ -444,10 +445,10 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
             specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
             tokenizer_note = f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, m).items()}
+    hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, model_cfg).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    written = llama_config(m, vocab_size, specials, dtype)
+    written = llama_config(model_cfg, vocab_size, specials, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     copied = []
     if has_tokenizer and data["tokenizer"] == "byte":
