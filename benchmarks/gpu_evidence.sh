@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}.
-# Usage: bash benchmarks/gpu_evidence.sh [tests|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
+# Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|
 #                                       revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
@@ -32,8 +32,18 @@ profile_gpt_1b() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| megatron-fsdp', getattr(megatron_fsdp, '__version__', '0.6.1?'))" | tee -a "$OUT/gpu_info.txt"
+# tests: the whole GPU suite (`pytest -m gpu`); smoke: its quick subset (`pytest -m gpu_smoke`); each timed.
+gpu_tests() {
+  local start=$SECONDS
+  python3 -m pytest -m "$1" -q -rA -p no:cacheprovider --durations=30 2>&1 | tee "$OUT/$1_tests.log" | tail -45
+  echo "pytest -m $1: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)" \
+    | tee -a "$OUT/$1_tests.log"
+}
 if [[ $what == tests || $what == all ]]; then
-  python3 -m pytest -m gpu -q -rA --timeout 400 tests/test_gpu.py 2>&1 | tee "$OUT/gpu_tests.log" | tail -40
+  gpu_tests gpu
+fi
+if [[ $what == smoke ]]; then
+  gpu_tests gpu_smoke
 fi
 if [[ $what == bench || $what == all ]]; then
   common=(--config vit_base_patch16_224 --steps 20 --phases --out "$OUT")
