@@ -80,3 +80,16 @@ def test_the_jpeg_folder_has_imagenet_like_sizes_and_is_reproducible(tmp_path, m
         with Image.open(tmp_path / "a" / name) as image:
             assert image.format == "JPEG" and image.mode == "RGB"
             assert 300 <= min(image.size) <= 500 and 3 / 4 - 0.01 <= image.size[0] / image.size[1] <= 4 / 3 + 0.01
+
+
+def test_shard_images_writes_every_split_and_says_how_to_train(tmp_path, monkeypatch, capsys):
+    run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "s"),
+               "--samples-per-shard", "600")
+    printed = capsys.readouterr().out
+    assert "train: 1438 samples of 10 classes in 3 shards (train-000000.tar ...)" in printed
+    assert "val: 359 samples of 10 classes in 1 shards" in printed and f"data.root={tmp_path / 's'}" in printed
+    with pytest.raises(SystemExit, match="exists and is not empty"):
+        run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "s"))
+    with pytest.raises(SystemExit):
+        run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "t"),
+                   "--samples-per-shard", "0")

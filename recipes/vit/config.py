@@ -19,6 +19,8 @@ class ImageFormat(StrEnum):
     imagefolder = "imagefolder"  # <root>/<train_split>/<class>/**/*.png|jpg ...
     tiny_imagenet = "tiny_imagenet"  # <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
     synthetic = "synthetic"  # random images and labels, for throughput measurements
+    # <root>/index.json, <root>/<split>-NNNNNN.tar: tar shards that scripts/shard_images.py wrote (recipes/vit/shards.py)
+    shards = "shards"
 
 
 class DecodeOn(StrEnum):

@@ -15,7 +15,7 @@ import os
 import shutil
 import tarfile
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generat
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.folders import (imagefolder_classes, imagefolder_files, readable, tiny_imagenet_classes,
                                  tiny_imagenet_files, unlabeled_files)
+from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +67,28 @@ def ensure_extracted(root: str) -> Path:
 
 
 class ImageSamples(Dataset):
-    """{"image", "label", "idx"} samples from (file, label) pairs.
+    """{"image", "label", "idx"} samples from (file, label) pairs, the files' bytes read by `reader` (by
+    position) when given (tar shards: recipes/vit/shards.py), else from the files.
 
     Takes an int or an EpochIndex: the training augmentation draws from sample_generator(seed, epoch,
     idx), so a sample is the same on every call, rank and loader worker, and differs between epochs.
     """
 
-    def __init__(self, files: list[tuple[str, int]], transform: Transform, seed: int):
-        self.files, self.transform, self.seed = files, transform, seed
+    def __init__(self, files: Sequence[tuple[str, int]], transform: Transform, seed: int,
+                 reader: Optional[Callable[[int], bytes]] = None):
+        self.files, self.transform, self.seed, self.reader = files, transform, seed, reader
 
     def __len__(self) -> int:
         return len(self.files)
+
+    def read(self, idx: int) -> bytes:
+        return self.reader(idx) if self.reader is not None else Path(self.files[idx][0]).read_bytes()
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
         try:
-            with Image.open(path) as img:
+            with Image.open(io.BytesIO(self.read(idx))) as img:
                 image = v2.functional.pil_to_tensor(img.convert("RGB"))
         except (OSError, Image.DecompressionBombError) as e:  # header fine, pixels not (truncated, corrupt)
             raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
@@ -179,7 +185,7 @@ class EncodedImageSamples(ImageSamples):
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
-        raw = Path(path).read_bytes()
+        raw = self.read(idx)
         if raw[:2] != b"\xff\xd8":
             raise ValueError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
                              "(use data.decode_on=workers for other formats)")
@@ -233,14 +239,29 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
     classes = classes if classes is not None else image_classes(data)
     if len(classes) != model.num_classes:
         raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
-    train_files = split_files(data, data.train_split, classes)
-    if not train_files:
-        raise ValueError(f"{data.root}: no training split {data.train_split!r}")
-    val_files = split_files(data, data.val_split, classes)
     samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
-    train = samples(train_files, Transform(data, size, train=True), seed)
-    val = samples(val_files, Transform(data, size, train=False), seed) if val_files is not None else None
-    return train, val
+    train = split_samples(samples, data, data.train_split, classes, Transform(data, size, train=True), seed)
+    if train is None:
+        raise ValueError(f"{data.root}: no training split {data.train_split!r}")
+    return train, split_samples(samples, data, data.val_split, classes, Transform(data, size, train=False), seed)
+
+
+def split_samples(samples: type[ImageSamples], data: ImageDataConfig, split: str, classes: list[str],
+                  transform: Transform, seed: int) -> Optional[ImageSamples]:
+    """One split's samples (None if the data has no such split): from its files, or from tar shards."""
+    if data.format == "shards":
+        found, splits = read_index(ensure_extracted(data.root))
+        if found != classes:
+            raise ValueError(f"{data.root}: the shards' classes differ from the ones given ({len(found)} against "
+                             f"{len(classes)})")
+        if split not in splits:
+            log.info("%s: no %s split", data.root, split)
+            return None
+        if not len(splits[split]):
+            raise ValueError(f"{data.root}: split {split!r} holds no samples")
+        return samples(ShardFiles(splits[split]), transform, seed, ShardReader(splits[split]))
+    files = split_files(data, split, classes)
+    return samples(files, transform, seed) if files is not None else None
 
 
 def image_classes(data: ImageDataConfig) -> list[str]:
@@ -252,7 +273,10 @@ def image_classes(data: ImageDataConfig) -> list[str]:
         return imagefolder_classes(root / data.train_split)
     if data.format == "tiny_imagenet":
         return tiny_imagenet_classes(root)
-    raise ValueError(f"data.format={data.format!r} has no class names (expected imagefolder or tiny_imagenet)")
+    if data.format == "shards":
+        return read_index(root)[0]
+    raise ValueError(f"data.format={data.format!r} has no class names (expected imagefolder, tiny_imagenet or "
+                     "shards)")
 
 
 def split_files(data: ImageDataConfig, split: str, classes: list[str]) -> Optional[list[tuple[str, int]]]:
@@ -290,9 +314,11 @@ def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, 
         files = readable(files, folder) if data.verify_images else files
     else:
         split = {"train": data.train_split, "val": data.val_split}.get(split, split)  # the names predict.py knows
-        files = split_files(data, split, classes if classes is not None else image_classes(data))
-        if files is None:
+        found = split_samples(ImageSamples, data, split, classes if classes is not None else image_classes(data),
+                              transform, seed)
+        if found is None:
             raise ValueError(f"predict.split={split}: {data.root} has no such split")
+        return found
     if not files:
         raise ValueError(f"{folder or split}: no readable images")
     return ImageSamples(files, transform, seed)

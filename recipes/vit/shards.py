@@ -1,0 +1,287 @@
+"""Image datasets in tar shards (WebDataset layout) with an index, read by sample position.
+
+A folder of single files is slow on shared filesystems at ImageNet scale; the field reads tar shards.
+`scripts/shard_images.py` writes them with WebDataset's ShardWriter:
+
+    <out>/<split>-000000.tar ...   members <position:08d>.cls (the label, ASCII) and <position:08d>.<ext>
+    <out>/<split>.npy              per sample: shard, header offset, data offset, size, label (int64)
+    <out>/index.json               format, classes, and per split its shards (name, bytes, samples)
+
+Training reads a sample by its position with one positioned read of its image's bytes, so the project's
+sampler keeps its rules unchanged (the same global order for any number of loader workers, disjoint samples
+per rank, exact mid-epoch resume, on any number of GPUs). Every file is read as possibly hostile: the index
+is checked against the shards' sizes before any work, and each read checks the member's tar header (its
+checksum, name and size) against the index, so a wrong offset or a damaged shard is an error naming both,
+never another sample's bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import stat
+import tarfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, Optional
+
+import numpy as np
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
+
+from core.config.file_shape import problems, read_small_file
+
+INDEX = "index.json"
+FORMAT = "vit-image-shards"
+BLOCK = 512  # tar's block: every member header starts on one
+COLUMNS = ("shard", "header_offset", "data_offset", "size", "label")
+_PLAIN_NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+
+
+class _Plain(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class ShardEntry(_Plain):
+    name: str
+    bytes: NonNegativeInt
+    samples: NonNegativeInt
+
+
+class SplitEntry(_Plain):
+    table: str
+    shards: list[ShardEntry]
+
+
+class IndexFile(_Plain):
+    format: Literal["vit-image-shards"]
+    version: Literal[1]
+    classes: list[str]
+    splits: dict[str, SplitEntry]
+
+
+def _member_key(position: int) -> str:
+    return f"{position:08d}"
+
+
+def _plain_name(name: str, suffix: str) -> bool:
+    """A file name of the shard folder itself: no path, nothing hidden."""
+    return bool(_PLAIN_NAME.fullmatch(name)) and not name.startswith(".") and name.endswith(suffix)
+
+
+@dataclass(frozen=True)
+class ShardSplit:
+    """One split of a shard folder, checked: its shard files and its per-sample table."""
+
+    root: Path
+    name: str
+    shards: list[ShardEntry]
+    table_name: str
+    table: np.ndarray  # int64 [samples, 5]: COLUMNS, memory-mapped
+
+    def __reduce__(self):  # a loader worker maps the table itself instead of receiving a copy of it
+        return _mapped_split, (self.root, self.name, self.shards, self.table_name)
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def labels(self) -> list[int]:
+        return self.table[:, 4].tolist()
+
+    def member(self, position: int) -> str:
+        """`<shard>:<member>` of the sample at `position`, for messages."""
+        return f"{self.shards[int(self.table[position, 0])].name}:{_member_key(position)}"
+
+
+def read_index(root: str | Path) -> tuple[list[str], dict[str, ShardSplit]]:
+    """The classes and the splits of the shard folder `root`, checked before any work: index.json's shape,
+    plain file names, each shard's size, and every table row (its shard, 512-aligned offsets, the data right
+    after a plain header and inside the shard, a label of the classes). ValueError naming the file."""
+    root = Path(root)
+    index_path = root / INDEX
+    try:
+        raw = read_small_file(index_path, 64 << 20)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{index_path}: no such file (data.format=shards reads a folder that "
+                                "scripts/shard_images.py wrote)") from None
+    except ValueError as e:
+        raise ValueError(f"{index_path}: {e}") from None
+    try:
+        index = IndexFile.model_validate(json.loads(raw))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{index_path}: not JSON ({e})") from None
+    except ValidationError as e:
+        raise ValueError(f"{index_path}: {problems(e)}") from None
+    if not index.classes or len(set(index.classes)) != len(index.classes):
+        raise ValueError(f"{index_path}: classes must be a non-empty list of distinct names")
+    splits = {name: _read_split(root, name, entry, len(index.classes)) for name, entry in index.splits.items()}
+    return index.classes, splits
+
+
+def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> ShardSplit:
+    where = root / INDEX
+    names = [entry.table] + [s.name for s in entry.shards]
+    if not _plain_name(entry.table, ".npy") or not all(_plain_name(s.name, ".tar") for s in entry.shards):
+        raise ValueError(f"{where}: split {split!r} names a file that is not a plain .tar/.npy name of the folder")
+    if len(set(names)) != len(names):
+        raise ValueError(f"{where}: split {split!r} names a file twice")
+    for shard in entry.shards:
+        _expect_regular(root / shard.name, shard.bytes)
+    table_path = root / entry.table
+    _expect_regular(table_path, None)
+    try:
+        table = np.load(table_path, mmap_mode="r", allow_pickle=False)
+    except ValueError as e:
+        raise ValueError(f"{table_path}: not a table of this format ({e})") from None
+    if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != len(COLUMNS):
+        raise ValueError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} "
+                         f"{table.shape}")
+    if len(table) != sum(s.samples for s in entry.shards):
+        raise ValueError(f"{table_path}: {len(table)} rows, but {where} counts "
+                         f"{sum(s.samples for s in entry.shards)} samples in split {split!r}")
+    shard, header, data, size, label = (np.asarray(table[:, i]) for i in range(len(COLUMNS)))
+    ends = np.asarray([s.bytes for s in entry.shards], dtype=np.int64)
+    expected_shard = np.repeat(np.arange(len(entry.shards)), [s.samples for s in entry.shards])
+    bad = ~((shard == expected_shard) & (header >= 0) & (header % BLOCK == 0) & (data == header + BLOCK)
+            & (size >= 0) & (label >= 0) & (label < num_classes))
+    if not bad.any():  # the shard ids are right: each member's data must end inside its shard
+        bad = data + size > ends[shard]
+    if bad.any():
+        row = int(np.flatnonzero(bad)[0])
+        raise ValueError(f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
+                         f"at a member of its shard (or its label is not one of the {num_classes} classes)")
+    return ShardSplit(root, split, list(entry.shards), entry.table, table)
+
+
+def _mapped_split(root: Path, name: str, shards: list[ShardEntry], table_name: str) -> ShardSplit:
+    return ShardSplit(root, name, shards, table_name, np.load(root / table_name, mmap_mode="r", allow_pickle=False))
+
+
+class ShardFiles:
+    """A split's samples as (`<shard>:<member>`, label) by position, like a folder's (file, label) list."""
+
+    def __init__(self, split: ShardSplit):
+        self.split = split
+
+    def __len__(self) -> int:
+        return len(self.split)
+
+    def __getitem__(self, position: int) -> tuple[str, int]:
+        return self.split.member(position), int(self.split.table[position, 4])
+
+
+def _expect_regular(path: Path, size: Optional[int]) -> None:
+    try:
+        status = os.stat(path, follow_symlinks=True)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: listed in {path.parent / INDEX} but not there") from None
+    if not stat.S_ISREG(status.st_mode):
+        raise ValueError(f"{path}: not a regular file")
+    if size is not None and status.st_size != size:
+        raise ValueError(f"{path}: {status.st_size} bytes, but {path.parent / INDEX} says {size} (a copy cut "
+                         "short or changed since it was written)")
+
+
+class ShardReader:
+    """The image bytes of a split's samples by position: one positioned read of the member's header and data.
+    Picklable for loader workers; each process opens the shards itself."""
+
+    def __init__(self, split: ShardSplit):
+        self.split = split
+        self._pid, self._files = None, {}
+
+    def __getstate__(self) -> dict:
+        return {"split": self.split, "_pid": None, "_files": {}}
+
+    def _fd(self, shard: int) -> int:
+        if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share offsets
+            self._pid, self._files = os.getpid(), {}
+        if shard not in self._files:
+            self._files[shard] = os.open(self.split.root / self.split.shards[shard].name, os.O_RDONLY)
+        return self._files[shard]
+
+    def __call__(self, position: int) -> bytes:
+        shard, header, _, size, _ = (int(v) for v in self.split.table[position])
+        block = os.pread(self._fd(shard), BLOCK + size, header)
+        where = self.split.member(position)
+        try:
+            info = tarfile.TarInfo.frombuf(block[:BLOCK], "utf-8", "surrogateescape")
+        except tarfile.HeaderError as e:
+            raise ValueError(f"{where}: no tar header where the index points ({e}); the shard is damaged or "
+                             "the index is not its own") from None
+        stem, _, _ = info.name.partition(".")
+        if stem != _member_key(position) or info.name.endswith(".cls") or info.size != size or not info.isreg():
+            raise ValueError(f"{where}: the index points at member {info.name!r} of {info.size} bytes, not this "
+                             f"sample's image of {size} bytes; the index is not this shard's")
+        if len(block) != BLOCK + size:
+            raise ValueError(f"{where}: the shard ends inside the member (cut short)")
+        return block[BLOCK:]
+
+
+def write_shards(out: Path, classes: list[str], splits: dict[str, list[tuple[str, int]]], max_samples: int = 5000,
+                 shorter_side: Optional[int] = None, quality: int = 90) -> dict[str, ShardSplit]:
+    """Write `splits` ({split: [(image file, label)]}) into tar shards of at most `max_samples` samples under
+    `out` (a new or empty folder), with the index. Images keep their bytes, or with `shorter_side` are
+    resized so (never enlarged) and stored as JPEG at `quality`. Returns the splits as read back."""
+    import webdataset
+
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"{out} exists and is not empty; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    index = {"format": FORMAT, "version": 1, "classes": list(classes), "splits": {}}
+    for split, files in splits.items():
+        if not _plain_name(f"{split}.npy", ".npy"):
+            raise ValueError(f"split name {split!r}: use letters, digits, '_', '-' and '.'")
+        written: list[str] = []
+        writer = webdataset.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=max_samples, maxsize=float("inf"),
+                                        post=written.append, verbose=0, encoder=False, mtime=0)
+        with writer:
+            for position, (path, label) in enumerate(files):
+                image, ext = _image_bytes(path, shorter_side, quality)
+                writer.write({"__key__": _member_key(position), "cls": str(label).encode(), ext: image})
+        shards, rows = _index_shards(out, [Path(name) for name in written], [label for _, label in files])
+        np.save(out / f"{split}.npy", np.asarray(rows, dtype=np.int64).reshape(-1, len(COLUMNS)))
+        index["splits"][split] = {"table": f"{split}.npy", "shards": shards}
+    (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    return read_index(out)[1]
+
+
+def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[bytes, str]:
+    """The file's bytes and extension, or its image resized to `shorter_side` as JPEG."""
+    raw = Path(path).read_bytes()
+    ext = Path(path).suffix.lower().lstrip(".") or "img"
+    if shorter_side is None:
+        return raw, ("jpg" if ext == "jpeg" else ext)
+    with Image.open(io.BytesIO(raw)) as img:
+        img = img.convert("RGB")
+        scale = shorter_side / min(img.size)
+        if scale < 1:
+            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                             Image.Resampling.BICUBIC)
+        buffer = io.BytesIO()
+        img.save(buffer, format="JPEG", quality=quality)
+    return buffer.getvalue(), "jpg"
+
+
+def _index_shards(out: Path, written: list[Path], labels: list[int]) -> tuple[list[dict], list[list[int]]]:
+    """Each written shard's entry and the table rows of its samples, read back from the shards themselves."""
+    shards, rows, position = [], [], 0
+    for shard_id, path in enumerate(written):
+        path = out / path.name
+        count = 0
+        with tarfile.open(path, "r:") as tar:
+            members = tar.getmembers()
+        for member in members:
+            stem, _, ext = member.name.partition(".")
+            if ext == "cls":
+                continue
+            if stem != _member_key(position) or member.offset_data != member.offset + BLOCK:
+                raise RuntimeError(f"{path}: member {member.name} is not where the writer should have put it")
+            rows.append([shard_id, member.offset, member.offset_data, member.size, labels[position]])
+            position, count = position + 1, count + 1
+        shards.append({"name": path.name, "bytes": path.stat().st_size, "samples": count})
+    if position != len(labels):
+        raise RuntimeError(f"{out}: the shards hold {position} images of {len(labels)}")
+    return shards, rows

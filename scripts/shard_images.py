@@ -1,0 +1,64 @@
+"""Write an image dataset (ImageFolder or Tiny-ImageNet layout) into tar shards with an index, for
+`data.format=shards` (recipes/vit/shards.py).
+
+    python scripts/shard_images.py --root data/digits --out /tmp/digits_shards
+    python scripts/shard_images.py --root /data/imagenet --out /data/imagenet_shards --shorter-side 256
+    torchrun --nproc-per-node 8 train.py --config-name vit_base_patch16_224 data=imagefolder \\
+        data.format=shards data.root=/data/imagenet_shards
+
+The classes and each split's images are found as training finds them (unreadable files left out, logged);
+with --shorter-side the images are resized so (never enlarged) and stored as JPEG. Prints each split's
+samples and shards.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from recipes.vit.config import ImageDataConfig, ImageFormat  # noqa: E402
+from recipes.vit.data import image_classes, split_files  # noqa: E402
+from recipes.vit.shards import write_shards  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--root", required=True, help="the dataset's folder (or a .tar.gz beside a missing one)")
+    parser.add_argument("--format", choices=("imagefolder", "tiny_imagenet"), default="imagefolder")
+    parser.add_argument("--out", type=Path, required=True, help="a new or empty folder")
+    parser.add_argument("--splits", nargs="+", default=["train", "val"], help="the splits to write, if there")
+    parser.add_argument("--samples-per-shard", type=int, default=5000)
+    parser.add_argument("--shorter-side", type=int, default=None, help="resize so (JPEG); default: bytes as they are")
+    parser.add_argument("--quality", type=int, default=90, help="JPEG quality with --shorter-side")
+    args = parser.parse_args()
+    if args.samples_per_shard < 1 or (args.shorter_side is not None and args.shorter_side < 1) \
+            or not 1 <= args.quality <= 100:
+        parser.error("--samples-per-shard and --shorter-side must be at least 1, --quality within 1-100")
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    data = ImageDataConfig(format=ImageFormat(args.format), root=args.root)
+    classes = image_classes(data)
+    splits = {}
+    for split in args.splits:
+        files = split_files(data, split, classes)
+        if files is None:
+            print(f"{args.root}: no split {split!r}; left out")
+            continue
+        splits[split] = files
+    if not splits:
+        sys.exit(f"{args.root}: none of the splits {args.splits} is there")
+    try:
+        written = write_shards(args.out, classes, splits, args.samples_per_shard, args.shorter_side, args.quality)
+    except ValueError as e:
+        sys.exit(str(e))
+    for split, shards in written.items():
+        print(f"{split}: {len(shards)} samples of {len(classes)} classes in {len(shards.shards)} shards "
+              f"({shards.shards[0].name} ...)")
+    print(f"wrote {args.out}; train from it with data.format=shards data.root={args.out}")
+
+
+if __name__ == "__main__":
+    main()
