@@ -199,7 +199,12 @@ class ShardReader:
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share offsets
             self._pid, self._files = os.getpid(), {}
         if shard not in self._files:
-            self._files[shard] = os.open(self.split.root / self.split.shards[shard].name, os.O_RDONLY)
+            path = self.split.root / self.split.shards[shard].name
+            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO would block
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the index was checked
+                os.close(fd)
+                raise ValueError(f"{path}: not a regular file")
+            self._files[shard] = fd
         return self._files[shard]
 
     def __call__(self, position: int) -> bytes:
