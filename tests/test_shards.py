@@ -71,8 +71,19 @@ def test_resized_shards_are_jpegs_of_the_shorter_side(tmp_path):
         with Image.open(__import__("io").BytesIO(raw)) as img:
             sizes.append(img.size)
     assert sizes == [(21, 16), (16, 48), (10, 12)]  # never enlarged
-    with pytest.raises(ValueError, match="exists and is not empty"):
-        write_shards(tmp_path / "out", ["a"], {"train": []})
+    one = {"train": [(str(folder / "a" / "x.png"), 0)]}
+    with pytest.raises(ValueError, match="exists and is not an empty folder"):
+        write_shards(tmp_path / "out", ["a"], one)
+    with pytest.raises(ValueError, match="split 'val' has no images"):
+        write_shards(tmp_path / "new", ["a"], {**one, "val": []})
+    with pytest.raises(ValueError, match=r"split name '../x'"):
+        write_shards(tmp_path / "new", ["a"], {**one, "../x": one["train"]})
+    assert not (tmp_path / "new").exists()  # refused before anything was written
+    (folder / "a" / "cut.jpg").write_bytes(Image.new("RGB", (40, 40)).tobytes()[:300])  # not an image
+    with pytest.raises(ValueError, match=r"cut.jpg: cannot be written into a shard"):
+        write_shards(tmp_path / "new", ["a"], {"train": [*one["train"], (str(folder / "a" / "cut.jpg"), 0)]},
+                     shorter_side=16)
+    assert list((tmp_path / "new").iterdir()) == []  # the shards written before the bad file are removed
 
 
 def _edit_index(root: Path, edit) -> None:
@@ -92,7 +103,7 @@ def _edit_table(root: Path, edit) -> None:
      "not a plain .tar/.npy name"),
     (lambda r: _edit_index(r, lambda i: i["splits"]["train"].update(table="/etc/passwd")), "not a plain"),
     (lambda r: _edit_index(r, lambda i: i.update(version=2)), "version=2"),
-    (lambda r: (r / "index.json").write_bytes(b"\x80\x04K\x01."), "not JSON"),
+    (lambda r: (r / "index.json").write_bytes(b"\x80\x04K\x01."), "not an index of this format"),
     (lambda r: (r / "train-000001.tar").unlink(), "listed in .*index.json but not there"),
     (lambda r: (r / "train-000001.tar").open("ab").write(b"x"), r"train-000001.tar: \d+ bytes, but .*index.json says"),
     (lambda r: _edit_table(r, lambda t: t.__setitem__((5, 4), 10)), "row 5 .* does not point"),
@@ -100,6 +111,15 @@ def _edit_table(root: Path, edit) -> None:
     (lambda r: _edit_table(r, lambda t: t.__setitem__((1437, 3), 10**9)), "row 1437 .* does not point"),
     (lambda r: np.save(r / "train.npy", np.zeros((1438, 5))), "expected int64 rows"),
     (lambda r: np.save(r / "train.npy", np.zeros((10, 5), dtype=np.int64)), "10 rows, but"),
+    (lambda r: (r / "train.npy").write_bytes(b""), "not a table of this format"),
+    # Offsets near 2**63: their sum would wrap around and pass a plain "ends inside the shard" check.
+    (lambda r: _edit_table(r, lambda t: t.__setitem__((5, slice(1, 4)), [2**63 - 2**31, 2**63 - 2**31 + 512, 2**31])),
+     "row 5 .* does not point"),
+    (lambda r: _edit_index(r, lambda i: i["splits"].__setitem__("val", i["splits"]["train"])), "named twice"),
+    (lambda r: _edit_index(r, lambda i: i.update(version=True)), "version=True"),
+    (lambda r: (r / "index.json").write_text('{"format": "vit-image-shards", "version": 1, "version": 1}'),
+     "'version' is given twice"),
+    (lambda r: (r / "index.json").write_text("[" * 100_000 + "]" * 100_000), "not an index of this format"),
 ])
 def test_a_damaged_or_hostile_index_is_refused_naming_the_file(digit_shards, tmp_path, damage, message):
     root = _copy(digit_shards, tmp_path)
@@ -154,3 +174,35 @@ def test_training_on_shards_equals_the_folder_and_resumes_exactly(digit_shards, 
     assert one["start_step"] == resumed["start_step"]
     for step, loss in one["losses"].items():
         assert loss == pytest.approx(shards["losses"][step], rel=1e-5)
+
+
+def test_open_shards_are_bounded_and_a_linked_folder_reads_the_same(digit_shards, tmp_path, monkeypatch):
+    linked = tmp_path / "linked"
+    linked.mkdir()
+    for path in digit_shards.iterdir():  # a dataset linked together from elsewhere (cp -rs, git-annex, DVC)
+        (linked / path.name).symlink_to(path)
+    split = read_index(linked)[1]["train"]
+    monkeypatch.setattr(ShardReader, "MAX_OPEN", 2)
+    reader, direct = ShardReader(split), ShardReader(read_index(digit_shards)[1]["train"])
+    for position in (0, 600, 1200, 1, 601, 1437):  # across the 3 shards, back and forth
+        assert reader(position) == direct(position)
+        assert len(reader._files) <= 2
+
+
+def test_a_class_without_training_samples_is_refused_as_for_a_folder(digit_shards, tmp_path):
+    root = _copy(digit_shards, tmp_path)
+    _edit_index(root, lambda i: i["classes"].append("ghost"))
+    data = ImageDataConfig(root=str(root), format=ImageFormat.shards)
+    classes = read_index(root)[0]
+    with pytest.raises(ValueError, match="1 classes have no training samples: ghost"):
+        split_samples(ImageSamples, data, "train", classes, Transform(data, 28, train=True), 0)
+
+
+def test_a_folder_name_is_a_path_not_a_pattern_or_url(tmp_path, monkeypatch):
+    image = tmp_path / "x.png"
+    Image.new("RGB", (4, 4)).save(image)
+    monkeypatch.chdir(tmp_path)  # relative names, as on a command line
+    for name in ("w%s_100%", "pipe:touch PWNED;cat", "http:x"):
+        split = write_shards(Path(name), ["a"], {"train": [(str(image), 0)]})["train"]
+        assert split.root == Path(name) and ShardReader(split)(0) == image.read_bytes()
+    assert not (tmp_path / "PWNED").exists()

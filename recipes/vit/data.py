@@ -259,6 +259,11 @@ def split_samples(samples: type[ImageSamples], data: ImageDataConfig, split: str
             return None
         if not len(splits[split]):
             raise ValueError(f"{data.root}: split {split!r} holds no samples")
+        if split == data.train_split:  # as for a folder: a class without training images is a head row never trained
+            counts = np.bincount(np.asarray(splits[split].table[:, 4]), minlength=len(classes))
+            if not counts.all():
+                empty = [c for c, n in zip(classes, counts) if not n]
+                raise ValueError(f"{data.root}: {len(empty)} classes have no training samples: {', '.join(empty[:5])}")
         return samples(ShardFiles(splits[split]), transform, seed, ShardReader(splits[split]))
     files = split_files(data, split, classes)
     return samples(files, transform, seed) if files is not None else None

@@ -17,6 +17,7 @@ never another sample's bytes.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
@@ -29,7 +30,7 @@ from typing import Literal, Optional
 
 import numpy as np
 from PIL import Image
-from pydantic import BaseModel, ConfigDict, NonNegativeInt, ValidationError
+from pydantic import BaseModel, ConfigDict, NonNegativeInt, StrictInt, ValidationError
 
 from core.config.file_shape import problems, read_small_file
 
@@ -57,7 +58,7 @@ class SplitEntry(_Plain):
 
 class IndexFile(_Plain):
     format: Literal["vit-image-shards"]
-    version: Literal[1]
+    version: StrictInt  # 1 (checked below: a Literal would take true for 1)
     classes: list[str]
     splits: dict[str, SplitEntry]
 
@@ -101,23 +102,35 @@ def read_index(root: str | Path) -> tuple[list[str], dict[str, ShardSplit]]:
     after a plain header and inside the shard, a label of the classes). ValueError naming the file."""
     root = Path(root)
     index_path = root / INDEX
-    try:
-        raw = read_small_file(index_path, 64 << 20)
+    try:  # links are followed, as for the shards (a dataset linked together from another place is common)
+        raw = read_small_file(index_path, 64 << 20, follow_symlinks=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{index_path}: no such file (data.format=shards reads a folder that "
                                 "scripts/shard_images.py wrote)") from None
-    except ValueError as e:
+    except (ValueError, OSError) as e:
         raise ValueError(f"{index_path}: {e}") from None
     try:
-        index = IndexFile.model_validate(json.loads(raw))
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"{index_path}: not JSON ({e})") from None
+        index = IndexFile.model_validate(json.loads(raw, object_pairs_hook=_no_repeated_keys))
     except ValidationError as e:
         raise ValueError(f"{index_path}: {problems(e)}") from None
+    except (ValueError, RecursionError) as e:  # not JSON, a key given twice, a number of thousands of digits
+        raise ValueError(f"{index_path}: not an index of this format ({str(e)[:200]})") from None
+    if index.version != 1:
+        raise ValueError(f"{index_path}: version={index.version}: this code reads version 1")
     if not index.classes or len(set(index.classes)) != len(index.classes):
         raise ValueError(f"{index_path}: classes must be a non-empty list of distinct names")
+    files = [entry.table for entry in index.splits.values()] + [s.name for e in index.splits.values() for s in e.shards]
+    if len(set(files)) != len(files):
+        raise ValueError(f"{index_path}: a file is named twice (each split has its own table and shards)")
     splits = {name: _read_split(root, name, entry, len(index.classes)) for name, entry in index.splits.items()}
     return index.classes, splits
+
+
+def _no_repeated_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [key for key, _ in pairs]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"the key {next(k for k in keys if keys.count(k) > 1)!r} is given twice")
+    return dict(pairs)
 
 
 def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> ShardSplit:
@@ -127,13 +140,15 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
         raise ValueError(f"{where}: split {split!r} names a file that is not a plain .tar/.npy name of the folder")
     if len(set(names)) != len(names):
         raise ValueError(f"{where}: split {split!r} names a file twice")
+    if not entry.shards:
+        raise ValueError(f"{where}: split {split!r} has no shards")
     for shard in entry.shards:
         _expect_regular(root / shard.name, shard.bytes)
     table_path = root / entry.table
     _expect_regular(table_path, None)
     try:
         table = np.load(table_path, mmap_mode="r", allow_pickle=False)
-    except ValueError as e:
+    except (ValueError, EOFError, OSError) as e:
         raise ValueError(f"{table_path}: not a table of this format ({e})") from None
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != len(COLUMNS):
         raise ValueError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} "
@@ -146,8 +161,8 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
     expected_shard = np.repeat(np.arange(len(entry.shards)), [s.samples for s in entry.shards])
     bad = ~((shard == expected_shard) & (header >= 0) & (header % BLOCK == 0) & (data == header + BLOCK)
             & (size >= 0) & (label >= 0) & (label < num_classes))
-    if not bad.any():  # the shard ids are right: each member's data must end inside its shard
-        bad = data + size > ends[shard]
+    if not bad.any():  # the shard ids are right: each member must lie inside its shard (no sum that can wrap)
+        bad = (header > ends[shard]) | (size > ends[shard]) | (data + size > ends[shard])
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
         raise ValueError(f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
@@ -177,6 +192,8 @@ def _expect_regular(path: Path, size: Optional[int]) -> None:
         status = os.stat(path, follow_symlinks=True)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: listed in {path.parent / INDEX} but not there") from None
+    except OSError as e:  # e.g. a link to itself
+        raise ValueError(f"{path}: {e.strerror}") from None
     if not stat.S_ISREG(status.st_mode):
         raise ValueError(f"{path}: not a regular file")
     if size is not None and status.st_size != size:
@@ -186,31 +203,40 @@ def _expect_regular(path: Path, size: Optional[int]) -> None:
 
 class ShardReader:
     """The image bytes of a split's samples by position: one positioned read of the member's header and data.
-    Picklable for loader workers; each process opens the shards itself."""
+    Picklable for loader workers; each process opens the shards itself, keeping at most MAX_OPEN open."""
+
+    MAX_OPEN = 64  # thousands of shards would otherwise use up the process's file descriptors
 
     def __init__(self, split: ShardSplit):
         self.split = split
-        self._pid, self._files = None, {}
+        self._pid, self._files = None, collections.OrderedDict()
 
     def __getstate__(self) -> dict:
-        return {"split": self.split, "_pid": None, "_files": {}}
+        return {"split": self.split, "_pid": None, "_files": collections.OrderedDict()}
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share offsets
-            self._pid, self._files = os.getpid(), {}
-        if shard not in self._files:
-            path = self.split.root / self.split.shards[shard].name
-            fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO would block
-            if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the index was checked
-                os.close(fd)
-                raise ValueError(f"{path}: not a regular file")
-            self._files[shard] = fd
-        return self._files[shard]
+            self._pid, self._files = os.getpid(), collections.OrderedDict()
+        if shard in self._files:
+            self._files.move_to_end(shard)
+            return self._files[shard]
+        path = self.split.root / self.split.shards[shard].name
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO would block
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the index was checked
+            os.close(fd)
+            raise ValueError(f"{path}: not a regular file")
+        self._files[shard] = fd
+        if len(self._files) > self.MAX_OPEN:
+            os.close(self._files.popitem(last=False)[1])
+        return fd
 
     def __call__(self, position: int) -> bytes:
         shard, header, _, size, _ = (int(v) for v in self.split.table[position])
-        block = os.pread(self._fd(shard), BLOCK + size, header)
-        where = self.split.member(position)
+        where = self.split.root / self.split.member(position)
+        try:
+            block = os.pread(self._fd(shard), BLOCK + size, header)
+        except OSError as e:
+            raise ValueError(f"{where}: cannot read the shard ({e.strerror})") from None
         try:
             info = tarfile.TarInfo.frombuf(block[:BLOCK], "utf-8", "surrogateescape")
         except tarfile.HeaderError as e:
@@ -229,52 +255,88 @@ def write_shards(out: Path, classes: list[str], splits: dict[str, list[tuple[str
                  shorter_side: Optional[int] = None, quality: int = 90) -> dict[str, ShardSplit]:
     """Write `splits` ({split: [(image file, label)]}) into tar shards of at most `max_samples` samples under
     `out` (a new or empty folder), with the index. Images keep their bytes, or with `shorter_side` are
-    resized so (never enlarged) and stored as JPEG at `quality`. Returns the splits as read back."""
+    resized so (never enlarged) and stored as JPEG at `quality`. Returns the splits as read back. ValueError
+    naming the file or split for what cannot be written; a failed write leaves no files of its own behind."""
+    for split, files in splits.items():
+        if not (_plain_name(f"{split}.npy", ".npy") and len(split) <= 100):
+            raise ValueError(f"split name {split!r}: use up to 100 letters, digits, '_', '-' and '.'")
+        if not files:
+            raise ValueError(f"split {split!r} has no images to write")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())):
+        raise ValueError(f"{out} exists and is not an empty folder; choose a new folder")
+    out.mkdir(parents=True, exist_ok=True)
+    written: list[Path] = []
+    try:
+        index = {"format": FORMAT, "version": 1, "classes": list(classes), "splits": {}}
+        for split, files in splits.items():
+            shard_files = _write_split(out, split, files, max_samples, shorter_side, quality, written)
+            shards, rows = _index_shards(shard_files, [label for _, label in files])
+            written.append(out / f"{split}.npy")
+            np.save(written[-1], np.asarray(rows, dtype=np.int64).reshape(-1, len(COLUMNS)))
+            index["splits"][split] = {"table": f"{split}.npy", "shards": shards}
+        written.append(out / INDEX)
+        written[-1].write_text(json.dumps(index, indent=1) + "\n")
+        return read_index(out)[1]
+    except BaseException:
+        for path in written:
+            path.unlink(missing_ok=True)
+        raise
+
+
+def _write_split(out: Path, split: str, files: list[tuple[str, int]], max_samples: int, shorter_side: Optional[int],
+                 quality: int, written: list[Path]) -> list[Path]:
+    """The split's shards, written with WebDataset's TarWriter on files opened here (its ShardWriter would
+    read the folder's name as a URL pattern)."""
     import webdataset
 
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"{out} exists and is not empty; choose a new folder")
-    out.mkdir(parents=True, exist_ok=True)
-    index = {"format": FORMAT, "version": 1, "classes": list(classes), "splits": {}}
-    for split, files in splits.items():
-        if not _plain_name(f"{split}.npy", ".npy"):
-            raise ValueError(f"split name {split!r}: use letters, digits, '_', '-' and '.'")
-        written: list[str] = []
-        writer = webdataset.ShardWriter(str(out / f"{split}-%06d.tar"), maxcount=max_samples, maxsize=float("inf"),
-                                        post=written.append, verbose=0, encoder=False, mtime=0)
-        with writer:
-            for position, (path, label) in enumerate(files):
-                image, ext = _image_bytes(path, shorter_side, quality)
-                writer.write({"__key__": _member_key(position), "cls": str(label).encode(), ext: image})
-        shards, rows = _index_shards(out, [Path(name) for name in written], [label for _, label in files])
-        np.save(out / f"{split}.npy", np.asarray(rows, dtype=np.int64).reshape(-1, len(COLUMNS)))
-        index["splits"][split] = {"table": f"{split}.npy", "shards": shards}
-    (out / INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    return read_index(out)[1]
+    shard_files: list[Path] = []
+    writer = None
+    try:
+        for position, (path, label) in enumerate(files):
+            if position % max_samples == 0:
+                if writer is not None:
+                    writer.close()
+                shard_files.append(out / f"{split}-{len(shard_files):06d}.tar")
+                written.append(shard_files[-1])
+                writer = webdataset.TarWriter(open(shard_files[-1], "xb"), encoder=False, mtime=0)
+            image, ext = _image_bytes(path, shorter_side, quality)
+            writer.write({"__key__": _member_key(position), "cls": str(label).encode(), ext: image})
+    finally:
+        if writer is not None:
+            writer.close()
+    return shard_files
+
+
+_EXTENSION = re.compile(r"[a-z0-9]{1,10}")
 
 
 def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[bytes, str]:
-    """The file's bytes and extension, or its image resized to `shorter_side` as JPEG."""
-    raw = Path(path).read_bytes()
-    ext = Path(path).suffix.lower().lstrip(".") or "img"
-    if shorter_side is None:
-        return raw, ("jpg" if ext == "jpeg" else ext)
-    with Image.open(io.BytesIO(raw)) as img:
-        img = img.convert("RGB")
-        scale = shorter_side / min(img.size)
-        if scale < 1:
-            img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
-                             Image.Resampling.BICUBIC)
-        buffer = io.BytesIO()
-        img.save(buffer, format="JPEG", quality=quality)
-    return buffer.getvalue(), "jpg"
+    """The file's bytes and extension (an unusual one stored as "img"), or its image resized to
+    `shorter_side` as JPEG."""
+    try:
+        raw = Path(path).read_bytes()
+        ext = Path(path).suffix.lower().lstrip(".")
+        ext = "jpg" if ext == "jpeg" else ext if _EXTENSION.fullmatch(ext) and ext != "cls" else "img"
+        if shorter_side is None:
+            return raw, ext
+        with Image.open(io.BytesIO(raw)) as img:
+            img = img.convert("RGB")
+            scale = shorter_side / min(img.size)
+            if scale < 1:
+                img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
+                                 Image.Resampling.BICUBIC)
+            buffer = io.BytesIO()
+            img.save(buffer, format="JPEG", quality=quality)
+        return buffer.getvalue(), "jpg"
+    except (OSError, ValueError, Image.DecompressionBombError) as e:  # read, decoded or resized: a bad file
+        raise ValueError(f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace "
+                         "it") from None
 
 
-def _index_shards(out: Path, written: list[Path], labels: list[int]) -> tuple[list[dict], list[list[int]]]:
+def _index_shards(shard_files: list[Path], labels: list[int]) -> tuple[list[dict], list[list[int]]]:
     """Each written shard's entry and the table rows of its samples, read back from the shards themselves."""
     shards, rows, position = [], [], 0
-    for shard_id, path in enumerate(written):
-        path = out / path.name
+    for shard_id, path in enumerate(shard_files):
         count = 0
         with tarfile.open(path, "r:") as tar:
             members = tar.getmembers()
@@ -288,5 +350,5 @@ def _index_shards(out: Path, written: list[Path], labels: list[int]) -> tuple[li
             position, count = position + 1, count + 1
         shards.append({"name": path.name, "bytes": path.stat().st_size, "samples": count})
     if position != len(labels):
-        raise RuntimeError(f"{out}: the shards hold {position} images of {len(labels)}")
+        raise RuntimeError(f"{shard_files[0].parent}: the shards hold {position} images of {len(labels)}")
     return shards, rows
