@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint_harness import train_losses
+from tests.checkpoint_harness import run_phases, train_losses
 from tests.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
 from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
@@ -73,28 +73,20 @@ def test_mfsdp_te_vit_base_learns_synthetic(nproc, tmp_path):
     assert (tmp_path / "ckpt" / "step_40" / "COMPLETE").exists()
 
 
-def _train_losses(config: str, overrides: list[str], run_dir: str) -> dict[int, float]:
-    """Worker body: train `config` in this process; its losses by step."""
-    from tests.helpers import compose_config, train_run
-
-    train_run(compose_config(config, overrides), run_dir)
-    return train_losses(run_dir)
-
-
 @pytest.fixture(scope="module")
 def fp8_runs(request, tmp_path_factory) -> dict:
     """test_fp8_trains' runs, in one worker process (the command line is test_mfsdp_te_vit_base_learns_synthetic's)."""
     root = tmp_path_factory.mktemp("fp8")
-    cases = {c["precision"]: ("vit_base_patch16_224", [*MEMORIZE, f"precision={c['precision']}",
-                                                      f"checkpoint.path={root}/{c['precision']}/ckpt",
-                                                      "logger.progress_bar=never"], f"{root}/{c['precision']}/run")
+    cases = {c["precision"]: ([{"config": "vit_base_patch16_224", "run_dir": f"{root}/{c['precision']}/run",
+                                "overrides": [*MEMORIZE, f"precision={c['precision']}", "logger.progress_bar=never",
+                                              f"checkpoint.path={root}/{c['precision']}/ckpt"]}],)
              for c in selected_cases(request, "test_fp8_trains")}
-    return run_workers(1, each_case, _train_losses, cases)[0]
+    return run_workers(1, each_case, run_phases, cases)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp8_delayed", "fp8_current"])
 def test_fp8_trains(precision, fp8_runs):
-    losses = list(case_result(fp8_runs, precision).values())
+    losses = list(case_result(fp8_runs, precision)[0]["losses"].values())
     assert len(losses) == 8 and all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
 
 
