@@ -37,11 +37,15 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     """Worker body: for each phase {"overrides", "run_dir", "signal_at": step, "state": bool,
     "expect_error": bool, "remove": [folders deleted before it starts]}, train and report losses (rank 0), start_step, resumed_from,
     stopped_by, the micro-batches trained on (stream positions from the sampler, "samples"; the
-    dataset indices of the samples, "idx"), and the full weights (state=True) or the error."""
+    dataset indices of the samples, "idx"), and the full weights (state=True) or the error. A run whose
+    micro-batches replay as CUDA graphs calls the forward only to record the graph, so it reports neither
+    "samples" nor "idx" (None)."""
     if shim:
         from tests.mfsdp_cpu_shim import install
 
         install()
+    import torch
+
     from core.data.sampling import GlobalBatchSampler
     from core.metrics.logger import MetricsLogger
     from recipes.vit.recipe import ViTRecipe
@@ -62,7 +66,9 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
             yield batch
 
     def recording_forward(self, model, batch, training):
-        if training:
+        if training and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            current["graphed"] = True  # reading the batch on the host cannot be recorded into the graph
+        elif training:
             current["idx"].append(batch["idx"].tolist())
         return original_forward(self, model, batch, training)
 
@@ -84,11 +90,12 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
                 continue
             # The loop fetches one micro-batch ahead (core/data/loading.py): the micro-batches it trained
             # on are the first ones drawn from the sampler, as many as forward passes ran.
-            trained = current["samples"][:len(current["idx"])]
+            graphed = current.get("graphed", False)
+            trained = None if graphed else current["samples"][:len(current["idx"])]
             result = trained_run["result"]
             out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
                         "resumed_from": result.resumed_from,
-                        "stopped_by": result.stopped_by, "samples": trained, "idx": current["idx"],
+                        "stopped_by": result.stopped_by, "samples": trained, "idx": None if graphed else current["idx"],
                         "skipped_steps": result.skipped_steps, "state": trained_run["state"]})
     finally:
         MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward = original_log, original_iter, original_forward

@@ -155,7 +155,7 @@ def test_synthetic_images_are_deterministic():
 
 
 def test_prefetch_takes_exactly_the_batches_the_run_needs():
-    """One batch is fetched ahead, but never past `count`: the training stream ends there (an
+    """Batches are fetched ahead on a thread, but never past `count`: the training stream ends there (an
     IndexError beyond it), so the last step must not ask for more."""
     from core.data.loading import prefetch_to_device
 
@@ -169,3 +169,42 @@ def test_prefetch_takes_exactly_the_batches_the_run_needs():
     assert list(prefetch_to_device(stream(5), torch.device("cpu"), 0)) == []
     it = prefetch_to_device(iter([{"x": torch.ones(1)}] * 3), torch.device("cpu"), 10)
     assert len(list(it)) == 3  # a shorter source simply ends
+
+
+def test_prefetch_runs_ahead_on_a_thread_and_reports_errors_at_their_batch():
+    """The move runs on another thread, at most `depth` batches ahead of the consumer; a failing move is
+    raised to the consumer when it reaches that batch (after the good ones before it); a consumer that stops
+    early stops the thread."""
+    import threading
+    import time
+
+    from core.data.loading import prefetch_to_device
+
+    moved_on, taken = [], []
+
+    def source(n):
+        for i in range(n):
+            taken.append(i)
+            yield i
+
+    def move(batch, device):
+        moved_on.append(threading.current_thread().name)
+        if batch == 4:
+            raise ValueError("cannot decode the image number 4")
+        return batch
+
+    it = prefetch_to_device(source(10), torch.device("cpu"), 10, move, depth=2)
+    assert next(it) == 0
+    time.sleep(0.3)
+    assert len(taken) <= 1 + 2 + 1  # the one handed out, two queued, one waiting to be queued
+    assert [next(it) for _ in range(3)] == [1, 2, 3]
+    with pytest.raises(ValueError, match="number 4"):
+        next(it)
+    assert set(moved_on) == {"prefetch_to_device"}
+
+    stopped = prefetch_to_device(source(1000), torch.device("cpu"), 1000, lambda b, d: b, depth=2)
+    taken.clear()
+    assert next(stopped) == 0
+    stopped.close()  # the loop ends early (a stop signal, an error): the thread ends too
+    time.sleep(0.3)
+    assert len(taken) <= 4 and not any(t.name == "prefetch_to_device" for t in threading.enumerate())

@@ -1,10 +1,13 @@
-"""Loaders over the samplers, and batches moved to the device one step ahead of the compute."""
+"""Loaders over the samplers, and batches moved to the device by a background thread ahead of the compute."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
+import queue
 import signal
+import threading
 from typing import Iterator
 
 import torch
@@ -43,32 +46,76 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None) -> Iterator:
-    """The first `count` batches of `batches`, on `device` (moved by `move(batch, device)`, to_device by
-    default), one fetched ahead (never more than `count` are taken). On CUDA the next batch's move is
-    started on a side stream before the current batch is handed out, so it overlaps the current step's
-    compute instead of waiting behind it on the compute stream (pinned host memory: asynchronous copies)."""
-    batches = itertools.islice(batches, count)
-    copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+# Batches prepared ahead of the one being trained on: with data.decode_on=device a micro-batch's decode takes
+# about as long as a training micro-batch, so one more in the queue absorbs the variation between batches.
+PREFETCH_DEPTH = 2
+
+
+class _Failed:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_DONE = object()
+
+
+def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None,
+                       depth: int = PREFETCH_DEPTH) -> Iterator:
+    """The first `count` batches of `batches`, in order, on `device` (moved by `move(batch, device)`, to_device
+    by default; never more than `count` are taken). A background thread takes and moves them up to `depth`
+    batches ahead of the one handed out, so the move (for some recipes a decode on the device) runs beside
+    the training step instead of between steps. On CUDA the thread queues its work on its own stream, and a
+    batch is handed out with the current stream made to wait for that work (pinned host memory: asynchronous
+    copies). An error in the thread is raised here, at the batch it happened on."""
     move = move or to_device
+    ready: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+    side = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    def start_copy(batch):
-        if batch is None:
-            return None
-        if copy_stream is None:
-            return move(batch, device)
-        with torch.cuda.stream(copy_stream):
-            return move(batch, device)
+    def put(item) -> bool:
+        while not stop.is_set():
+            try:
+                ready.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
 
-    ahead = start_copy(next(batches, None))
-    while ahead is not None:
-        batch = ahead
-        if copy_stream is not None:
-            compute_stream = torch.cuda.current_stream(device)
-            compute_stream.wait_stream(copy_stream)
-            _record_stream(batch, compute_stream)  # its memory was allocated on the copy stream
-        ahead = start_copy(next(batches, None))
-        yield batch
+    def produce() -> None:
+        try:
+            if side is not None:
+                torch.cuda.set_device(device)  # the current device is per thread
+            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+                for batch in itertools.islice(batches, count):
+                    moved = move(batch, device)
+                    done = None
+                    if side is not None:
+                        done = torch.cuda.Event()
+                        done.record(side)
+                    if not put((moved, done)):
+                        return
+            put(_DONE)
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+            put(_Failed(e))
+
+    thread = threading.Thread(target=produce, name="prefetch_to_device", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = ready.get()
+            if item is _DONE:
+                return
+            if isinstance(item, _Failed):
+                raise item.error
+            batch, done = item
+            if done is not None:
+                compute_stream = torch.cuda.current_stream(device)
+                compute_stream.wait_event(done)
+                _record_stream(batch, compute_stream)  # its memory was allocated on the side stream
+            yield batch
+    finally:
+        stop.set()
+        thread.join(timeout=60)
 
 
 def _record_stream(batch, stream) -> None:

@@ -25,9 +25,18 @@ class ImageFormat(StrEnum):
 
 class DecodeOn(StrEnum):
     workers = "workers"  # PIL in the loader workers, then the augmentation there
-    # The workers only read the bytes and draw the crop/flip; the training device decodes (torchvision's
-    # decode_jpeg, nvJPEG on CUDA) and crops, resizes and normalizes. JPEG only, no mixup/cutmix.
+    # The workers only read the bytes and draw the crop/flip; the training device decodes (nvImageCodec:
+    # recipes/vit/jpeg.py) and crops, resizes and normalizes, on a thread one or two micro-batches ahead of
+    # the step (core/data/loading.py). JPEG only, no mixup/cutmix.
     device = "device"
+
+
+class DeviceDecoder(StrEnum):
+    # decode_on=device on a GPU. The hardware JPEG engines (A100, H100, H200, ...) use no SMs, so decoding
+    # beside the step costs it the least; they are the fastest where a GPU has them (docs/performance.md).
+    auto = "auto"  # hardware where the GPU has JPEG engines, else cuda
+    hardware = "hardware"
+    cuda = "cuda"  # nvJPEG's CUDA kernels, Huffman decoding on CPU threads
 
 
 @dataclass
@@ -112,6 +121,7 @@ class ImageDataConfig(DataConfig):
     # logged; false: skip it (a bad file then stops the run when a loader worker reads it, naming the file).
     verify_images: bool = True
     decode_on: DecodeOn = DecodeOn.workers
+    device_decoder: DeviceDecoder = DeviceDecoder.auto
     # synthetic format only: number of samples per split
     synthetic_train_size: int = 100_000
     synthetic_val_size: int = 1_000

@@ -19,7 +19,6 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 import torch
-import torchvision
 from PIL import Image
 from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2
@@ -179,8 +178,9 @@ class Transform:
 
 class EncodedImageSamples(ImageSamples):
     """data.decode_on=device: {"jpeg": the file's bytes, "crop": the sample's augmentation drawn from
-    its (seed, epoch, idx) and the size in the JPEG header, "label", "idx"}; `decode_batch` finishes the
-    job on the training device. The same crops and flips as ImageSamples draws."""
+    its (seed, epoch, idx) and the size in the JPEG header, "size": that (height, width), "path", "label",
+    "idx"}; `decode_batch` finishes the job on the training device. The same crops and flips as ImageSamples
+    draws."""
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
@@ -189,33 +189,51 @@ class EncodedImageSamples(ImageSamples):
         if raw[:2] != b"\xff\xd8":
             raise ValueError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
                              "(use data.decode_on=workers for other formats)")
-        with Image.open(io.BytesIO(raw)) as img:  # parses the header only
-            width, height = img.size
+        try:
+            with Image.open(io.BytesIO(raw)) as img:  # parses the header only
+                width, height = img.size
+        except (OSError, Image.DecompressionBombError) as e:
+            raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         crop = self.transform.draw(height, width, sample_generator(self.seed, epoch, idx))
-        return {"jpeg": data, "crop": torch.tensor(crop), "label": label, "idx": idx}
+        return {"jpeg": data, "crop": torch.tensor(crop), "size": torch.tensor([height, width]), "path": str(path),
+                "label": label, "idx": idx}
 
 
 def collate_encoded(samples: list[dict]) -> dict:
     """Encoded samples -> a batch: the JPEG byte strings joined into one tensor (one shared-memory block
-    from a loader worker, not one per image) with their lengths; the rest collated as usual."""
+    from a loader worker, not one per image) with their lengths; the rest collated as usual (paths: a list)."""
     rest = default_collate([{k: v for k, v in s.items() if k != "jpeg"} for s in samples])
     return {"jpeg": torch.cat([s["jpeg"] for s in samples]),
             "jpeg_sizes": torch.tensor([s["jpeg"].numel() for s in samples]), **rest}
 
 
-def decode_batch(batch: dict, transform: Transform, device: torch.device) -> dict:
-    """Decode a collate_encoded batch on `device` (nvJPEG on CUDA, libjpeg on CPU), then crop, resize, flip
-    and normalize each image there with the crops the workers drew."""
-    files = list(torch.split(batch["jpeg"], batch["jpeg_sizes"].tolist()))  # host tensors: no device sync
-    images = torchvision.io.decode_jpeg(files, mode=torchvision.io.ImageReadMode.RGB, device=device)
-    crops = batch["crop"].tolist()  # a host tensor: no device sync
-    pixels = torch.stack([transform.geometry(image, crop) for image, crop in zip(images, crops)])
+HOST_ONLY = ("jpeg", "jpeg_sizes", "crop", "size", "path")
+
+
+def decode_batch(batch: dict, transform: Transform, device: torch.device, backend: str = "auto") -> dict:
+    """Decode a collate_encoded batch on `device` (recipes/vit/jpeg.py: the GPU's JPEG engines where it has
+    them), then crop, resize, flip and normalize there with the crops the workers drew: float images equal to
+    ImageSamples' up to the JPEG decoders' rounding. On CUDA, queued on the current stream."""
+    from recipes.vit.jpeg import decoder_for
+
+    ends = batch["jpeg_sizes"].cumsum(0).tolist()  # host tensors: no device sync
+    joined = batch["jpeg"].numpy()
+    files = [joined[end - size:end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
+    crops, sizes = batch["crop"].tolist(), batch["size"].tolist()
+    images = decoder_for(device, backend).decode(files, batch["path"], sizes)
+    for image, size, name in zip(images, sizes, batch["path"]):
+        if list(image.shape[1:]) != size:  # the crop was drawn for the size in the header
+            raise ValueError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, the "
+                             f"decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
+    # Resized in float, then rounded as the uint8 resize of the CPU path rounds.
+    pixels = torch.stack([transform.geometry(image.float(), crop) for image, crop in zip(images, crops)])
+    pixels = pixels.round_().clamp_(0, 255)
     flips = [i for i, crop in enumerate(crops) if crop[4]]
     if flips:  # one flip and one normalization for the whole batch
         pixels[flips] = pixels[flips].flip(-1)
-    pixels = transform.normalize(pixels)
-    rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in ("jpeg", "jpeg_sizes", "crop")}
+    pixels = transform.normalize(pixels.div_(255))
+    rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in HOST_ONLY}
     return {"image": pixels, **rest}
 
 
@@ -239,6 +257,10 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
     classes = classes if classes is not None else image_classes(data)
     if len(classes) != model.num_classes:
         raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
+    if data.decode_on == "device":
+        from recipes.vit.jpeg import nvimgcodec
+
+        nvimgcodec()  # here, before any work: the decoder's package is missing, or loads from the main thread
     samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
     train = split_samples(samples, data, data.train_split, classes, Transform(data, size, train=True), seed)
     if train is None:

@@ -105,7 +105,7 @@ class ViTRecipe(Recipe):
         if "jpeg" not in batch:
             return super().to_device(batch, device)
         # data.decode_on=device: decode and augment here (the crops were drawn by the loader workers).
-        return decode_batch(batch, self._device_transform, device)
+        return decode_batch(batch, self._device_transform, device, self.cfg.data.device_decoder)
 
     @functools.cached_property
     def _device_transform(self) -> Transform:

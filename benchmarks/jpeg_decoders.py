@@ -1,0 +1,249 @@
+"""JPEG decoders on one GPU, measured without a model: how fast each decodes a micro-batch, how long it holds
+the host, how far its pixels are from PIL's, and how much it slows a busy GPU "step" running beside it on
+another stream (the way the training loop overlaps the next micro-batch's decode with the current step).
+
+    python benchmarks/jpeg_decoders.py --images 3072 --batch 256 --out benchmarks/results
+
+Decoders: torchvision's decode_jpeg on CUDA (nvJPEG on the SMs; deprecated since torchvision 0.29) and
+nvImageCodec with each backend: hw (the GPU's hardware JPEG engines), gpu (CUDA kernels), hybrid (Huffman
+on CPU threads), several joined by '/' in order of preference. "+roi" decodes only the random-resized-crop
+window the recipe draws; "+reuse" decodes into the buffers of the batch before last (no allocations);
+"+crop" adds the recipe's crop, resize, flip and normalization in PyTorch, one image at a time.
+Prints a table and writes JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import io
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def generated_jpegs(count: int, folder: Path) -> list[bytes]:
+    from scripts.make_jpeg_imagefolder import write_image
+    from concurrent.futures import ProcessPoolExecutor
+
+    paths = [folder / f"{i:06d}.jpg" for i in range(count)]
+    with ProcessPoolExecutor(16) as pool:
+        list(pool.map(write_image, [(p, i, 90) for i, p in enumerate(paths)], chunksize=32))
+    return [p.read_bytes() for p in paths]
+
+
+def crops(files: list[bytes], seed: int = 0) -> list[list[int]]:
+    """The recipe's training crops (top, left, h, w, flip) for each file, from its JPEG header."""
+    import torch
+    from PIL import Image
+
+    from recipes.vit.config import ImageDataConfig
+    from recipes.vit.data import Transform
+
+    transform = Transform(ImageDataConfig(), 224, train=True)
+    out = []
+    for i, raw in enumerate(files):
+        with Image.open(io.BytesIO(raw)) as img:
+            width, height = img.size
+        out.append(transform.draw(height, width, torch.Generator().manual_seed(seed * 1_000_003 + i)))
+    return out
+
+
+def torchvision_decoder():
+    import torch
+    import torchvision
+
+    def decode(batch: list[bytes], boxes, stream):
+        data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in batch]
+        return torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device="cuda")
+    return decode
+
+
+def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
+    """kinds: backends joined by '/', in order of preference (e.g. hw/hybrid)."""
+    import torch
+    from nvidia import nvimgcodec
+
+    backend = {"hw": nvimgcodec.BackendKind.HW_GPU_ONLY, "gpu": nvimgcodec.BackendKind.GPU_ONLY,
+               "hybrid": nvimgcodec.BackendKind.HYBRID_CPU_GPU}
+    decoder = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(backend[k]) for k in kinds.split("/")])
+    params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB, apply_exif_orientation=False)
+    pools, calls = [None] * 3, [0]  # reuse: three batches' output buffers in turn, no allocation once grown
+
+    def decode(batch: list[bytes], boxes, stream):
+        streams = [nvimgcodec.CodeStream(b) for b in batch]
+        if roi:
+            streams = [s.get_sub_code_stream(region=nvimgcodec.Region(t, l, t + h, l + w))
+                       for s, (t, l, h, w, _) in zip(streams, boxes)]
+        slot = calls[0] % 3
+        calls[0] += 1
+        previous = pools[slot] if reuse and pools[slot] is not None and len(pools[slot]) == len(streams) else None
+        images = decoder.decode(streams, images=previous, params=params, cuda_stream=stream.cuda_stream)
+        pools[slot] = images
+        missing = [i for i, image in enumerate(images) if image is None]
+        if missing:
+            raise RuntimeError(f"{len(missing)} images not decoded (first {missing[0]})")
+        tensors = [torch.from_dlpack(image) for image in images]
+        return crop_resize(tensors, boxes) if crop else tensors
+    return decode
+
+
+def crop_resize(images, boxes, size: int = 224):
+    """The recipe's crop, resize (antialiased bilinear), flip and normalization, one image at a time."""
+    import torch
+    import torch.nn.functional as F
+
+    out = torch.empty(len(images), 3, size, size, device=images[0].device)
+    for k, (image, (t, l, h, w, _)) in enumerate(zip(images, boxes)):
+        out[k] = F.interpolate(image[None, :, t:t + h, l:l + w].float(), size=(size, size), mode="bilinear",
+                               antialias=True)[0]
+    flips = [k for k, box in enumerate(boxes) if box[4]]
+    out[flips] = out[flips].flip(-1)
+    mean = torch.tensor([0.485, 0.456, 0.406], device=out.device).view(1, 3, 1, 1) * 255
+    std = torch.tensor([0.229, 0.224, 0.225], device=out.device).view(1, 3, 1, 1) * 255
+    return (out - mean) / std
+
+
+def pil_pixels(raw: bytes):
+    import numpy as np
+    from PIL import Image
+
+    with Image.open(io.BytesIO(raw)) as img:
+        return np.asarray(img.convert("RGB")).transpose(2, 0, 1)
+
+
+def busy_step(size: int = 8192, repeats: int = 40):
+    """A stand-in for a training step: bf16 GEMMs (about 60 ms on an H100)."""
+    import torch
+
+    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        for _ in range(repeats):
+            torch.mm(a, b)
+    return step
+
+
+def measure(name, decode, files, boxes, batch, args) -> dict:
+    import numpy as np
+    import torch
+
+    stream = torch.cuda.Stream()
+    batches = [(files[i:i + batch], boxes[i:i + batch]) for i in range(0, len(files) - batch + 1, batch)]
+    with torch.cuda.stream(stream):
+        for chunk, box in batches[:2]:  # warm-up: handles, buffers, first allocations
+            decode(chunk, box, stream)
+    torch.cuda.synchronize()
+    host = 0.0
+    start = time.perf_counter()
+    with torch.cuda.stream(stream):
+        for chunk, box in batches:
+            t = time.perf_counter()
+            out = decode(chunk, box, stream)
+            host += time.perf_counter() - t
+    torch.cuda.synchronize()
+    alone = len(batches) * batch / (time.perf_counter() - start)
+    # Pixels against PIL (full decodes only; a region decode is compared on its window).
+    first = decode(files[:16], boxes[:16], torch.cuda.current_stream())
+    torch.cuda.synchronize()
+    diffs = []
+    if "crop" in name:
+        first = []  # not comparable with a decode
+    for raw, box, image in zip(files[:16], boxes[:16], first):
+        ref = pil_pixels(raw).astype(np.int16)
+        got = image.cpu().numpy().astype(np.int16)
+        if got.shape[-1] == 3 and got.shape[0] != 3:
+            got = got.transpose(2, 0, 1)
+        if "roi" in name:
+            t, l, h, w, _ = box
+            ref = ref[:, t:t + h, l:l + w]
+        if got.shape != ref.shape:
+            diffs.append(f"shape {tuple(got.shape)} vs {tuple(ref.shape)}")
+            continue
+        diffs.append(np.abs(got - ref))
+    shapes_ok = all(not isinstance(d, str) for d in diffs)
+    max_diff = max((int(d.max()) for d in diffs), default=None) if shapes_ok else diffs
+    mean_diff = float(np.mean([d.mean() for d in diffs])) if shapes_ok and diffs else None
+    # Beside a busy step: the step on the default stream, the next batch's decode on a side stream.
+    step = busy_step()
+    compute = torch.cuda.default_stream() if args.step_stream == "default" else torch.cuda.Stream()
+    with torch.cuda.stream(compute):
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(args.steps):
+            step()
+        torch.cuda.synchronize()
+        step_alone = (time.perf_counter() - t) / args.steps
+        t, host_beside = time.perf_counter(), 0.0
+        for i in range(args.steps):
+            step()
+            with torch.cuda.stream(stream):
+                chunk, box = batches[i % len(batches)]
+                h = time.perf_counter()
+                out = decode(chunk, box, stream)
+                host_beside += time.perf_counter() - h
+            compute.wait_stream(stream)
+        torch.cuda.synchronize()
+        step_beside = (time.perf_counter() - t) / args.steps
+    del out
+    return {"decoder": name, "img_per_s_alone": round(alone), "host_ms_per_batch": round(1000 * host / len(batches), 1),
+            "max_abs_diff_vs_pil": max_diff, "mean_abs_diff_vs_pil": mean_diff,
+            "step_ms_alone": round(1000 * step_alone, 1), "step_ms_beside_decode": round(1000 * step_beside, 1),
+            "step_slowdown": round(step_beside / step_alone, 3),
+            "host_ms_per_batch_beside": round(1000 * host_beside / args.steps, 1), "step_stream": args.step_stream}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--images", type=int, default=3072)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--step-stream", choices=["default", "side"], default="default",
+                        help="the stand-in step on PyTorch's default stream (as the training loop) or on another")
+    parser.add_argument("--decoders", nargs="+",
+                        default=["torchvision", "nvimgcodec-hw",
+                                 "nvimgcodec-hw+reuse", "nvimgcodec-hw+reuse+crop", "nvimgcodec-hw/hybrid",
+                                 "nvimgcodec-hybrid"])
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    args = parser.parse_args()
+    import torch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        files = generated_jpegs(args.images, Path(tmp))
+    boxes = crops(files)
+    rows = []
+    for name in args.decoders:
+        try:
+            if name == "torchvision":
+                decode = torchvision_decoder()
+            else:
+                kinds, *options = name.removeprefix("nvimgcodec-").split("+")
+                decode = nvimgcodec_decoder(kinds, "roi" in options, "reuse" in options, "crop" in options)
+            rows.append(measure(name, decode, files, boxes, args.batch, args))
+        except Exception as e:  # one decoder failing (no hardware engine, say) does not end the others
+            traceback.print_exc()
+            rows.append({"decoder": name, "error": f"{type(e).__name__}: {e}"})
+        print(json.dumps(rows[-1]), flush=True)
+    header = ["decoder", "img_per_s_alone", "host_ms_per_batch", "step_slowdown", "max_abs_diff_vs_pil",
+              "mean_abs_diff_vs_pil"]
+    print(" | ".join(header))
+    for row in rows:
+        print(" | ".join(str(row.get(k, "")) for k in header))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    (out / f"jpeg_decoders-{stamp}.json").write_text(json.dumps(
+        {"device": torch.cuda.get_device_name(), "images": args.images, "batch": args.batch, "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
