@@ -8,7 +8,8 @@ Decoders: torchvision's decode_jpeg on CUDA (nvJPEG on the SMs; deprecated since
 nvImageCodec with each backend: hw (the GPU's hardware JPEG engines), gpu (CUDA kernels), hybrid (Huffman
 on CPU threads), several joined by '/' in order of preference. "+roi" decodes only the random-resized-crop
 window the recipe draws; "+reuse" decodes into the buffers of the batch before last (no allocations);
-"+crop" adds the recipe's crop, resize, flip and normalization in PyTorch, one image at a time.
+"+crop" adds the recipe's crop, resize, flip and normalization in PyTorch, one image at a time; "loop" is
+the training loop's way (a thread decoding ahead: measure_loop).
 Prints a table and writes JSON.
 """
 
@@ -118,17 +119,70 @@ def pil_pixels(raw: bytes):
         return np.asarray(img.convert("RGB")).transpose(2, 0, 1)
 
 
-def busy_step(size: int = 8192, repeats: int = 40):
-    """A stand-in for a training step: bf16 GEMMs (about 60 ms on an H100)."""
+def busy_step(kind: str = "gemm"):
+    """A stand-in for a training step of about 60 ms on an H100: large bf16 GEMMs ("gemm"), ViT-B-sized ones
+    (tokens of a 256-image micro-batch x 768 x 3072, "vit"), or one thread spinning on one SM ("sleep": the
+    GPU otherwise idle, to tell a decoder's waiting on the device from its competing for SMs)."""
     import torch
 
-    a = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(size, size, device="cuda", dtype=torch.bfloat16)
+    if kind == "sleep":
+        torch.cuda._sleep(10_000_000)
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        torch.cuda._sleep(100_000_000)
+        torch.cuda.synchronize()
+        cycles = int(100_000_000 * 0.06 / (time.perf_counter() - t))
+        return lambda: torch.cuda._sleep(cycles)
+    m, k, n, repeats = (8192, 8192, 8192, 40) if kind == "gemm" else (256 * 197, 768, 3072, 180)
+    a = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
 
     def step():
         for _ in range(repeats):
             torch.mm(a, b)
     return step
+
+
+def measure_loop(files, boxes, batch: int, args) -> dict:
+    """The training loop's way: core/data/loading.py's thread decodes (recipes/vit/data.py decode_batch) up to
+    two micro-batches ahead on its stream while the default stream runs the step; seconds per step with and
+    without decoding."""
+    import numpy as np
+    import torch
+
+    from core.data import loading
+    from recipes.vit.config import ImageDataConfig
+    from recipes.vit.data import Transform, decode_batch
+
+    loading.SIDE_STREAM_PRIORITY = args.priority
+    transform = Transform(ImageDataConfig(), 224, train=True)
+    host = []
+    for i in range(0, len(files) - batch + 1, batch):
+        chunk = files[i:i + batch]
+        host.append({"jpeg": torch.from_numpy(np.frombuffer(b"".join(chunk), np.uint8).copy()),
+                     "jpeg_sizes": torch.tensor([len(f) for f in chunk]),
+                     "crop": torch.tensor(boxes[i:i + batch]),
+                     "size": torch.tensor([pil_pixels(f).shape[1:] for f in chunk]),
+                     "path": [f"image{i + j}" for j in range(batch)], "label": torch.zeros(batch, dtype=torch.long)})
+    step, device = busy_step(args.step), torch.device("cuda")
+    sink = torch.zeros((), device=device)
+
+    def run(decode: bool, count: int) -> float:
+        move = (lambda b, d: decode_batch(b, transform, d, args.backend)) if decode else loading.to_device
+        source = (host[i % len(host)] for i in range(count))
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for moved in loading.prefetch_to_device(source, device, count, move):
+            step()
+            sink.add_(moved["label"].sum())  # the step reads the batch
+        torch.cuda.synchronize()
+        return (time.perf_counter() - start) / count
+
+    run(True, 4)
+    alone, beside = run(False, args.steps), run(True, args.steps)
+    return {"decoder": f"loop-{args.backend}", "step": args.step, "priority": args.priority,
+            "step_ms_alone": round(1000 * alone, 1), "step_ms_with_decode": round(1000 * beside, 1),
+            "step_slowdown": round(beside / alone, 3), "img_per_s_with_decode": round(batch / beside)}
 
 
 def measure(name, decode, files, boxes, batch, args) -> dict:
@@ -172,7 +226,7 @@ def measure(name, decode, files, boxes, batch, args) -> dict:
     max_diff = max((int(d.max()) for d in diffs), default=None) if shapes_ok else diffs
     mean_diff = float(np.mean([d.mean() for d in diffs])) if shapes_ok and diffs else None
     # Beside a busy step: the step on the default stream, the next batch's decode on a side stream.
-    step = busy_step()
+    step = busy_step(args.step)
     compute = torch.cuda.default_stream() if args.step_stream == "default" else torch.cuda.Stream()
     with torch.cuda.stream(compute):
         for _ in range(2):
@@ -209,6 +263,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--step-stream", choices=["default", "side"], default="default",
                         help="the stand-in step on PyTorch's default stream (as the training loop) or on another")
+    parser.add_argument("--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)")
+    parser.add_argument("--priority", type=int, default=0, help="loop: the prefetching thread's stream priority")
+    parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
     parser.add_argument("--decoders", nargs="+",
                         default=["torchvision", "nvimgcodec-hw",
                                  "nvimgcodec-hw+reuse", "nvimgcodec-hw+reuse+crop", "nvimgcodec-hw/hybrid",
@@ -223,6 +280,10 @@ def main() -> None:
     rows = []
     for name in args.decoders:
         try:
+            if name == "loop":
+                rows.append(measure_loop(files, boxes, args.batch, args))
+                print(json.dumps(rows[-1]), flush=True)
+                continue
             if name == "torchvision":
                 decode = torchvision_decoder()
             else:
@@ -233,8 +294,8 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"decoder": name, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(rows[-1]), flush=True)
-    header = ["decoder", "img_per_s_alone", "host_ms_per_batch", "step_slowdown", "max_abs_diff_vs_pil",
-              "mean_abs_diff_vs_pil"]
+    header = ["decoder", "img_per_s_alone", "host_ms_per_batch", "host_ms_per_batch_beside", "step_slowdown",
+              "max_abs_diff_vs_pil", "mean_abs_diff_vs_pil"]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(str(row.get(k, "")) for k in header))

@@ -49,6 +49,7 @@ def to_device(batch, device: torch.device):
 # Batches prepared ahead of the one being trained on: with data.decode_on=device a micro-batch's decode takes
 # about as long as a training micro-batch, so one more in the queue absorbs the variation between batches.
 PREFETCH_DEPTH = 2
+SIDE_STREAM_PRIORITY = 0  # the prefetching thread's CUDA stream (lower: scheduled first)
 
 
 class _Failed:
@@ -70,7 +71,7 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
     move = move or to_device
     ready: queue.Queue = queue.Queue(maxsize=depth)
     stop = threading.Event()
-    side = torch.cuda.Stream(device) if device.type == "cuda" else None
+    side = torch.cuda.Stream(device, priority=SIDE_STREAM_PRIORITY) if device.type == "cuda" else None
 
     def put(item) -> bool:
         while not stop.is_set():
