@@ -144,9 +144,9 @@ def busy_step(kind: str = "gemm"):
 
 
 def measure_loop(files, boxes, batch: int, args) -> dict:
-    """The training loop's way: core/data/loading.py's thread decodes (recipes/vit/data.py decode_batch) up to
-    two micro-batches ahead on its stream while the default stream runs the step; seconds per step with and
-    without decoding."""
+    """The training loop's way: core/data/loading.py's threads decode (recipes/vit/data.py decode_batch) ahead,
+    each on its own stream, while the default stream runs the step; seconds per step with and without
+    decoding."""
     import numpy as np
     import torch
 
@@ -172,7 +172,7 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
         source = (host[i % len(host)] for i in range(count))
         torch.cuda.synchronize()
         start = time.perf_counter()
-        for moved in loading.prefetch_to_device(source, device, count, move):
+        for moved in loading.prefetch_to_device(source, device, count, move, threads=args.threads):
             step()
             sink.add_(moved["label"].sum())  # the step reads the batch
         torch.cuda.synchronize()
@@ -180,7 +180,7 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
 
     run(True, 4)
     alone, beside = run(False, args.steps), run(True, args.steps)
-    return {"decoder": f"loop-{args.backend}", "step": args.step, "priority": args.priority,
+    return {"decoder": f"loop-{args.backend}", "step": args.step, "priority": args.priority, "threads": args.threads,
             "step_ms_alone": round(1000 * alone, 1), "step_ms_with_decode": round(1000 * beside, 1),
             "step_slowdown": round(beside / alone, 3), "img_per_s_with_decode": round(batch / beside)}
 
@@ -266,6 +266,7 @@ def main() -> None:
     parser.add_argument("--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)")
     parser.add_argument("--priority", type=int, default=0, help="loop: the prefetching thread's stream priority")
     parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
+    parser.add_argument("--threads", type=int, default=3, help="loop: data.decode_threads")
     parser.add_argument("--decoders", nargs="+",
                         default=["torchvision", "nvimgcodec-hw",
                                  "nvimgcodec-hw+reuse", "nvimgcodec-hw+reuse+crop", "nvimgcodec-hw/hybrid",

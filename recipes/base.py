@@ -80,9 +80,14 @@ class Recipe:
         return None  # torch's default_collate
 
     def to_device(self, batch: dict, device: torch.device) -> dict:
-        """A collated batch onto the training device (the loop calls it on a side stream for training
-        batches). Recipes that finish preprocessing on the device (decoding, augmentation) do it here."""
+        """A collated batch onto the training device (for training batches the loop calls it on background
+        threads, each with its own CUDA stream: core/data/loading.py). Recipes that finish preprocessing on the
+        device (decoding, augmentation) do it here."""
         return to_device(batch, device)
+
+    def prefetch_threads(self) -> int:
+        """How many training batches to_device works on at once (threads)."""
+        return 1
 
     # --- task --------------------------------------------------------------------------------
     def loss_count(self, batch: dict) -> torch.Tensor:

@@ -171,10 +171,12 @@ def test_prefetch_takes_exactly_the_batches_the_run_needs():
     assert len(list(it)) == 3  # a shorter source simply ends
 
 
-def test_prefetch_runs_ahead_on_a_thread_and_reports_errors_at_their_batch():
-    """The move runs on another thread, at most `depth` batches ahead of the consumer; a failing move is
-    raised to the consumer when it reaches that batch (after the good ones before it); a consumer that stops
-    early stops the thread."""
+def test_prefetch_runs_ahead_on_threads_in_order_and_reports_errors_at_their_batch():
+    """The move runs on other threads, at most threads + depth batches ahead of the consumer; with several
+    threads and moves of uneven length the batches still come in order; a failing move is raised to the
+    consumer when it reaches that batch (after the good ones before it); a consumer that stops early stops
+    the threads."""
+    import random
     import threading
     import time
 
@@ -193,18 +195,29 @@ def test_prefetch_runs_ahead_on_a_thread_and_reports_errors_at_their_batch():
             raise ValueError("cannot decode the image number 4")
         return batch
 
-    it = prefetch_to_device(source(10), torch.device("cpu"), 10, move, depth=2)
+    it = prefetch_to_device(source(10), torch.device("cpu"), 10, move, threads=1, depth=2)
     assert next(it) == 0
     time.sleep(0.3)
-    assert len(taken) <= 1 + 2 + 1  # the one handed out, two queued, one waiting to be queued
+    assert len(taken) <= 1 + 1 + 2  # the one handed out, the thread's one, two ahead
     assert [next(it) for _ in range(3)] == [1, 2, 3]
     with pytest.raises(ValueError, match="number 4"):
         next(it)
-    assert set(moved_on) == {"prefetch_to_device"}
+    assert set(moved_on) == {"prefetch_to_device_0"}
 
-    stopped = prefetch_to_device(source(1000), torch.device("cpu"), 1000, lambda b, d: b, depth=2)
+    rng = random.Random(0)
+
+    def slow(batch, device):
+        moved_on.append(threading.current_thread().name)
+        time.sleep(rng.random() * 0.02)
+        return batch
+
+    moved_on.clear()
+    assert list(prefetch_to_device(source(40), torch.device("cpu"), 30, slow, threads=3)) == list(range(30))
+    assert len(set(moved_on)) == 3  # the work was shared
     taken.clear()
+    stopped = prefetch_to_device(source(1000), torch.device("cpu"), 1000, slow, threads=3, depth=2)
     assert next(stopped) == 0
-    stopped.close()  # the loop ends early (a stop signal, an error): the thread ends too
+    stopped.close()  # the loop ends early (a stop signal, an error): the threads end too
     time.sleep(0.3)
-    assert len(taken) <= 4 and not any(t.name == "prefetch_to_device" for t in threading.enumerate())
+    assert len(taken) <= 1 + 3 + 2
+    assert not any(t.name.startswith("prefetch_to_device") for t in threading.enumerate())

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 RESULT_KEYS = ("recipe", "seed", "model.", "data.", "optim.", "scheduler.", "precision.",
                "training.global_batch_size")
-NEUTRAL_KEYS = ("model.backend", "data.num_workers", "data.pin_memory", "data.decode_on", "data.device_decoder", "optim.fused")
+NEUTRAL_KEYS = ("model.backend", "data.num_workers", "data.pin_memory", "data.decode_on", "data.device_decoder",
+                "data.decode_threads", "optim.fused")
 
 
 def changes_result(key: str) -> bool:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
-import queue
 import signal
 import threading
 from typing import Iterator
@@ -46,10 +45,9 @@ def to_device(batch, device: torch.device):
     return batch
 
 
-# Batches prepared ahead of the one being trained on: with data.decode_on=device a micro-batch's decode takes
-# about as long as a training micro-batch, so one more in the queue absorbs the variation between batches.
+# Batches prepared ahead of the one being handed out, besides the one each thread is working on.
 PREFETCH_DEPTH = 2
-SIDE_STREAM_PRIORITY = 0  # the prefetching thread's CUDA stream (lower: scheduled first)
+SIDE_STREAM_PRIORITY = 0  # the prefetching threads' CUDA streams (lower: scheduled first)
 
 
 class _Failed:
@@ -57,66 +55,94 @@ class _Failed:
         self.error = error
 
 
-_DONE = object()
-
-
-def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None,
+def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None, threads: int = 1,
                        depth: int = PREFETCH_DEPTH) -> Iterator:
     """The first `count` batches of `batches`, in order, on `device` (moved by `move(batch, device)`, to_device
-    by default; never more than `count` are taken). A background thread takes and moves them up to `depth`
-    batches ahead of the one handed out, so the move (for some recipes a decode on the device) runs beside
-    the training step instead of between steps. On CUDA the thread queues its work on its own stream, and a
-    batch is handed out with the current stream made to wait for that work (pinned host memory: asynchronous
-    copies). An error in the thread is raised here, at the batch it happened on."""
+    by default; never more than `count` are taken). Background threads take and move them ahead of the one
+    handed out (at most `threads` + `depth` batches at a time), so the move runs beside the training step
+    instead of between steps. Several threads move several batches at once: a decode on the GPU waits for
+    the SMs the step holds (recipes/vit/jpeg.py), one batch is not done by the time the step wants the next.
+    On CUDA each thread queues its work on its own stream, and a batch is handed out with the current stream
+    made to wait for that work (pinned host memory: asynchronous copies). An error in a thread is raised here,
+    at the batch it happened on, after the batches before it."""
     move = move or to_device
-    ready: queue.Queue = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-    side = torch.cuda.Stream(device, priority=SIDE_STREAM_PRIORITY) if device.type == "cuda" else None
+    source = enumerate(itertools.islice(batches, count))
+    taking = threading.Lock()  # one thread at a time takes the next batch from the source
+    changed = threading.Condition()
+    done: dict[int, object] = {}  # batch number -> (batch, CUDA event) or _Failed
+    state = {"taken": 0, "handed": 0, "end": None, "stop": False}
+    index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
 
-    def put(item) -> bool:
-        while not stop.is_set():
-            try:
-                ready.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+    def take():
+        """The next (number, batch), or None at the end or when the consumer stopped."""
+        with changed:
+            while not state["stop"] and state["taken"] - state["handed"] >= threads + depth:
+                changed.wait(0.1)
+            if state["stop"]:
+                return None
+        with taking:
+            item = next(source, None)
+            with changed:
+                if item is None:
+                    state["end"] = state["taken"] if state["end"] is None else state["end"]
+                    changed.notify_all()
+                else:
+                    state["taken"] += 1
+            return item
 
     def produce() -> None:
-        try:
-            if side is not None:
-                torch.cuda.set_device(device)  # the current device is per thread
-            with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-                for batch in itertools.islice(batches, count):
+        side = None
+        if device.type == "cuda":
+            torch.cuda.set_device(index)  # the current device is per thread
+            side = torch.cuda.Stream(index, priority=SIDE_STREAM_PRIORITY)
+        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+            while (item := take()) is not None:
+                number, batch = item
+                try:
                     moved = move(batch, device)
-                    done = None
+                    event = None
                     if side is not None:
-                        done = torch.cuda.Event()
-                        done.record(side)
-                    if not put((moved, done)):
-                        return
-            put(_DONE)
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-            put(_Failed(e))
+                        event = torch.cuda.Event()
+                        event.record(side)
+                    result = (moved, event)
+                except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+                    result = _Failed(e)
+                with changed:
+                    done[number] = result
+                    changed.notify_all()
+                if isinstance(result, _Failed):
+                    return
 
-    thread = threading.Thread(target=produce, name="prefetch_to_device", daemon=True)
-    thread.start()
+    workers = [threading.Thread(target=produce, name=f"prefetch_to_device_{i}", daemon=True) for i in range(threads)]
+    for worker in workers:
+        worker.start()
     try:
-        while True:
-            item = ready.get()
-            if item is _DONE:
-                return
-            if isinstance(item, _Failed):
-                raise item.error
-            batch, done = item
-            if done is not None:
+        for number in itertools.count():
+            with changed:
+                while number not in done and state["end"] != number:
+                    if not any(worker.is_alive() for worker in workers) and number not in done:
+                        raise RuntimeError("prefetch_to_device: every thread ended before batch "
+                                           f"{number}")  # not expected: a failure is handed over first
+                    changed.wait(0.1)
+                if number not in done:
+                    return  # the end
+                result = done.pop(number)
+                state["handed"] += 1
+                changed.notify_all()
+            if isinstance(result, _Failed):
+                raise result.error
+            batch, event = result
+            if event is not None:
                 compute_stream = torch.cuda.current_stream(device)
-                compute_stream.wait_event(done)
-                _record_stream(batch, compute_stream)  # its memory was allocated on the side stream
+                compute_stream.wait_event(event)
+                _record_stream(batch, compute_stream)  # its memory was allocated on a side stream
             yield batch
     finally:
-        stop.set()
-        thread.join(timeout=60)
+        with changed:
+            state["stop"] = True
+            changed.notify_all()
+        for worker in workers:
+            worker.join(timeout=60)
 
 
 def _record_stream(batch, stream) -> None:

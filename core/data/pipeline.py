@@ -14,7 +14,7 @@ from typing import Iterator
 from omegaconf import DictConfig
 
 from core.data.datasets import MultiEpochDatasetResampler
-from core.data.loading import make_loader, prefetch_to_device
+from core.data.loading import PREFETCH_DEPTH, make_loader, prefetch_to_device
 from core.data.sampling import EvalBatchSampler, GlobalBatchSampler, PaddedEval
 from core.distributed.env import DistEnv
 from core.training.length import run_length
@@ -41,7 +41,7 @@ class TrainingData:
 
     def micro_batches(self, consumed_samples: int, count: int) -> Iterator[dict]:
         """This rank's next `count` micro-batches from stream position `consumed_samples`, on the device; the
-        next one's host-to-device copy overlaps the current step (core/data/loading.py)."""
+        next ones' host-to-device copies (or decoding) overlap the current step (core/data/loading.py)."""
         env = self.env
         sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size, env.dp_rank,
                                      consumed_samples)
@@ -52,4 +52,7 @@ class TrainingData:
         stream = MultiEpochDatasetResampler(self.train, num_samples=end, seed=self.seed)
         loader = make_loader(stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
                              self.recipe.collate_fn(), self.ignore_signals)
-        return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device)
+        # A step takes all its micro-batches before it starts (their loss counts scale the loss): the threads
+        # prepare the next step's while this one trains.
+        return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device,
+                                  threads=self.recipe.prefetch_threads(), depth=max(PREFETCH_DEPTH, self.accumulation))

@@ -107,6 +107,9 @@ class ViTRecipe(Recipe):
         # data.decode_on=device: decode and augment here (the crops were drawn by the loader workers).
         return decode_batch(batch, self._device_transform, device, self.cfg.data.device_decoder)
 
+    def prefetch_threads(self) -> int:
+        return self.cfg.data.decode_threads if self.cfg.data.decode_on == "device" else 1
+
     @functools.cached_property
     def _device_transform(self) -> Transform:
         return Transform(self.cfg.data, self.cfg.model.img_size, train=True)  # the crops say train or val
