@@ -6,6 +6,7 @@ checked in tests/test_gpu_jpeg.py)."""
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 
@@ -132,3 +133,35 @@ def test_training_with_device_decoding_runs_end_to_end(tmp_path):
     rows = read_records(tmp_path / "run")
     assert [r["step"] for r in rows if "split" not in r] == [1, 2, 3]
     assert any(r.get("split") == "val" and r["top1"] >= 0 for r in rows)
+
+
+KERNEL_CHECK = """
+import sys
+import torch
+from recipes.vit.config import ImageDataConfig
+from recipes.vit.data import Transform
+from recipes.vit.crop_resize import crop_resize_normalize
+g = torch.Generator().manual_seed(0)
+sizes = [(40, 56), (64, 48), (33, 33), (120, 80), (200, 90), (31, 100), (24, 24)]
+images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
+for train in (True, False):
+    transform = Transform(ImageDataConfig(), 24, train=train)
+    crops = [transform.draw(h, w, torch.Generator().manual_seed(i)) for i, (h, w) in enumerate(sizes)]
+    reference = crop_resize_normalize(images, crops, transform, use_kernel=False)
+    levels = (crop_resize_normalize(images, crops, transform, use_kernel=True) - reference).abs() * 255 * 0.225
+    print(train, levels.max().item(), (levels > 1e-3).float().mean().item())
+"""
+
+
+def test_the_gpu_crop_kernel_gives_the_torch_paths_pixels():
+    """The Triton kernel that crops, resizes (antialiased), flips and normalizes a GPU batch, run by Triton's
+    interpreter on the CPU against torch's image-by-image path: the same pixels but for a rare level of 255
+    where the two sum the filter's taps in another order and round to the other side."""
+    pytest.importorskip("triton", reason="Triton comes with CUDA builds of torch only")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
+    proc = subprocess.run([sys.executable, "-c", KERNEL_CHECK], capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split() for line in proc.stdout.splitlines()]
+    assert [row[0] for row in rows] == ["True", "False"]
+    for _, max_levels, share in rows:
+        assert float(max_levels) <= 1.01 and float(share) < 0.01, rows

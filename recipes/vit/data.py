@@ -213,8 +213,10 @@ HOST_ONLY = ("jpeg", "jpeg_sizes", "crop", "size", "path")
 
 def decode_batch(batch: dict, transform: Transform, device: torch.device, backend: str = "auto") -> dict:
     """Decode a collate_encoded batch on `device` (recipes/vit/jpeg.py: the GPU's JPEG engines where it has
-    them), then crop, resize, flip and normalize there with the crops the workers drew: float images equal to
-    ImageSamples' up to the JPEG decoders' rounding. On CUDA, queued on the current stream."""
+    them), then crop, resize, flip and normalize there with the crops the workers drew (recipes/vit/
+    crop_resize.py): float images equal to ImageSamples' up to the decoders' and resizers' rounding. On CUDA,
+    queued on the current stream."""
+    from recipes.vit.crop_resize import crop_resize_normalize
     from recipes.vit.jpeg import decoder_for
 
     ends = batch["jpeg_sizes"].cumsum(0).tolist()  # host tensors: no device sync
@@ -226,13 +228,7 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
         if list(image.shape[1:]) != size:  # the crop was drawn for the size in the header
             raise ValueError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, the "
                              f"decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
-    # Resized in float, then rounded as the uint8 resize of the CPU path rounds.
-    pixels = torch.stack([transform.geometry(image.float(), crop) for image, crop in zip(images, crops)])
-    pixels = pixels.round_().clamp_(0, 255)
-    flips = [i for i, crop in enumerate(crops) if crop[4]]
-    if flips:  # one flip and one normalization for the whole batch
-        pixels[flips] = pixels[flips].flip(-1)
-    pixels = transform.normalize(pixels.div_(255))
+    pixels = crop_resize_normalize(images, crops, transform)  # one kernel for the batch on a GPU
     rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in HOST_ONLY}
     return {"image": pixels, **rest}
 
