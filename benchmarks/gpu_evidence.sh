@@ -155,7 +155,7 @@ if [[ $what == jpeg ]]; then
   python3 scripts/shard_images.py --root /tmp/jpegs --out /tmp/jpeg_shards 2>&1 | tail -2
   folder="data=imagefolder data.root=/tmp/jpegs"
   shards="data=shards data.root=/tmp/jpeg_shards"
-  python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps 10 --micro-batch 256 \
+  python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps ${JPEG_STEPS:-10} --micro-batch 256 \
     --global-batch 2048 --data "" --extra "data.num_classes=10" --out "$OUT" --timeout 300 \
     --variant "synthetic=data=synthetic" \
     --variant "folder_gpu=$folder data.decode_on=device" \

@@ -29,11 +29,12 @@ def triangle(x, centre, inverse):
 
 
 @triton.jit
-def crop_resize_normalize(pixels, params, mean, std, out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
-    # params per image (int64): start in `pixels`, height, width, source window (top, left, height, width),
-    # resized size (height, width), offset of the output in the resized image (top, left), flip.
+def crop_resize_normalize(pixels, windows, mean, std, out, SIZE: tl.constexpr, BLOCK: tl.constexpr):
+    # windows, per image (int64): start in `pixels`, height, width, source window (top, left, height, width),
+    # resized size (height, width), offset of the output in the resized image (top, left), flip. (Not named
+    # `params`: Triton's launcher binds the arguments in a function with a local of that name.)
     image, channel, block = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    p = params + image * 12
+    p = windows + image * 12
     start, height, width = tl.load(p), tl.load(p + 1), tl.load(p + 2)
     top, left, in_h, in_w = tl.load(p + 3), tl.load(p + 4), tl.load(p + 5).to(tl.int32), tl.load(p + 6).to(tl.int32)
     out_h, out_w = tl.load(p + 7).to(tl.int32), tl.load(p + 8).to(tl.int32)
