@@ -265,3 +265,36 @@ INDEX_ONLY = {
 def test_an_index_names_only_the_globals_an_index_holds(step_dir, tmp_path, name):
     with pytest.raises(CheckpointError, match="is not one a DCP index holds"):
         _load_metadata_of_complete_folder(step_dir, INDEX_ONLY[name], tmp_path)
+
+
+# The same globals in a value of a .distcp shard (PyTorch's weights_only defaults allow them): refused before
+# the unpickler builds them, so a ~1 KB value cannot make the process allocate 4 GiB.
+VALUE_ALLOCATING = {
+    "bytearray": _global("builtins", "bytearray") + b"\x8a\x05\x00\x00\x00\x00\x01\x85R",  # bytearray(2**32)
+    "torch.Tensor": _global("torch", "Tensor") + b"\x8a\x05\x00\x00\x00\x00\x01\x85R",
+    "STACK_GLOBAL bytearray": _text("builtins") + _text("bytearray") + b"\x93\x8a\x05\x00\x00\x00\x00\x01\x85R",
+    "Counter": _global("collections", "Counter") + b")R",
+}
+
+_PEAK_RSS = """
+import resource, sys
+sys.path.insert(0, sys.argv[1])
+from tests.test_pickle_tricks import VALUE_ALLOCATING, _load_a_value_from_a_shard
+from pathlib import Path
+try:
+    _load_a_value_from_a_shard(None, VALUE_ALLOCATING[sys.argv[3]], Path(sys.argv[2]))
+except BaseException as e:  # DCP's CheckpointException is a BaseException
+    print("refused:", " ".join(str(e).split()))
+print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+@pytest.mark.parametrize("name", list(VALUE_ALLOCATING))
+def test_a_value_names_only_the_globals_plain_data_is_saved_with(tmp_path, name):
+    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(pathlib.Path(__file__).parents[1]), str(tmp_path),
+                           name], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.strip().splitlines()
+    assert lines[0].startswith("refused:") and "is not one plain data is saved with" in lines[0], lines
+    assert "refusing to load the value 'train_state.step'" in lines[0], lines
+    assert int(lines[-1].split()[1]) < 2 * 1024 * 1024, lines  # KiB: nothing near the 4 GiB asked for

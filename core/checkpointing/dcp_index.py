@@ -78,9 +78,11 @@ _PUTS = {"MEMOIZE", "BINPUT", "LONG_BINPUT"}
 _GETS = {"BINGET", "LONG_BINGET"}
 
 
-def to_protocol_2(data: bytes) -> bytes:
+def to_protocol_2(data: bytes, allowed_globals: frozenset[str] | set[str] = _INDEX_GLOBALS,
+                  also_copied: frozenset[str] = frozenset()) -> bytes:
     """The same pickle in the opcodes of protocol 2 (see the module docstring); UnsafeCheckpoint for an opcode
-    that has no protocol-2 form or a stream that does not parse.
+    that has no protocol-2 form (or is not in `also_copied`), a global not in `allowed_globals` (default: those
+    a DCP index names) or a stream that does not parse.
 
     Strings are held back until an opcode uses them, because STACK_GLOBAL takes its module and name from the
     stack, where protocol 2 has no way to remove them: a string that STACK_GLOBAL consumes is never written,
@@ -134,15 +136,15 @@ def to_protocol_2(data: bytes) -> bytes:
             if len(pending) < 2:
                 raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names a global by computed values")
             global_name, module = pending.pop(), pending.pop()
-            _check_global(module, global_name, position)
+            _check_global(module, global_name, position, allowed_globals)
             flush()
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
         elif name == "GLOBAL":
             module, _, global_name = arg.partition(" ")
-            _check_global(module, global_name, position)
+            _check_global(module, global_name, position, allowed_globals)
             flush()
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
-        elif name in _COPIED:
+        elif name in _COPIED or name in also_copied:
             flush()
             copy_from = position
         elif name == "STOP":
@@ -153,9 +155,10 @@ def to_protocol_2(data: bytes) -> bytes:
     return bytes(out)
 
 
-def _check_global(module: str, name: str, position: int) -> None:
-    if f"{module}.{name}" not in _INDEX_GLOBALS:
-        raise UnsafeCheckpoint(f"global {module}.{name} at byte {position} is not one a DCP index holds")
+def _check_global(module: str, name: str, position: int, allowed: frozenset[str] | set[str]) -> None:
+    if f"{module}.{name}" not in allowed:
+        what = "a DCP index holds" if allowed is _INDEX_GLOBALS else "plain data is saved with"
+        raise UnsafeCheckpoint(f"global {module}.{name} at byte {position} is not one {what}")
 
 
 def load_index(data: bytes) -> Metadata:

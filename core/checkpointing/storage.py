@@ -30,7 +30,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, F
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
-from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index
+from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index, to_protocol_2
 
 CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
 
@@ -71,6 +71,7 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         try:
+            check_value_pickle(value.getvalue())
             loaded = torch.load(value, weights_only=True)
         except Exception as e:  # noqa: BLE001  (a refusal is an UnpicklingError; a malformed file anything)
             reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
@@ -90,6 +91,36 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
             torch.memory_format)
+
+# The globals torch.save names for the values plain_copy keeps: tensors (rebuilt from typed storages), sizes,
+# dtypes, devices, layouts, OrderedDict, sets, complex numbers, and bytes (protocol 2 writes them as
+# _codecs.encode of a string). PyTorch's weights_only defaults also allow globals that allocate what the file
+# asks for before anything is checked (builtins.bytearray(2**32), torch.Tensor(2**32)): a value naming one
+# is refused unread.
+_VALUE_GLOBALS = frozenset(
+    {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "collections.OrderedDict",
+     "_codecs.encode", "torch.Size", "torch.device", "torch.serialization._get_layout"}
+    | {f"{module}.{name}" for module in ("builtins", "__builtin__") for name in ("set", "frozenset", "complex")}
+    | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
+    | {f"torch.{name}" for name in dir(torch) if name.endswith("Storage") and isinstance(getattr(torch, name), type)})
+
+
+def check_value_pickle(data: bytes) -> None:
+    """UnsafeCheckpoint unless `data` is a torch.save archive whose pickle names only _VALUE_GLOBALS."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(data)) as archive:
+            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
+            if len(pickles) != 1:
+                raise UnsafeCheckpoint(f"{len(pickles)} pickles in the value's archive, where torch.save writes one")
+            if archive.getinfo(pickles[0]).file_size > MAX_VALUE_PICKLE:
+                raise UnsafeCheckpoint(f"its pickle is {archive.getinfo(pickles[0]).file_size} bytes")
+            pickled = archive.read(pickles[0])
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as e:
+        raise UnsafeCheckpoint(f"not a torch.save archive ({type(e).__name__}: {e})") from None
+    to_protocol_2(pickled, _VALUE_GLOBALS, also_copied=frozenset({"BINPERSID"}))
+
+
+MAX_VALUE_PICKLE = 64 << 20  # a value's pickle (tensor data lives in records beside it)
 
 
 def plain_copy(value: Any) -> Any:
