@@ -119,6 +119,9 @@ class _Recipe:
     def to_device(self, batch: dict, device) -> dict:
         return batch
 
+    def prefetch_threads(self) -> int:
+        return 1
+
 
 def test_the_training_stream_continues_from_any_position():
     """A run resumed with another global batch (checkpoint.allow_config_changes) stands at any count: 72 is no
