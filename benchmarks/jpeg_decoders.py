@@ -8,7 +8,7 @@ Decoders: torchvision's decode_jpeg on CUDA (nvJPEG on the SMs; deprecated since
 nvImageCodec with each backend: hw (the GPU's hardware JPEG engines), gpu (CUDA kernels), hybrid (Huffman
 on CPU threads), several joined by '/' in order of preference. "+roi" decodes only the random-resized-crop
 window the recipe draws; "+reuse" decodes into the buffers of the batch before last (no allocations);
-"+crop" adds the recipe's crop, resize, flip and normalization in PyTorch, one image at a time; "loop" is
+"+crop" adds the recipe's crop, resize, flip and normalization (one Triton kernel); "loop" is
 the training loop's way (a thread decoding ahead: measure_loop).
 Prints a table and writes JSON.
 """
@@ -95,20 +95,13 @@ def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
     return decode
 
 
-def crop_resize(images, boxes, size: int = 224):
-    """The recipe's crop, resize (antialiased bilinear), flip and normalization, one image at a time."""
-    import torch
-    import torch.nn.functional as F
+def crop_resize(images, boxes):
+    """The recipe's crop, resize, flip and normalization of the batch (recipes/vit/crop_resize.py)."""
+    from recipes.vit.config import ImageDataConfig
+    from recipes.vit.crop_resize import crop_resize_normalize
+    from recipes.vit.data import Transform
 
-    out = torch.empty(len(images), 3, size, size, device=images[0].device)
-    for k, (image, (t, l, h, w, _)) in enumerate(zip(images, boxes)):
-        out[k] = F.interpolate(image[None, :, t:t + h, l:l + w].float(), size=(size, size), mode="bilinear",
-                               antialias=True)[0]
-    flips = [k for k, box in enumerate(boxes) if box[4]]
-    out[flips] = out[flips].flip(-1)
-    mean = torch.tensor([0.485, 0.456, 0.406], device=out.device).view(1, 3, 1, 1) * 255
-    std = torch.tensor([0.229, 0.224, 0.225], device=out.device).view(1, 3, 1, 1) * 255
-    return (out - mean) / std
+    return crop_resize_normalize(images, boxes, Transform(ImageDataConfig(), 224, train=True))
 
 
 def pil_pixels(raw: bytes):
@@ -154,7 +147,6 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
     from recipes.vit.config import ImageDataConfig
     from recipes.vit.data import Transform, decode_batch
 
-    loading.SIDE_STREAM_PRIORITY = args.priority
     transform = Transform(ImageDataConfig(), 224, train=True)
     host = []
     for i in range(0, len(files) - batch + 1, batch):
@@ -180,7 +172,7 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
 
     run(True, 4)
     alone, beside = run(False, args.steps), run(True, args.steps)
-    return {"decoder": f"loop-{args.backend}", "step": args.step, "priority": args.priority, "threads": args.threads,
+    return {"decoder": f"loop-{args.backend}", "step": args.step, "threads": args.threads,
             "step_ms_alone": round(1000 * alone, 1), "step_ms_with_decode": round(1000 * beside, 1),
             "step_slowdown": round(beside / alone, 3), "img_per_s_with_decode": round(batch / beside)}
 
@@ -264,7 +256,6 @@ def main() -> None:
     parser.add_argument("--step-stream", choices=["default", "side"], default="default",
                         help="the stand-in step on PyTorch's default stream (as the training loop) or on another")
     parser.add_argument("--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)")
-    parser.add_argument("--priority", type=int, default=0, help="loop: the prefetching thread's stream priority")
     parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
     parser.add_argument("--threads", type=int, default=3, help="loop: data.decode_threads")
     parser.add_argument("--decoders", nargs="+",

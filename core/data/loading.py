@@ -47,7 +47,6 @@ def to_device(batch, device: torch.device):
 
 # Batches prepared ahead of the one being handed out, besides the one each thread is working on.
 PREFETCH_DEPTH = 2
-SIDE_STREAM_PRIORITY = 0  # the prefetching threads' CUDA streams (lower: scheduled first)
 
 
 class _Failed:
@@ -94,7 +93,7 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
         side = None
         if device.type == "cuda":
             torch.cuda.set_device(index)  # the current device is per thread
-            side = torch.cuda.Stream(index, priority=SIDE_STREAM_PRIORITY)
+            side = torch.cuda.Stream(index)
         with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
             while (item := take()) is not None:
                 number, batch = item
@@ -120,7 +119,7 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
         for number in itertools.count():
             with changed:
                 while number not in done and state["end"] != number:
-                    if not any(worker.is_alive() for worker in workers) and number not in done:
+                    if not any(worker.is_alive() for worker in workers):
                         raise RuntimeError("prefetch_to_device: every thread ended before batch "
                                            f"{number}")  # not expected: a failure is handed over first
                     changed.wait(0.1)

@@ -8,6 +8,7 @@ with the Transform the loader workers use."""
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import Sequence
 
 import torch
@@ -61,14 +62,12 @@ def crop_resize_normalize(images: Sequence[torch.Tensor], crops: Sequence[Sequen
     if any(image.shape[0] != 3 for image in images):
         raise ValueError("crop_resize_normalize: expected 3-channel images")
     flat = torch.cat([image.reshape(-1) for image in images])
-    starts, rows, offset = [], window_params(crops, [image.shape[1:] for image in images], size, transform.resize), 0
-    for image in images:
-        starts.append(offset)
-        offset += image.numel()
-    params = torch.tensor([[start, image.shape[1], image.shape[2], *row] for start, image, row in
-                           zip(starts, images, rows)], dtype=torch.int64)
-    params = params.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else params
+    starts = itertools.accumulate((image.numel() for image in images[:-1]), initial=0)
+    rows = window_params(crops, [image.shape[1:] for image in images], size, transform.resize)
+    windows = torch.tensor([[start, image.shape[1], image.shape[2], *row] for start, image, row in
+                            zip(starts, images, rows)], dtype=torch.int64)
+    windows = windows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else windows
     mean, std = _statistics(device, tuple(transform.mean), tuple(transform.std))
     out = torch.empty(len(images), 3, size, size, dtype=torch.float32, device=device)
-    kernel[(len(images), 3, -(-size * size // BLOCK))](flat, params, mean, std, out, SIZE=size, BLOCK=BLOCK)
+    kernel[(len(images), 3, -(-size * size // BLOCK))](flat, windows, mean, std, out, SIZE=size, BLOCK=BLOCK)
     return out

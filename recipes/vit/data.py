@@ -224,10 +224,6 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
     files = [joined[end - size:end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
     crops, sizes = batch["crop"].tolist(), batch["size"].tolist()
     images = decoder_for(device, backend).decode(files, batch["path"], sizes)
-    for image, size, name in zip(images, sizes, batch["path"]):
-        if list(image.shape[1:]) != size:  # the crop was drawn for the size in the header
-            raise ValueError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, the "
-                             f"decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
     pixels = crop_resize_normalize(images, crops, transform)  # one kernel for the batch on a GPU
     rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in HOST_ONLY}
     return {"image": pixels, **rest}

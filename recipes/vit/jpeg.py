@@ -105,7 +105,8 @@ class JpegDecoder:
                sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """One uint8 [3, H, W] tensor per file, on the device; on CUDA ordered on the current stream. `sizes`:
         each file's (height, width) as PIL read its header in the loader worker (its decompression-bomb check
-        bounds them); a file whose header reads otherwise here is refused before anything is allocated."""
+        bounds them); a file whose header reads otherwise here is refused before anything is allocated, one
+        decoded to another size after."""
         codec = nvimgcodec()
         streams = []
         for data, name, size in zip(files, names, sizes):
@@ -129,6 +130,10 @@ class JpegDecoder:
         out = [None if image is None else torch.from_dlpack(image) for image in images]
         for i in [i for i, tensor in enumerate(out) if tensor is None]:
             out[i] = self._on_cpu(streams[i], names[i])
+        for image, size, name in zip(out, sizes, names):
+            if list(image.shape[1:]) != list(size):  # the crop was drawn for the size in the header
+                raise ValueError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, "
+                                 f"the decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
         return out
 
     def _on_cpu(self, stream, name: str) -> torch.Tensor:
