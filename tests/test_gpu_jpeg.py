@@ -96,4 +96,8 @@ def test_training_decodes_on_the_gpu_beside_graphed_steps(jpegs, tmp_path):
         rows = read_records(tmp_path / decode_on)
         losses[decode_on] = np.array([r["loss"] for r in rows if "split" not in r])
     assert len(losses["device"]) == 4 and np.isfinite(losses["device"]).all()
-    np.testing.assert_allclose(losses["device"], losses["workers"], rtol=2e-2)
+    # The first step's loss is the same weights on the same batch: only the decoders' rounding differs. Later
+    # steps drift further (a pixel's rounding changes the update, and the next loss), but a batch out of order
+    # or mislabeled would be a different loss altogether.
+    np.testing.assert_allclose(losses["device"][0], losses["workers"][0], rtol=3e-3)
+    np.testing.assert_allclose(losses["device"], losses["workers"], rtol=6e-2)
