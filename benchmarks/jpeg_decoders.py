@@ -257,7 +257,7 @@ def main() -> None:
                         help="the stand-in step on PyTorch's default stream (as the training loop) or on another")
     parser.add_argument("--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)")
     parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
-    parser.add_argument("--threads", type=int, default=3, help="loop: data.decode_threads")
+    parser.add_argument("--threads", type=int, default=1, help="loop: data.decode_threads")
     parser.add_argument("--decoders", nargs="+",
                         default=["torchvision", "nvimgcodec-hw",
                                  "nvimgcodec-hw+reuse", "nvimgcodec-hw+reuse+crop", "nvimgcodec-hw/hybrid",

@@ -135,10 +135,35 @@ def test_shipped_digits_load_as_dict_samples():
     train, val = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=10), seed=0)
     assert (len(train), len(val)) == (1438, 359)
     sample = val[0]
-    assert sample["image"].shape == (3, 28, 28) and sample["image"].dtype == torch.float32
+    assert sample["image"].shape == (3, 28, 28) and sample["image"].dtype == torch.uint8  # normalized on the device
     assert isinstance(sample["label"], int)
     labels = {val[i]["label"] for i in range(0, len(val), 7)}
     assert labels == set(range(10))
+
+
+def test_worker_images_are_normalized_where_the_batch_trains():
+    """Loader workers hand over uint8 pixels; the recipe's to_device makes (x / 255 - mean) / std of them, and
+    leaves floats (synthetic images) as they are. Mixup/CutMix mixes floats: all its samples are normalized."""
+    from torch.utils.data import default_collate
+
+    from recipes.vit.recipe import ViTRecipe
+    from tests.helpers import validated_config
+
+    digits = ["data=imagefolder", f"data.root={REPO / 'data' / 'digits'}", "data.num_classes=10", "data.num_workers=0"]
+    recipe = ViTRecipe(validated_config("vit_sanity", digits + ["checkpoint.path=unused"]))
+    samples = [recipe.build_datasets().val[i] for i in range(4)]
+    batch = recipe.to_device(default_collate(samples), torch.device("cpu"))
+    mean, std = (torch.tensor(v).view(3, 1, 1) for v in (recipe.cfg.data.mean, recipe.cfg.data.std))
+    expected = torch.stack([(s["image"].float() / 255 - mean) / std for s in samples])
+    assert batch["image"].dtype == torch.float32 and torch.allclose(batch["image"], expected, atol=1e-6)
+    synthetic = SyntheticImages(4, 8, 3, 10, seed=0)
+    floats = default_collate([synthetic[i] for i in range(4)])
+    assert torch.equal(recipe.to_device(dict(floats), torch.device("cpu"))["image"], floats["image"])
+
+    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10, mixup_alpha=0.8,
+                           mix_prob=0.5, num_workers=0)
+    mixed = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=10), seed=0)[0]
+    assert {mixed[i]["image"].dtype for i in range(8)} == {torch.float32}  # mixed and unmixed alike
 
 
 def test_class_count_mismatch_is_an_error():

@@ -54,7 +54,7 @@ def test_device_decoding_gives_the_workers_images(tmp_path):
         plain, encoded = datasets(root, "workers")[split], datasets(root, "device")[split]
         keys = [EpochIndex(e, i) for e in (0, 1) for i in range(len(plain))]
         batch = decode_batch(collate_encoded([encoded[k] for k in keys]), encoded.transform, torch.device("cpu"))
-        expected = torch.stack([plain[k]["image"] for k in keys])
+        expected = plain.transform.normalize(torch.stack([plain[k]["image"] for k in keys]))
         assert batch["image"].shape == expected.shape == (len(keys), 3, 32, 32)
         assert torch.equal(batch["label"], torch.tensor([plain[k]["label"] for k in keys]))
         assert sorted(batch) == ["idx", "image", "label"]

@@ -46,6 +46,8 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
 
 def reference_run(device: torch.device = torch.device("cpu"), layers: str = "torch") -> dict:
     """Plain PyTorch: no process group, no wrapper, one forward per optimizer step."""
+    from torch.utils.data import default_collate
+
     from core.data.datasets import MultiEpochDatasetResampler
     from core.data.sampling import GlobalBatchSampler
     from core.layers.namespace import get_layers
@@ -66,8 +68,8 @@ def reference_run(device: torch.device = torch.device("cpu"), layers: str = "tor
     losses = []
     for _ in range(STEPS):
         samples = [train_set[i] for i in next(batches)]
-        images = torch.stack([s["image"] for s in samples]).to(device)
-        labels = torch.tensor([s["label"] for s in samples], device=device)
+        batch = recipe.to_device(default_collate(samples), device)  # as the loop moves a batch
+        images, labels = batch["image"], batch["label"]
         loss = F.cross_entropy(model(images), labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)

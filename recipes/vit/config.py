@@ -122,9 +122,9 @@ class ImageDataConfig(DataConfig):
     verify_images: bool = True
     decode_on: DecodeOn = DecodeOn.workers
     device_decoder: DeviceDecoder = DeviceDecoder.auto
-    # decode_on=device: micro-batches decoded at once, each on its own thread and CUDA stream. A GPU decode
-    # waits for the SMs the training step holds, so it takes about a step; several keep up with the step.
-    decode_threads: int = 3
+    # decode_on=device: micro-batches decoded at once, each on its own thread and CUDA stream. More than one
+    # has not been faster: nvImageCodec decoders in several threads slow each other (docs/performance.md).
+    decode_threads: int = 1
     # synthetic format only: number of samples per split
     synthetic_train_size: int = 100_000
     synthetic_val_size: int = 1_000

@@ -66,8 +66,9 @@ def ensure_extracted(root: str) -> Path:
 
 
 class ImageSamples(Dataset):
-    """{"image", "label", "idx"} samples from (file, label) pairs, the files' bytes read by `reader` (by
-    position) when given (tar shards: recipes/vit/shards.py), else from the files.
+    """{"image" (uint8, cropped and flipped: Transform), "label", "idx"} samples from (file, label) pairs, the
+    files' bytes read by `reader` (by position) when given (tar shards: recipes/vit/shards.py), else from the
+    files.
 
     Takes an int or an EpochIndex: the training augmentation draws from sample_generator(seed, epoch,
     idx), so a sample is the same on every call, rank and loader worker, and differs between epochs.
@@ -95,7 +96,8 @@ class ImageSamples(Dataset):
 
 
 class SyntheticImages(Dataset):
-    """Random normal images and uniform labels, the same for a given index on every call and rank."""
+    """Random normal images (floats: to_device leaves them as they are) and uniform labels, the same for a given
+    index on every call and rank."""
 
     def __init__(self, size: int, image_size: int, channels: int, num_classes: int, seed: int):
         self.size, self.shape, self.num_classes, self.seed = size, (channels, image_size, image_size), num_classes, seed
@@ -136,7 +138,9 @@ def random_resized_crop_box(height: int, width: int, scale: tuple[float, float],
 
 
 class Transform:
-    """uint8 [C, H, W] image + the sample's generator -> normalized float image of img_size.
+    """uint8 [C, H, W] image + the sample's generator -> uint8 image of img_size, cropped and flipped; `normalize`
+    makes floats of it where the batch trains (the ViT recipe's to_device), so loader workers hand over a
+    quarter of the bytes.
 
     In two halves, so the random draws can happen where the file is read and the pixel work where the
     image is decoded (data.decode_on=device): `draw` picks the crop and flip from the image size alone,
@@ -161,7 +165,7 @@ class Transform:
 
     def apply(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
         image = self.geometry(image, crop)
-        return self.normalize(image.flip(-1) if crop[4] else image)
+        return image.flip(-1) if crop[4] else image
 
     def geometry(self, image: torch.Tensor, crop: list[int]) -> torch.Tensor:
         """The crop (training: random resized crop; validation: resize + centre crop) -> uint8 [C, S, S]."""
@@ -235,8 +239,9 @@ def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int
     ImageDataConfig.check(data, "data")  # also for configs that did not come through validation
     train, val = _image_datasets(data, model, seed, classes)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
+        normalize = Transform(data, model.img_size, train=True).normalize
         train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
-                            data.mix_switch_prob, seed)
+                            data.mix_switch_prob, seed, normalize)
     return train, val
 
 
@@ -353,15 +358,23 @@ class MixupCutmix(Dataset):
     the dataset, augmented as that index is in this epoch), the method and the weight lam ~ Beta(alpha,
     alpha); so it is the same on every call, rank and loader worker, whatever the batch it lands in.
     Adds "target": the label distribution, lam * one_hot(label) + (1 - lam) * one_hot(partner label)
-    (one_hot(label) for unmixed samples). Costs a second image decode for each mixed sample."""
+    (one_hot(label) for unmixed samples). Costs a second image decode for each mixed sample. Images are mixed
+    as floats: uint8 ones are made so by `normalize` first (every sample, mixed or not: one dtype per batch)."""
 
     def __init__(self, dataset: Dataset, num_classes: int, mixup_alpha: float, cutmix_alpha: float,
-                 prob: float, switch_prob: float, seed: int):
+                 prob: float, switch_prob: float, seed: int, normalize: Optional[Callable] = None):
         if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= prob <= 1 or not 0 <= switch_prob <= 1:
             raise ValueError(f"mixup_alpha={mixup_alpha}, cutmix_alpha={cutmix_alpha} must be >= 0 and "
                              f"mix_prob={prob}, mix_switch_prob={switch_prob} in [0, 1]")
         self.dataset, self.num_classes, self.seed = dataset, num_classes, seed
         self.mixup_alpha, self.cutmix_alpha, self.prob, self.switch_prob = mixup_alpha, cutmix_alpha, prob, switch_prob
+        self.normalize = normalize
+
+    def _sample(self, epoch: int, idx: int) -> dict:
+        sample = dict(self.dataset[EpochIndex(epoch, idx)])
+        if self.normalize is not None and sample["image"].dtype == torch.uint8:
+            sample["image"] = self.normalize(sample["image"])
+        return sample
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -371,12 +384,12 @@ class MixupCutmix(Dataset):
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
-        sample = dict(self.dataset[EpochIndex(epoch, idx)])
+        sample = self._sample(epoch, idx)
         sample["target"] = self._one_hot(sample["label"])
         rng = np.random.default_rng(mix_seed(self.seed, epoch, idx, MIX_STREAM))  # a private generator
         if self.mixup_alpha + self.cutmix_alpha == 0 or rng.random() >= self.prob:
             return sample
-        partner = self.dataset[EpochIndex(epoch, int(rng.integers(len(self.dataset))))]
+        partner = self._sample(epoch, int(rng.integers(len(self.dataset))))
         image, other = sample["image"], partner["image"]
         if self.cutmix_alpha > 0 and (self.mixup_alpha == 0 or rng.random() < self.switch_prob):
             # A box of area (1 - lam) of the image, centred at random and clipped at the borders.

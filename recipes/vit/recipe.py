@@ -102,10 +102,12 @@ class ViTRecipe(Recipe):
         return collate_encoded if self.cfg.data.decode_on == "device" else None
 
     def to_device(self, batch: dict, device: torch.device) -> dict:
-        if "jpeg" not in batch:
-            return super().to_device(batch, device)
-        # data.decode_on=device: decode and augment here (the crops were drawn by the loader workers).
-        return decode_batch(batch, self._device_transform, device, self.cfg.data.device_decoder)
+        if "jpeg" in batch:  # data.decode_on=device: decode and augment here (the workers drew the crops)
+            return decode_batch(batch, self._device_transform, device, self.cfg.data.device_decoder)
+        batch = super().to_device(batch, device)
+        if batch["image"].dtype == torch.uint8:  # the workers' augmented pixels: floats made here, a quarter the bytes
+            batch["image"] = self._device_transform.normalize(batch["image"])
+        return batch
 
     def prefetch_threads(self) -> int:
         return self.cfg.data.decode_threads if self.cfg.data.decode_on == "device" else 1
