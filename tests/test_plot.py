@@ -112,3 +112,33 @@ def test_errors_exit_2_with_a_message(tmp_path, case, message):
                           text=True, timeout=120)
     assert proc.returncode == 2 and message in proc.stderr, (proc.returncode, proc.stderr)
     assert not (run_dir / "plots").exists()
+
+
+def test_throughput_bars_give_each_row_its_baselines_ratio(tmp_path):
+    """benchmarks/plot_throughput.py --bars: a bar per row, FP8 rows against the FP8 baseline of their own
+    file; a file without the baseline row is an error naming it."""
+    def run_file(name, rates, date):
+        rows = [{"variant": v, "micro_batch": 256, "samples_per_sec_per_gpu": r, "tokens_per_sec_per_gpu": 197 * r}
+                for v, r in rates.items()]
+        path = tmp_path / name
+        path.write_text(json.dumps({"config": "vit", "device": "GPU", "nproc": 1, "date": date, "results": rows}))
+        return path
+
+    a = run_file("a.json", {"synthetic": 4000.0, "folder": 3000.0, "fp8_synthetic": 5000.0, "fp8_folder": 4000.0},
+                 "2026-11-26_12-51-51")
+    b = run_file("b.json", {"fp8_synthetic": 4000.0, "fp8_folder": 4000.0}, "2026-11-26_12-56-44")
+    script = [sys.executable, str(REPO / "benchmarks" / "plot_throughput.py")]
+    bars = ["--bars", "synthetic", "--bars", "fp8_synthetic=fp8_"]
+    out = tmp_path / "bars.png"
+    proc = subprocess.run(script + [str(a), str(b), "--out", str(out)] + bars, capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert out.read_bytes().startswith(PNG_MAGIC)
+    from benchmarks.plot_throughput import bar_rows
+
+    runs = {str(p): json.loads(p.read_text()) for p in (a, b)}
+    rows = bar_rows(runs, ["synthetic", "fp8_synthetic=fp8_"], "samples_per_sec_per_gpu", {"folder": "JPEGs"})
+    assert [(label, ratio) for label, _, ratio in rows] == [
+        ("synthetic (12:51)", 1.0), ("JPEGs (12:51)", 0.75), ("fp8_synthetic (12:51)", 1.0),
+        ("fp8_folder (12:51)", 0.8), ("fp8_synthetic (12:56)", 1.0), ("fp8_folder (12:56)", 1.0)]
+    proc = subprocess.run(script + [str(b), "--out", str(out), "--bars", "synthetic"], capture_output=True, text=True)
+    assert proc.returncode != 0 and "b.json: no successful row of the baseline variant 'synthetic'" in proc.stderr

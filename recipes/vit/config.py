@@ -24,10 +24,13 @@ class ImageFormat(StrEnum):
 
 
 class DecodeOn(StrEnum):
-    workers = "workers"  # PIL in the loader workers, then the augmentation there
+    # PIL in the loader workers, then the crop and flip there; uint8 images normalized on the device. The
+    # default: with 14 workers it fed the shipped ViT-B as fast as synthetic images on a 16-core H100
+    # machine, where decoding on the GPU did not (docs/performance.md, "Real JPEGs while training").
+    workers = "workers"
     # The workers only read the bytes and draw the crop/flip; the training device decodes (nvImageCodec:
-    # recipes/vit/jpeg.py) and crops, resizes and normalizes, on a thread one or two micro-batches ahead of
-    # the step (core/data/loading.py). JPEG only, no mixup/cutmix.
+    # recipes/vit/jpeg.py) and crops, resizes and normalizes, on a thread a step ahead (core/data/loading.py):
+    # leaves the CPU cores free where a GPU has few. JPEG only, no mixup/cutmix.
     device = "device"
 
 
