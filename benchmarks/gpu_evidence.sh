@@ -2,7 +2,7 @@
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
-#                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|
+#                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_decoders|
 #                                       revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -146,25 +146,30 @@ if [[ $what == graphs_losses ]]; then
     --variant "eager=training.cuda_graphs=none" --variant "graphed=training.cuda_graphs=forward_backward" \
     --variant "eager_seed1235=training.cuda_graphs=none seed=1235" 2>&1 | tee "$OUT/graphs_losses.log" | tail -6
 fi
-# jpeg (1 GPU, ~8 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
+# jpeg (1 GPU, ~9 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
 # images and on 20,000 generated ImageNet-sized JPEGs, from the folder and from tar shards (the files as they
-# are), decoded on the GPU (nvImageCodec) or by PIL in 14 workers; bf16 and FP8; all in one run. Then the
-# decoders alone (benchmarks/jpeg_decoders.py).
+# are), decoded by PIL in 14 loader workers (the default way) or on the GPU (nvImageCodec); bf16 and FP8; all in
+# one run. jpeg_decoders (~2 min): the decoders alone and beside a stand-in step (benchmarks/jpeg_decoders.py).
 if [[ $what == jpeg ]]; then
   python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
   python3 scripts/shard_images.py --root /tmp/jpegs --out /tmp/jpeg_shards 2>&1 | tail -2
   folder="data=imagefolder data.root=/tmp/jpegs"
   shards="data=shards data.root=/tmp/jpeg_shards"
+  pil="data.decode_on=workers data.num_workers=14"
   python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps ${JPEG_STEPS:-10} --micro-batch 256 \
     --global-batch 2048 --data "" --extra "data.num_classes=10" --out "$OUT" --timeout 300 \
     --variant "synthetic=data=synthetic" \
+    --variant "folder_pil14=$folder $pil" \
+    --variant "shards_pil14=$shards $pil" \
     --variant "folder_gpu=$folder data.decode_on=device" \
     --variant "shards_gpu=$shards data.decode_on=device" \
-    --variant "folder_pil14=$folder data.decode_on=workers data.num_workers=14" \
     --variant "fp8_synthetic=data=synthetic $fp8" \
+    --variant "fp8_folder_pil14=$folder $pil $fp8" \
+    --variant "fp8_shards_pil14=$shards $pil $fp8" \
     --variant "fp8_folder_gpu=$folder data.decode_on=device $fp8" \
-    --variant "fp8_shards_gpu=$shards data.decode_on=device $fp8" \
-    2>&1 | tee "$OUT/jpeg_training.log" | tail -12
+    2>&1 | tee "$OUT/jpeg_training.log" | tail -14
+fi
+if [[ $what == jpeg_decoders ]]; then
   python3 benchmarks/jpeg_decoders.py --out "$OUT" 2>&1 | tee "$OUT/jpeg_decoders.log" | tail -8
 fi
 if [[ $what == revisions ]]; then
