@@ -83,7 +83,7 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
         # 3. Predict, gather on rank 0, write.
         local = predict_rows(sess, parallel.wrapped, loader)
         output = Path(sess.cfg.predict.output) if sess.cfg.predict.output else run_dir / "predictions.csv"
-        return write_predictions(sess, local, output, len(dataset))
+        return write_predictions(sess, local, output, dataset)
 
 
 def predict_rows(sess: session.Session, model: torch.nn.Module, loader) -> dict[str, torch.Tensor]:
@@ -102,7 +102,7 @@ def predict_rows(sess: session.Session, model: torch.nn.Module, loader) -> dict[
 
 
 def write_predictions(sess: session.Session, local: dict[str, torch.Tensor], output: Path,
-                      expected_rows: int) -> PredictResult:
+                      dataset) -> PredictResult:
     """Gather every rank's rows on rank 0, order them by "idx", write the CSV and the split's metrics."""
     gathered = [None] * sess.env.world_size if sess.is_main else None
     dist.gather_object(local, gathered, dst=0)
@@ -114,9 +114,9 @@ def write_predictions(sess: session.Session, local: dict[str, torch.Tensor], out
         order = torch.argsort(columns["idx"], stable=True)
         columns = {k: v[order] for k, v in columns.items()}
     gathered_rows = len(next(iter(columns.values())))
-    if gathered_rows != expected_rows:
-        raise RuntimeError(f"gathered {gathered_rows} rows for {expected_rows} samples")
-    columns = sess.recipe.finish_predictions(columns)
+    if gathered_rows != len(dataset):
+        raise RuntimeError(f"gathered {gathered_rows} rows for {len(dataset)} samples")
+    columns = sess.recipe.finish_predictions(dataset, columns)
     rows = write_csv(output, columns)
     metrics = sess.recipe.summarize_predictions(columns)
     (output.parent / "prediction_metrics.json").write_text(json.dumps({"rows": rows, **metrics}, indent=1))

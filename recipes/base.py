@@ -69,7 +69,8 @@ class Recipe:
         raise NotImplementedError
 
     def split(self, name: str) -> Dataset:
-        """One named split (e.g. "test") for predict.py, indexed with ints."""
+        """One named split (e.g. "test") for predict.py, indexed with ints; it carries what finish_predictions
+        needs to name its rows (the recipe keeps nothing between the calls)."""
         raise ConfigError(f"the {self.name} recipe has no split {name!r} for prediction")
 
     def unlabeled(self, folder: str) -> Dataset:
@@ -116,9 +117,11 @@ class Recipe:
         an "idx" column, when given, orders the output file."""
         raise NotImplementedError(f"the {self.name} recipe does not support predict.py")
 
-    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
-        """All ranks' rows, gathered on rank 0 in sample order -> the columns written: may add text
-        columns (a list per column, e.g. class names) or combine rows (e.g. windows into documents)."""
+    def finish_predictions(self, dataset: Dataset,
+                           columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
+        """All ranks' rows, gathered on rank 0 in sample order, of `dataset` (what split() or unlabeled() gave)
+        -> the columns written: may add text columns (a list per column, e.g. class names, read from the
+        dataset) or combine rows (e.g. windows into documents)."""
         return columns
 
     def summarize_predictions(self, columns: dict[str, torch.Tensor | list]) -> dict[str, float]:

@@ -90,10 +90,8 @@ class GPTRecipe(Recipe):
         """predict.py: the split's documents in windows of seq_length tokens (per-document perplexity)."""
         if name not in ("train", "val", "test"):
             raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
-        data_cfg = self.cfg.data
-        self.documents = document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
-                                          data_cfg.eod_mask_loss)
-        return self.documents
+        return document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
+                                self.cfg.data.eod_mask_loss)
 
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Per window: its document, the summed negative log-likelihood of its predicted tokens, their number."""
@@ -102,18 +100,18 @@ class GPTRecipe(Recipe):
         return {"idx": batch["idx"], "document": batch["document"], "nll": (token_loss.float() * mask).sum(dim=1),
                 "tokens": mask.sum(dim=1)}
 
-    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict:
-        """Windows -> one row per document, in split order: its source and sequence number, tokens, summed
-        NLL, perplexity, and its opening words."""
-        n = len(self.documents.documents)
+    def finish_predictions(self, windows, columns: dict[str, torch.Tensor]) -> dict:
+        """Windows (of `windows`, what split() gave) -> one row per document, in split order: its source and
+        sequence number, tokens, summed NLL, perplexity, and its opening words."""
+        n = len(windows.documents)
         tokens = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["tokens"].double())
         nll = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["nll"].double())
-        parts = self.documents.parts
+        parts = windows.parts
         return {"document": torch.arange(n),
-                "source": [parts[p][0] for p, _ in self.documents.documents],
-                "sequence": torch.tensor([seq for _, seq in self.documents.documents]),
+                "source": [parts[p][0] for p, _ in windows.documents],
+                "sequence": torch.tensor([seq for _, seq in windows.documents]),
                 "tokens": tokens.long(), "nll": nll, "perplexity": (nll / tokens.clamp(min=1)).exp(),
-                "opening": [self.tokenizer.decode(self.documents.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
+                "opening": [self.tokenizer.decode(windows.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
                             for d in range(n)]}
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:

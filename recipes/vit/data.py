@@ -348,6 +348,20 @@ def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, 
     return ImageSamples(files, transform, seed)
 
 
+class ImagesToPredict(Dataset):
+    """predict.py's images (`samples`), with what names its output rows: file names are written relative to
+    `base` (the data root, or the folder predicted on), top classes by `class_names` (None: not known)."""
+
+    def __init__(self, samples: ImageSamples, base: Path, class_names: Optional[list[str]]):
+        self.samples, self.base, self.class_names = samples, base, class_names
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict:
+        return self.samples[index]
+
+
 MIX_STREAM = 0x6D6978  # keeps the mixing draws apart from the sample's augmentation draws
 
 

@@ -19,8 +19,8 @@ from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import (Transform, build_image_datasets, collate_encoded, decode_batch, image_classes,
-                              prediction_samples)
+from recipes.vit.data import (ImagesToPredict, Transform, build_image_datasets, collate_encoded, decode_batch,
+                              image_classes, prediction_samples)
 from recipes.vit.model import VisionTransformer
 
 log = logging.getLogger("train")
@@ -141,14 +141,14 @@ class ViTRecipe(Recipe):
         if self.cfg.data.format == "synthetic":
             raise ConfigError(f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
                               "the data the model was trained on (data=imagefolder data.root=...) or predict.folder")
-        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, self.classes)
-        self._predicted_base = Path(self.cfg.data.root)  # file names in the output are relative to it
-        return self._predicted
+        classes = self.classes if self.classes is not None else image_classes(self.cfg.data)
+        samples = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, classes)
+        return ImagesToPredict(samples, Path(self.cfg.data.root), classes)
 
     def unlabeled(self, folder: str):
-        self._predicted = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, None, folder)
-        self._predicted_base = Path(folder)
-        return self._predicted
+        samples = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, None, folder)
+        names = None if self.cfg.data.format == "synthetic" else self._class_names()
+        return ImagesToPredict(samples, Path(folder), names)
 
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Per image: its label (-1: none), the 5 most likely classes and their probabilities."""
@@ -156,28 +156,30 @@ class ViTRecipe(Recipe):
         top = probs.topk(min(5, probs.shape[-1]), dim=-1)
         return {"idx": batch["idx"], "label": batch["label"], "top": top.indices, "prob": top.values}
 
-    def finish_predictions(self, columns: dict[str, torch.Tensor]) -> dict:
-        """Adds the image's path (relative to its folder) and the top classes' names, where the data has them."""
-        paths = [Path(self._predicted.files[i][0]) for i in columns["idx"].tolist()]
-        files = [str(p.relative_to(self._predicted_base)) if p.is_relative_to(self._predicted_base) else str(p)
-                 for p in paths]
+    def finish_predictions(self, images: ImagesToPredict, columns: dict[str, torch.Tensor]) -> dict:
+        """Adds the image's path (relative to the folder predicted on, or the data root) and the top classes'
+        names, where they are known."""
+        paths = [Path(images.samples.files[i][0]) for i in columns["idx"].tolist()]
+        files = [str(p.relative_to(images.base)) if p.is_relative_to(images.base) else str(p) for p in paths]
         out = {"idx": columns["idx"], "file": files, "label": columns["label"],
                "top": columns["top"], "prob": columns["prob"]}
-        if self.cfg.data.format != "synthetic":
-            names = self._class_names()
-            if names is not None:
-                out["top_name"] = [[names[i] for i in row] for row in columns["top"].tolist()]
+        if images.class_names is not None:
+            out["top_name"] = [[images.class_names[i] for i in row] for row in columns["top"].tolist()]
         return out
 
     def _class_names(self) -> Optional[list[str]]:
-        if self.classes is None and self.classes_missing is None:  # resolve_config did not run
+        """The trained model's class names: read at resolve_config, else from the data now; None (warned) if the
+        data is not here."""
+        if self.classes is not None:
+            return self.classes
+        missing = self.classes_missing
+        if missing is None:  # resolve_config did not run
             try:
-                self.classes = image_classes(self.cfg.data)
+                return image_classes(self.cfg.data)
             except FileNotFoundError as e:
-                self.classes_missing = str(e)
-        if self.classes is None:
-            log.warning("class names unknown (%s): the output has class indices only", self.classes_missing)
-        return self.classes
+                missing = str(e)
+        log.warning("class names unknown (%s): the output has class indices only", missing)
+        return None
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         """top-1 / top-5 accuracy over the images that have labels."""
