@@ -35,7 +35,7 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("this script needs matplotlib: pip install matplotlib==3.10.7") from None
+        raise SystemExit("this script needs matplotlib: pip install matplotlib (the version in requirements.txt)") from None
 
     labels = dict(r.split("=", 1) for r in args.rename)
     if args.bars:
@@ -66,10 +66,14 @@ def main() -> None:
     ax.set_title(args.title or f"{', '.join(sorted(configs))} on {', '.join(sorted(devices))}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
+    save(fig, args.out)
+
+
+def save(fig, out: Path) -> None:
     fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=120)
+    print(f"wrote {out}")
 
 
 def bar_rows(runs: dict[str, dict], bars: list[str], key: str, labels: dict[str, str]) -> list[tuple]:
@@ -108,10 +112,7 @@ def plot_bars(plt, args, labels: dict[str, str]) -> None:
     ax.set_xlim(0, max(r[1] for r in rows) * 1.15)
     ax.set_title(args.title or f"{', '.join(sorted(configs))} on {', '.join(sorted(devices))}", fontsize=10)
     ax.grid(True, axis="x", alpha=0.3)
-    fig.tight_layout()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out, dpi=120)
-    print(f"wrote {args.out}")
+    save(fig, args.out)
 
 
 if __name__ == "__main__":
