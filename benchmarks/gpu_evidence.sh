@@ -2,7 +2,7 @@
 # Run on the GPU machine (2 GPUs) from the repository root: GPU tests, then ViT-B/16 throughput on 1 and 2 GPUs.
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
-#                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_decoders|
+#                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
 #                                       revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -150,9 +150,13 @@ fi
 # images and on 20,000 generated ImageNet-sized JPEGs, from the folder and from tar shards (the files as they
 # are), decoded by PIL in 14 loader workers (the default way) or on the GPU (nvImageCodec); bf16 and FP8; all in
 # one run. jpeg_decoders (~2 min): the decoders alone and beside a stand-in step (benchmarks/jpeg_decoders.py).
-if [[ $what == jpeg ]]; then
+# jpeg_data: the 20,000 JPEGs and their shards alone (jpeg makes them when /tmp/jpeg_shards is not there yet),
+# so that the measurement itself fits one call of the GPU machine.
+if [[ $what == jpeg || $what == jpeg_data ]] && [[ ! -d /tmp/jpeg_shards ]]; then
   python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
   python3 scripts/shard_images.py --root /tmp/jpegs --out /tmp/jpeg_shards 2>&1 | tail -2
+fi
+if [[ $what == jpeg ]]; then
   folder="data=imagefolder data.root=/tmp/jpegs"
   shards="data=shards data.root=/tmp/jpeg_shards"
   pil="data.decode_on=workers data.num_workers=14"
