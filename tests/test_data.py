@@ -141,6 +141,24 @@ def test_shipped_digits_load_as_dict_samples():
     assert labels == set(range(10))
 
 
+@pytest.mark.parametrize("mode", ["RGB", "L", "CMYK", "P", "RGBA"])
+def test_a_crop_cut_before_decoding_to_a_tensor_gives_the_whole_images_pixels(mode):
+    """Workers cut the training crop out of the decoded image before copying pixels into a tensor
+    (Transform.from_pil): the same uint8 images as cropping the whole image's tensor, for every colour mode and
+    both splits' geometry."""
+    from torchvision.transforms import v2
+
+    rng = np.random.default_rng(0)
+    for train in (True, False):
+        transform = Transform(ImageDataConfig(hflip=0.5), 24, train=train)
+        for i, (h, w) in enumerate([(40, 56), (64, 37), (30, 30), (120, 80), (25, 90)]):
+            img = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).convert(mode)
+            whole = v2.functional.pil_to_tensor(img.convert("RGB"))
+            expected = transform.apply(whole, transform.draw(h, w, torch.Generator().manual_seed(i)))
+            image = transform.from_pil(img, torch.Generator().manual_seed(i))
+            assert image.dtype == torch.uint8 and torch.equal(image, expected), (mode, train, h, w)
+
+
 def test_worker_images_are_normalized_where_the_batch_trains():
     """Loader workers hand over uint8 pixels; the recipe's to_device makes (x / 255 - mean) / std of them, and
     leaves floats (synthetic images) as they are. Mixup/CutMix mixes floats: all its samples are normalized."""

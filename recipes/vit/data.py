@@ -1,6 +1,7 @@
 """Image-classification datasets for the ViT recipe: ImageFolder, Tiny-ImageNet and synthetic.
 
-Every dataset returns dict samples {"image": float tensor [C, H, W], normalized; "label": int; "idx": int}
+Every dataset returns dict samples {"image": [C, H, W], uint8 from image files (the recipe's to_device
+normalizes it where the batch trains), floats from SyntheticImages; "label": int; "idx": int}
 and takes an int or a core.data.datasets.EpochIndex. Random augmentation comes from the (seed, epoch, idx)
 of the sample, never from the global RNGs (core/data/checks.py verifies that in the tests).
 """
@@ -89,10 +90,10 @@ class ImageSamples(Dataset):
         path, label = self.files[idx]
         try:
             with Image.open(io.BytesIO(self.read(idx))) as img:
-                image = v2.functional.pil_to_tensor(img.convert("RGB"))
+                image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
         except (OSError, Image.DecompressionBombError) as e:  # header fine, pixels not (truncated, corrupt)
             raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
-        return {"image": self.transform(image, sample_generator(self.seed, epoch, idx)), "label": label, "idx": idx}
+        return {"image": image, "label": label, "idx": idx}
 
 
 class SyntheticImages(Dataset):
@@ -153,8 +154,17 @@ class Transform:
         self.resize = round(image_size / data.val_crop_fraction)
         self.mean, self.std = list(data.mean), list(data.std)
 
-    def __call__(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
-        return self.apply(image, self.draw(image.shape[-2], image.shape[-1], g))
+    def from_pil(self, img: Image.Image, g: torch.Generator) -> torch.Tensor:
+        """The same pixels as `apply` on the whole image made a tensor, for less work in a loader worker: a
+        training crop is cut from the decoded image before its pixels are copied into a tensor (and before a
+        colour conversion, which is per pixel), so only the crop's pixels are copied."""
+        crop = self.draw(img.height, img.width, g)
+        top, left, h, w, flip = crop
+        if h >= 0:
+            img, crop = img.crop((left, top, left + w, top + h)), [0, 0, h, w, flip]
+        if img.mode != "RGB":
+            img = img.convert("RGB")
+        return self.apply(torch.from_numpy(np.array(img)).permute(2, 0, 1), crop)
 
     def draw(self, height: int, width: int, g: torch.Generator) -> list[int]:
         if not self.train:
