@@ -162,12 +162,12 @@ if [[ $what == jpeg ]]; then
   pil="data.decode_on=workers data.num_workers=16"
   python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps ${JPEG_STEPS:-10} --micro-batch 256 \
     --global-batch 2048 --data "" --extra "data.num_classes=10" --out "$OUT" --timeout 300 \
-    --variant "synthetic=data=synthetic" \
+    --variant "synthetic=data=synthetic data.num_workers=16" \
     --variant "folder_pil16=$folder $pil" \
     --variant "shards_pil16=$shards $pil" \
     --variant "folder_gpu=$folder data.decode_on=device" \
     --variant "shards_gpu=$shards data.decode_on=device" \
-    --variant "fp8_synthetic=data=synthetic $fp8" \
+    --variant "fp8_synthetic=data=synthetic data.num_workers=16 $fp8" \
     --variant "fp8_folder_pil16=$folder $pil $fp8" \
     --variant "fp8_shards_pil16=$shards $pil $fp8" \
     --variant "fp8_folder_gpu=$folder data.decode_on=device $fp8" \
