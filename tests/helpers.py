@@ -19,8 +19,10 @@ CONFIGS = REPO / "configs"
 
 
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
-    """The command `torchrun --nproc-per-node <nproc> <repository>/<script> <args>`, with this Python's torchrun."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), str(REPO / script), *args]
+    """The command `torchrun --nproc-per-node <nproc> --master-port <a free port> <repository>/<script> <args>`,
+    with this Python's torchrun: a port of its own, as tests run side by side (pytest -n)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+            "--master-port", str(free_port()), str(REPO / script), *args]
 
 
 def read_records(run_dir: Path | str) -> list[dict]:
