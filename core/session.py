@@ -22,6 +22,7 @@ from core.checkpointing.layout import CheckpointError
 from core.config.errors import ConfigError
 from core.config.validation import save_config, validate
 from core.distributed import env as distributed
+from core.distributed import launch
 from core.layers.namespace import get_layers
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
@@ -57,8 +58,9 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     """Check the config, resolve the runtime, start the process group and device mesh (torn down on exit),
     instantiate the recipe and write <run dir>/resolved_config.yaml."""
     cfg = validate(cfg)
-    recipe = get_recipe(cfg.recipe)(cfg)
-    cfg = recipe.cfg = recipe.resolve_config(cfg)  # e.g. sizes taken from the data
+    recipe_type = get_recipe(cfg.recipe)
+    cfg = recipe_type.resolve_config(cfg, is_main=launch.global_rank() == 0)  # e.g. sizes taken from the data
+    recipe = recipe_type(cfg)
     runtime = resolve(cfg)
     dist_cfg = cfg.distributed
     env = distributed.setup(dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes,

@@ -37,10 +37,11 @@ class Recipe:
     def __init__(self, cfg: Any):
         self.cfg = cfg
 
-    def resolve_config(self, cfg: Any) -> Any:
+    @classmethod
+    def resolve_config(cls, cfg: Any, is_main: bool = True) -> Any:
         """The validated config with what the recipe reads from its data filled in (e.g. the ViT's class
-        count for data.num_classes: null). Called once at start, before the config is saved and checked
-        against a checkpoint's; returns a read-only config."""
+        count for data.num_classes: null), before the recipe is made from it; a read-only config. A function
+        of the config and the files it names: it keeps nothing (is_main: whether to log what it found)."""
         return cfg
 
     # --- model -------------------------------------------------------------------------------

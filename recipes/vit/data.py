@@ -243,11 +243,11 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
     return {"image": pixels, **rest}
 
 
-def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
-                         classes: Optional[list[str]] = None) -> tuple[Dataset, Optional[Dataset]]:
-    """Training and validation sets; `classes`: the label order when already read (else read from the data)."""
+def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig,
+                         seed: int) -> tuple[Dataset, Optional[Dataset]]:
+    """Training and validation sets."""
     ImageDataConfig.check(data, "data")  # also for configs that did not come through validation
-    train, val = _image_datasets(data, model, seed, classes)
+    train, val = _image_datasets(data, model, seed)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
         normalize = Transform(data, model.img_size, train=True).normalize
         train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
@@ -255,13 +255,12 @@ def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int
     return train, val
 
 
-def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int,
-                    classes: Optional[list[str]]) -> tuple[Dataset, Optional[Dataset]]:
+def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
     size = model.img_size
     if data.format == "synthetic":
         return (SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
                 SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1))
-    classes = classes if classes is not None else image_classes(data)
+    classes = image_classes(data)
     if len(classes) != model.num_classes:
         raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
     if data.decode_on == "device":

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -31,11 +30,8 @@ class ViTRecipe(Recipe):
     model_schema = ViTModelConfig
     model_data_keys = ("num_classes", "val_crop_fraction", "mean", "std")  # the head, the crop, the normalization
     data_schema = ImageDataConfig
-    # The data's class names in label order, read once by resolve_config (None: synthetic data, or not read).
-    classes: Optional[list[str]] = None
-    classes_missing: Optional[str] = None  # why they could not be read (data.root not there)
-
-    def resolve_config(self, cfg):
+    @classmethod
+    def resolve_config(cls, cfg, is_main: bool = True):
         """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
         an explicit number must be that one."""
         data_cfg, model_cfg = cfg.data, cfg.model
@@ -45,11 +41,9 @@ class ViTRecipe(Recipe):
             raise ConfigError(f"data.mean and data.std have {len(data_cfg.mean)} values, but "
                               f"model.in_chans={model_cfg.in_chans}: expected one per channel")
         try:
-            self.classes = image_classes(data_cfg)  # read once: the datasets and the prediction names use it too
-            found = len(self.classes)
+            found, data_found = len(image_classes(data_cfg)), True
         except FileNotFoundError as e:  # e.g. predict.py on a folder of new images, with the checkpoint only
-            self.classes_missing = str(e)
-            found = self._num_classes_without_data(cfg, e)
+            found, data_found = cls._num_classes_without_data(cfg, e, is_main), False
         for key, given in (("data.num_classes", data_cfg.num_classes), ("model.num_classes", model_cfg.num_classes)):
             if given is not None and given != found:
                 raise ConfigError(f"{key}={given}, but {data_cfg.root} holds {found} classes (null takes the data's)")
@@ -59,12 +53,12 @@ class ViTRecipe(Recipe):
         OmegaConf.set_readonly(cfg, False)
         cfg.data.num_classes = cfg.model.num_classes = found
         OmegaConf.set_readonly(cfg, True)
-        if self.classes is not None and os.environ.get("RANK", "0") == "0":
+        if data_found and is_main:
             log.info("data.num_classes=%d: the classes %s holds", found, data_cfg.root)
         return cfg
 
     @staticmethod
-    def _num_classes_without_data(cfg, missing: FileNotFoundError) -> int:
+    def _num_classes_without_data(cfg, missing: FileNotFoundError, is_main: bool) -> int:
         """The class count when data.root is not there: the one given, else the one in the config.yaml of the
         checkpoint.init_from step folder (the trained head's). Training then stops at the missing data."""
         data_cfg, model_cfg = cfg.data, cfg.model
@@ -80,7 +74,7 @@ class ViTRecipe(Recipe):
         if given is None:
             raise ConfigError(f"data.num_classes=null takes the count from the data, but {missing}; "
                               "give data.num_classes (the trained model's) or a data.root that exists")
-        if os.environ.get("RANK", "0") == "0":
+        if is_main:
             log.warning("%s; num_classes=%d %s", missing, given, source)
         return int(given)
 
@@ -96,7 +90,7 @@ class ViTRecipe(Recipe):
         return {"cls_token", "pos_embed"}
 
     def build_datasets(self) -> Datasets:
-        return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed, self.classes))
+        return Datasets(*build_image_datasets(self.cfg.data, self.cfg.model, self.cfg.seed))
 
     def collate_fn(self):
         return collate_encoded if self.cfg.data.decode_on == "device" else None
@@ -141,7 +135,7 @@ class ViTRecipe(Recipe):
         if self.cfg.data.format == "synthetic":
             raise ConfigError(f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
                               "the data the model was trained on (data=imagefolder data.root=...) or predict.folder")
-        classes = self.classes if self.classes is not None else image_classes(self.cfg.data)
+        classes = image_classes(self.cfg.data)
         samples = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, classes)
         return ImagesToPredict(samples, Path(self.cfg.data.root), classes)
 
@@ -168,18 +162,12 @@ class ViTRecipe(Recipe):
         return out
 
     def _class_names(self) -> Optional[list[str]]:
-        """The trained model's class names: read at resolve_config, else from the data now; None (warned) if the
-        data is not here."""
-        if self.classes is not None:
-            return self.classes
-        missing = self.classes_missing
-        if missing is None:  # resolve_config did not run
-            try:
-                return image_classes(self.cfg.data)
-            except FileNotFoundError as e:
-                missing = str(e)
-        log.warning("class names unknown (%s): the output has class indices only", missing)
-        return None
+        """The trained model's class names, read from its data; None (warned) if the data is not here."""
+        try:
+            return image_classes(self.cfg.data)
+        except FileNotFoundError as e:
+            log.warning("class names unknown (%s): the output has class indices only", e)
+            return None
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         """top-1 / top-5 accuracy over the images that have labels."""
