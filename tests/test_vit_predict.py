@@ -10,6 +10,7 @@ import subprocess
 
 import numpy as np
 import pytest
+import torch
 
 from core.config.errors import ConfigError
 from tests.helpers import torchrun, train_run, validated_config
@@ -104,3 +105,21 @@ def test_without_data_or_checkpoint_the_class_count_must_be_given(tmp_path):
                                           f"checkpoint.path={tmp_path}/ckpt"])
     with pytest.raises(ConfigError, match="give data.num_classes"):
         ViTRecipe(cfg).resolve_config(cfg)
+
+
+def test_a_recipe_keeps_nothing_between_calls(tmp_path):
+    """The config is resolved before the recipe exists, and the recipe's calls read what they need from the
+    config and the data: after every entry point's calls its instance holds the config (and a cache derived from
+    it) only, so two calls in any order give the same."""
+    from recipes.vit.recipe import ViTRecipe
+
+    root, _ = make_quirky_imagefolder(tmp_path / "pets")
+    cfg = ViTRecipe.resolve_config(validated_config("vit_sanity", [
+        "data=imagefolder", f"data.root={root}", "data.num_workers=0", f"checkpoint.path={tmp_path}/ckpt"]))
+    recipe = ViTRecipe(cfg)
+    first = recipe.split("val")
+    recipe.build_datasets(), recipe.unlabeled(str(root / "train")), recipe.to_device(
+        {"image": first[0]["image"][None], "label": torch.tensor([0])}, torch.device("cpu"))
+    assert set(vars(recipe)) <= {"cfg", "_device_transform"}, vars(recipe).keys()
+    again = ViTRecipe(cfg).split("val")
+    assert first.class_names == again.class_names and first.samples.files == again.samples.files
