@@ -148,7 +148,7 @@ if [[ $what == graphs_losses ]]; then
 fi
 # jpeg (1 GPU, ~9 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
 # images and on 20,000 generated ImageNet-sized JPEGs, from the folder and from tar shards (the files as they
-# are), decoded by PIL in 14 loader workers (the default way) or on the GPU (nvImageCodec); bf16 and FP8; all in
+# are), decoded by PIL in 16 loader workers (the default way) or on the GPU (nvImageCodec); bf16 and FP8; all in
 # one run. jpeg_decoders (~2 min): the decoders alone and beside a stand-in step (benchmarks/jpeg_decoders.py).
 # jpeg_data: the 20,000 JPEGs and their shards alone (jpeg makes them when /tmp/jpeg_shards is not there yet),
 # so that the measurement itself fits one call of the GPU machine.
