@@ -148,8 +148,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
 
 
 # Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
-# per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds.
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers"]
+# per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds. On machines
+# without GPUs tests/preloaded.py adds the training stack and the recipes.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers", "tests.preloaded"]
 
 
 def run_workers(world_size: int, fn: Callable, *args) -> list:
