@@ -1,11 +1,12 @@
-"""Shared test utilities: composing configs, training through train.py's building blocks, and running
-functions in gloo worker processes."""
+"""Shared test utilities: composing configs, training through train.py's building blocks, running functions in
+gloo worker processes, and running the entry-point scripts in processes forked with the training stack imported."""
 
 from __future__ import annotations
 
 import json
 import os
 import socket
+import subprocess
 import sys
 import traceback
 from pathlib import Path
@@ -176,3 +177,60 @@ def run_workers(world_size: int, fn: Callable, *args) -> list:
                 raise AssertionError(f"rank {r} failed:\n{value}")
             out.append(value)
         return out
+
+
+def _script_worker(argv: list[str], cwd: str, environ: dict, out_path: str, err_path: str) -> None:
+    import atexit
+    import runpy
+
+    os.environ.clear()
+    os.environ.update(environ)
+    os.chdir(cwd)
+    for fd, path in ((1, out_path), (2, err_path)):  # as a subprocess with captured output
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    mp.set_start_method("fork", force=True)  # the script's own children fork, as under a fresh interpreter
+    code = 0
+    try:
+        if argv[0] == "-m":
+            sys.argv = [argv[1], *argv[2:]]
+            runpy.run_module(argv[1], run_name="__main__", alter_sys=True)
+        else:
+            sys.argv = list(argv)
+            runpy.run_path(argv[0], run_name="__main__")
+    except SystemExit as stop:  # an interpreter's meaning of the exit value
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()  # what the interpreter would run at its exit
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None,
+               timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python <argv>` (a script path, or "-m", module, args), run as __main__ in a process forked from the test
+    fork server, where the training stack is already imported: seconds less than a fresh interpreter per command.
+    Its output and exit code come back as subprocess.run(..., capture_output=True, text=True) gives them; past
+    `timeout` seconds it is killed (subprocess.TimeoutExpired)."""
+    import tempfile
+
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    with tempfile.TemporaryDirectory() as folder:
+        out, err = f"{folder}/stdout", f"{folder}/stderr"
+        proc = ctx.Process(target=_script_worker, args=([str(a) for a in argv], str(cwd),
+                                                        dict(os.environ if env is None else env), out, err))
+        proc.start()
+        proc.join(timeout)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            raise subprocess.TimeoutExpired(["python", *argv], timeout, Path(out).read_text(), Path(err).read_text())
+        return subprocess.CompletedProcess(["python", *argv], proc.exitcode, Path(out).read_text(errors="replace"),
+                                           Path(err).read_text(errors="replace"))

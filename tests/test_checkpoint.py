@@ -16,11 +16,12 @@ import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.checkpoint import format_utils
 
 from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
 from core.checkpointing.retention import checkpoints_to_keep
 from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
-from tests.helpers import REPO, _worker, free_port, read_records, run_workers, torchrun
+from tests.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
 
 
 
@@ -361,8 +362,7 @@ def test_conversion_round_trips(tmp_path):
     step_dir = tmp_path / "ckpt" / "step_2"
     subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(step_dir), str(tmp_path / "cli.pt")],
                    check=True, capture_output=True)
-    subprocess.run([sys.executable, "-m", "torch.distributed.checkpoint.format_utils", "dcp_to_torch", str(step_dir),
-                    str(tmp_path / "format_utils.pt")], check=True, capture_output=True)
+    format_utils.dcp_to_torch_save(step_dir, tmp_path / "format_utils.pt")  # what its command line calls
     _export(str(step_dir), str(tmp_path))
 
     reference = _unsharded_vit()
@@ -389,12 +389,9 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     torch.save(source["state"], tmp_path / "src.pt")
     # torch's own way back from a torch file (format_utils torch_to_dcp): a DCP folder without our marker,
     # of a flat {name: tensor} file and of dcp_to_torch's whole-checkpoint file (weights under "model").
-    format_utils = [sys.executable, "-m", "torch.distributed.checkpoint.format_utils"]
-    subprocess.run(format_utils + ["torch_to_dcp", str(tmp_path / "src.pt"), str(tmp_path / "dcp_flat")], check=True,
-                   capture_output=True)
-    subprocess.run(format_utils + ["dcp_to_torch", str(step_dir), str(tmp_path / "all.pt")], check=True, capture_output=True)
-    subprocess.run(format_utils + ["torch_to_dcp", str(tmp_path / "all.pt"), str(tmp_path / "dcp_nested")], check=True,
-                   capture_output=True)
+    format_utils.torch_save_to_dcp(tmp_path / "src.pt", tmp_path / "dcp_flat")
+    format_utils.dcp_to_torch_save(step_dir, tmp_path / "all.pt")
+    format_utils.torch_save_to_dcp(tmp_path / "all.pt", tmp_path / "dcp_nested")
     lr0 = ["training.steps=1", f"optim.lr={TINY_LR}"]  # the loaded weights stay as they are
     fresh, from_dir, from_file, from_flat, from_nested, wrong = run_workers(1, run_phases, [
         phase(tmp_path, "fresh", "ckpt_fresh", lr0, state=True),
@@ -446,7 +443,6 @@ def test_retention_by_training_loss_and_a_checkpoint_root_for_init_from_and_resu
     assert "no complete checkpoint under" in empty["error"]
     assert "checkpoint.monitor='train/loss_typo' is not a metric of this run; there are: train/grad_norm, " \
            "train/loss, train/lr" in unknown["error"]
-    with_root = subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(tmp_path / "ckpt" / "last"),
-                                str(tmp_path / "last.pt")], capture_output=True, text=True)
+    with_root = run_python(REPO / "checkpoint.py", "to-torch", tmp_path / "ckpt" / "last", tmp_path / "last.pt")
     assert with_root.returncode == 0, with_root.stderr
     assert torch.equal(torch.load(tmp_path / "last.pt")["head.weight"], trained["state"]["head.weight"])

@@ -26,7 +26,7 @@ from core.distributed.launch import configuration_name
 from core.checkpointing.layout import CheckpointError
 from core.training.optim import lr_multiplier
 from tests.checkpoint_harness import TINY
-from tests.helpers import REPO, read_records, train_run, validated_config
+from tests.helpers import REPO, read_records, run_python, train_run, validated_config
 
 
 def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict:
@@ -238,9 +238,9 @@ def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
     ckpts = tmp_path / "shared"
 
     def sweep(values: str, steps: int) -> str:
-        proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "-m", *TINY,
-                               f"optim.lr={values}", f"training.steps={steps}", f"hydra.sweep.dir={tmp_path}/sweep",
-                               f"checkpoint.path={ckpts}"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "-m", *TINY, f"optim.lr={values}",
+                          f"training.steps={steps}", f"hydra.sweep.dir={tmp_path}/sweep", f"checkpoint.path={ckpts}",
+                          cwd=tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout + proc.stderr
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import subprocess
-import sys
 
 import pytest
 
@@ -12,12 +11,11 @@ from core.config.errors import ConfigError
 from core.config.validation import validate
 from core.data.sampling import GlobalBatchSampler, accumulation_steps
 from core.distributed.env import mesh_shape
-from tests.helpers import REPO, compose_config
+from tests.helpers import REPO, compose_config, run_python
 
 
 def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "train.py", "--config-name", "vit_sanity", *overrides],
-                          cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    return run_python("train.py", "--config-name", "vit_sanity", *overrides, cwd=REPO, timeout=timeout)
 
 
 @pytest.mark.parametrize("override,code,message", [

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import glob
-import subprocess
-import sys
 import typing
 from pathlib import Path
 
@@ -15,7 +13,7 @@ import pytest
 
 from core.config.errors import ConfigError
 from core.config.ranges import Int, Numbers, Real, rules_of
-from tests.helpers import CONFIGS, REPO, validated_config
+from tests.helpers import CONFIGS, REPO, run_python, validated_config
 
 INT32 = "2**31 - 1"
 
@@ -266,8 +264,8 @@ def test_at_the_lowest_accepted_divisors_the_arithmetic_stays_finite(dtype):
 
 
 def test_a_number_out_of_range_ends_the_command_line_run_with_one_line(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "optim.lr=1e300",
-                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "optim.lr=1e300", f"hydra.run.dir={tmp_path}",
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     output = proc.stdout + proc.stderr
     errors = [line for line in output.splitlines() if "error" in line.lower()]

@@ -3,23 +3,21 @@ run on GPUs: tests/test_gpu_cuda_graphs.py)."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from core.config.errors import ConfigError
 from core.runtime import Machine, resolve
-from tests.helpers import REPO, validated_config
+from tests.helpers import REPO, run_python, validated_config
 
 GPU = Machine(cuda=True, te=True)
 GRAPHS = ["training.cuda_graphs=forward_backward", "checkpoint.path=unused"]
 
 
 def test_cuda_graphs_on_cpu_are_refused_before_any_work(tmp_path):
-    proc = subprocess.run([sys.executable, "train.py", "--config-name", "vit_sanity", "training.cuda_graphs=forward_backward",
-                           f"hydra.run.dir={tmp_path}"], cwd=REPO, capture_output=True, text=True, timeout=120)
+    proc = run_python("train.py", "--config-name", "vit_sanity", "training.cuda_graphs=forward_backward",
+                      f"hydra.run.dir={tmp_path}", cwd=REPO, timeout=120)
     assert proc.returncode == 2
     assert "training.cuda_graphs=forward_backward needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()

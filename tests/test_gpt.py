@@ -12,7 +12,7 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
-from tests.helpers import REPO, read_records, torchrun
+from tests.helpers import REPO, read_records, run_python, torchrun
 
 DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
 
@@ -42,14 +42,14 @@ def test_preprocess_round_trips_text_to_tokens_to_text(tmp_path):
     assert meta["documents"] == 6 and meta["tokens"] == sum(len(d.encode()) + 1 for d in expected)
     assert [decode_document(tmp_path / "out" / "corpus", i) for i in range(6)] == expected
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus.bin", "corpus.idx", "corpus.json"]
-    shown = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--decode", str(tmp_path / "out" / "corpus"),
-                            "--document", "1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    shown = run_python("-m", "recipes.gpt.preprocess", "--decode", tmp_path / "out" / "corpus", "--document", "1",
+                       cwd=REPO, timeout=300)
     assert shown.stdout == DOCS[1] + "\n"
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
-    proc = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--input", str(bad), "--output-prefix",
-                           str(tmp_path / "bad")], cwd=REPO, capture_output=True, text=True, timeout=300)
+    proc = run_python("-m", "recipes.gpt.preprocess", "--input", bad, "--output-prefix", tmp_path / "bad", cwd=REPO,
+                      timeout=300)
     assert proc.returncode != 0 and "bad.jsonl:2: no text under the key 'text'" in proc.stderr
     assert not list(tmp_path.glob("bad.*.bin")) and not (tmp_path / "bad.bin").exists()  # nothing half-written
 

@@ -7,7 +7,6 @@ import csv
 import json
 import math
 import subprocess
-import sys
 from collections import OrderedDict
 
 import pytest
@@ -17,7 +16,7 @@ import generate
 from core.checkpointing.weights import read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
-from tests.helpers import REPO, compose_config, torchrun, train_run, validated_config
+from tests.helpers import REPO, compose_config, run_python, torchrun, train_run, validated_config
 
 STEPS = 80
 
@@ -99,16 +98,14 @@ def test_the_twin_kv_cache_continues_several_tokens_at_a_time():
 def test_generate_command_prints_a_continuation_and_refuses_bad_input(trained, tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"prompt": "The whale"}) + "\n" + json.dumps({"prompt": "Queequeg"}) + "\n")
-    base = [sys.executable, str(REPO / "generate.py"), "--config-name", "gpt_sanity",
+    base = [REPO / "generate.py", "--config-name", "gpt_sanity",
             f"checkpoint.init_from={trained}/ckpt/step_{STEPS}", f"data.cache_dir={trained}/cache",
             f"hydra.run.dir={tmp_path}/run", "generate.max_new_tokens=40"]
-    proc = subprocess.run([*base, f"generate.prompt_file={prompts}", "generate.greedy=true"], cwd=tmp_path,
-                          capture_output=True, text=True, timeout=300)
+    proc = run_python(*base, f"generate.prompt_file={prompts}", "generate.greedy=true", cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "--- prompt 1 (length, 40 tokens)\nThe whale" in proc.stdout and "--- prompt 2" in proc.stdout
     assert len((tmp_path / "run" / "generations.jsonl").read_text().splitlines()) == 2
-    bad = subprocess.run([*base, "generate.top_p=1.5", "generate.prompt=x"], cwd=tmp_path, capture_output=True,
-                         text=True, timeout=300)
+    bad = run_python(*base, "generate.top_p=1.5", "generate.prompt=x", cwd=tmp_path, timeout=300)
     assert bad.returncode == 2 and "generate.top_p=1.5: expected 0 < top_p <= 1" in bad.stdout + bad.stderr
 
 

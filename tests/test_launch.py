@@ -10,7 +10,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.helpers import CONFIGS, REPO
+from tests.helpers import CONFIGS, REPO, run_python
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
@@ -104,9 +104,8 @@ def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
     assert suggestion("model.hiden_size", keys) == "model.hidden_size"
     assert suggestion("training.lr", keys) == "optim.lr"
     assert suggestion("data.num_worker", keys) == "data.num_workers"
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity",
-                           "training.checkpoint.path=ckpts/vit", "distributed.dp_shard=1", "model=vit_tiny"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "training.checkpoint.path=ckpts/vit",
+                      "distributed.dp_shard=1", "model=vit_tiny", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown key 'training.checkpoint.path'; did you mean 'checkpoint.path'?" in proc.stderr
     assert not (tmp_path / "outputs").exists()  # nothing was started

@@ -8,7 +8,6 @@ import gzip
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,7 @@ import torch
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import MultiEpochDatasetResampler
 from tests.checkpoint_harness import run_phases
-from tests.helpers import REPO, run_workers, torchrun
+from tests.helpers import REPO, run_python, run_workers, torchrun
 
 RAW = REPO / "data" / "mnist_5k" / "MNIST" / "raw"
 QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num_workers=0"]
@@ -141,6 +140,6 @@ def test_pretrain_finetune_predict_commands(tmp_path):
 
 
 def test_predict_refuses_without_weights(tmp_path):
-    proc = subprocess.run([sys.executable, str(REPO / "predict.py"), "--config-name", "mnist_predict",
-                           f"hydra.run.dir={tmp_path}/run"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    proc = run_python(REPO / "predict.py", "--config-name", "mnist_predict", f"hydra.run.dir={tmp_path}/run",
+                      cwd=tmp_path, timeout=120)
     assert proc.returncode == 2 and "predict.py needs checkpoint.init_from" in proc.stdout + proc.stderr

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.metrics import plot
-from tests.helpers import REPO
+from tests.helpers import REPO, run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -77,8 +77,7 @@ def test_plots_a_short_training_run(tmp_path):
     tiny = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
             "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
             "logger.progress_bar=never", "training.steps=6", "training.val_every_n_steps=3", "hydra.run.dir=run"]
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", *tiny],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", *tiny, cwd=tmp_path, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     run_dir = tmp_path / "run"
     proc = subprocess.run([sys.executable, "-m", "core.metrics.plot", str(run_dir)], cwd=REPO, capture_output=True,

@@ -5,15 +5,13 @@ events read as the one uninterrupted run."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from core.metrics.history import keep_history_up_to
 from tests.checkpoint_harness import phase, run_phases
-from tests.helpers import REPO, run_workers
+from tests.helpers import REPO, run_python, run_workers
 
 LOGGERS = ["logger.wandb.enabled=true", "logger.wandb.mode=offline", "logger.tensorboard.enabled=true",
            "training.val_every_n_steps=2", "checkpoint.save_every_n_steps=2"]
@@ -87,8 +85,7 @@ def test_the_same_command_again_continues_in_the_same_run_dir(tmp_path):
             "logger.progress_bar=never"]
 
     def invoke(entry: str, *extra: str) -> None:
-        proc = subprocess.run([sys.executable, str(REPO / entry), "--config-name", "vit_sanity", *tiny, *extra],
-                              cwd=tmp_path, capture_output=True, text=True, timeout=300)
+        proc = run_python(REPO / entry, "--config-name", "vit_sanity", *tiny, *extra, cwd=tmp_path, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
 
     invoke("train.py", "training.steps=3")

@@ -9,8 +9,6 @@ import csv
 import json
 import logging
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -27,7 +25,7 @@ from core.checkpointing.layout import CheckpointError
 from core.checkpointing.saved_config import adopt_saved_model
 from core.config.errors import ConfigError
 from recipes.registry import get_recipe
-from tests.helpers import REPO, compose_config, train_run, validated_config
+from tests.helpers import REPO, compose_config, run_python, train_run, validated_config
 from tests.test_image_folders import make_quirky_imagefolder
 
 # Model sizes and preprocessing that differ from vit_predict's (ViT-B/16 at 224 px, ImageNet normalization,
@@ -104,9 +102,9 @@ def test_a_different_model_setting_on_the_command_line_is_refused(vit, tmp_path,
 
 
 def test_the_command_reads_its_overrides_from_hydra(vit, tmp_path):
-    cmd = [sys.executable, str(REPO / "predict.py"), "--config-name", "vit_predict",
-           *_predict_overrides(vit, tmp_path, "model.depth=4"), f"hydra.run.dir={tmp_path}/run"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = run_python(REPO / "predict.py", "--config-name", "vit_predict",
+                      *_predict_overrides(vit, tmp_path, "model.depth=4"), f"hydra.run.dir={tmp_path}/run", cwd=tmp_path,
+                      timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = f"model.depth=4 on the command line, but {vit.step}/config.yaml trained with model.depth=2"
     assert message in proc.stdout + proc.stderr

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from core.distributed.launch import configuration_name
-from tests.helpers import REPO, read_records
+from tests.helpers import REPO, read_records, run_python
 
 TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
         "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
@@ -19,9 +19,8 @@ TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.nu
 
 
 def _sweep(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", *TINY,
-                           f"hydra.sweep.dir={tmp_path / 'sweep'}", *overrides], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=600, env={**os.environ, **(env or {})})
+    return run_python(REPO / "train.py", "-m", "--config-name", "vit_sanity", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}",
+                      *overrides, cwd=tmp_path, timeout=600, env={**os.environ, **(env or {})})
 
 
 @pytest.mark.slow
@@ -79,9 +78,8 @@ def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(
     key names each job's folder, so each trains its own length from scratch."""
     ckpts = tmp_path / "shared"
     tiny = [o for o in TINY if not o.startswith("training.steps=")]
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"), "-m", "--config-name", "vit_sanity", *tiny,
-                           "training.steps=6,4", f"checkpoint.path={ckpts}", f"hydra.sweep.dir={tmp_path / 'sweep'}"],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = run_python(REPO / "train.py", "-m", "--config-name", "vit_sanity", *tiny, "training.steps=6,4",
+                      f"checkpoint.path={ckpts}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=600)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "nothing left to do" not in out and "resumed from" not in out
