@@ -12,6 +12,7 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
@@ -142,6 +143,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     # server or as fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under
     # torchrun.
     mp.set_start_method("fork", force=True)
+    # The machine's cores shared out, as torchrun does (one thread per process there): ranks that each ran as many
+    # threads as there are cores would wait on one another's spinning threads, several times slower.
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
         results[rank] = ("ok", fn(*args))
     except BaseException:  # report any failure to the parent, with its traceback

@@ -50,6 +50,7 @@ def test_greedy_with_the_kv_cache_equals_recomputing(trained):
     assert saved == [vars(cached[0])]
 
 
+@pytest.mark.slow  # trains the fixture's model
 def test_a_seed_gives_the_same_samples_and_the_text_is_the_models(trained):
     sample = ["generate.temperature=1.0", "generate.max_new_tokens=120", "generate.samples_per_prompt=2",
               "generate.stop_at_eod=false"]
