@@ -132,17 +132,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict,
-            cwd: str) -> None:
-    # The fork server started earlier: take the caller's environment and directory of now, as spawn would.
+# Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
+# per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds. On machines
+# without GPUs tests/preloaded.py adds the training stack and the recipes.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers", "tests.preloaded"]
+
+
+def _fork_server():
+    """The multiprocessing context whose processes fork from the one server that imported FORK_SERVER_PRELOAD."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    return ctx
+
+
+def _take_callers_context(environ: dict, cwd: str) -> None:
+    """In a process forked from the server (started earlier): the caller's environment and directory of now, as a
+    fresh process would have them."""
     os.environ.clear()
-    os.environ.update(environ, RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    os.environ.update(environ)
     os.chdir(cwd)
     # The child's default start method is its parent's, so its data loader's workers would start through a fork
     # server or as fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under
-    # torchrun.
+    # torchrun or a plain `python`.
     mp.set_start_method("fork", force=True)
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict,
+            cwd: str) -> None:
+    _take_callers_context({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, cwd)
     # The machine's cores shared out, as torchrun does (one thread per process there): ranks that each ran as many
     # threads as there are cores would wait on one another's spinning threads, several times slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -152,16 +170,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
         results[rank] = ("error", traceback.format_exc())
 
 
-# Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
-# per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds. On machines
-# without GPUs tests/preloaded.py adds the training stack and the recipes.
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers", "tests.preloaded"]
-
-
 def run_workers(world_size: int, fn: Callable, *args) -> list:
     """Run fn(*args) in `world_size` worker processes (a gloo group each); return each rank's value."""
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
+    ctx = _fork_server()
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
@@ -187,12 +198,11 @@ def _script_worker(argv: list[str], cwd: str, environ: dict, out_path: str, err_
     import atexit
     import runpy
 
-    os.environ.clear()
-    os.environ.update(environ)
-    os.chdir(cwd)
+    _take_callers_context(environ, cwd)
     for fd, path in ((1, out_path), (2, err_path)):  # as a subprocess with captured output
-        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
-    mp.set_start_method("fork", force=True)  # the script's own children fork, as under a fresh interpreter
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
     code = 0
     try:
         if argv[0] == "-m":
@@ -224,11 +234,9 @@ def run_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None,
     `timeout` seconds it is killed (subprocess.TimeoutExpired)."""
     import tempfile
 
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(FORK_SERVER_PRELOAD)
     with tempfile.TemporaryDirectory() as folder:
         out, err = f"{folder}/stdout", f"{folder}/stderr"
-        proc = ctx.Process(target=_script_worker, args=([str(a) for a in argv], str(cwd),
+        proc = _fork_server().Process(target=_script_worker, args=([str(a) for a in argv], str(cwd),
                                                         dict(os.environ if env is None else env), out, err))
         proc.start()
         proc.join(timeout)
