@@ -32,6 +32,7 @@ class GPT(nn.Module):
                 raise ConfigError(f"model.{what}={n} is not divisible by distributed.tp={tp}")
         self.cfg, self.vocab_size = cfg, vocab_size
         self.high_precision = layers.high_precision  # the logits stay out of FP8: see forward
+        self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
         self.kv_cache_class, self.kv_heads, self.head_dim = layers.InferenceParams, groups // tp, h // heads
         self.embedding = nn.Embedding(vocab_size, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
@@ -59,9 +60,18 @@ class GPT(nn.Module):
         self.final_norm = layers.RMSNorm(h, eps=cfg.norm_epsilon, device=device)
         self.output_layer = None if cfg.tie_embeddings else layers.Linear(h, vocab_size, bias=False, device=device)
 
-    def forward(self, tokens: torch.Tensor, kv_cache=None) -> torch.Tensor:
-        """tokens [batch, seq] -> logits [batch, seq, vocab]. With a `kv_cache` (from `new_kv_cache`, its
-        `pre_step` called for these tokens) the tokens continue the cached sequences."""
+    def forward(self, tokens: torch.Tensor, kv_cache=None, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens [batch, seq] -> logits [batch, seq, vocab]; with `labels` [batch, seq], the cross-entropy of each
+        label instead (fp32), without keeping the logits. With a `kv_cache` (from `new_kv_cache`, its `pre_step`
+        called for these tokens) the tokens continue the cached sequences."""
+        logits = self._logits(tokens, kv_cache)
+        if labels is None:
+            return logits
+        # A tensor of its own (one float per token), not a view of the flat losses: FSDP2 hooks its backward on
+        # the module's output and warns that a view could lose the hook.
+        return self.token_cross_entropy(logits, labels).clone()
+
+    def _logits(self, tokens: torch.Tensor, kv_cache) -> torch.Tensor:
         x = self.embedding(tokens)
         if kv_cache is None:
             angles, cached = self.rotary(tokens.shape[1]).to(x.device), {}

@@ -56,7 +56,6 @@ class GPTRecipe(Recipe):
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model_cfg = self.cfg.model
-        self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
         model = GPT(model_cfg, self.vocab_size, layers, device=device)
         # Megatron's init: normal(0, init_std), the blocks' output projections scaled by 1/sqrt(2 layers).
         base = standard_rule(model_cfg.init_std)
@@ -96,7 +95,7 @@ class GPTRecipe(Recipe):
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Per window: its document, the summed negative log-likelihood of its predicted tokens, their number."""
         mask = batch["loss_mask"].float()
-        token_loss = self.token_cross_entropy(model(batch["tokens"]), batch["labels"])
+        token_loss = model(batch["tokens"], labels=batch["labels"])
         return {"idx": batch["idx"], "document": batch["document"], "nll": (token_loss.float() * mask).sum(dim=1),
                 "tokens": mask.sum(dim=1)}
 
@@ -126,7 +125,7 @@ class GPTRecipe(Recipe):
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
         mask = batch["loss_mask"].float()
-        token_loss = self.token_cross_entropy(model(batch["tokens"]), batch["labels"])
+        token_loss = model(batch["tokens"], labels=batch["labels"])
         return {"loss": (token_loss * mask).sum(dim=1), "count": mask.sum(dim=1)}
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
