@@ -145,4 +145,4 @@ def read_prompts(path: Path) -> list[str]:
 
 if __name__ == "__main__":
     register_configs()
-    launch.run_hydra(main, config_keys())
+    launch.run_hydra(main, config_keys)

@@ -155,4 +155,4 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main, config_keys())
+    launch.run_hydra(main, config_keys)

@@ -331,4 +331,4 @@ def save(run: Run, step: int, figures: dict[str, dict[str, float]], force_sync: 
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main, config_keys())
+    launch.run_hydra(main, config_keys)

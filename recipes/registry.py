@@ -7,12 +7,15 @@ and each recipe's model and data schemas) in Hydra's ConfigStore. Nothing is reg
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
+from typing import Optional
 
 from core.config.errors import ConfigError
 from core.config.validation import register_schemas
 from recipes.base import Recipe
 
-KNOWN_RECIPES = ("vit", "mnist", "gpt")
+KNOWN_RECIPES = ("vit", "mnist", "gpt", "esm2")
+CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def get_recipe(name: str) -> type[Recipe]:
@@ -21,16 +24,43 @@ def get_recipe(name: str) -> type[Recipe]:
     return importlib.import_module(f"recipes.{name}.recipe").RECIPE
 
 
-def config_keys() -> set[str]:
-    """Every dotted key a config may set: the core's schema and each recipe's model and data schemas."""
+def config_keys(argv: Optional[list[str]] = None) -> set[str]:
+    """Every dotted key a config may set: the core's schema and the recipes' model and data schemas; given a
+    command line, only the recipe's it selects (`recipe=...`, or the `recipe:` of its --config-name file) where
+    that can be told, so that a misspelt key is matched against the keys of the run's own recipe."""
     from core.config.overrides import schema_keys
     from core.config.schema import TrainConfig
 
     keys = schema_keys(TrainConfig)
-    for name in KNOWN_RECIPES:
+    selected = recipe_on_command_line(argv) if argv is not None else None
+    for name in (selected,) if selected in KNOWN_RECIPES else KNOWN_RECIPES:
         recipe = get_recipe(name)
         keys |= schema_keys(recipe.model_schema, "model.") | schema_keys(recipe.data_schema, "data.")
     return keys
+
+
+def recipe_on_command_line(argv: list[str]) -> Optional[str]:
+    """The recipe a command line runs: its `recipe=` override, else the `recipe:` of the configs/ file its
+    --config-name (-cn) names; None when it does not say."""
+    from omegaconf import OmegaConf
+
+    name = None
+    for i, arg in enumerate(argv):
+        if arg.startswith("recipe="):
+            return arg.split("=", 1)[1]
+        for flag in ("--config-name", "-cn"):
+            if arg == flag and i + 1 < len(argv):
+                name = argv[i + 1]
+            elif arg.startswith(flag + "="):
+                name = arg.split("=", 1)[1]
+    file = CONFIGS_DIR / f"{name}.yaml" if name else None
+    if file is None or not file.is_file():
+        return None
+    try:
+        recipe = OmegaConf.load(file).get("recipe")
+    except Exception:  # noqa: BLE001 - a config Hydra will refuse with its own message
+        return None
+    return recipe if isinstance(recipe, str) else None
 
 
 def register_configs() -> None:

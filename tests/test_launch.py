@@ -104,6 +104,12 @@ def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
     assert suggestion("model.hiden_size", keys) == "model.hidden_size"
     assert suggestion("training.lr", keys) == "optim.lr"
     assert suggestion("data.num_worker", keys) == "data.num_workers"
+    # Matched against the keys of the recipe the command line runs: ESM-2's token_dropout is not the ViT's.
+    assert suggestion("model.dropout", config_keys(["--config-name", "vit_sanity"])) == "model.hidden_dropout"
+    assert suggestion("model.dropout", config_keys(["--config-name=esm2_sanity"])) == "model.token_dropout"
+    assert suggestion("model.dropout", config_keys(["-cn", "esm2_sanity", "recipe=gpt"])) == "model.hidden_dropout"
+    assert "data.tokens_per_pack" not in config_keys(["--config-name", "gpt_sanity"])
+    assert "data.tokens_per_pack" in config_keys(["--config-name", "no_such_config"])  # unknown: every recipe's
     proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "training.checkpoint.path=ckpts/vit",
                       "distributed.dp_shard=1", "model=vit_tiny", cwd=tmp_path, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]

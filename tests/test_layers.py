@@ -195,3 +195,45 @@ def test_rotary_embedding_is_te_rotate_half_and_depends_on_relative_position():
         layer.self_attention.layernorm_qkv.weight.mul_(30)  # sharp attention, so that positions matter
     x = torch.randn(2, 6, 16)
     assert not torch.allclose(layer(x, rotary_pos_emb=tt.RotaryPositionEmbedding(8)(6)), layer(x), atol=1e-2)
+
+
+@pytest.mark.parametrize("mask, single", [("padding", "no_mask"), ("padding_causal", "causal")])
+def test_packed_sequences_equal_each_sequence_alone(mask, single):
+    """thd: attention within each sequence, rotary positions restarting at each, empty slots and tokens past the
+    last offset (padding) harmless; the same layer, run on each sequence alone, gives the same outputs."""
+    torch.manual_seed(0)
+    common = dict(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True, activation="gelu_erf")
+    packed = tt.TransformerLayer(H, FFN, HEADS, attn_input_format="thd", self_attn_mask_type=mask, **common).double()
+    alone = tt.TransformerLayer(H, FFN, HEADS, attn_input_format="bshd", self_attn_mask_type=single, **common).double()
+    alone.load_state_dict(packed.state_dict())
+    with torch.no_grad():
+        packed.self_attention.layernorm_qkv.weight.mul_(10)  # sharp attention: a leak between sequences shows
+        alone.self_attention.layernorm_qkv.weight.mul_(10)
+    lengths, tail = [5, 3, 0, 7], 4
+    cu = torch.tensor([0, 5, 8, 8, 15], dtype=torch.int32)
+    x = torch.randn(sum(lengths) + tail, H, dtype=torch.float64)
+    angles = tt.RotaryPositionEmbedding(H // HEADS)(16)
+    out = packed(x, rotary_pos_emb=angles, self_attn_mask_type=mask, cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=16)
+    assert out.shape == x.shape and torch.isfinite(out).all()
+    for start, n in zip(cu[:-1].tolist(), lengths):
+        if n:
+            torch.testing.assert_close(out[start:start + n], alone(x[None, start:start + n], rotary_pos_emb=angles)[0])
+    moved = x.clone()
+    moved[5:8] = torch.randn(3, H, dtype=torch.float64)  # another second sequence: the others do not change
+    again = packed(moved, rotary_pos_emb=angles, cu_seqlens_q=cu)
+    torch.testing.assert_close(again[:5], out[:5])
+    torch.testing.assert_close(again[8:], out[8:])
+    with pytest.raises(ValueError, match="cu_seqlens"):
+        packed(x, rotary_pos_emb=angles)
+
+
+def test_packed_positions():
+    sequence, position = tt.packed_positions(torch.tensor([0, 2, 2, 5], dtype=torch.int32), 7)
+    assert sequence.tolist() == [0, 0, 2, 2, 2, 3, 3]
+    assert position.tolist() == [0, 1, 0, 1, 2, 0, 1]
+
+
+def test_exact_gelu_is_erf_and_gelu_is_tanh():
+    x = torch.linspace(-4, 4, 101, dtype=torch.float64)
+    torch.testing.assert_close(tt.ACTIVATIONS["gelu_erf"](x), x * 0.5 * (1 + torch.erf(x / math.sqrt(2))))
+    assert (tt.ACTIVATIONS["gelu"](x) - tt.ACTIVATIONS["gelu_erf"](x)).abs().max() > 1e-4  # TE's: the tanh form

@@ -512,7 +512,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    recipe: str = MISSING  # recipes/registry.py: vit | mnist | gpt
+    recipe: str = MISSING  # recipes/registry.py: vit | mnist | gpt | esm2
     seed: int = 1234
     training: TrainingConfig = field(default_factory=TrainingConfig)
     # Recipe-specific: validated against the recipe's own schemas.

@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Collection
+from typing import Callable, Collection
 from urllib.parse import quote
 
 from omegaconf import OmegaConf
@@ -261,9 +261,9 @@ def pass_on_stop_signal(stopped_by: str | None) -> None:
         handler(sig, None)
 
 
-def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
-    """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys`
-    (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
+def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = None) -> None:
+    """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys(its
+    arguments)` (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
     on ranks > 0, and the process ended when it returns or fails, with its exit code (1 for an unexpected
     error, which Hydra has printed). Ending with os._exit keeps a failed run from waiting at interpreter
     exit for data-loader workers or threads that are still running: a failing job ends instead of holding
@@ -275,7 +275,7 @@ def run_hydra(hydra_main, config_keys: set[str] | None = None) -> None:
     if config_keys is not None:
         try:
             groups = {p.name for p in (REPO_DIR / "configs").iterdir() if p.is_dir()}
-            check_overrides(sys.argv[1:], config_keys, groups)
+            check_overrides(sys.argv[1:], config_keys(sys.argv[1:]), groups)
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             exit_process(2)

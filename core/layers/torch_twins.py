@@ -4,7 +4,12 @@ Each class takes the TE constructor arguments it supports, registers exactly TE'
 shapes, and computes what TE computes (TE's defaults included: tanh GELU, LayerNorm eps 1e-5,
 softmax scale 1/sqrt(kv_channels), GLU gate in the first half of fc1), so a state dict moves between
 the two backends with only TE's `_extra_state` entries differing. Arguments these twins do not
-implement raise an error instead of being ignored.
+implement raise an error instead of being ignored. One addition TE lacks: the activation "gelu_erf" (the
+exact GELU, as ESM-2 and Hugging Face compute it), for models that must equal those to float precision.
+
+Packed sequences (attn_input_format "thd", TE's name): the input is [tokens, hidden], `cu_seqlens` [slots + 1]
+the sequences' offsets (a slot may be empty); attention stays within each sequence and rotary positions restart
+at each one's first token, as in TE.
 
 Tensor parallelism works as in TE (and Megatron): with `tp_size > 1` a column-parallel layer holds a
 block of output rows, a row-parallel one a block of input columns (marked with `partition_dim`, see
@@ -124,6 +129,10 @@ def _gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
 
 
+def _gelu_erf(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x)
+
+
 def _qgelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)
 
@@ -134,6 +143,7 @@ def _srelu(x: torch.Tensor) -> torch.Tensor:
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": _gelu_tanh,
+    "gelu_erf": _gelu_erf,  # not a TE activation (see the module's docstring)
     "relu": F.relu,
     "silu": F.silu,
     "qgelu": _qgelu,
@@ -430,10 +440,14 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         _reject("MultiheadAttention", sequence_parallel=sequence_parallel)
         self.layer_number = layer_number  # names this layer's KV cache
-        if attn_mask_type not in ("no_mask", "causal"):
-            raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal")
-        if qkv_format not in ("sbhd", "bshd"):
-            raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd and bshd")
+        packed_masks = ("padding", "padding_causal")
+        if qkv_format == "thd" and attn_mask_type not in packed_masks:
+            raise ValueError(f"qkv_format='thd' needs attn_mask_type in {packed_masks} (as TE), got {attn_mask_type!r}")
+        if qkv_format != "thd" and attn_mask_type not in ("no_mask", "causal"):
+            raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal "
+                                      "(padding masks: packed sequences, qkv_format='thd')")
+        if qkv_format not in ("sbhd", "bshd", "thd"):
+            raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd, bshd and thd")
         if fuse_qkv_params and not qkv_weight_interleaved:
             raise NotImplementedError("fuse_qkv_params without qkv_weight_interleaved")
         self.num_heads = num_attention_heads
@@ -447,7 +461,7 @@ class MultiheadAttention(nn.Module):
         self.num_heads = _divide(self.num_heads, tp_size, "num_attention_heads")
         self.num_groups = _divide(self.num_groups, tp_size, "num_gqa_groups")
         self.attention_dropout = attention_dropout
-        self.causal = attn_mask_type == "causal"
+        self.causal = attn_mask_type in ("causal", "padding_causal")
         self.qkv_format = qkv_format
         self.fuse_qkv_params = fuse_qkv_params
         parallel = dict(tp_group=tp_group, tp_size=tp_size) if tp_size > 1 else {}
@@ -463,23 +477,31 @@ class MultiheadAttention(nn.Module):
                            params_dtype=params_dtype, device=device, parallel_mode="row" if parallel else None,
                            **parallel)
 
-    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None,
-                inference_params: Optional[InferenceParams] = None) -> torch.Tensor:
-        if self.qkv_format == "sbhd":
-            x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
-        b, s, _ = x.shape
-        mixed = self.layernorm_qkv(x)
+    def _split_qkv(self, mixed: torch.Tensor, b: int, s: int) -> tuple[torch.Tensor, ...]:
+        """The projection's output [b, s, ...] -> q [b, s, heads, d], k and v [b, s, groups, d]."""
         per_group = self.num_heads // self.num_groups
         if self.fuse_qkv_params:
             mixed = mixed.view(b, s, self.num_groups, (per_group + 2) * self.head_dim)
             q, k, v = mixed.split([per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
-            q = q.reshape(b, s, self.num_heads, self.head_dim)
-        else:
-            q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
-            q, k, v = mixed.split([q_size, kv_size, kv_size], dim=-1)
-            q = q.view(b, s, self.num_heads, self.head_dim)
-            k = k.view(b, s, self.num_groups, self.head_dim)
-            v = v.view(b, s, self.num_groups, self.head_dim)
+            return q.reshape(b, s, self.num_heads, self.head_dim), k, v
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        q, k, v = mixed.split([q_size, kv_size, kv_size], dim=-1)
+        return (q.view(b, s, self.num_heads, self.head_dim), k.view(b, s, self.num_groups, self.head_dim),
+                v.view(b, s, self.num_groups, self.head_dim))
+
+    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None,
+                inference_params: Optional[InferenceParams] = None,
+                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.qkv_format == "thd":
+            if cu_seqlens is None or inference_params is not None:
+                raise ValueError("qkv_format='thd' needs cu_seqlens (and takes no KV cache)")
+            return self._packed(x, rotary_pos_emb, cu_seqlens)
+        if cu_seqlens is not None:
+            raise NotImplementedError("cu_seqlens: packed sequences need qkv_format='thd'")
+        if self.qkv_format == "sbhd":
+            x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
+        b, s, _ = x.shape
+        q, k, v = self._split_qkv(self.layernorm_qkv(x), b, s)
         start = inference_params.sequence_start if inference_params is not None else 0
         if rotary_pos_emb is not None:  # positions enter through queries and keys only
             angles = rotary_pos_emb[start:]  # the new tokens continue after the cached ones
@@ -489,20 +511,40 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("MultiheadAttention needs a layer_number to use a KV cache")
             k, v = inference_params.step(self.layer_number, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        if per_group > 1:
-            k = k.repeat_interleave(per_group, dim=1)
-            v = v.repeat_interleave(per_group, dim=1)
         causal, mask = self.causal, None
         if self.causal and start > 0:  # queries at positions start.. see every cached key and the new ones before them
             causal = False
             if s > 1:
                 mask = torch.ones(s, k.shape[2], dtype=torch.bool, device=q.device).tril(diagonal=start)
-        out = F.scaled_dot_product_attention(
+        out = self._attend(q, k, v, mask, causal)
+        out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+        return out.transpose(0, 1) if self.qkv_format == "sbhd" else out
+
+    def _attend(self, q, k, v, mask, causal: bool) -> torch.Tensor:
+        """q, k, v [b, heads, s, d] -> the attention's output, [b, heads, s, d]."""
+        per_group = self.num_heads // self.num_groups
+        if per_group > 1:
+            k = k.repeat_interleave(per_group, dim=1)
+            v = v.repeat_interleave(per_group, dim=1)
+        return F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.attention_dropout if self.training else 0.0,
             scale=1.0 / math.sqrt(self.head_dim),
         )
-        out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
-        return out.transpose(0, 1) if self.qkv_format == "sbhd" else out
+
+    def _packed(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden] holding the sequences cu_seqlens delimits -> [tokens, hidden]. Tokens past the last
+        offset form one more sequence of their own."""
+        t = x.shape[0]
+        sequence, position = packed_positions(cu_seqlens, t)
+        q, k, v = self._split_qkv(self.layernorm_qkv(x[None]), 1, t)
+        if rotary_pos_emb is not None:  # each sequence's positions start at 0
+            angles = rotary_pos_emb[position]
+            q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
+        mask = sequence[:, None] == sequence[None, :]
+        if self.causal:
+            mask = mask.tril()
+        out = self._attend(*(u.transpose(1, 2) for u in (q, k, v)), mask, False)
+        return self.proj(out.transpose(1, 2).reshape(t, self.num_heads * self.head_dim))
 
 
 class TransformerLayer(nn.Module):
@@ -542,9 +584,21 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
                 inference_params: Optional[InferenceParams] = None, self_attn_mask_type: Optional[str] = None,
+                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
+                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
                 **unsupported) -> torch.Tensor:
         if attention_mask is not None or any(v is not None for v in unsupported.values()):
             raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
+        if cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens_q:
+            raise NotImplementedError("self-attention over packed sequences: cu_seqlens_kv must be cu_seqlens_q")
+        # max_seqlen_*: a bound TE's kernels size their work by; the masked attention here needs none.
+        if self.self_attention.qkv_format == "thd":
+            if self_attn_mask_type not in (None, "padding", "padding_causal"):
+                raise NotImplementedError(f"self_attn_mask_type={self_attn_mask_type!r} with packed sequences")
+            x = hidden_states
+            x = x + F.dropout(self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q), self.hidden_dropout,
+                              self.training)
+            return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
         # With a KV cache TE wants a padding mask type; the twin's sequences have no padding, so the
         # padding variants are the same mask as the constructor's.
         if self_attn_mask_type not in (None, "causal", "padding_causal") or (
@@ -554,6 +608,16 @@ class TransformerLayer(nn.Module):
         x = hidden_states
         x = x + F.dropout(self.self_attention(x, rotary_pos_emb, inference_params), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
+
+
+def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """For `tokens` packed tokens whose sequences start at cu_seqlens[:-1] (int32 offsets, empty slots allowed):
+    each token's sequence (its slot; tokens past cu_seqlens[-1]: one more) and its position in it."""
+    offsets = cu_seqlens.long()
+    index = torch.arange(tokens, device=offsets.device)
+    sequence = torch.searchsorted(offsets[1:], index, right=True)
+    start = torch.cat([offsets, offsets[-1:]])[sequence]  # the slot past the last starts at its offset
+    return sequence, index - start
 
 
 def token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""ESM-2 (Lin et al. 2023), as fair-esm and Hugging Face's EsmForMaskedLM compute it, over packed sequences.
+
+Token embedding with ESM's token dropout (the embeddings of <mask> tokens are zeroed, and each sequence's
+rescaled by (1 - 0.15 x 0.8) / (1 - its share of <mask> tokens)); pre-LayerNorm blocks (self-attention over
+each sequence with rotary positions, a GELU MLP, biases everywhere); a final LayerNorm; the LM head: dense,
+GELU, LayerNorm, then the embedding matrix (tied) plus a bias.
+
+The input is rows of packed sequences (recipes/esm2/packing.py): tokens [rows, budget] and cu_seqlens
+[rows, slots + 1]; the blocks see all rows as one packed stream ("thd"): TE's fused attention with
+cu_seqlens on GPUs, the plain-torch twin's masked attention elsewhere (same parameter names).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from core.config.errors import ConfigError
+from core.layers.namespace import Layers
+from core.layers.torch_twins import packed_positions
+from recipes.esm2.tokenizer import MASK, PAD, VOCABULARY
+
+VOCAB_SIZE = len(VOCABULARY)
+MASK_RATIO_TRAIN = 0.15 * 0.8  # ESM-2's token dropout assumes this share of <mask> tokens in training
+
+
+class LMHead(nn.Module):
+    def __init__(self, hidden: int, eps: float, activation, layers: Layers, device):
+        super().__init__()
+        self.dense = layers.Linear(hidden, hidden, bias=True, device=device)
+        self.norm = layers.LayerNorm(hidden, eps=eps, device=device)
+        self.bias = nn.Parameter(torch.zeros(VOCAB_SIZE, device=device))
+        self.activation = activation
+
+    def forward(self, x: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
+        x = self.norm(self.activation(self.dense(x)))
+        return F.linear(x, embedding.to(x.dtype), self.bias.to(x.dtype))
+
+
+class ESM2(nn.Module):
+    def __init__(self, cfg, layers: Layers, device: torch.device | str = "cpu"):
+        super().__init__()
+        h, heads = cfg.hidden_size, cfg.num_attention_heads
+        if cfg.activation == "gelu_erf" and layers.name == "te":
+            raise ConfigError("model.activation=gelu_erf (the exact GELU) has no TransformerEngine kernel: use "
+                              "model.activation=gelu (TE's tanh form) with model.backend=te, or model.backend=torch")
+        if layers.tp.size > 1:
+            raise ConfigError(f"distributed.tp={layers.tp.size}: the ESM-2 recipe has no tensor parallelism; use tp=1")
+        self.cfg, self.high_precision, self.max_seq_length = cfg, layers.high_precision, cfg.max_seq_length
+        self.token_cross_entropy = layers.token_cross_entropy
+        self.embedding = nn.Embedding(VOCAB_SIZE, h, device=device)
+        self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
+        self.layers = nn.ModuleList(
+            layers.TransformerLayer(
+                hidden_size=h, ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
+                layernorm_epsilon=cfg.norm_epsilon, hidden_dropout=cfg.hidden_dropout,
+                attention_dropout=cfg.attention_dropout, self_attn_mask_type="padding", attn_input_format="thd",
+                fuse_qkv_params=cfg.fuse_qkv_params, bias=True, activation=cfg.activation, normalization="LayerNorm",
+                layer_number=i + 1, device=device,
+            )
+            for i in range(cfg.num_layers)
+        )
+        self.final_norm = layers.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
+        gelu = (lambda x: F.gelu(x)) if cfg.activation == "gelu_erf" else (lambda x: F.gelu(x, approximate="tanh"))
+        self.lm_head = LMHead(h, cfg.norm_epsilon, gelu, layers, device)
+
+    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, labels: torch.Tensor | None = None,
+                hidden_layer: int | None = None) -> torch.Tensor:
+        """tokens [rows, budget], cu_seqlens [rows, slots + 1] -> logits [rows, budget, vocab]; with `labels`
+        [rows, budget], each token's cross-entropy instead (fp32; labels < 0 count 0); with `hidden_layer`, the
+        hidden states [rows, budget, hidden] after that many blocks (0: the embeddings; num_layers: after the
+        final LayerNorm)."""
+        rows, budget = tokens.shape
+        flat_tokens = tokens.reshape(-1)
+        cu = flat_offsets(cu_seqlens, budget)
+        x = self.embed(flat_tokens, cu)
+        angles = self.rotary(self.max_seq_length).to(x.device)
+        if hidden_layer == 0:
+            return x.view(rows, budget, -1)
+        for i, block in enumerate(self.layers):
+            x = block(x, rotary_pos_emb=angles, self_attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                      max_seqlen_q=self.max_seq_length, max_seqlen_kv=self.max_seq_length)
+            if hidden_layer == i + 1 and hidden_layer < len(self.layers):
+                return x.view(rows, budget, -1)
+        x = self.final_norm(x)
+        if hidden_layer is not None:
+            return x.view(rows, budget, -1)
+        with self.high_precision():  # the vocabulary projection stays out of FP8 (33 columns, and sensitive)
+            logits = self.lm_head(x, self.embedding.weight)
+        if labels is None:
+            return logits.view(rows, budget, -1)
+        flat_labels = labels.reshape(-1)
+        # A tensor of its own, not a view: FSDP2 hooks its backward on the module's output.
+        loss = self.token_cross_entropy(logits, flat_labels.clamp(min=0)) * (flat_labels >= 0)
+        return loss.view(rows, budget).clone()
+
+    def embed(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """Token embeddings [tokens, hidden] with ESM-2's token dropout per sequence; padding zeroed."""
+        x = self.embedding(tokens)
+        is_mask = tokens == MASK
+        if self.cfg.token_dropout:
+            x = x.masked_fill(is_mask[:, None], 0.0)
+            sequence, _ = packed_positions(cu_seqlens, tokens.shape[0])
+            slots = cu_seqlens.shape[0]  # one more than the sequences: tokens past the last offset (none here)
+            masked = torch.zeros(slots, device=x.device).index_add_(0, sequence, is_mask.float())
+            length = torch.zeros(slots, device=x.device).index_add_(0, sequence, torch.ones_like(is_mask, dtype=torch.float))
+            scale = (1 - MASK_RATIO_TRAIN) / (1 - masked / length.clamp(min=1))
+            x = x * scale[sequence, None].to(x.dtype)
+        return x * (tokens != PAD)[:, None].to(x.dtype)
+
+
+def flat_offsets(cu_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
+    """Per-row offsets [rows, slots + 1] -> the offsets of all rows as one stream [rows x slots + 1] (int32)."""
+    rows = cu_seqlens.shape[0]
+    shifted = cu_seqlens[:, :-1] + budget * torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)[:, None]
+    end = torch.full((1,), rows * budget, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
+    return torch.cat([shifted.reshape(-1), end]).to(torch.int32)

@@ -1,0 +1,92 @@
+"""Sequences packed into fixed-size micro-batch rows, so that no compute goes to padding and every step has
+the same shapes (what CUDA graphs and FP8 need).
+
+A pack is `budget` tokens holding whole (cropped) sequences one after another, then padding; `cu_seqlens`
+([slots + 1], int32) gives where each sequence starts, so attention stays within it and its positions
+restart (TE's "thd" layout). The padding after the last sequence is cut into pieces of at most `max_length`
+tokens, each one more sequence of its own, and unused slots repeat the last offset (empty sequences): the
+longest sequence is then always <= max_length, and the slot count is fixed.
+
+Which sequences share a pack is planned once per dataset (`plan_packs`: a seeded shuffle, then each pack
+filled in that order until the next sequence does not fit), so a pack is a sample like any other: the loop's
+sampler shuffles packs per epoch, splits them over ranks and resumes mid-epoch exactly, while each sequence's
+window and masks still change per epoch (recipes/esm2/masking.py). Padded batches are the special case of one
+sequence per pack and budget = max_length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from core.data.datasets import epoch_index, sample_generator
+from recipes.esm2.masking import IGNORE, Masking, crop_and_mask, framed_length
+from recipes.esm2.sequences import SequenceStore
+from recipes.esm2.tokenizer import PAD, VOCABULARY
+
+
+def plan_packs(lengths: np.ndarray, budget: int, max_sequences: int) -> np.ndarray:
+    """Pack boundaries for sequences of `lengths` tokens (in the order given, each <= budget): pack k holds
+    positions starts[k]:starts[k+1]. A pack closes when the next sequence does not fit in what is left of its
+    budget, or when it holds max_sequences."""
+    starts, used, count = [0], 0, 0
+    for i, n in enumerate(lengths.tolist()):
+        if used + n > budget or count == max_sequences:
+            starts.append(i)
+            used, count = 0, 0
+        used += n
+        count += 1
+    starts.append(len(lengths))
+    return np.asarray(starts, dtype=np.int64)
+
+
+class PackedSequences(Dataset):
+    """Packs of the store's sequences `indices`: item k (an int, or an EpochIndex for the epoch's random
+    windows and masks) is a dict of "tokens" and "labels" [budget] (int64), "cu_seqlens" [slots + 1] (int32) and
+    "sequences" [max_sequences] (the store indices of its sequences, -1 for none)."""
+
+    def __init__(self, store: SequenceStore, indices: np.ndarray, budget: int, max_length: int, max_sequences: int,
+                 masking: Masking, seed: int, shuffle_seed: int | None):
+        if max_length < 3 or budget < max_length:
+            raise ValueError(f"budget={budget}, max_length={max_length}: expected 3 <= max_length <= budget")
+        self.store, self.masking, self.seed = store, masking, seed
+        self.budget, self.max_length, self.max_sequences = budget, max_length, max_sequences
+        self.slots = max_sequences + math.ceil(budget / max_length)  # + the padding's pieces
+        order = np.asarray(indices, dtype=np.int64)
+        if shuffle_seed is not None:
+            order = order[np.random.default_rng(shuffle_seed).permutation(len(order))]
+        lengths = framed_length(store.lengths()[order], max_length)
+        self.order, self.starts = order, plan_packs(lengths, budget, max_sequences)
+        self.real_tokens = int(lengths.sum())
+
+    def __len__(self) -> int:
+        return len(self.starts) - 1
+
+    def __getitem__(self, index) -> dict[str, torch.Tensor]:
+        epoch, k = epoch_index(index)
+        if not 0 <= k < len(self):
+            raise IndexError(f"pack {k} of {len(self)}")
+        members = self.order[self.starts[k]:self.starts[k + 1]]
+        tokens = torch.full((self.budget,), PAD, dtype=torch.int64)
+        labels = torch.full((self.budget,), IGNORE, dtype=torch.int64)
+        offsets = [0]
+        for i in members.tolist():
+            residues = self.store.sequence(i)
+            if len(residues) and int(residues.max()) >= len(VOCABULARY):
+                raise ValueError(f"{self.store.source}: sequence {i} holds token id {int(residues.max())}, outside "
+                                 f"the {len(VOCABULARY)}-token vocabulary")
+            t, y = crop_and_mask(residues, self.max_length, self.masking, sample_generator(self.seed, epoch, i))
+            start = offsets[-1]
+            tokens[start:start + len(t)], labels[start:start + len(t)] = t, y
+            offsets.append(start + len(t))
+        while offsets[-1] < self.budget:  # the padding, in pieces the attention kernels' bound covers
+            offsets.append(min(offsets[-1] + self.max_length, self.budget))
+        offsets += [self.budget] * (self.slots + 1 - len(offsets))
+        sequences = torch.full((self.max_sequences,), -1, dtype=torch.int64)
+        sequences[:len(members)] = torch.from_numpy(members)
+        return {"tokens": tokens, "labels": labels, "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
+                "sequences": sequences}
+
