@@ -19,6 +19,9 @@ SMALL_VIT = ["data=synthetic", "data.synthetic_train_size=1024", "data.num_class
 # length that is not a multiple of 128 takes the padding-mask form of causal attention.
 SMALL_GPT = ["data=gpt_mock", "model.vocab_size=512", "precision=bf16", "distributed=mfsdp", "model.backend=te", "training.micro_batch_size=8",
              "training.global_batch_size=16", *EVERY_STEP]
+# ESM-2 blocks on packed sequences (TE's thd attention with cu_seqlens: their contents change every micro-batch,
+# their shape does not), two micro-batch rows of 1,024 tokens each.
+SMALL_ESM = ["precision=bf16", "distributed=mfsdp", "model.backend=te", "data.num_workers=2", *EVERY_STEP]
 FP8 = ["model.backend=te", "precision.param_dtype=bf16"]
 CASES = {"vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
          "vit-torch": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=torch"]),
@@ -30,7 +33,8 @@ CASES = {"vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
          "vit-te-recompute": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te",
                                                        "training.activation_checkpointing=true"]),
          "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
-         "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"])}
+         "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"]),
+         "esm2-te-packed": ("esm2_sanity", SMALL_ESM)}
 GRAPHED = "training.cuda_graphs=forward_backward"
 # Where graphs change the attention kernel (the padding-mask form of causal attention, core/layers/
 # te_transformer_layer.py 4.); ViT-B's no-mask attention in that form gave the same bits as without it.
