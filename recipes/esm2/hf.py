@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from recipes.esm2.model import VOCAB_SIZE
+from recipes.esm2.model import TABLE_ROWS, VOCAB_SIZE
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD
 
 HF_PREFIX = "esm."
@@ -40,7 +40,9 @@ def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
     """Our model's state dict (TE's `_extra_state` entries ignored) -> EsmForMaskedLM's."""
     heads, head_dim = m.num_attention_heads, m.hidden_size // m.num_attention_heads
     out = {theirs: weights[ours] for ours, theirs in _renames(m.num_layers).items()}
-    out["lm_head.decoder.weight"] = weights["embedding.weight"]  # tied: written once per name HF expects
+    for name in ("esm.embeddings.word_embeddings.weight", "lm_head.bias"):  # our tables' padding rows left out
+        out[name] = out[name][:VOCAB_SIZE]
+    out["lm_head.decoder.weight"] = out["esm.embeddings.word_embeddings.weight"]  # tied: HF expects both names
     for i in range(m.num_layers):
         ours, theirs = f"layers.{i}.self_attention.layernorm_qkv.", f"esm.encoder.layer.{i}.attention.self."
         for kind in ("weight", "bias"):
@@ -66,6 +68,11 @@ def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
         raise ValueError(f"not an ESM-2 EsmForMaskedLM of {m.num_layers} layers: {len(missing)} tensors missing, "
                          f"e.g. {missing[:3]}")
     out = {ours: hf[theirs] for ours, theirs in names.items()}
+    for name in ("embedding.weight", "lm_head.bias"):
+        if out[name].shape[0] != VOCAB_SIZE:
+            raise ValueError(f"{names[name]}: {out[name].shape[0]} rows, ESM-2's vocabulary has {VOCAB_SIZE}")
+        padding = out[name].new_zeros(TABLE_ROWS - VOCAB_SIZE, *out[name].shape[1:])
+        out[name] = torch.cat([out[name], padding])  # rows our model never reads
     for i in range(m.num_layers):
         ours, theirs = f"layers.{i}.self_attention.layernorm_qkv.", f"esm.encoder.layer.{i}.attention.self."
         for kind in ("weight", "bias"):
@@ -75,7 +82,7 @@ def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
                 out[ours + kind] = stacked.reshape(3 * h, *q.shape[1:])
             else:
                 out[f"{ours}query_{kind}"], out[f"{ours}key_{kind}"], out[f"{ours}value_{kind}"] = q, k, v
-    expected = {"embedding.weight": (VOCAB_SIZE, h), "lm_head.bias": (VOCAB_SIZE,),
+    expected = {"embedding.weight": (TABLE_ROWS, h), "lm_head.bias": (TABLE_ROWS,),
                 "layers.0.layernorm_mlp.fc1_weight": (m.ffn_hidden_size, h)}
     for name, shape in expected.items():
         if tuple(out[name].shape) != shape:

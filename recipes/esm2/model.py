@@ -22,6 +22,10 @@ from core.layers.torch_twins import packed_positions
 from recipes.esm2.tokenizer import MASK, PAD, VOCABULARY
 
 VOCAB_SIZE = len(VOCABULARY)
+# The embedding table and the LM head's bias hold 64 rows, not 33: tensors of 33 rows leave the GEMMs and the
+# gradient buffers after them misaligned (slow fallback kernels). Rows past the vocabulary are never looked up,
+# and their logits are cut off.
+TABLE_ROWS = 64
 MASK_RATIO_TRAIN = 0.15 * 0.8  # ESM-2's token dropout assumes this share of <mask> tokens in training
 
 
@@ -30,12 +34,12 @@ class LMHead(nn.Module):
         super().__init__()
         self.dense = layers.Linear(hidden, hidden, bias=True, device=device)
         self.norm = layers.LayerNorm(hidden, eps=eps, device=device)
-        self.bias = nn.Parameter(torch.zeros(VOCAB_SIZE, device=device))
+        self.bias = nn.Parameter(torch.zeros(TABLE_ROWS, device=device))
         self.activation = activation
 
     def forward(self, x: torch.Tensor, embedding: torch.Tensor) -> torch.Tensor:
         x = self.norm(self.activation(self.dense(x)))
-        return F.linear(x, embedding.to(x.dtype), self.bias.to(x.dtype))
+        return F.linear(x, embedding.to(x.dtype), self.bias.to(x.dtype))[..., :VOCAB_SIZE].contiguous()
 
 
 class ESM2(nn.Module):
@@ -49,7 +53,7 @@ class ESM2(nn.Module):
             raise ConfigError(f"distributed.tp={layers.tp.size}: the ESM-2 recipe has no tensor parallelism; use tp=1")
         self.cfg, self.high_precision, self.max_seq_length = cfg, layers.high_precision, cfg.max_seq_length
         self.token_cross_entropy = layers.token_cross_entropy
-        self.embedding = nn.Embedding(VOCAB_SIZE, h, device=device)
+        self.embedding = nn.Embedding(TABLE_ROWS, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
             layers.TransformerLayer(

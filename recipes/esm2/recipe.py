@@ -110,7 +110,7 @@ class ESM2Recipe(Recipe):
         m = self.cfg.model
         h, f = m.hidden_size, m.ffn_hidden_size
         block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # QKV + proj (with biases), fc1 + fc2, two LayerNorms
-        return m.num_layers * block + 2 * h + (h * h + h + 2 * h) + VOCAB_SIZE * h + VOCAB_SIZE
+        return m.num_layers * block + 2 * h + (h * h + h + 2 * h) + VOCAB_SIZE * h + VOCAB_SIZE  # padding rows not
 
     def flops_per_sample(self) -> float:
         """Training FLOPs of one full row of sequences of model.max_seq_length tokens: 6 N per token plus the
