@@ -6,9 +6,9 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-torch <step_dir> <out.pt>                 # {name: tensor}, torch.load-able
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
-  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> a LlamaForCausalLM folder
+  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> LlamaForCausalLM, ESM-2 -> EsmForMaskedLM
   python checkpoint.py to-hf <file.pt|file.safetensors> <out_dir> --config <the run's config.yaml>
-  python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama folder -> GPT weights
+  python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama or ESM folder -> GPT or ESM-2 weights
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's index is read from index.json, or
 from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as plain data and checked against the
@@ -20,9 +20,12 @@ the step folder's config.yaml; a `--config` whose model settings differ from it 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 from typing import Optional
+
+import yaml
 
 from core.checkpointing.conversion import from_torch, to_safetensors, to_torch
 from core.checkpointing.layout import CheckpointError
@@ -39,6 +42,32 @@ def _check_writable(out: str) -> None:
         path.unlink()
 
 
+def run_recipe(source: Path, config: Optional[str]) -> Optional[str]:
+    """The `recipe:` of the run a step folder (its config.yaml) or --config belongs to, read as plain data; None when
+    neither says (the conversion then names what is missing)."""
+    from core.checkpointing.layout import resolve_checkpoint
+    from core.checkpointing.saved_config import CONFIG_FILE
+
+    source = resolve_checkpoint(source)
+    for file in (Path(config) if config else None, source / CONFIG_FILE if source.is_dir() else None):
+        if file is not None and file.is_file():
+            try:
+                recipe = yaml.safe_load(file.read_text()).get("recipe")
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+                continue  # the conversion reads the file again and says what is wrong with it
+            return recipe if isinstance(recipe, str) else None
+    return None
+
+
+def folder_model_type(folder: Path) -> Optional[str]:
+    """config.json's model_type of a Hugging Face folder (None when it cannot be read: the import says why)."""
+    try:
+        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return model_type if isinstance(model_type, str) else None
+
+
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="Convert checkpoints of this repository's training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -52,7 +81,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     command = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
     command.add_argument("source")
     command.add_argument("step_dir")
-    command = sub.add_parser("to-hf", help="GPT step folder -> a Hugging Face LlamaForCausalLM folder")
+    command = sub.add_parser("to-hf", help="a GPT or ESM-2 step folder -> a Hugging Face LlamaForCausalLM or "
+                                           "EsmForMaskedLM folder")
     command.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
     command.add_argument("out_dir")
     command.add_argument("--config", help="the run's config.yaml: needed for a weights file; a step folder's own is the "
@@ -60,7 +90,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
     command.add_argument("--skip-checksums", action="store_true",
                    help="do not check the files against the checksums recorded when they were written")
-    command = sub.add_parser("from-hf", help="a Hugging Face Llama folder -> GPT weights for checkpoint.init_from")
+    command = sub.add_parser("from-hf", help="a Hugging Face Llama or ESM folder -> GPT or ESM-2 weights for "
+                                             "checkpoint.init_from")
     command.add_argument("hf_dir")
     command.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
     command.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
@@ -73,10 +104,16 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "from-torch":
             from_torch(args.source, args.step_dir)
         elif args.command == "to-hf":
-            from recipes.gpt.hf import export_to_hf
-
+            if run_recipe(Path(args.step_dir), args.config) == "esm2":
+                from recipes.esm2.hf import export_to_hf
+            else:
+                from recipes.gpt.hf import export_to_hf
             export_to_hf(args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
                          config=args.config)
+        elif folder_model_type(Path(args.hf_dir)) == "esm":
+            from recipes.esm2.hf import import_from_hf
+
+            import_from_hf(args.hf_dir, args.out)
         else:
             from recipes.gpt.hf import import_from_hf
 

@@ -20,7 +20,7 @@ from core.data.datasets import EpochIndex, sample_generator
 from core.layers.namespace import TORCH_LAYERS
 from recipes.esm2 import hf as esm_hf
 from recipes.esm2.masking import IGNORE, Masking, crop_and_mask
-from recipes.esm2.model import ESM2, MASK_RATIO_TRAIN
+from recipes.esm2.model import ESM2, MASK_RATIO_TRAIN, VOCAB_SIZE
 from recipes.esm2.packing import PackedSequences, plan_packs
 from recipes.esm2.sequences import build_store, read_store, records, write_store
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, SPECIAL, VOCABULARY, decode, encode_residues
@@ -399,3 +399,49 @@ def test_a_packed_run_stopped_by_sigterm_resumes_bit_for_bit_and_on_another_rank
     assert one["start_step"] == 4 and sorted(one["losses"]) == [5, 6]
     for step in (5, 6):
         assert one["losses"][step] == pytest.approx(plain["losses"][step], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
+    """A trained esm2_sanity step folder -> `checkpoint.py to-hf` -> EsmForMaskedLM and EsmTokenizer load it and
+    give our logits (fp32, 1e-5) -> `checkpoint.py from-hf` -> the same weights as the run's."""
+    import checkpoint
+    from transformers import EsmForMaskedLM, EsmTokenizer
+
+    from core.checkpointing.weights import load_weights_file, read_model_weights
+    from tests.checkpoint_harness import run_phases
+    from tests.helpers import run_workers
+
+    overrides = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
+                 "model.activation=gelu_erf", f"checkpoint.path={tmp_path}/ckpt"]
+    run_workers(1, run_phases, [{"config": "esm2_sanity", "run_dir": str(tmp_path / "run"), "overrides": overrides}])
+    step = tmp_path / "ckpt" / "step_2"
+    checkpoint.main(["to-hf", str(step), str(tmp_path / "hf")])
+    hf = EsmForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    tokenizer = EsmTokenizer.from_pretrained(tmp_path / "hf")
+    sequences = ["MKTAYIAKQRQISFVKSHFSRQ", "LLGVSE", "MSTNPKPQRKTKRNTNRRPQDVKFPGG"]
+    encoded = tokenizer(sequences, padding=True, return_tensors="pt")
+    assert encoded["input_ids"][0, :4].tolist() == [CLS, 20, 15, 11]
+    theirs = hf(**encoded).logits
+    weights = read_model_weights(step)
+    from omegaconf import OmegaConf
+
+    ours = ESM2(OmegaConf.load(step / "config.yaml").model, TORCH_LAYERS).eval()
+    ours.load_state_dict(weights, strict=False)
+    lengths = encoded["attention_mask"].sum(1).tolist()
+    packed = torch.cat([encoded["input_ids"][i, :n] for i, n in enumerate(lengths)])[None]
+    cu = torch.tensor([[0, *np.cumsum(lengths)]], dtype=torch.int32)
+    with torch.no_grad():
+        mine = ours(packed, cu)[0]
+    for i, (start, n) in enumerate(zip(cu[0].tolist(), lengths)):
+        torch.testing.assert_close(mine[start:start + n], theirs[i, :n], rtol=1e-5, atol=1e-5)
+    checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back.safetensors")])
+    back = load_weights_file(tmp_path / "back.safetensors")
+    for name, value in back.items():
+        torch.testing.assert_close(value[:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias") else value,
+                                   weights[name][:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias")
+                                   else weights[name], rtol=0, atol=0)
+    with pytest.raises(SystemExit, match="not 'rotary'"):
+        config = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"position_embedding_type": "absolute"}))
+        checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "other.safetensors")])

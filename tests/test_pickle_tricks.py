@@ -28,7 +28,7 @@ from core.checkpointing.dcp_index import load_index
 from core.checkpointing.layout import CheckpointError, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter, SafeLoadPlanner, SafeReader
 from core.checkpointing.weights import load_weights_file
-from recipes.gpt.hf import read_hf_weights
+from core.checkpointing.hf_folders import read_hf_weights
 
 PLACEHOLDER = "TRICK_GOES_HERE"
 

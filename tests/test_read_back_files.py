@@ -31,7 +31,8 @@ from core.config.run_record import read_run_record, recorded_run_dir, write_run_
 from core.config.schema import LoggerConfig
 from core.metrics.history import SUPERSEDED, keep_history_up_to
 from core.metrics.logger import MetricsLogger
-from recipes.gpt.hf import import_from_hf, llama_config, llama_shapes, read_hf_weights
+from core.checkpointing.hf_folders import read_hf_weights
+from recipes.gpt.hf import import_from_hf, llama_config, llama_shapes
 
 # Contents of a LOCK that is not a lock record: no holder can be named from them.
 NOT_LOCK_RECORDS = {

@@ -7,12 +7,15 @@ embedding matrix in both (tied). The contact-prediction head of EsmForMaskedLM i
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional
 
 import torch
 
 from recipes.esm2.model import TABLE_ROWS, VOCAB_SIZE
-from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD
+from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, VOCABULARY
 
 HF_PREFIX = "esm."
 
@@ -102,3 +105,98 @@ def hf_config(m: Any, dtype: str = "float32") -> dict[str, Any]:
             "rope_theta": m.rotary_base, "use_cache": True, "emb_layer_norm_before": False,
             "token_dropout": m.token_dropout, "is_folding_model": False, "tie_word_embeddings": True,
             "pad_token_id": PAD, "mask_token_id": MASK, "cls_token_id": CLS, "eos_token_id": EOS, "dtype": dtype}
+
+
+def check_esm2_config(config: dict, file: Path) -> SimpleNamespace:
+    """An EsmForMaskedLM config.json -> our model settings; refuses what our ESM-2 does not compute."""
+    def need(condition: bool, what: str) -> None:
+        if not condition:
+            raise ValueError(f"{file}: {what}; not an ESM-2 model this recipe computes, nothing was imported")
+
+    for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+        value = config.get(key)
+        need(isinstance(value, int) and not isinstance(value, bool) and 0 < value < 1 << 20, f"{key}={value!r}")
+    need(config.get("model_type") == "esm", f"model_type={config.get('model_type')!r}, expected 'esm'")
+    need(config.get("position_embedding_type") == "rotary", "position_embedding_type is not 'rotary' (ESM-1 style)")
+    need(not config.get("emb_layer_norm_before"), "emb_layer_norm_before is set (ESM-1b style)")
+    need(config.get("vocab_size") == VOCAB_SIZE, f"vocab_size={config.get('vocab_size')!r}, ESM-2's is {VOCAB_SIZE}")
+    need(not config.get("is_folding_model") and not config.get("is_decoder"), "a folding or decoder model")
+    need(config.get("hidden_size") % config.get("num_attention_heads") == 0, "hidden_size not divisible by the heads")
+    eps, theta = config.get("layer_norm_eps", 1e-12), config.get("rope_theta", 10000.0)
+    need(isinstance(eps, (int, float)) and 0 < eps < 1, f"layer_norm_eps={eps!r}")
+    need(isinstance(theta, (int, float)) and theta > 1, f"rope_theta={theta!r}")
+    return SimpleNamespace(hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
+                           num_attention_heads=config["num_attention_heads"],
+                           ffn_hidden_size=config["intermediate_size"], norm_epsilon=float(eps),
+                           rotary_base=float(theta), token_dropout=bool(config.get("token_dropout", False)),
+                           fuse_qkv_params=True)
+
+
+def settings_overrides(m: SimpleNamespace) -> list[str]:
+    return [f"model.hidden_size={m.hidden_size}", f"model.num_layers={m.num_layers}",
+            f"model.num_attention_heads={m.num_attention_heads}", f"model.ffn_hidden_size={m.ffn_hidden_size}",
+            f"model.norm_epsilon={m.norm_epsilon}", f"model.rotary_base={m.rotary_base}",
+            f"model.token_dropout={str(m.token_dropout).lower()}"]
+
+
+def write_tokenizer(out: Path, max_length: int) -> list[str]:
+    """EsmTokenizer's files: vocab.txt (one token per line, id order) and tokenizer_config.json."""
+    (out / "vocab.txt").write_text("\n".join(VOCABULARY))
+    specials = {"cls_token": "<cls>", "pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>",
+                "mask_token": "<mask>"}
+    (out / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "EsmTokenizer", "model_max_length": max_length, **specials}, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
+    return ["vocab.txt", "tokenizer_config.json", "special_tokens_map.json"]
+
+
+def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
+                 config: Optional[str] = None) -> dict:
+    """checkpoint.py to-hf for an ESM-2 run: a step folder (or weights file + its run's config) -> a folder that
+    EsmForMaskedLM.from_pretrained and EsmTokenizer.from_pretrained load. Returns the written config.json."""
+    from safetensors.torch import save_file
+
+    from core.checkpointing.hf_folders import read_run
+    from core.checkpointing.layout import CheckpointError
+    from recipes.registry import get_recipe
+
+    out = Path(out_dir)
+    if out.exists() and any(out.iterdir()):
+        raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
+    saved, weights = read_run(Path(source), config, verify_checksums, "esm2", get_recipe)
+    m = SimpleNamespace(**saved.section("model"))
+    torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+    hf = {k: v.to(torch_dtype) for k, v in to_hf(weights, m).items() if k != "lm_head.decoder.weight"}  # tied
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    written = hf_config(m, dtype)
+    (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
+    files = write_tokenizer(out, m.max_seq_length)
+    note = ("" if m.activation == "gelu_erf" else "; trained with TE's GELU (tanh form), which EsmForMaskedLM "
+            "computes exactly (erf): its logits differ a little (docs/esm2.md)")
+    print(f"wrote {out}: EsmForMaskedLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
+          f"{len(hf)} tensors; {', '.join(files)}{note}")
+    return written
+
+
+def import_from_hf(hf_dir: str, out: str) -> list[str]:
+    """checkpoint.py from-hf for an EsmForMaskedLM folder (e.g. a local copy of facebook/esm2_t33_650M_UR50D) -> our
+    weights as a .safetensors/.pt file or a step folder (checkpoint.init_from). Returns the model settings."""
+    from core.checkpointing.hf_folders import read_hf_weights, read_json_object, write_weights
+
+    folder, target = Path(hf_dir), Path(out)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
+    if target.exists():
+        raise FileExistsError(f"{target} exists; choose a new path")
+    m = check_esm2_config(read_json_object(folder / "config.json"), folder / "config.json")
+    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}  # our master weights are fp32
+    weights = from_hf(hf, m)
+    if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"],
+                                                          hf["esm.embeddings.word_embeddings.weight"]):
+        raise ValueError("lm_head.decoder.weight differs from the embedding: ESM-2 ties them; nothing was imported")
+    write_weights(weights, target, str(folder))
+    settings = settings_overrides(m)
+    print(f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
+          f"checkpoint.init_from={target} {' '.join(settings)}")
+    return settings

@@ -33,9 +33,10 @@ from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import torch
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.config.file_shape import problems, shown
+from core.checkpointing.hf_folders import read_hf_weights, read_json_object, read_run, write_weights
+from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
@@ -215,32 +216,6 @@ class LlamaConfigFields(BaseModel):
     hidden_act: str = "silu"
 
 
-def _plain_file_name(name: str) -> str:
-    if name in ("", ".", "..") or "/" in name or "\\" in name or "\0" in name:
-        raise ValueError("should be the name of a file in the model folder (no '/', no '..')")
-    return name
-
-
-class ShardIndex(BaseModel):
-    """model.safetensors.index.json: which shard file (in the same folder) holds each tensor."""
-
-    model_config = ConfigDict(strict=True)
-    weight_map: Annotated[dict[str, Annotated[str, AfterValidator(_plain_file_name)]], Field(min_length=1)]
-
-
-JSON_OBJECT = TypeAdapter(dict[str, Any])
-
-
-def read_json_object(file: Path) -> dict[str, Any]:
-    """A JSON file that must hold an object; ValueError naming the file if it is not UTF-8 JSON text or not
-    an object."""
-    try:
-        return JSON_OBJECT.validate_json(file.read_bytes(), strict=True)
-    except ValidationError as e:
-        raise ValueError(f"{file}: {problems(e)} (expected a JSON object, in UTF-8 text); nothing was "
-                         "imported") from None
-
-
 def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, Any]:
     """A Llama config.json (`file`, for messages) -> our model settings; refuses a field of the wrong type or
     out of range, and what our model does not compute, naming the field."""
@@ -380,42 +355,6 @@ def declared_special_ids(file: Path) -> dict[str, int]:
 
 # --- the two commands -------------------------------------------------------------------------------
 
-def read_run(source: Path, config: Optional[str], verify_checksums: bool) -> tuple[Any, dict[str, torch.Tensor]]:
-    """The run's settings (a SavedConfig: the model, the tokenizer, the data format) and full weights: a step
-    folder (its config.yaml; `config`, when given too, must agree with it in every model setting) or a
-    weights file (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's
-    config.yaml). A config is read as plain data and checked against the GPT schemas (never resolved)."""
-    from core.checkpointing.layout import CheckpointError, resolve_checkpoint
-    from core.checkpointing.saved_config import CONFIG_FILE, read_saved_config
-    from core.checkpointing.weights import load_weights_file, read_model_weights
-    from recipes.registry import get_recipe
-
-    source = resolve_checkpoint(source)  # a run's checkpoint root (or <root>/last): its newest step folder
-    if not source.exists():
-        raise CheckpointError(f"{source}: no such step folder or weights file")
-    if config is None and source.is_file():
-        raise CheckpointError(f"{source} is a weights file, which holds no model settings: give the run's "
-                              "config with --config (a step folder's config.yaml or the run's resolved_config.yaml)")
-    folder_config = source / CONFIG_FILE if source.is_dir() and (source / CONFIG_FILE).is_file() else None
-    files = [f for f in (folder_config, Path(config) if config is not None else None) if f is not None]
-    if not files:
-        raise CheckpointError(f"{source / CONFIG_FILE}: no such config (a step folder holds the run's settings in "
-                              "config.yaml; --config names another)")
-    for file in files:
-        if not file.is_file():
-            raise CheckpointError(f"{file}: no such config")
-    runs = [read_saved_config(file, get_recipe, expected_recipe="gpt", data_keys=("format",)) for file in files]
-    saved = runs[0]  # the step folder's own, when it has one
-    for other in runs[1:]:
-        for key, value in saved.model_settings.items():
-            if other.settings.get(key) != value:
-                raise CheckpointError(f"--config {other.file} has {key}={other.settings.get(key)!r}, but {saved.file} "
-                                      f"trained with {key}={value!r}: leave --config out (the step folder's "
-                                      "config.yaml is the default), or name the run's own")
-    weights = read_model_weights(source, verify_checksums) if source.is_dir() else load_weights_file(source)
-    return saved, weights
-
-
 def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
                  config: Optional[str] = None) -> dict:
     """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
@@ -424,11 +363,12 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
 
     from core.checkpointing.layout import CheckpointError
     from recipes.gpt.tokenizer import build_tokenizer
+    from recipes.registry import get_recipe
 
     out = Path(out_dir)
     if out.exists() and any(out.iterdir()):
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
-    saved, weights = read_run(Path(source), config, verify_checksums)
+    saved, weights = read_run(Path(source), config, verify_checksums, "gpt", get_recipe, data_keys=("format",))
     model_cfg, data = saved.section("model"), saved.section("data")
     vocab_size = weights["embedding.weight"].shape[0]  # the padded vocabulary the model was built with
     specials: dict[str, Optional[int]] = {}
@@ -464,65 +404,9 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     return written
 
 
-def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin."""
-    index = folder / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = ShardIndex.model_validate(read_json_object(index)).weight_map
-        except ValidationError as e:
-            raise ValueError(f"{index}: {problems(e)}; nothing was imported") from None
-        shards = sorted(set(weight_map.values()))
-        absent = [shard for shard in shards if not (folder / shard).is_file()]
-        if absent:
-            raise ValueError(f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; "
-                             "nothing was imported")
-        return {k: v for shard in shards for k, v in _load_safetensors(folder / shard).items()}
-    if (folder / "model.safetensors").is_file():
-        return _load_safetensors(folder / "model.safetensors")
-    if (folder / "pytorch_model.bin").is_file():
-        return _load_torch_weights(folder / "pytorch_model.bin")
-    raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
-
-
-def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
-    """A state dict saved by torch.save; ValueError naming the file if it holds anything else (a list, a dict of
-    numbers or of dicts), which the import would otherwise meet as an AttributeError. (safetensors files always
-    hold a dict of tensor names to tensors.)"""
-    try:  # weights_only: loading runs no code from the file
-        weights = torch.load(file, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{file}: cannot read as torch weights ({type(e).__name__}: {e}); nothing was "
-                         "imported") from None
-    if not isinstance(weights, dict):
-        raise ValueError(f"{file}: holds {type(weights).__name__}, not a state dict (tensor names to tensors); "
-                         "nothing was imported")
-    for key, value in weights.items():
-        what = (f"key {shown(key)} is not a string" if not isinstance(key, str) else
-                f"{shown(key)} holds {type(value).__name__}, not a tensor" if not isinstance(value, torch.Tensor)
-                else None)
-        if what:
-            raise ValueError(f"{file}: not a state dict (tensor names to tensors): {what}; nothing was imported")
-    return weights
-
-
-def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    try:
-        return load_file(str(file))
-    except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
-        raise ValueError(f"{file}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was "
-                         "imported") from None
-
-
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     """checkpoint.py from-hf: a Llama folder -> our weights, as a .safetensors/.pt file or a step folder
     (what checkpoint.init_from takes). Returns (and prints) the model settings that fit them."""
-    from safetensors.torch import save_file
-
-    from core.checkpointing.conversion import write_weights_step
-
     folder, target = Path(hf_dir), Path(out)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
@@ -534,14 +418,7 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],
                                                                                   hf["model.embed_tokens.weight"]):
         raise ValueError("config.json says tie_word_embeddings, but lm_head.weight differs from the embedding")
-    if target.suffix == ".safetensors":
-        target.parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(target))
-    elif target.suffix in (".pt", ".pth"):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(weights, target)
-    else:
-        write_weights_step(weights, target, str(folder))
+    write_weights(weights, target, str(folder))
     settings_line = " ".join(overrides(settings) + ([] if fuse_qkv else ["model.fuse_qkv_params=false"]))
     tokenizer = f" {override('data.tokenizer', folder)}" if (folder / "tokenizer.json").is_file() else ""
     print(f"wrote {len(weights)} tensors to {target}\n"
