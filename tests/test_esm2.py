@@ -445,3 +445,53 @@ def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
         config = json.loads((tmp_path / "hf" / "config.json").read_text())
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"position_embedding_type": "absolute"}))
         checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "other.safetensors")])
+
+
+def _predict_worker(overrides: list[str], run_dir: str) -> str:
+    import predict
+    from tests.helpers import validated_config
+
+    return str(predict.predict(validated_config("esm2_sanity", overrides), Path(run_dir)).output)
+
+
+@pytest.mark.slow
+def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_path):
+    """predict.py on 2 processes over the held-out sequences: one row per sequence, in data order, with its name,
+    masked perplexity and mean hidden state; the embedding equals the model's on that sequence alone."""
+    import csv
+
+    from omegaconf import OmegaConf
+
+    from core.checkpointing.weights import read_model_weights
+    from tests.checkpoint_harness import run_phases
+    from tests.helpers import run_workers
+
+    train = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
+             f"checkpoint.path={tmp_path}/ckpt"]
+    run_workers(1, run_phases, [{"config": "esm2_sanity", "run_dir": str(tmp_path / "run"), "overrides": train}])
+    step = tmp_path / "ckpt" / "step_2"
+    overrides = ["predict.split=val", "predict.micro_batch_size=2", f"predict.output={tmp_path}/out/p.csv",
+                 f"checkpoint.init_from={step}", f"checkpoint.path={tmp_path}/unused", "logger.progress_bar=never"]
+    run_workers(2, _predict_worker, overrides, str(tmp_path / "predict"))
+    with open(tmp_path / "out" / "p.csv") as f:
+        rows = list(csv.DictReader(f))
+    store = read_store(SAMPLE)
+    held_out = np.sort(np.random.default_rng(42).permutation(len(store))[:50])
+    assert [int(r["sequence"]) for r in rows] == held_out.tolist()
+    assert [r["name"] for r in rows] == [store.name(i) for i in held_out]
+    assert [int(r["residues"]) for r in rows] == [min(len(store.sequence(i)), 254) for i in held_out]
+    assert all(math.isfinite(float(r["masked_perplexity"])) for r in rows if int(r["masked_residues"]) > 0)
+    assert sum(int(r["masked_residues"]) for r in rows) > 0.1 * sum(int(r["residues"]) for r in rows)
+    model = ESM2(OmegaConf.load(step / "config.yaml").model, TORCH_LAYERS).eval()
+    model.load_state_dict(read_model_weights(step), strict=False)
+    whole = [r for r in rows if len(store.sequence(int(r["sequence"]))) <= 254]  # not cropped (windows are drawn)
+    for r in (whole[0], whole[-1]):
+        residues = torch.from_numpy(store.sequence(int(r["sequence"])).astype(np.int64))
+        tokens = torch.cat([torch.tensor([CLS]), residues, torch.tensor([EOS])])[None]
+        with torch.no_grad():
+            hidden = model(tokens, torch.tensor([[0, tokens.shape[1]]], dtype=torch.int32), hidden_layer=2)[0]
+        expected = hidden[1:-1].mean(0)
+        got = torch.tensor([float(r[f"embedding_{k}"]) for k in range(64)])
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
+    metrics = json.loads((tmp_path / "out" / "prediction_metrics.json").read_text())
+    assert metrics["sequences"] == metrics["rows"] == 50

@@ -459,8 +459,12 @@ class PredictConfig:
     folder: Optional[str] = None  # instead of a split: every input under this folder, unlabeled (the ViT)
     micro_batch_size: int = 256  # per rank
     output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
+    # Recipes that write embeddings (ESM-2): the hidden states after this many blocks, averaged over each
+    # sequence's residues; null: after the last block and the final norm.
+    embedding_layer: Optional[int] = None
 
-    RANGES: ClassVar[dict[str, Rule]] = {"micro_batch_size": Int(1, INT32_MAX)}
+    RANGES: ClassVar[dict[str, Rule]] = {"micro_batch_size": Int(1, INT32_MAX),
+                                         "embedding_layer": Int(0, INT32_MAX, note="0: the token embeddings")}
 
 
 @dataclass

@@ -19,10 +19,11 @@ from core.layers.weight_init import init_parameters, standard_rule
 from recipes.base import Datasets, Recipe
 from recipes.esm2.config import ESM2DataConfig, ESM2ModelConfig
 from recipes.esm2.masking import Masking
-from recipes.esm2.model import ESM2, VOCAB_SIZE
+from core.layers.torch_twins import packed_positions
+from recipes.esm2.model import ESM2, VOCAB_SIZE, flat_offsets
 from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import SequenceStore, read_store
-from recipes.esm2.tokenizer import MASK
+from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD
 
 
 class ESM2Recipe(Recipe):
@@ -61,19 +62,93 @@ class ESM2Recipe(Recipe):
         sequences (in order): data.val_path's, or data.val_fraction of data.path's drawn with data.split_seed."""
         data = self.cfg.data
         store = read_store(data.path, data.column, data.name_column, data.split)
+        train_indices, val_indices = self._split_indices(store)
+        val_store = store
         if data.val_path is not None:
-            train_indices = np.arange(len(store))
             val_store = read_store(data.val_path, data.column, data.name_column, data.split)
             val_indices = np.arange(len(val_store))
-        else:
-            held_out = max(1, round(len(store) * data.val_fraction))
-            if held_out >= len(store):
-                raise ConfigError(f"data.val_fraction={data.val_fraction} of {len(store)} sequences leaves none to "
-                                  f"train on ({data.path})")
-            order = np.random.default_rng(data.split_seed).permutation(len(store))
-            val_store, val_indices, train_indices = store, np.sort(order[:held_out]), np.sort(order[held_out:])
         train = self._packs(store, train_indices, shuffle_seed=mix_seed(self.cfg.seed, 0x9ac))
         return Datasets(train, self._packs(val_store, val_indices, shuffle_seed=None))
+
+    def _split_indices(self, store: SequenceStore) -> tuple[np.ndarray, np.ndarray]:
+        """(training, validation) sequence indices of data.path's store, as build_datasets draws them."""
+        data = self.cfg.data
+        if data.val_path is not None:
+            return np.arange(len(store)), np.arange(0)
+        held_out = max(1, round(len(store) * data.val_fraction))
+        if held_out >= len(store):
+            raise ConfigError(f"data.val_fraction={data.val_fraction} of {len(store)} sequences leaves none to "
+                              f"train on ({data.path})")
+        order = np.random.default_rng(data.split_seed).permutation(len(store))
+        return np.sort(order[held_out:]), np.sort(order[:held_out])
+
+    def _prediction_packs(self, store: SequenceStore, indices: np.ndarray) -> PackedSequences:
+        """In order; 15% of each sequence's residues (seeded) shown as <mask> for its masked perplexity."""
+        budget, max_sequences = self.pack_shape()
+        masking = Masking(self.cfg.data.mask_fraction, replace_with_mask=1.0, replace_with_random=0.0)
+        return PackedSequences(store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking,
+                               self.cfg.seed, shuffle_seed=None)
+
+    def split(self, name: str) -> PackedSequences:
+        """predict.py: the sequences of data.path's train or val split (val: data.val_path's when given), or all."""
+        data = self.cfg.data
+        if name not in ("train", "val", "all"):
+            raise ConfigError(f"predict.split={name}: the ESM-2 recipe's splits are train, val and all (data.path)")
+        if name == "val" and data.val_path is not None:
+            store = read_store(data.val_path, data.column, data.name_column, data.split)
+            return self._prediction_packs(store, np.arange(len(store)))
+        store = read_store(data.path, data.column, data.name_column, data.split)
+        train, val = self._split_indices(store)
+        return self._prediction_packs(store, {"train": train, "val": val, "all": np.arange(len(store))}[name])
+
+    def unlabeled(self, folder: str) -> PackedSequences:
+        """predict.folder: every sequence of a file or folder (any format data.path takes)."""
+        store = read_store(folder, self.cfg.data.column, self.cfg.data.name_column, self.cfg.data.split)
+        return self._prediction_packs(store, np.arange(len(store)))
+
+    def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
+        """Per pack, per sequence slot: the summed cross-entropy of its masked residues and their number, and the
+        mean hidden state over its residues (<cls>/<eos> left out) of the input without masks."""
+        tokens, labels, cu, sequences = batch["tokens"], batch["labels"], batch["cu_seqlens"], batch["sequences"]
+        rows, budget = tokens.shape
+        slots, kept = cu.shape[1] - 1, sequences.shape[1]
+        segment, _ = packed_positions(flat_offsets(cu, budget), rows * budget)  # row r's slot j: r x slots + j
+
+        def per_slot(values: torch.Tensor) -> torch.Tensor:
+            sums = values.new_zeros(rows * slots + 1, *values.shape[1:]).index_add_(0, segment, values)
+            return sums[:-1].view(rows, slots, *values.shape[1:])[:, :kept]
+
+        nll = model(tokens, cu, labels=labels).reshape(-1).float()
+        clean = torch.where(labels >= 0, labels, tokens)  # the masked residues put back
+        hidden = model(clean, cu, hidden_layer=self.embedding_layer()).reshape(rows * budget, -1).float()
+        residue = ~torch.isin(clean, torch.tensor([CLS, EOS, PAD], device=clean.device)).reshape(-1, 1)
+        count = per_slot(residue.float())
+        return {"sequences": sequences, "nll": per_slot(nll), "masked": per_slot((labels.reshape(-1) >= 0).float()),
+                "residues": count[..., 0], "embedding": per_slot(hidden * residue) / count.clamp(min=1)}
+
+    def embedding_layer(self) -> int:
+        layer, layers = self.cfg.predict.embedding_layer, self.cfg.model.num_layers
+        if layer is not None and layer > layers:
+            raise ConfigError(f"predict.embedding_layer={layer}: the model has {layers} blocks (0 to {layers})")
+        return layers if layer is None else layer
+
+    def finish_predictions(self, packs: PackedSequences, columns: dict[str, torch.Tensor]) -> dict:
+        """Pack slots -> one row per sequence, in the order of the split: its index in data.path's sequences, name,
+        residues (after cropping), masked residues, masked perplexity (exp of their mean cross-entropy), and its
+        embedding."""
+        present = columns["sequences"] >= 0
+        index = columns["sequences"][present]
+        order = torch.argsort(index)
+        pick = {k: v[present][order] for k, v in columns.items() if k != "sequences"}
+        return {"sequence": index[order], "name": [packs.store.name(i) for i in index[order].tolist()],
+                "residues": pick["residues"].long(), "masked_residues": pick["masked"].long(),
+                "masked_perplexity": (pick["nll"] / pick["masked"]).exp(), "embedding": pick["embedding"]}
+
+    def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
+        masked = columns["masked_residues"].sum().item()
+        nll = (columns["masked_perplexity"].log() * columns["masked_residues"]).nansum().item()
+        return {"sequences": len(columns["sequence"]), "masked_residues": int(masked),
+                "masked_perplexity": math.exp(min(nll / max(masked, 1), 50.0))}
 
     # --- task --------------------------------------------------------------------------------
     def loss_count(self, batch: dict) -> torch.Tensor:
