@@ -26,6 +26,8 @@ RECIPE_CONFIGS = {
     "mnist classifier": ("mnist_finetune", []),
     "gpt": ("gpt_sanity", ["data=gpt_mock", "data.cache_dir={tmp}", "model.vocab_size=64", "model.seq_length=8",
                            "model.num_layers=1"]),
+    "esm2": ("esm2_sanity", ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
+                             "model.ffn_hidden_size=64", "model.max_seq_length=64", "data.tokens_per_pack=256"]),
 }
 
 
