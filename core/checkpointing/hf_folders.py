@@ -129,6 +129,18 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool, recipe
     return saved, weights
 
 
+def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """An import's inputs: (the folder, the target path, its config.json, its weights in fp32: our master
+    weights' dtype); refuses a folder without config.json and a target that exists."""
+    folder, target = Path(hf_dir), Path(out)
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
+    if target.exists():
+        raise FileExistsError(f"{target} exists; choose a new path")
+    config = read_json_object(folder / "config.json")
+    return folder, target, config, {k: v.float() for k, v in read_hf_weights(folder).items()}
+
+
 def write_weights(weights: dict[str, torch.Tensor], target: Path, source: str) -> None:
     """Imported weights as a .safetensors or .pt file, or (another path) a new step folder, all of which
     checkpoint.init_from reads."""

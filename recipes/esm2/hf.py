@@ -182,15 +182,10 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
 def import_from_hf(hf_dir: str, out: str) -> list[str]:
     """checkpoint.py from-hf for an EsmForMaskedLM folder (e.g. a local copy of facebook/esm2_t33_650M_UR50D) -> our
     weights as a .safetensors/.pt file or a step folder (checkpoint.init_from). Returns the model settings."""
-    from core.checkpointing.hf_folders import read_hf_weights, read_json_object, write_weights
+    from core.checkpointing.hf_folders import read_hf_folder, write_weights
 
-    folder, target = Path(hf_dir), Path(out)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
-    if target.exists():
-        raise FileExistsError(f"{target} exists; choose a new path")
-    m = check_esm2_config(read_json_object(folder / "config.json"), folder / "config.json")
-    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}  # our master weights are fp32
+    folder, target, config, hf = read_hf_folder(hf_dir, out)
+    m = check_esm2_config(config, folder / "config.json")
     weights = from_hf(hf, m)
     if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"],
                                                           hf["esm.embeddings.word_embeddings.weight"]):

@@ -35,7 +35,7 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.checkpointing.hf_folders import read_hf_weights, read_json_object, read_run, write_weights
+from core.checkpointing.hf_folders import read_hf_folder, read_run, write_weights
 from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
@@ -407,13 +407,8 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     """checkpoint.py from-hf: a Llama folder -> our weights, as a .safetensors/.pt file or a step folder
     (what checkpoint.init_from takes). Returns (and prints) the model settings that fit them."""
-    folder, target = Path(hf_dir), Path(out)
-    if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
-    if target.exists():
-        raise FileExistsError(f"{target} exists; choose a new path")
-    settings = model_settings(read_json_object(folder / "config.json"), folder / "config.json")
-    hf = {k: v.float() for k, v in read_hf_weights(folder).items()}  # our master weights are fp32
+    folder, target, config, hf = read_hf_folder(hf_dir, out)
+    settings = model_settings(config, folder / "config.json")
     weights = from_llama(hf, settings, fuse_qkv)
     if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],
                                                                                   hf["model.embed_tokens.weight"]):
