@@ -56,14 +56,19 @@ def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
             else:
                 q, k, v = (weights[f"{ours}{part}_{kind}"] for part in ("query", "key", "value"))
             out[theirs + f"query.{kind}"], out[theirs + f"key.{kind}"], out[theirs + f"value.{kind}"] = q, k, v
-    inv_freq = 1.0 / m.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    out["esm.rotary_embeddings.inv_freq"] = inv_freq
+    out["esm.rotary_embeddings.inv_freq"] = rotary_inverse_frequencies(m)
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def rotary_inverse_frequencies(m: Any) -> torch.Tensor:
+    """The rotary embedding's inv_freq buffer (ours and Hugging Face's alike): 1 / base^(2i / head_dim)."""
+    head_dim = m.hidden_size // m.num_attention_heads
+    return 1.0 / m.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
 def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
-    """EsmForMaskedLM's state dict -> ours (the contact head and the rotary buffer dropped; checked: every tensor
-    we need is there, with our shapes)."""
+    """EsmForMaskedLM's state dict -> ours (the contact head dropped; checked: every tensor we need is there, with
+    our shapes)."""
     heads, head_dim, h = m.num_attention_heads, m.hidden_size // m.num_attention_heads, m.hidden_size
     names = _renames(m.num_layers)
     missing = [theirs for theirs in names.values() if theirs not in hf]
@@ -85,6 +90,7 @@ def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
                 out[ours + kind] = stacked.reshape(3 * h, *q.shape[1:])
             else:
                 out[f"{ours}query_{kind}"], out[f"{ours}key_{kind}"], out[f"{ours}value_{kind}"] = q, k, v
+    out["rotary.inv_freq"] = rotary_inverse_frequencies(m)  # a buffer of our model, in its state dict
     expected = {"embedding.weight": (TABLE_ROWS, h), "lm_head.bias": (TABLE_ROWS,),
                 "layers.0.layernorm_mlp.fc1_weight": (m.ffn_hidden_size, h)}
     for name, shape in expected.items():
