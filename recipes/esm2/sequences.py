@@ -24,6 +24,7 @@ from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
+from core.checkpointing.hf_folders import read_json_object
 from core.config.errors import ConfigError
 from recipes.esm2.tokenizer import encode_residues
 
@@ -148,15 +149,15 @@ def datasets_folder_files(path: Path, split: str) -> Optional[list[Path]]:
     """The Arrow files of a `datasets` save_to_disk folder (a Dataset, or a DatasetDict's `split`); None when
     `path` is not one."""
     if (path / "dataset_dict.json").is_file():
-        splits = json.loads((path / "dataset_dict.json").read_text()).get("splits", [])
+        splits = read_json_object(path / "dataset_dict.json").get("splits", [])
         if split not in splits:
             raise ConfigError(f"data.split={split}: {path} is a DatasetDict of splits {splits}")
         path = path / split
     state = path / "state.json"
     if not state.is_file():
         return None
-    files = json.loads(state.read_text()).get("_data_files", [])
-    names = [f.get("filename") for f in files if isinstance(f, dict)]
+    files = read_json_object(state).get("_data_files", [])
+    names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
     if not names or not all(isinstance(n, str) and "/" not in n and "\\" not in n and not n.startswith(".")
                             for n in names):
         raise ConfigError(f"data.path={path}: state.json lists no Arrow files, or names outside the folder")
@@ -173,15 +174,21 @@ def records(path: Path, column: str, name_column: Optional[str], split: str) -> 
             yield from read_table(file, column, name_column)
 
 
-def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> SequenceStore:
-    """Tokenize sequences into a store (in memory); empty sequences are left out."""
-    chunks, lengths, names = [], [], []
+def tokenized(named_sequences: Iterable[tuple[str, str]]) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, token ids) per sequence; empty sequences are left out."""
     for name, sequence in named_sequences:
         ids = encode_residues(sequence)
         if len(ids):
-            chunks.append(ids)
-            lengths.append(len(ids))
-            names.append(name)
+            yield name, ids
+
+
+def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> SequenceStore:
+    """Tokenize sequences into a store (in memory); empty sequences are left out."""
+    chunks, lengths, names = [], [], []
+    for name, ids in tokenized(named_sequences):
+        chunks.append(ids)
+        lengths.append(len(ids))
+        names.append(name)
     if not lengths:
         raise ConfigError(f"data.path={source}: no sequences (or only empty ones)")
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -200,12 +207,10 @@ def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: s
     partial.mkdir(parents=True)
     lengths = array.array("q")
     with open(partial / "residues.bin", "wb") as residues, open(partial / "names.txt", "w", encoding="utf-8") as names:
-        for name, sequence in named_sequences:
-            ids = encode_residues(sequence)
-            if len(ids):
-                residues.write(ids.tobytes())
-                names.write(name.replace("\n", " ") + "\n")
-                lengths.append(len(ids))
+        for name, ids in tokenized(named_sequences):
+            residues.write(ids.tobytes())
+            names.write(name.replace("\n", " ") + "\n")
+            lengths.append(len(ids))
     if not lengths:
         shutil.rmtree(partial)
         raise ValueError(f"{source}: no sequences (or only empty ones)")
