@@ -259,6 +259,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)
     dist.all_reduce(count, group=env.dp_group)
     loss_scale = env.dp_size / count  # a device tensor: no host sync here
+    meter.add_work([recipe.work(b) for b in micro_batches])  # real tokens and FLOPs where samples differ
     loss_sum = torch.zeros((), device=env.device)
     with meter.phase("forward_backward"):
         for i, batch in enumerate(micro_batches):

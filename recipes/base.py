@@ -133,6 +133,12 @@ class Recipe:
     def tokens_per_sample(self) -> int:
         raise NotImplementedError
 
+    def work(self, batch: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        """(real tokens, training FLOPs) of a training micro-batch, as 0-d device tensors, for recipes whose samples
+        differ in content (packed sequences with padding); None: every sample counts tokens_per_sample tokens and
+        flops_per_sample FLOPs."""
+        return None
+
     def flops_per_sample(self) -> float:
         """Training FLOPs (forward + backward) for one sample, for MFU."""
         raise NotImplementedError

@@ -239,6 +239,22 @@ def test_packed_and_padded_batches_give_the_same_loss():
     torch.testing.assert_close(loss_a, loss_b, rtol=1e-6, atol=0)  # the cross-entropy is fp32 (as TE's)
 
 
+def test_work_counts_real_tokens_and_each_sequences_attention():
+    from recipes.esm2.recipe import ESM2Recipe
+    from tests.helpers import validated_config
+
+    cfg = validated_config("esm2_sanity", ["checkpoint.path=unused", "model.max_seq_length=40"])
+    recipe = ESM2Recipe(cfg)
+    store = small_store(12, longest=60)
+    packs = PackedSequences(store, np.arange(12), 160, 40, 8, Masking(), seed=2, shuffle_seed=4)
+    batch = batch_of(packs, range(2))
+    tokens, flops = recipe.work(batch)
+    lengths = [min(len(store.sequence(i)), 38) + 2 for i in batch["sequences"].flatten().tolist() if i >= 0]
+    assert tokens.item() == sum(lengths) == (batch["tokens"] != PAD).sum().item()
+    n, m = recipe.non_embedding_parameters(), cfg.model
+    assert flops.item() == 6.0 * n * sum(lengths) + 12.0 * m.num_layers * m.hidden_size * sum(s * s for s in lengths)
+
+
 def test_token_dropout_rescales_each_sequence_by_its_share_of_masks():
     model = ESM2(model_config(), TORCH_LAYERS).double()
     tokens = torch.tensor([CLS, 5, MASK, 6, EOS, CLS, 7, 8, EOS, PAD, PAD, PAD])

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Iterator
+from typing import Iterator, Optional
 
 import torch
 
@@ -28,6 +28,15 @@ class ThroughputMeter:
         """Start timing from now (the loop calls it right before its first step)."""
         self.start, self.steps, self.excluded, self.data_wait = time.perf_counter(), 0, 0.0, 0.0
         self.phases: dict[str, float] = {}
+        self.work: Optional[torch.Tensor] = None  # [real tokens, FLOPs] of this rank's micro-batches, when counted
+
+    def add_work(self, work: list) -> None:
+        """This rank's micro-batches' (real tokens, FLOPs) from the recipe (device tensors: summed without a host
+        sync, read at the next record); a list of None changes nothing."""
+        counted = [torch.stack([tokens, flops]).double() for tokens, flops in (w for w in work if w is not None)]
+        if counted:
+            total = torch.stack(counted).sum(0)
+            self.work = total if self.work is None else self.work + total
 
     @contextlib.contextmanager
     def waiting_for_data(self) -> Iterator[None]:
@@ -61,13 +70,17 @@ class ThroughputMeter:
 
     def record(self) -> dict[str, float]:
         """The means since the last record (then starts a new interval)."""
-        step_time = (time.perf_counter() - self.start - self.excluded) / self.steps
+        seconds = time.perf_counter() - self.start - self.excluded
+        step_time = seconds / self.steps
         samples_per_gpu = self.global_batch_size / step_time / self.world_size
+        if self.work is not None:  # counted per micro-batch on this rank: real tokens, not padding
+            tokens, flops = (value / seconds for value in self.work.tolist())
+        else:
+            tokens, flops = samples_per_gpu * self.tokens_per_sample, samples_per_gpu * self.flops_per_sample
         record = {"step_time": step_time, "data_wait": self.data_wait / self.steps,
-                  "samples_per_sec_per_gpu": samples_per_gpu,
-                  "tokens_per_sec_per_gpu": samples_per_gpu * self.tokens_per_sample}
+                  "samples_per_sec_per_gpu": samples_per_gpu, "tokens_per_sec_per_gpu": tokens}
         if self.peak_flops is not None:
-            record["mfu"] = samples_per_gpu * self.flops_per_sample / self.peak_flops
+            record["mfu"] = flops / self.peak_flops
         record["peak_mem_gib"] = peak_memory_gib(self.device)
         record |= {f"time_{name}": seconds / self.steps for name, seconds in self.phases.items()}
         self.start_interval()

@@ -177,8 +177,18 @@ class ESM2Recipe(Recipe):
 
     # --- accounting --------------------------------------------------------------------------
     def tokens_per_sample(self) -> int:
-        """Tokens of one row, padding included."""
+        """Tokens of one row, padding included (the logged tokens/s and MFU count real tokens: `work`)."""
         return self.pack_shape()[0]
+
+    def work(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The micro-batch's real tokens (not padding) and their training FLOPs: 6 N per token plus, per sequence
+        of s tokens, the attention's 12 L H s^2 (forward + backward)."""
+        m = self.cfg.model
+        sequences = batch["sequences"]
+        lengths = batch["cu_seqlens"].diff(dim=1)[:, :sequences.shape[1]].double() * (sequences >= 0)
+        tokens = lengths.sum()
+        flops = 6.0 * self.non_embedding_parameters() * tokens + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
+        return tokens, flops
 
     def non_embedding_parameters(self) -> int:
         """Parameters a token's forward multiplies through: the blocks, the LM head and the tied vocabulary matrix."""
