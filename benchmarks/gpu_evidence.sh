@@ -3,13 +3,16 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       revisions OTHER_CHECKOUT]
+#                                       esm2|esm2_profile|revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
 # attention backends at the recipes' shapes; a profiled gpt_1b step.
 # vit (1 H200, ~6 min): ViT-B/16 bf16 and FP8 from micro-batch 512 to 2048 (118 GiB: an H200, not an
 # H100), and the compiled FSDP2 baseline at 1024.
+# esm2 (1 GPU, ~5 min): esm2_650m as configured (packs of 8,192 tokens, 8 per optimizer step here) packed bf16,
+# FP8, eager, and padded (rows of 1,024, the same tokens per step); tokens/s and MFU count real tokens.
+# esm2_profile (1 GPU, ~1 min): where an eager esm2_650m step's GPU time goes, by kernel kind and kernel.
 # revisions (1 GPU, ~8 min): the shipped vit_base_patch16_224 and gpt_1b configs (their own global batch)
 # with this checkout and OTHER_CHECKOUT (e.g. the previous commit, `git archive REV | tar -x -C DIR`),
 # alternating, twice each: a code change that should not change speed, checked within run-to-run noise.
@@ -188,4 +191,23 @@ if [[ $what == revisions ]]; then
         --global-batch 128 --out "$OUT/$tag" --timeout 300 2>&1 | tee "$OUT/revisions_gpt_${tag}_$round.log" | tail -2
     done
   done
+fi
+if [[ $what == esm2_profile ]]; then
+  rm -rf /tmp/esm2_prof
+  python3 train.py --config-name esm2_650m training.steps=6 training.global_batch_size=2 training.val_every_n_steps=0 \
+    training.val_at_end=false training.cuda_graphs=false checkpoint.save_final=false logger.progress_bar=never \
+    hydra.run.dir=/tmp/esm2_prof checkpoint.path=/tmp/esm2_prof/ckpt training.profile.enabled=true \
+    training.profile.start_step=4 training.profile.steps=2 > "$OUT/esm2_profile.log" 2>&1
+  python3 benchmarks/trace_gaps.py /tmp/esm2_prof/profile/rank0.trace.json > "$OUT/esm2_trace_gaps.txt" 2>&1
+  cp /tmp/esm2_prof/profile/rank0.summary.txt "$OUT/esm2_profile_summary.txt"
+  head -60 "$OUT/esm2_trace_gaps.txt"; head -45 "$OUT/esm2_profile_summary.txt"
+fi
+if [[ $what == esm2 ]]; then
+  esm=(--config esm2_650m --data "" --nproc 1 --out "$OUT" --timeout 300 --steps ${ESM2_STEPS:-5}
+       --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4")
+  python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 1 --global-batch 8 --variant "packed_bf16=" \
+    --variant "packed_fp8=$fp8" --variant "packed_bf16_eager=training.cuda_graphs=false" \
+    2>&1 | tee "$OUT/esm2_packed.log" | tail -5
+  python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 8 --global-batch 64 --variant "padded_bf16=data.packing=false" \
+    2>&1 | tee "$OUT/esm2_padded.log" | tail -3
 fi
