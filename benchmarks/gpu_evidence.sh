@@ -195,7 +195,7 @@ fi
 if [[ $what == esm2_profile ]]; then
   rm -rf /tmp/esm2_prof
   python3 train.py --config-name esm2_650m training.steps=6 training.global_batch_size=2 training.val_every_n_steps=0 \
-    training.val_at_end=false training.cuda_graphs=false checkpoint.save_final=false logger.progress_bar=never \
+    training.val_at_end=false training.cuda_graphs=none checkpoint.save_final=false logger.progress_bar=never \
     hydra.run.dir=/tmp/esm2_prof checkpoint.path=/tmp/esm2_prof/ckpt training.profile.enabled=true \
     training.profile.start_step=4 training.profile.steps=2 > "$OUT/esm2_profile.log" 2>&1
   python3 benchmarks/trace_gaps.py /tmp/esm2_prof/profile/rank0.trace.json > "$OUT/esm2_trace_gaps.txt" 2>&1
@@ -206,7 +206,7 @@ if [[ $what == esm2 ]]; then
   esm=(--config esm2_650m --data "" --nproc 1 --out "$OUT" --timeout 300 --steps ${ESM2_STEPS:-5}
        --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4")
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 1 --global-batch 8 --variant "packed_bf16=" \
-    --variant "packed_fp8=$fp8" --variant "packed_bf16_eager=training.cuda_graphs=false" \
+    --variant "packed_fp8=$fp8" --variant "packed_bf16_eager=training.cuda_graphs=none" \
     2>&1 | tee "$OUT/esm2_packed.log" | tail -5
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 8 --global-batch 64 --variant "padded_bf16=data.packing=false" \
     2>&1 | tee "$OUT/esm2_padded.log" | tail -3
