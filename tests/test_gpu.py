@@ -370,22 +370,36 @@ VIT_BLOCK = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, s
 # Grouped-query attention with RoPE, RMSNorm and SwiGLU, as in the GPT recipe.
 GPT_BLOCK = dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_gqa_groups=2, bias=False,
                  normalization="RMSNorm", activation="swiglu", self_attn_mask_type="causal")
+# Packed sequences with RoPE, as in the ESM-2 recipe: one sequence empty, one at the angles' full length.
+ESM2_BLOCK = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, self_attn_mask_type="padding",
+                  attn_input_format="thd")
+PACKED_LENGTHS = [1, 97, 0, 256, 30, 2, 126]
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True)],
-                         ids=["vit", "gpt", "gpt-fp8"])
-def test_tuned_transformer_layer_matches_te(block, fp8):
+@pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True), (ESM2_BLOCK, False)],
+                         ids=["vit", "gpt", "gpt-fp8", "esm2-thd"])
+def test_tuned_transformer_layer_matches_te(block, fp8, monkeypatch):
     """Our TransformerLayer (copy-free packed-QKV gradient, fused QKV split + RoPE, bias+GELU in the GEMM
     epilogues) computes exactly what te.TransformerLayer does in its epilogue mode, and within bf16
     rounding of its default."""
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe as te_recipe
 
+    from core.layers import qkv_rope
     from core.layers.namespace import get_layers, te_autocast
 
-    kwargs = dict(**block, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
-                  fuse_qkv_params=True, params_dtype=torch.bfloat16, device="cuda")
+    class CountedSplitRotate(qkv_rope._SplitRotate):  # our fused QKV-RoPE kernels, counted
+        calls = 0
+
+        @staticmethod
+        def forward(ctx, *args):
+            CountedSplitRotate.calls += 1
+            return qkv_rope._SplitRotate.forward(ctx, *args)
+
+    monkeypatch.setattr(qkv_rope, "_SplitRotate", CountedSplitRotate)
+    kwargs = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd", fuse_qkv_params=True,
+                  params_dtype=torch.bfloat16, device="cuda") | block
     ours, stock, default = get_layers("te").TransformerLayer(**kwargs), *(te.TransformerLayer(**kwargs) for _ in "ab")
     assert type(ours.self_attention.core_attention) is not te.DotProductAttention
     assert type(ours.self_attention) is not te.MultiheadAttention
@@ -395,13 +409,22 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
     seq = 192 if fp8 else 197  # FP8 GEMMs need the token count to be a multiple of 16
     x = torch.randn(8, seq, 256, device="cuda", dtype=torch.bfloat16)
     rope = te.RotaryPositionEmbedding(256 // 4)(seq) if "num_gqa_groups" in block else None
+    packed = {}
+    if block is ESM2_BLOCK:
+        cu = torch.tensor([0, *PACKED_LENGTHS], device="cuda").cumsum(0).to(torch.int32)
+        x = torch.randn(int(cu[-1]), 256, device="cuda", dtype=torch.bfloat16)
+        rope = te.RotaryPositionEmbedding(256 // 4)(max(PACKED_LENGTHS)).cuda()
+        packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(PACKED_LENGTHS),
+                      max_seqlen_kv=max(PACKED_LENGTHS))
     results = []
     for layer in (ours, stock, default):
         inp = x.clone().requires_grad_()
         with te_autocast(enabled=fp8, recipe=te_recipe.DelayedScaling() if fp8 else None):
-            out = layer(inp, rotary_pos_emb=rope)
+            out = layer(inp, rotary_pos_emb=rope, **packed)
         out.float().square().mean().backward()
         results.append([out, inp.grad] + [p.grad for p in layer.parameters()])
+    # our layer ran the fused kernels where there is RoPE (FP8 attention keeps TE's path)
+    assert CountedSplitRotate.calls == (1 if rope is not None and not fp8 else 0)
     for a, b in zip(results[0], results[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     names = ["output", "input gradient"] + [f"{n} gradient" for n, _ in ours.named_parameters()]
@@ -441,6 +464,44 @@ def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head
         results.append([*outputs, x.grad])
     for name, ours, theirs in zip(("query", "key", "value", "qkv gradient"), *results):
         assert ours.shape == theirs.shape and ours.is_contiguous(), name
+        assert torch.equal(ours, theirs), (name, int((ours != theirs).sum()))
+
+
+@pytest.mark.gpu_smoke
+@pytest.mark.parametrize("groups,per_group,head_dim,dtype", [
+    (20, 1, 64, torch.bfloat16),  # esm2_650m's heads
+    (2, 4, 32, torch.float16),
+    (3, 2, 16, torch.float32),
+])
+def test_qkv_rope_kernels_match_te_on_packed_sequences(groups, per_group, head_dim, dtype):
+    """On packed sequences (thd) our Q/K/V split with RoPE computes what TE's split and its fused RoPE of Q
+    and of K compute (positions restarting at each sequence, empty sequences between), bit for bit, both ways."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.attention.rope import apply_rotary_pos_emb
+
+    from core.layers import qkv_rope
+
+    cu = torch.tensor([0, *PACKED_LENGTHS, 0, 5], device="cuda").cumsum(0).to(torch.int32)
+    qkv = torch.randn(int(cu[-1]), groups, (per_group + 2) * head_dim, device="cuda", dtype=dtype) * 4
+    q_freqs = te.RotaryPositionEmbedding(head_dim)(max(PACKED_LENGTHS) + 3).cuda()
+    k_freqs = te.RotaryPositionEmbedding(head_dim, rotary_base=500.0)(max(PACKED_LENGTHS)).cuda()
+    assert qkv_rope.kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, "thd", False, cu)
+
+    def te_split(x):
+        query, key, value = x.split([per_group * head_dim, head_dim, head_dim], dim=-1)
+        rotate = lambda t, freqs: apply_rotary_pos_emb(t, freqs, "thd", fused=True, cu_seqlens=cu)  # noqa: E731
+        return rotate(query.reshape(x.shape[0], -1, head_dim), q_freqs), rotate(key, k_freqs), value
+
+    results = []
+    for split in (lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, "thd", cu_seqlens=cu),
+                  te_split):
+        x = qkv.clone().requires_grad_()
+        outputs = split(x)
+        torch.manual_seed(1)
+        torch.autograd.backward(outputs, [torch.randn_like(o) for o in outputs])
+        results.append([*outputs, x.grad])
+    for name, ours, theirs in zip(("query", "key", "value", "qkv gradient"), *results):
+        assert ours.shape == theirs.shape, name
         assert torch.equal(ours, theirs), (name, int((ours != theirs).sum()))
 
 

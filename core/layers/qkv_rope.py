@@ -5,9 +5,10 @@ float operations in the same order, so the results are TE's bit for bit (GPU tes
 TE's kernels give each token its own thread block and move one 2-byte element per thread and load; these
 move a few tokens' head-wide rows per program and compute each token's cos and sin once, which takes about
 half the time (docs/performance.md). Whatever they do not cover (interleaved or partial rotary dimensions, a head size
-that is not a power of two, start positions, context parallelism) goes to TE's function.
+that is not a power of two, start positions, context parallelism) goes to TE's functions.
 
-Layouts (sbhd, or bshd with batch and sequence swapped):
+Layouts (sbhd, or bshd with batch and sequence swapped; thd without the batch dimension: packed sequences,
+each token's position its index in its own sequence, found from cu_seqlens by a binary search per token):
   qkv     [s, b, groups, (heads_per_group + 2) * head_dim]  per group: its query heads, then K, then V
   query   [s, b, groups * heads_per_group, head_dim]          contiguous
   key     [s, b, groups, head_dim]                            contiguous
@@ -30,35 +31,59 @@ def _launch(kernel, n_rows: int, *args, **constants):
     kernel[((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)](*args, **constants, BLOCK_ROWS=BLOCK_ROWS, num_warps=NUM_WARPS)
 
 
+LAYOUTS = {"sbhd": 0, "bshd": 1, "thd": 2}  # the kernels' LAYOUT
+
+
+def _rows(shape: torch.Size, layout: str) -> tuple[int, int, int]:
+    """(token rows, sequence length, batch) of a packed projection output's shape; thd: (tokens, 0, 0)."""
+    if layout == "thd":
+        return shape[0], 0, 0
+    seq_len, batch = (shape[0], shape[1]) if layout == "sbhd" else (shape[1], shape[0])
+    return shape[0] * shape[1], seq_len, batch
+
+
 class _SplitRotate(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qkv, q_freqs, k_freqs, per_group: int, seq_major: bool):
-        rows = qkv.shape[0] * qkv.shape[1]
-        groups, head_dim = qkv.shape[2], qkv.shape[3] // (per_group + 2)
-        seq_len, batch = (qkv.shape[0], qkv.shape[1]) if seq_major else (qkv.shape[1], qkv.shape[0])
-        query = qkv.new_empty(*qkv.shape[:2], groups * per_group, head_dim)
-        key, value = (qkv.new_empty(*qkv.shape[:2], groups, head_dim) for _ in "kv")
+    def forward(ctx, qkv, q_freqs, k_freqs, per_group: int, layout: str, cu_seqlens):
+        rows, seq_len, batch = _rows(qkv.shape, layout)
+        groups, head_dim = qkv.shape[-2], qkv.shape[-1] // (per_group + 2)
+        query = qkv.new_empty(*qkv.shape[:-2], groups * per_group, head_dim)
+        key, value = (qkv.new_empty(*qkv.shape[:-2], groups, head_dim) for _ in "kv")
         from core.layers.qkv_rope_kernels import forward
 
         _launch(forward, rows, qkv, q_freqs, k_freqs, query, key, value, rows, seq_len, batch,
-                GROUPS=groups, PER_GROUP=per_group, HALF=head_dim // 2, SEQ_MAJOR=seq_major)
-        ctx.save_for_backward(q_freqs, k_freqs)
-        ctx.per_group, ctx.seq_major, ctx.qkv_shape = per_group, seq_major, qkv.shape
+                *_sequences(cu_seqlens, q_freqs, k_freqs, qkv.device), GROUPS=groups, PER_GROUP=per_group,
+                HALF=head_dim // 2, LAYOUT=LAYOUTS[layout], SEARCH_STEPS=_search_steps(cu_seqlens))
+        ctx.save_for_backward(q_freqs, k_freqs, cu_seqlens)
+        ctx.per_group, ctx.layout, ctx.qkv_shape = per_group, layout, qkv.shape
         return query, key, value
 
     @staticmethod
     def backward(ctx, grad_query, grad_key, grad_value):
-        q_freqs, k_freqs = ctx.saved_tensors
+        q_freqs, k_freqs, cu_seqlens = ctx.saved_tensors
         shape, per_group = ctx.qkv_shape, ctx.per_group
-        rows, groups, head_dim = shape[0] * shape[1], shape[2], shape[3] // (per_group + 2)
-        seq_len, batch = (shape[0], shape[1]) if ctx.seq_major else (shape[1], shape[0])
+        rows, seq_len, batch = _rows(shape, ctx.layout)
+        groups, head_dim = shape[-2], shape[-1] // (per_group + 2)
         grad_qkv = grad_query.new_empty(shape)
         from core.layers.qkv_rope_kernels import backward
 
         _launch(backward, rows, grad_query.contiguous(), grad_key.contiguous(), grad_value.contiguous(),
                 q_freqs, k_freqs, grad_qkv, rows, seq_len, batch,
-                GROUPS=groups, PER_GROUP=per_group, HALF=head_dim // 2, SEQ_MAJOR=ctx.seq_major)
-        return grad_qkv, None, None, None, None
+                *_sequences(cu_seqlens, q_freqs, k_freqs, grad_qkv.device), GROUPS=groups, PER_GROUP=per_group,
+                HALF=head_dim // 2, LAYOUT=LAYOUTS[ctx.layout], SEARCH_STEPS=_search_steps(cu_seqlens))
+        return grad_qkv, None, None, None, None, None
+
+
+def _sequences(cu_seqlens, q_freqs, k_freqs, device) -> tuple:
+    """The kernels' (cu_seqlens, sequences, positions with angles) arguments; unused outside thd."""
+    positions = min(q_freqs.shape[0], k_freqs.shape[0])
+    if cu_seqlens is None:
+        return torch.zeros(1, dtype=torch.int32, device=device), 0, positions
+    return cu_seqlens, cu_seqlens.shape[0] - 1, positions
+
+
+def _search_steps(cu_seqlens) -> int:
+    return 0 if cu_seqlens is None else max(1, (cu_seqlens.shape[0] - 1).bit_length())
 
 
 def _angles(freqs: torch.Tensor) -> torch.Tensor:
@@ -66,14 +91,19 @@ def _angles(freqs: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_applies(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, per_group: int,
-                   head_dim: int, tensor_format: str, interleaved: bool) -> bool:
+                   head_dim: int, tensor_format: str, interleaved: bool, cu_seqlens: torch.Tensor | None = None) -> bool:
     """Whether `split_rotate` runs its own kernels for these arguments (TE's function otherwise)."""
-    seq_len = qkv.shape[0] if tensor_format == "sbhd" else qkv.shape[1]
-    return (qkv.is_cuda and qkv.dim() == 4 and qkv.is_contiguous() and tensor_format in ("sbhd", "bshd")
-            and not interleaved and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and qkv.shape[3] == (per_group + 2) * head_dim and head_dim >= 4 and head_dim & (head_dim - 1) == 0
-            and all(f.dim() == 4 and f.shape[1:] == (1, 1, head_dim) and f.shape[0] >= seq_len and f.is_cuda
-                    for f in (q_freqs, k_freqs))
+    if tensor_format == "thd":
+        shape_ok = (qkv.dim() == 3 and cu_seqlens is not None and cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2
+                    and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous() and cu_seqlens.is_cuda)
+    else:
+        seq_len = qkv.shape[0] if tensor_format == "sbhd" else qkv.shape[1]
+        shape_ok = (tensor_format in ("sbhd", "bshd") and qkv.dim() == 4 and cu_seqlens is None
+                    and all(f.shape[0] >= seq_len for f in (q_freqs, k_freqs)))
+    return (shape_ok and qkv.is_cuda and qkv.is_contiguous() and not interleaved
+            and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and qkv.shape[-1] == (per_group + 2) * head_dim and head_dim >= 4 and head_dim & (head_dim - 1) == 0
+            and all(f.dim() == 4 and f.shape[1:] == (1, 1, head_dim) and f.is_cuda for f in (q_freqs, k_freqs))
             and _triton_available())
 
 
@@ -88,12 +118,23 @@ def _triton_available() -> bool:
 
 
 def split_rotate(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, per_group: int,
-                 head_dim: int, tensor_format: str = "sbhd", interleaved: bool = False):
+                 head_dim: int, tensor_format: str = "sbhd", interleaved: bool = False,
+                 cu_seqlens: torch.Tensor | None = None):
     """(query, key, value) of a packed projection output `qkv` [.., groups, (per_group + 2) * head_dim],
-    with rotary positions applied to query and key: TE's `apply_fused_qkv_rotary_pos_emb`."""
-    if kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, tensor_format, interleaved):
-        return _SplitRotate.apply(qkv, _angles(q_freqs), _angles(k_freqs), per_group, tensor_format == "sbhd")
-    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb
+    with rotary positions applied to query and key: TE's `apply_fused_qkv_rotary_pos_emb` (sbhd, bshd), or
+    for packed sequences (thd, `cu_seqlens` [sequences + 1] int32) TE's split and `apply_rotary_pos_emb` of Q
+    and of K, positions restarting at each sequence (the caller keeps every sequence within the angles, as
+    TE's kernels need too)."""
+    if kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, tensor_format, interleaved, cu_seqlens):
+        return _SplitRotate.apply(qkv, _angles(q_freqs), _angles(k_freqs), per_group, tensor_format, cu_seqlens)
+    from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 
-    return apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
-                                          tensor_format=tensor_format, interleaved=interleaved)
+    if tensor_format != "thd":
+        return apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
+                                              tensor_format=tensor_format, interleaved=interleaved)
+    groups = qkv.shape[-2]
+    query, key, value = qkv.split([per_group * head_dim, head_dim, head_dim], dim=-1)
+    query = query.reshape(qkv.shape[0], groups * per_group, head_dim)
+    rotate = functools.partial(apply_rotary_pos_emb, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens,
+                               interleaved=interleaved)
+    return rotate(query, q_freqs), rotate(key, k_freqs), value

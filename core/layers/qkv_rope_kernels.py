@@ -10,13 +10,28 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def rows_and_positions(n_rows, seq_len, batch, SEQ_MAJOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def rows_and_positions(n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT: tl.constexpr,
+                       SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    """This program's token rows, each row's position (its index in its own sequence) and the rows' mask."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-    if SEQ_MAJOR:  # sbhd: rows run (s, b)
+    in_range = rows < n_rows
+    if LAYOUT == 0:  # sbhd: rows run (s, b)
         positions = rows // batch
-    else:  # bshd: rows run (b, s)
+    elif LAYOUT == 1:  # bshd: rows run (b, s)
         positions = rows % seq_len
-    return rows.to(tl.int64), positions, (rows < n_rows)[:, None]
+    else:  # thd: packed sequences; row r lies in the last sequence b with cu_seqlens[b] <= r
+        low = tl.zeros_like(rows)
+        high = tl.zeros_like(rows) + n_seqs
+        for _ in tl.static_range(SEARCH_STEPS):  # binary search, 2**SEARCH_STEPS > n_seqs
+            middle = (low + high + 1) // 2
+            up = tl.load(cu_seqlens + middle, mask=in_range, other=0) <= rows
+            low = tl.where(up, middle, low)
+            high = tl.where(up, high, middle - 1)
+        positions = rows - tl.load(cu_seqlens + low, mask=in_range, other=0)
+        # Rows past the last offset (TE leaves them unwritten) and positions past the angles: unrotated.
+        end = tl.load(cu_seqlens + n_seqs)
+        positions = tl.where((rows < end) & (positions < n_positions), positions, 0)
+    return rows.to(tl.int64), positions, in_range[:, None]
 
 
 @triton.jit
@@ -58,9 +73,11 @@ def copy(source, target, mask, HALF: tl.constexpr):
 
 @triton.jit
 def forward(qkv, q_freqs, k_freqs, query, key, value, n_rows, seq_len, batch,
+            cu_seqlens, n_seqs, n_positions,
             GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, HALF: tl.constexpr,
-            SEQ_MAJOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    rows, positions, mask = rows_and_positions(n_rows, seq_len, batch, SEQ_MAJOR, BLOCK_ROWS)
+            LAYOUT: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    rows, positions, mask = rows_and_positions(n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT,
+                                               SEARCH_STEPS, BLOCK_ROWS)
     cols = tl.arange(0, HALF)[None, :]
     q_cos1, q_sin1, q_cos2, q_sin2 = cos_sin(q_freqs, positions, cols, mask, HALF)
     k_cos1, k_sin1, k_cos2, k_sin2 = cos_sin(k_freqs, positions, cols, mask, HALF)
@@ -82,9 +99,11 @@ def forward(qkv, q_freqs, k_freqs, query, key, value, n_rows, seq_len, batch,
 
 @triton.jit
 def backward(grad_query, grad_key, grad_value, q_freqs, k_freqs, grad_qkv, n_rows, seq_len, batch,
+            cu_seqlens, n_seqs, n_positions,
              GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, HALF: tl.constexpr,
-             SEQ_MAJOR: tl.constexpr, BLOCK_ROWS: tl.constexpr):
-    rows, positions, mask = rows_and_positions(n_rows, seq_len, batch, SEQ_MAJOR, BLOCK_ROWS)
+             LAYOUT: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+    rows, positions, mask = rows_and_positions(n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT,
+                                               SEARCH_STEPS, BLOCK_ROWS)
     cols = tl.arange(0, HALF)[None, :]
     q_cos1, q_sin1, q_cos2, q_sin2 = cos_sin(q_freqs, positions, cols, mask, HALF)
     k_cos1, k_sin1, k_cos2, k_sin2 = cos_sin(k_freqs, positions, cols, mask, HALF)

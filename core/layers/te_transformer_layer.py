@@ -13,7 +13,7 @@ as the packed layout from their pointers and strides, as its MultiheadAttention 
 is applied (the GPT blocks); TE marks that detection deprecated in a warning we silence. Should a
 later TE drop it, the GPU test against te.TransformerLayer and benchmarks/te_layers.py show it.
 
-2. Grouped-query attention with RoPE (the GPT blocks) in one kernel each way. TE's MultiheadAttention
+2. Attention with RoPE (the GPT blocks; ESM-2's packed sequences) in one kernel each way. TE's MultiheadAttention
 splits the projection output [.., groups, (heads per group + 2) x head_dim] into Q, K and V, copies Q into
 [.., heads, head_dim], runs one RoPE kernel for Q and one for K, and in the backward runs two RoPE
 kernels more and concatenates dQ, dK and dV back with a strided copy. `MultiheadAttention` splits and
@@ -168,10 +168,20 @@ def te_multihead_attention_class():
             return (kwargs.get("rotary_pos_emb") is not None and kwargs.get("inference_params") is None
                     and kwargs.get("encoder_output") is None and kwargs.get("thd_attention_policies") is None
                     and self.attention_type == "self" and self.input_layernorm and not self.return_layernorm_output
-                    and self.qkv_format in ("sbhd", "bshd") and self.qkv_weight_interleaved
+                    and self.qkv_weight_interleaved and self._rope_layout_supported(kwargs)
                     and self.q_norm is None and self.k_norm is None and self.cp_size == 1
                     and not is_cpu_offload_enabled()
                     and not (FP8GlobalStateManager.is_fp8_enabled() and _fp8_attention_or_custom()))
+
+        def _rope_layout_supported(self, kwargs) -> bool:
+            if self.qkv_format in ("sbhd", "bshd"):
+                return True
+            # Packed sequences: one cu_seqlens for Q and K, no padding between sequences (TE would rotate by
+            # the padded offsets then).
+            cu_seqlens = kwargs.get("cu_seqlens_q")
+            return (self.qkv_format == "thd" and cu_seqlens is not None and kwargs.get("cu_seqlens_kv") is cu_seqlens
+                    and not kwargs.get("pad_between_seqs") and kwargs.get("cu_seqlens_q_padded") is None
+                    and kwargs.get("cu_seqlens_kv_padded") is None)
 
         def forward(self, hidden_states, *args, **kwargs):
             # (TransformerLayer passes everything after hidden_states by keyword)
@@ -189,8 +199,8 @@ def te_multihead_attention_class():
             qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
             qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
             q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim,
-                                                      self.qkv_format, self.rotary_pos_interleaved)
+            query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim, self.qkv_format,
+                                                      self.rotary_pos_interleaved, kwargs.get("cu_seqlens_q"))
             context = self.core_attention(query, key, value, qkv_format=self.qkv_format,
                                           softcap=self.softcap if softcap is None else softcap, **kwargs)
             # (output, bias) when return_bias, as TE's forward returns them
