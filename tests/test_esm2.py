@@ -504,3 +504,18 @@ def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_pat
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-5)
     metrics = json.loads((tmp_path / "out" / "prediction_metrics.json").read_text())
     assert metrics["sequences"] == metrics["rows"] == 50
+
+
+@pytest.mark.parametrize("overrides,key,suggested", [
+    (["data.tokens_per_pack=1000"], "data.tokens_per_pack=1000", "data.tokens_per_pack=1008"),
+    (["data.packing=false", "model.max_seq_length=100"], "model.max_seq_length=100", "model.max_seq_length=112"),
+])
+def test_fp8_refuses_rows_that_are_not_a_multiple_of_16_tokens(overrides, key, suggested):
+    from recipes.esm2.recipe import ESM2Recipe
+    from tests.helpers import validated_config
+
+    fp8 = ["checkpoint.path=unused", "precision=fp8_delayed"]
+    with pytest.raises(ConfigError, match=f"{key} with precision.fp8.enabled=true: .* multiple of 16 .*{suggested}"):
+        ESM2Recipe(validated_config("esm2_sanity", fp8 + overrides)).pack_shape()
+    assert ESM2Recipe(validated_config("esm2_sanity", overrides + ["checkpoint.path=unused"])).pack_shape()[0] in (1000, 100)
+    assert ESM2Recipe(validated_config("esm2_sanity", fp8 + ["data.tokens_per_pack=1024"])).pack_shape()[0] == 1024

@@ -43,6 +43,11 @@ class ESM2Recipe(Recipe):
     def pack_shape(self) -> tuple[int, int]:
         """(tokens per row, sequences per row at most): packed rows, or one padded sequence per row."""
         data, max_length = self.cfg.data, self.cfg.model.max_seq_length
+        row, key = (data.tokens_per_pack, "data.tokens_per_pack") if data.packing else (max_length, "model.max_seq_length")
+        if self.cfg.precision.fp8.enabled and row % 16:
+            # TE's FP8 GEMMs take token counts that are multiples of 16; a row that is one keeps every batch so.
+            raise ConfigError(f"{key}={row} with precision.fp8.enabled=true: FP8 needs rows of a multiple of 16 "
+                              f"tokens (e.g. {key}={-(-row // 16) * 16})")
         if not data.packing:
             return max_length, 1
         if data.tokens_per_pack < max_length:
