@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_profile|revisions OTHER_CHECKOUT]
+#                                       esm2|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -12,6 +12,8 @@
 # H100), and the compiled FSDP2 baseline at 1024.
 # esm2 (1 GPU, ~5 min): esm2_650m as configured (packs of 8,192 tokens, 8 per optimizer step here) packed bf16,
 # with fp32 compute weights, FP8, eager, at most 40 sequences a pack (fewer empty attention slots), and padded (rows of 1,024, the same tokens per step); tokens/s and MFU count real tokens.
+# esm2_peer PEER_RECIPE_DIR (1 GPU, ~6 min): the bionemo-recipes peer (benchmarks/esm2_peer/run.sh; Megatron-FSDP
+# and FSDP2 scripts) and ours at its settings (one optimizer step per 8,192-token pack), then ours as configured.
 # esm2_profile (1 GPU, ~1 min): where an eager esm2_650m step's GPU time goes, by kernel kind and kernel.
 # revisions (1 GPU, ~8 min): the shipped vit_base_patch16_224 and gpt_1b configs (their own global batch)
 # with this checkout and OTHER_CHECKOUT (e.g. the previous commit, `git archive REV | tar -x -C DIR`),
@@ -202,13 +204,29 @@ if [[ $what == esm2_profile ]]; then
   cp /tmp/esm2_prof/profile/rank0.summary.txt "$OUT/esm2_profile_summary.txt"
   head -60 "$OUT/esm2_trace_gaps.txt"; head -45 "$OUT/esm2_profile_summary.txt"
 fi
+esm=(--config esm2_650m --data "" --nproc 1 --out "$OUT" --timeout 300
+     --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4")
 if [[ $what == esm2 ]]; then
-  esm=(--config esm2_650m --data "" --nproc 1 --out "$OUT" --timeout 300 --steps ${ESM2_STEPS:-5}
-       --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4")
+  esm+=(--steps ${ESM2_STEPS:-5})
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 1 --global-batch 8 --variant "packed_bf16=" \
     --variant "packed_fp32_weights=precision.param_dtype=fp32" --variant "packed_fp8=$fp8" \
     --variant "packed_bf16_eager=training.cuda_graphs=none" --variant "packed_40seqs=data.max_sequences_per_pack=40" \
     2>&1 | tee "$OUT/esm2_packed.log" | tail -7
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 8 --global-batch 64 --variant "padded_bf16=data.packing=false" \
     2>&1 | tee "$OUT/esm2_padded.log" | tail -3
+fi
+if [[ $what == esm2_peer ]]; then
+  peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}
+  data=$PWD/data/uniref90_sample/uniref90_1000.parquet
+  # The peer's settings: one optimizer step per pack of 8,192 tokens; ours as well, then as configured (8 per step).
+  python3 benchmarks/throughput.py "${esm[@]}" --steps 30 --micro-batch 1 --global-batch 1 \
+    --variant "ours_bf16_1pack=" --variant "ours_fp8_1pack=$fp8" 2>&1 | tee "$OUT/esm2_ours_1pack.log" | tail -4
+  for script in mfsdp fsdp2; do
+    rm -f "$OUT/peer_$script.jsonl"
+    PEER_METRICS_JSONL=$OUT/peer_$script.jsonl timeout 400 bash benchmarks/esm2_peer/run.sh "$peer" $script "$data" \
+      ${PEER_STEPS:-60} > "$OUT/peer_$script.log" 2>&1 || echo "peer $script failed: $(tail -3 "$OUT/peer_$script.log")"
+  done
+  python3 benchmarks/esm2_peer/summary.py "$OUT"/peer_*.jsonl 2>&1 | tee "$OUT/peer_summary.txt"
+  python3 benchmarks/throughput.py "${esm[@]}" --steps 5 --micro-batch 1 --global-batch 8 \
+    --variant "ours_bf16_8packs=" 2>&1 | tee "$OUT/esm2_ours_8packs.log" | tail -3
 fi
