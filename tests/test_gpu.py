@@ -389,13 +389,15 @@ def test_tuned_transformer_layer_matches_te(block, fp8, monkeypatch):
     from core.layers import qkv_rope
     from core.layers.namespace import get_layers, te_autocast
 
-    class CountedSplitRotate(qkv_rope._SplitRotate):  # our fused QKV-RoPE kernels, counted
+    split_rotate = qkv_rope._SplitRotate
+
+    class CountedSplitRotate(split_rotate):  # our fused QKV-RoPE kernels, counted
         calls = 0
 
         @staticmethod
         def forward(ctx, *args):
             CountedSplitRotate.calls += 1
-            return qkv_rope._SplitRotate.forward(ctx, *args)
+            return split_rotate.forward(ctx, *args)
 
     monkeypatch.setattr(qkv_rope, "_SplitRotate", CountedSplitRotate)
     kwargs = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd", fuse_qkv_params=True,
