@@ -217,13 +217,14 @@ if [[ $what == esm2 ]]; then
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}
+  # (PEER_PYTHONPATH: packages at the peer commit's versions, see benchmarks/esm2_peer/run.sh)
   data=$PWD/data/uniref90_sample/uniref90_1000.parquet
   # The peer's settings: one optimizer step per pack of 8,192 tokens; ours as well, then as configured (8 per step).
   python3 benchmarks/throughput.py "${esm[@]}" --steps 30 --micro-batch 1 --global-batch 1 \
     --variant "ours_bf16_1pack=" --variant "ours_fp8_1pack=$fp8" 2>&1 | tee "$OUT/esm2_ours_1pack.log" | tail -4
-  for script in mfsdp fsdp2; do
+  for script in ${PEER_SCRIPTS:-mfsdp fsdp2}; do
     rm -f "$OUT/peer_$script.jsonl"
-    PEER_METRICS_JSONL=$OUT/peer_$script.jsonl timeout 400 bash benchmarks/esm2_peer/run.sh "$peer" $script "$data" \
+    PEER_METRICS_JSONL=$OUT/peer_$script.jsonl timeout ${PEER_TIMEOUT:-400} bash benchmarks/esm2_peer/run.sh "$peer" $script "$data" \
       ${PEER_STEPS:-60} > "$OUT/peer_$script.log" 2>&1 || echo "peer $script failed: $(tail -3 "$OUT/peer_$script.log")"
   done
   python3 benchmarks/esm2_peer/summary.py "$OUT"/peer_*.jsonl 2>&1 | tee "$OUT/peer_summary.txt"

@@ -10,7 +10,8 @@
 # TransformerEngine and Megatron-FSDP. Every logged step's metrics (wandb.log, here disabled) go, at full precision,
 # to $PEER_METRICS_JSONL through this folder's sitecustomize.py; the real-token rate is
 # `train/unpadded_tokens_per_second_per_gpu` (tokens other than padding, <cls>/<eos> included, as ours count).
-# The peer takes one optimizer step per micro-batch (no accumulation).
+# The peer takes one optimizer step per micro-batch (no accumulation). PEER_PYTHONPATH, if set, comes first on
+# PYTHONPATH: packages at the versions of the peer's commit where the installed ones have moved on.
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RECIPE=$(cd "${1:?usage: run.sh PEER_RECIPE_DIR mfsdp|fsdp2 DATA.parquet [steps] [bf16|fp8] [overrides]}" && pwd)
@@ -35,7 +36,7 @@ PY
 
 cd "$RECIPE"  # its configs name ./tokenizers and ./model_configs relative to the working directory
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1 WANDB_MODE=disabled WANDB_SILENT=true
-export TOKENIZERS_PARALLELISM=false PYTHONPATH="$HERE${PYTHONPATH:+:$PYTHONPATH}"
+export TOKENIZERS_PARALLELISM=false PYTHONPATH="${PEER_PYTHONPATH:+$PEER_PYTHONPATH:}$HERE${PYTHONPATH:+:$PYTHONPATH}"
 # THD packing needs a streaming dataset, and micro_batch_size null beside token_micro_batch_size (not in its yaml:
 # hence the +); the data file is listed 10 times so that epochs (a pass over 1,000 sequences) restart rarely.
 files="[$(printf "'%s'," "$DATA"{,,,,,,,,,} | sed 's/,$//')]"
