@@ -217,7 +217,8 @@ if [[ $what == esm2 ]]; then
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}
-  # (PEER_PYTHONPATH: packages at the peer commit's versions, see benchmarks/esm2_peer/run.sh)
+  # (PEER_PYTHONPATH: packages at the peer commit's versions, see benchmarks/esm2_peer/run.sh; PEER_OVERRIDES:
+  # its Hydra overrides, e.g. dataset.num_workers=4 use_torch_compile=false)
   data=$PWD/data/uniref90_sample/uniref90_1000.parquet
   # The peer's settings: one optimizer step per pack of 8,192 tokens; ours as well, then as configured (8 per step).
   python3 benchmarks/throughput.py "${esm[@]}" --steps 30 --micro-batch 1 --global-batch 1 \
@@ -225,7 +226,7 @@ if [[ $what == esm2_peer ]]; then
   for script in ${PEER_SCRIPTS:-mfsdp fsdp2}; do
     rm -f "$OUT/peer_$script.jsonl"
     PEER_METRICS_JSONL=$OUT/peer_$script.jsonl timeout ${PEER_TIMEOUT:-400} bash benchmarks/esm2_peer/run.sh "$peer" $script "$data" \
-      ${PEER_STEPS:-60} > "$OUT/peer_$script.log" 2>&1 || echo "peer $script failed: $(tail -3 "$OUT/peer_$script.log")"
+      ${PEER_STEPS:-60} bf16 ${PEER_OVERRIDES:-} > "$OUT/peer_$script.log" 2>&1 || echo "peer $script failed: $(tail -3 "$OUT/peer_$script.log")"
   done
   python3 benchmarks/esm2_peer/summary.py "$OUT"/peer_*.jsonl 2>&1 | tee "$OUT/peer_summary.txt"
   python3 benchmarks/throughput.py "${esm[@]}" --steps 5 --micro-batch 1 --global-batch 8 \
