@@ -228,7 +228,7 @@ if [[ $what == esm2_peer ]]; then
     PEER_METRICS_JSONL=$OUT/peer_$script.jsonl timeout ${PEER_TIMEOUT:-400} bash benchmarks/esm2_peer/run.sh "$peer" $script "$data" \
       ${PEER_STEPS:-60} bf16 ${PEER_OVERRIDES:-} > "$OUT/peer_$script.log" 2>&1 || echo "peer $script failed: $(tail -3 "$OUT/peer_$script.log")"
   done
-  python3 benchmarks/esm2_peer/summary.py "$OUT"/peer_*.jsonl 2>&1 | tee "$OUT/peer_summary.txt"
+  python3 benchmarks/esm2_peer/summary.py --skip ${PEER_SKIP:-10} "$OUT"/peer_*.jsonl 2>&1 | tee "$OUT/peer_summary.txt"
   python3 benchmarks/throughput.py "${esm[@]}" --steps 5 --micro-batch 1 --global-batch 8 \
     --variant "ours_bf16_8packs=" 2>&1 | tee "$OUT/esm2_ours_8packs.log" | tail -3
 fi

@@ -10,6 +10,7 @@
 # TransformerEngine and Megatron-FSDP. Every logged step's metrics (wandb.log, here disabled) go, at full precision,
 # to $PEER_METRICS_JSONL through this folder's sitecustomize.py; the real-token rate is
 # `train/unpadded_tokens_per_second_per_gpu` (tokens other than padding, <cls>/<eos> included, as ours count).
+# PEER_LOG_EVERY (default 1): its logger.frequency (each log reads the loss back: a host sync).
 # The peer takes one optimizer step per micro-batch (no accumulation). PEER_PYTHONPATH, if set, comes first on
 # PYTHONPATH: packages at the versions of the peer's commit where the installed ones have moved on.
 set -euo pipefail
@@ -44,7 +45,7 @@ set -x
 python3 "$SCRIPT" --config-name L0_sanity config_name_or_path="$CONFIG" dataset.tokenizer_name=./tokenizers/esm2 \
   num_train_steps="$STEPS" use_sequence_packing=true dataset.micro_batch_size=null +dataset.token_micro_batch_size=8192 \
   dataset.max_seq_length=1024 dataset.load_dataset_kwargs.path=parquet dataset.load_dataset_kwargs.split=train \
-  "dataset.load_dataset_kwargs.data_files=$files" dataset.load_dataset_kwargs.streaming=true logger.frequency=1 \
+  "dataset.load_dataset_kwargs.data_files=$files" dataset.load_dataset_kwargs.streaming=true logger.frequency=${PEER_LOG_EVERY:-1} \
   wandb_init_args.mode=disabled checkpoint.ckpt_dir=null checkpoint.save_final_model=false \
   checkpoint.resume_from_checkpoint=false fp8_config.enabled=$([[ $PRECISION == fp8 ]] && echo true || echo false) \
   "hydra.run.dir=${TMPDIR:-/tmp}/esm2_peer_runs/${SCRIPT%.py}_$$" "$@"
