@@ -12,7 +12,9 @@
 # `train/unpadded_tokens_per_second_per_gpu` (tokens other than padding, <cls>/<eos> included, as ours count).
 # PEER_LOG_EVERY (default 1): its logger.frequency (each log reads the loss back: a host sync).
 # The peer takes one optimizer step per micro-batch (no accumulation). PEER_PYTHONPATH, if set, comes first on
-# PYTHONPATH: packages at the versions of the peer's commit where the installed ones have moved on.
+# PYTHONPATH: packages at the versions of the peer's commit where the installed ones have moved on (for its
+# commit of 2026-05-15: transformers 5.8.1, megatron-fsdp 0.3.1, and an empty `megatron` package that keeps
+# megatron-fsdp from taking an installed Megatron-Core's newer config class; benchmarks/results/2026-11-27-*).
 set -euo pipefail
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 RECIPE=$(cd "${1:?usage: run.sh PEER_RECIPE_DIR mfsdp|fsdp2 DATA.parquet [steps] [bf16|fp8] [overrides]}" && pwd)
