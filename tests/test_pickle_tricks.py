@@ -281,11 +281,12 @@ import resource, sys
 sys.path.insert(0, sys.argv[1])
 from tests.test_pickle_tricks import VALUE_ALLOCATING, _load_a_value_from_a_shard
 from pathlib import Path
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the imports' peak, whatever this machine makes it
 try:
     _load_a_value_from_a_shard(None, VALUE_ALLOCATING[sys.argv[3]], Path(sys.argv[2]))
 except BaseException as e:  # DCP's CheckpointException is a BaseException
     print("refused:", " ".join(str(e).split()))
-print("peak_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print("peak_rise_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before, "after_imports_kib", before)
 """
 
 
@@ -297,4 +298,5 @@ def test_a_value_names_only_the_globals_plain_data_is_saved_with(tmp_path, name)
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("refused:") and "is not one plain data is saved with" in lines[0], lines
     assert "refusing to load the value 'train_state.step'" in lines[0], lines
-    assert int(lines[-1].split()[1]) < 2 * 1024 * 1024, lines  # KiB: nothing near the 4 GiB asked for
+    # KiB: what writing and loading the shard added to the process's peak is nothing near the 4 GiB asked for
+    assert int(lines[-1].split()[1]) < 1024 * 1024, lines
