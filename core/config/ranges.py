@@ -130,3 +130,21 @@ def rules_of(schema: Optional[type]) -> dict[str, Rule]:
     for cls in reversed(getattr(schema, "__mro__", ())):
         rules.update(vars(cls).get("RANGES", {}))
     return rules
+
+
+# The bounds every transformer-block model config shares (recipes/gpt, recipes/esm2), merged into their RANGES.
+TRANSFORMER_BLOCK_RANGES: dict[str, Rule] = {
+    "hidden_size": Int(1, INT32_MAX),
+    "num_layers": Int(1, INT32_MAX),
+    "num_attention_heads": Int(1, INT32_MAX),
+    "ffn_hidden_size": Int(1, INT32_MAX),
+    # The slowest rotating pair of dimensions turns once in about 2 pi base positions: far past any
+    # sequence length at the upper bound; at 1 or below, every pair turns at least as fast as the first.
+    "rotary_base": Real(1, 1e12, open_low=True),
+    "norm_epsilon": Real(EPSILON_MIN, 1),
+    # Weights are drawn from a normal truncated at +-2 std: torch divides by it, and it must stay > 0 in the
+    # output projections' init_std / sqrt(2 num_layers); below 1e-6 they start as good as zero anyway.
+    "init_std": Real(1e-6, 1),
+    "hidden_dropout": Real(0, 1),
+    "attention_dropout": Real(0, 1),
+}

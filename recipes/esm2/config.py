@@ -9,7 +9,7 @@ from typing import ClassVar, Optional
 from omegaconf import MISSING
 
 from core.config.errors import require
-from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Real, Rule
+from core.config.ranges import TRANSFORMER_BLOCK_RANGES, INT32_MAX, Int, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 
@@ -35,16 +35,8 @@ class ESM2ModelConfig(ModelConfig):
     fuse_qkv_params: bool = True  # one QKV weight per block (TE's per-head interleaved layout)
 
     RANGES: ClassVar[dict[str, Rule]] = {
-        "hidden_size": Int(1, INT32_MAX),
-        "num_layers": Int(1, INT32_MAX),
-        "num_attention_heads": Int(1, INT32_MAX),
-        "ffn_hidden_size": Int(1, INT32_MAX),
+        **TRANSFORMER_BLOCK_RANGES,
         "max_seq_length": Int(3, INT32_MAX, note="<cls>, a residue, <eos>"),
-        "rotary_base": Real(1, 1e12, open_low=True),
-        "norm_epsilon": Real(EPSILON_MIN, 1),
-        "init_std": Real(1e-6, 1),
-        "hidden_dropout": Real(0, 1),
-        "attention_dropout": Real(0, 1),
     }
 
     @staticmethod

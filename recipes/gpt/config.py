@@ -11,7 +11,7 @@ from typing import ClassVar, Optional
 from omegaconf import MISSING, OmegaConf
 
 from core.config.errors import require
-from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
+from core.config.ranges import TRANSFORMER_BLOCK_RANGES, INT32_MAX, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 
@@ -53,20 +53,8 @@ class GPTModelConfig(ModelConfig):
         "vocab_size": Int(1, INT32_MAX),
         "make_vocab_size_divisible_by": Int(1, INT32_MAX),
         "seq_length": Int(1, INT32_MAX),
-        "hidden_size": Int(1, INT32_MAX),
-        "num_layers": Int(1, INT32_MAX),
-        "num_attention_heads": Int(1, INT32_MAX),
         "num_query_groups": Int(1, INT32_MAX),
-        "ffn_hidden_size": Int(1, INT32_MAX),
-        # The slowest rotating pair of dimensions turns once in about 2 pi base positions: far past any
-        # seq_length at the upper bound; at 1 or below, every pair turns at least as fast as the first.
-        "rotary_base": Real(1, 1e12, open_low=True),
-        "norm_epsilon": Real(EPSILON_MIN, 1),
-        # Weights are drawn from a normal truncated at +-2 std: torch divides by it, and it must stay > 0 in the
-        # output projections' init_std / sqrt(2 num_layers); below 1e-6 they start as good as zero anyway.
-        "init_std": Real(1e-6, 1),
-        "hidden_dropout": Real(0, 1),
-        "attention_dropout": Real(0, 1),
+        **TRANSFORMER_BLOCK_RANGES,
     }
 
     @staticmethod
