@@ -3,7 +3,8 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT]
+#                                       esm2|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       two_gpus_vit|two_gpus_gpt]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -193,6 +194,30 @@ if [[ $what == revisions ]]; then
         --global-batch 128 --out "$OUT/$tag" --timeout 300 2>&1 | tee "$OUT/revisions_gpt_${tag}_$round.log" | tail -2
     done
   done
+fi
+# two_gpus_vit (2 GPUs, ~5 min): the shipped vit_base_patch16_224 as typed (256 x 8 per step on 1 GPU, 256 x 4 on
+# each of 2; ZeRO-0, CUDA graphs) on synthetic images, on 1 GPU and on 2; on 2 also the previous multi-GPU settings
+# (ZeRO-2, eager), graphed ZeRO-0 on the shipped digits, and compiled FSDP2 at micro-batch 256, all in one call.
+# two_gpus_gpt (2 GPUs, ~5 min): gpt_1b as typed (16 x 8 per step on 1 GPU, 16 x 4 on each of 2) on 1 and 2 GPUs,
+# with ZeRO-3 (as typed), ZeRO-2 and ZeRO-0 on 2.
+if [[ $what == two_gpus_vit ]]; then
+  vit=(--config vit_base_patch16_224 --steps ${VIT_STEPS:-5} --micro-batch 256 --global-batch 2048 --out "$OUT" --timeout 300)
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/throughput.py "${vit[@]}" --nproc 1 --variant "as_typed=" \
+    2>&1 | tee "$OUT/two_gpus_vit_1gpu.log" | tail -3
+  python3 benchmarks/throughput.py "${vit[@]}" --nproc 2 --variant "as_typed=" \
+    --variant "eager_zero2=training.cuda_graphs=none distributed.mfsdp.zero_dp_strategy=2" \
+    --variant "fsdp2+torch+compile=distributed=fsdp2 model.backend=torch training.compile=true precision.param_dtype=bf16" \
+    2>&1 | tee "$OUT/two_gpus_vit_2gpus.log" | tail -5
+  python3 benchmarks/throughput.py "${vit[@]}" --nproc 2 --data "" --variant "as_typed_digits=" \
+    2>&1 | tee "$OUT/two_gpus_vit_2gpus_digits.log" | tail -3
+fi
+if [[ $what == two_gpus_gpt ]]; then
+  gpt=(--config gpt_1b --data gpt_mock --steps ${GPT_STEPS:-3} --micro-batch 16 --global-batch 128 --out "$OUT" --timeout 300)
+  CUDA_VISIBLE_DEVICES=0 python3 benchmarks/throughput.py "${gpt[@]}" --nproc 1 --variant "as_typed=" \
+    2>&1 | tee "$OUT/two_gpus_gpt_1gpu.log" | tail -3
+  python3 benchmarks/throughput.py "${gpt[@]}" --nproc 2 --variant "as_typed=" \
+    --variant "zero2=distributed.mfsdp.zero_dp_strategy=2" --variant "zero0=distributed.mfsdp.zero_dp_strategy=0" \
+    2>&1 | tee "$OUT/two_gpus_gpt_2gpus.log" | tail -5
 fi
 if [[ $what == esm2_profile ]]; then
   rm -rf /tmp/esm2_prof

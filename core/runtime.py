@@ -57,17 +57,18 @@ class Runtime:
     parallel_auto: bool = False  # chosen by `auto` (for the log line)
     layers_auto: bool = False
 
-    def on_mesh(self, dp_size: int, tp: int) -> "Runtime":
-        """What still holds once the mesh is known: CUDA graphs capture one data-parallel rank without tensor
-        parallelism (the gradient reduction between ranks is not captured)."""
-        if not self.cuda_graphs or (dp_size == 1 and tp == 1):
+    def on_mesh(self, cfg: DictConfig, dp_size: int, dp_outer: int, tp: int) -> "Runtime":
+        """What still holds once the mesh is known: CUDA graphs on several ranks only where no collective runs
+        inside a micro-batch (cuda_graphs_mesh_refusals)."""
+        if not self.cuda_graphs:
+            return self
+        refusals = cuda_graphs_mesh_refusals(cfg, dp_size, dp_outer, tp)
+        if not refusals:
             return self
         if not self.cuda_graphs_auto:
-            raise ConfigError(f"training.cuda_graphs=forward_backward runs on one data-parallel rank without tensor "
-                              f"parallelism (this run: {dp_size} data-parallel x tp {tp}): the gradient reduction "
-                              "between ranks is not captured; use training.cuda_graphs=auto or none")
-        log.info("training.cuda_graphs=auto: eager micro-batches (%d data-parallel ranks x tp %d; CUDA graphs "
-                 "capture one rank without tensor parallelism)", dp_size, tp)
+            raise ConfigError(f"training.cuda_graphs={cfg.training.cuda_graphs} {refusals[0]}; use "
+                              "training.cuda_graphs=auto (eager where graphs do not apply) or none")
+        log.info("training.cuda_graphs=auto: eager micro-batches (a graphed run %s)", refusals[0])
         return replace(self, cuda_graphs=False)
 
     @functools.cached_property
@@ -154,5 +155,26 @@ def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBa
          f"runs FP8 with precision.fp8.recipe={' or '.join(GRAPHED_FP8_RECIPES)}, not "
          f"{cfg.precision.fp8.recipe} (not checked under CUDA graphs); use training.cuda_graphs=none"),
         (training.compile, "and training.compile=true both take over the forward pass: choose one"),
+    ]
+    return [why for refused, why in refusals if refused]
+
+
+def cuda_graphs_mesh_refusals(cfg: DictConfig, dp_size: int, dp_outer: int, tp: int) -> list[str]:
+    """Why this mesh cannot replay micro-batches as CUDA graphs ([] if it can). A replay launches recorded
+    kernels only: a collective that must run inside a micro-batch would be skipped, or would have to be captured
+    and has not been checked against eager runs. With several data-parallel ranks and ZeRO-0 a micro-batch holds
+    none; its gradients are all-reduced after the step's last (core/training/cuda_graphs.py)."""
+    if dp_size == 1 and tp == 1:
+        return []
+    zero = int(cfg.distributed.mfsdp.zero_dp_strategy)
+    refusals = [
+        (tp > 1, f"needs distributed.tp=1 (not {tp}): tensor parallelism's collectives run inside every layer"),
+        (zero != 0, f"on {dp_size} data-parallel ranks needs distributed.mfsdp.zero_dp_strategy=0 (not {zero}): "
+                    "ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward and ZeRO-1 has not been "
+                    "checked against eager runs under graphs; with ZeRO-0 no collective runs inside a micro-batch"),
+        (dp_outer > 1, f"on several ranks needs distributed.dp_outer=1 (not {dp_outer}): HSDP has not been checked "
+                       "against eager runs under graphs"),
+        (cfg.precision.fp8.enabled, f"on {dp_size} data-parallel ranks needs precision.fp8.enabled=false: FP8's amax "
+                                    "all-reduce between ranks inside a graph has not been checked against eager runs"),
     ]
     return [why for refused, why in refusals if refused]

@@ -66,7 +66,7 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     env = distributed.setup(dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes,
                             runtime.device_type)
     try:
-        runtime = runtime.on_mesh(env.dp_size, env.tp)
+        runtime = runtime.on_mesh(cfg, env.dp_size, env.dp_outer, env.tp)
         # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
         amax_group = env.dp_group if env.tp == 1 else dist.group.WORLD
         autocast = autocast_factory(env.device, runtime.autocast_dtype, runtime.fp8_recipe, amax_group)

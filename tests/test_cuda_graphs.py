@@ -3,6 +3,7 @@ run on GPUs: tests/test_gpu_cuda_graphs.py)."""
 
 from __future__ import annotations
 
+import re
 
 import pytest
 import torch
@@ -62,14 +63,39 @@ def test_auto_graphs_where_they_apply_and_eager_elsewhere():
     for overrides in (["distributed=fsdp2"], ["precision=fp8", "precision.fp8.recipe=block"], ["training.compile=true"]):
         assert not auto(*overrides).cuda_graphs, overrides
     assert auto("precision=fp8_delayed").cuda_graphs
-    # Once the mesh is known: several data-parallel ranks or tensor parallelism run eagerly under auto ...
-    assert auto().on_mesh(1, 1).cuda_graphs
-    assert not auto().on_mesh(2, 1).cuda_graphs and not auto().on_mesh(1, 2).cuda_graphs
-    # ... and are refused when graphs were asked for.
-    explicit = resolve(validated_config("vit_base_patch16_224", GRAPHS), GPU)
-    for dp_size, tp in ((2, 1), (1, 2)):
-        with pytest.raises(ConfigError, match="one data-parallel rank without tensor parallelism"):
-            explicit.on_mesh(dp_size, tp)
+
+
+# (overrides, dp_size, dp_outer, tp) -> what a graphed run on that mesh is refused for (None: it runs graphed)
+MESHES = [
+    ([], 1, 1, 1, None),
+    ([], 8, 1, 1, None),  # the shipped ViT config: ZeRO-0, every micro-batch free of collectives
+    (["distributed.mfsdp.zero_dp_strategy=2"], 1, 1, 1, None),  # one rank runs ZeRO-0 whatever is asked
+    (["distributed.mfsdp.zero_dp_strategy=2"], 2, 1, 1, "zero_dp_strategy=0 (not 2): ZeRO-2/3 reduce-scatter"),
+    (["distributed.mfsdp.zero_dp_strategy=3"], 4, 1, 1, "zero_dp_strategy=0 (not 3)"),
+    (["distributed.mfsdp.zero_dp_strategy=1"], 2, 1, 1, "zero_dp_strategy=0 (not 1)"),
+    ([], 1, 1, 2, "needs distributed.tp=1 (not 2)"),
+    ([], 4, 2, 1, "needs distributed.dp_outer=1 (not 2)"),
+    (["precision=fp8_delayed"], 1, 1, 1, None),
+    (["precision=fp8_delayed"], 2, 1, 1, "on 2 data-parallel ranks needs precision.fp8.enabled=false"),
+]
+
+
+@pytest.mark.parametrize("overrides,dp_size,dp_outer,tp,refusal", MESHES)
+def test_graphs_on_a_mesh_run_where_no_collective_is_inside_a_micro_batch(overrides, dp_size, dp_outer, tp, refusal):
+    """Once the mesh is known, auto runs eagerly where a graphed run would be refused, and forward_backward is
+    refused there naming the key and its value; elsewhere both replay graphs."""
+    for mode in ("auto", "forward_backward"):
+        cfg = validated_config("vit_base_patch16_224", ["checkpoint.path=unused", f"training.cuda_graphs={mode}",
+                                                        *overrides])
+        runtime = resolve(cfg, GPU)
+        assert runtime.cuda_graphs  # nothing refused before the mesh is known
+        if refusal is None:
+            assert runtime.on_mesh(cfg, dp_size, dp_outer, tp).cuda_graphs, mode
+        elif mode == "auto":
+            assert not runtime.on_mesh(cfg, dp_size, dp_outer, tp).cuda_graphs
+        else:
+            with pytest.raises(ConfigError, match=f"^training.cuda_graphs=forward_backward .*{re.escape(refusal)}"):
+                runtime.on_mesh(cfg, dp_size, dp_outer, tp)
 
 
 class FakeCapture:
@@ -79,7 +105,7 @@ class FakeCapture:
     def __init__(self, monkeypatch):
         import contextlib
 
-        self.active, self.captured = False, []
+        self.active, self.captured, self.events = False, [], []
 
         @contextlib.contextmanager
         def graph(graph, capture_error_mode):
@@ -113,8 +139,18 @@ class FakeCapture:
                         forward()
                 return {"loss": model(batch["x"]).square()}
 
+        class RecordingParallel(Parallel):
+            """Records how each micro-batch is run and when the gradients are reduced."""
+
+            def micro_batch(self, is_last):
+                fake.events.append(("micro_batch", is_last))
+                return contextlib.nullcontext()
+
+            def reduce_gradients(self):
+                fake.events.append(("reduce", step.calls))
+
         model = torch.nn.Linear(4, 1)
-        step = cuda_graphs.GraphedForwardBackward(Parallel(model, model), Recipe(), contextlib.nullcontext)
+        step = cuda_graphs.GraphedForwardBackward(RecordingParallel(model, model), Recipe(), contextlib.nullcontext)
         return step
 
 
@@ -131,6 +167,21 @@ def test_the_graph_comes_from_a_micro_batch_before_the_last_where_steps_accumula
     for call in range(1, 13):
         step(BATCH, SCALE, is_last=call % accumulation == 0)
     assert capture.captured == [captured_call]
+
+
+def test_graphed_micro_batches_never_reduce_and_each_step_reduces_after_its_last(monkeypatch):
+    """Eager (warm-up), captured and replayed micro-batches all run as ones that do not reduce gradients (a graph
+    records no collective, and every micro-batch must run the same way); the gradients are reduced once per
+    step, after its last micro-batch."""
+    capture = FakeCapture(monkeypatch)
+    step = capture.step()
+    for call in range(1, 10):
+        step(BATCH, SCALE, is_last=call % 3 == 0)
+    # Calls 1-2 eager, 4 captured (the first before a step's last), 5-9 replayed: recording runs no Python, so
+    # only the eager and captured micro-batches enter micro_batch().
+    assert capture.captured == [4]
+    assert capture.events == [("micro_batch", False), ("micro_batch", False), ("micro_batch", False),
+                              ("reduce", 3), ("micro_batch", False), ("reduce", 6), ("reduce", 9)]
 
 
 def test_a_capture_that_fails_says_why_and_what_to_do(monkeypatch):

@@ -1,8 +1,9 @@
-"""training.cuda_graphs=forward_backward on one GPU: the graphed loop against the eager one, and its resume."""
+"""training.cuda_graphs=forward_backward on one GPU and on two: the graphed loop against the eager one, and its resume."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tests.checkpoint_harness import train_losses
 from tests.helpers import case_result, each_case, run_workers, selected_cases
@@ -109,4 +110,58 @@ def test_graphed_training_matches_eager_and_resumes_exactly(case, graph_runs):
     if case in PADDING_FORM:  # not bitwise reproducible from run to run (docs/performance.md)
         assert max(resume_diffs.values()) < 1e-3
     else:
+        assert resumed["losses"] == graphed["losses"]
+
+
+# ----------------------------------------------------------------------------- two data-parallel ranks
+
+needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+ZERO0 = ["distributed.mfsdp.zero_dp_strategy=0"]  # no collective inside a micro-batch (core/runtime.py)
+# Each rank: two accumulated micro-batches per step (the graph replayed for both, the gradients all-reduced after
+# the second), or one (a step's only micro-batch replayed, as the shipped ViT config runs on 8 GPUs).
+TWO_RANKS = {"vit-te-2ranks": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0,
+                                                        "training.global_batch_size=128"]),
+             "vit-te-2ranks-1micro": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0]),
+             "gpt-te-2ranks": ("gpt_sanity", [*SMALL_GPT, *ZERO0, "training.global_batch_size=32"])}
+TWO_RANK_RESUMED = {"vit-te-2ranks"}  # also stopped by SIGTERM and resumed
+
+
+def _two_rank_phases(tmp_path, case: str) -> list[dict]:
+    config, common = TWO_RANKS[case]
+
+    def run(name, overrides, **phase):
+        return {"config": config, "overrides": [*common, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
+                "run_dir": f"{tmp_path}/{name}/run", **phase}
+
+    phases = [run("eager", ["training.cuda_graphs=none", "training.steps=12"]),
+              run("graphed", [GRAPHED, "training.steps=12"])]
+    if case in TWO_RANK_RESUMED:
+        phases += [run("job", [GRAPHED, "training.steps=12"], signal_at=5), run("job", [GRAPHED, "training.steps=12"])]
+    return phases
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(request, tmp_path_factory) -> dict:
+    """Every selected case's runs on 2 GPUs, in one pair of worker processes (rank 0's view)."""
+    cases = [c["case"] for c in selected_cases(request, "test_graphed_two_ranks_match_eager_and_resume_exactly")]
+    root = tmp_path_factory.mktemp("graphs2")
+    return run_workers(2, each_case, _phases, {case: (_two_rank_phases(root / case, case),) for case in cases})[0]
+
+
+@needs_two
+@pytest.mark.parametrize("case", list(TWO_RANKS))
+def test_graphed_two_ranks_match_eager_and_resume_exactly(case, two_rank_runs):
+    """On 2 data-parallel ranks (ZeRO-0) every micro-batch replays the graph, none reduces inside it, and the
+    gradients are all-reduced after each step's last: the same sums, bucket by bucket, as the eager run's
+    backward hooks, so the same losses bit for bit; a graphed run stopped by SIGTERM and resumed continues them."""
+    results = case_result(two_rank_runs, case)
+    eager, graphed = results[:2]
+    assert sorted(graphed["losses"]) == list(range(1, 13))
+    diffs = {s: abs(graphed["losses"][s] - eager["losses"][s]) / abs(eager["losses"][s]) for s in eager["losses"]}
+    print(f"GRAPHS2 {case}: eager {eager['losses']}\nGRAPHS2 {case}: graphed {graphed['losses']}\n"
+          f"GRAPHS2 {case}: largest relative difference {max(diffs.values()):.2e}")
+    assert graphed["losses"] == eager["losses"]
+    if case in TWO_RANK_RESUMED:
+        stopped, resumed = results[2:]
+        assert stopped["stopped_by"] == "SIGTERM" and 5 <= resumed["start_step"] < 12
         assert resumed["losses"] == graphed["losses"]

@@ -27,11 +27,16 @@ COMMON = [
 ]
 
 
-def _train_worker(overrides: list[str], run_dir: str, shim: bool) -> dict:
+def _train_worker(overrides: list[str], run_dir: str, shim: bool, graphed_step: bool = False) -> dict:
     if shim:
         from tests.mfsdp_cpu_shim import install
 
         install()
+    if graphed_step:  # the graphed micro-batch step, which never gets past its eager warm-up on CPU
+        from core.training import cuda_graphs
+
+        cuda_graphs.forward_backward = lambda parallel, recipe, autocast, graphs, te_layers: (
+            cuda_graphs.GraphedForwardBackward(parallel, recipe, autocast, warmup=10**9))
     from tests.helpers import train_run
 
     cfg = compose_config("vit_sanity", overrides + [f"checkpoint.path={run_dir}/ckpt"])
@@ -115,6 +120,17 @@ def test_two_ranks_match_single_process_reference(overrides, shim, reference, tm
     # The weight-decay groups survive the wrapping: 10 weight matrices decay; biases, norms, cls_token and
     # pos_embed (22 tensors) do not.
     assert results[0]["param_groups"] == [("decay", 10, WD), ("no_decay", 22, 0.0)]
+    assert_matches(results[0], reference)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 1])
+def test_gradients_reduced_after_the_last_micro_batch_match_the_reference(zero, reference, tmp_path):
+    """How a graphed step reduces on several ranks (core/training/cuda_graphs.py): every micro-batch runs as one
+    that does not reduce, then Parallel.reduce_gradients after the step's last. Here on Megatron-FSDP (CPU shim),
+    2 ranks x 2 accumulated micro-batches, eagerly (the graphs themselves: tests/test_gpu_cuda_graphs.py)."""
+    overrides = ["distributed=mfsdp", f"distributed.mfsdp.zero_dp_strategy={zero}"]
+    results = run_workers(2, _train_worker, COMMON + overrides, str(tmp_path), True, True)
     assert_matches(results[0], reference)
 
 

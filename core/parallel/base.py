@@ -42,6 +42,13 @@ class Parallel:
         after the last micro-batch of an optimizer step."""
         return contextlib.nullcontext()
 
+    def reduce_gradients(self) -> None:
+        """Reduce over data-parallel ranks the gradients that micro-batches run with micro_batch(is_last=False)
+        have accumulated, as the last micro-batch's backward otherwise does; call finish_grad_sync after it. A
+        CUDA graph records no collective, so a graphed step runs every micro-batch as one that does not reduce
+        and calls this after the last (core/training/cuda_graphs.py)."""
+        raise NotImplementedError(f"{type(self).__name__} reduces gradients in the last micro-batch's backward only")
+
     def finish_grad_sync(self) -> None:
         """Make the reduced gradients available on the optimizer's parameters."""
 

@@ -123,6 +123,7 @@ class MegatronFSDP(Parallel):
             cuda_graph_mode=cuda_graph_mode,
         )
         self.cfg = cfg
+        self.zero = zero  # in effect (one rank runs ZeRO-0)
         # One data-parallel rank without sharding: the gradients are already complete in the main-gradient
         # buffer, and "reducing" them would only copy 4 bytes per parameter through a one-rank all-reduce.
         self.nothing_to_reduce = zero == 0 and env.dp_size == 1
@@ -150,6 +151,21 @@ class MegatronFSDP(Parallel):
         # The root post-backward hook reduces gradients (ZeRO 0/1) only when this flag is set.
         self.wrapped.is_last_microbatch = True
         return contextlib.nullcontext()
+
+    def reduce_gradients(self) -> None:
+        if self.nothing_to_reduce:
+            return
+        if self.zero >= 2:  # they reduce-scatter in every micro-batch's backward, no_sync or not
+            raise RuntimeError(f"Megatron-FSDP ZeRO-{self.zero} reduces gradients during each backward; "
+                               "deferring the reduction needs ZeRO-0 or ZeRO-1")
+        # What the root post-backward hook does for the parameters still waiting on a step's last micro-batch
+        # (megatron_fsdp.py, _root_post_backward), for every parameter: each bucket's all-reduce (ZeRO-0) or
+        # reduce-scatter (ZeRO-1), in the same buckets and order as the hooks, so the sums are the same.
+        wrapped = self.wrapped
+        params = sorted(wrapped.param_to_name, key=wrapped.param_to_name.get)
+        wrapped.grad_reduce_pipeline.reduce_gradients(params, suggested_queue_capacity=wrapped.suggested_RS_queue_capacity,
+                                                      outer_fsdp_group_grad_reduce=wrapped.dist_index.use_hybrid_fsdp)
+        wrapped.grad_reduce_pipeline.reset()
 
     def finish_grad_sync(self) -> None:
         self.wrapped.finish_grad_sync()

@@ -15,6 +15,10 @@ How it runs:
 - Gradients land where the eager backward puts them: Megatron-FSDP's gradient buffer, which its
   cuda_graph_mode zeroes in place instead of freeing. Gradient sync, clipping, the NaN guard, the optimizer and
   the schedule stay eager and update the weights in place, where each replay reads them.
+- Several data-parallel ranks: every micro-batch, the last included, runs as one that does not reduce (no
+  collective in its forward or backward with ZeRO-0), and after the step's last micro-batch the gradients are
+  all-reduced eagerly, bucket by bucket as the last backward's hooks would (`Parallel.reduce_gradients`). The
+  reduction no longer overlaps the last backward; it is one all-reduce of the gradients per optimizer step.
 - A micro-batch whose tensors differ in shape or dtype from the captured one runs eagerly.
 - TE attention takes a form cuDNN can capture at any sequence length (core/layers/te_transformer_layer.py, 4.),
   in the eager micro-batches too, so that every micro-batch runs the same kernels.
@@ -26,8 +30,9 @@ How it runs:
   cannot be recorded: the capture stops the run with `CaptureFailed`, saying so.
 
 Refused before any work (core/runtime.py): CPU, backends other than Megatron-FSDP, FP8 recipes other than
-delayed and current scaling, torch.compile, more than one data-parallel rank, tensor parallelism
-(training.cuda_graphs=auto runs those eagerly).
+delayed and current scaling, torch.compile; tensor parallelism; on several data-parallel ranks, ZeRO levels
+other than 0 (ZeRO-2/3 reduce-scatter in every backward), HSDP and FP8 (the amax all-reduce inside the graph:
+not checked against eager runs). training.cuda_graphs=auto runs those eagerly.
 """
 
 from __future__ import annotations
@@ -47,8 +52,8 @@ log = logging.getLogger("train")
 
 def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextManager], graphs: bool,
                      te_layers: bool) -> ForwardBackward:
-    """The loop's micro-batch step: eager, or replayed as a CUDA graph (runtime.cuda_graphs: on one
-    data-parallel rank, core/runtime.py)."""
+    """The loop's micro-batch step: eager, or replayed as a CUDA graph (runtime.cuda_graphs: where it applies,
+    core/runtime.py)."""
     if not graphs:
         return ForwardBackward(parallel, recipe, autocast)
     if te_layers:
@@ -81,20 +86,28 @@ class GraphedForwardBackward(ForwardBackward):
         self.accumulates = False  # a step has had more than one micro-batch
 
     def __call__(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> torch.Tensor:
+        loss = self._micro_batch(batch, loss_scale, is_last)
+        if is_last:  # after the step's last micro-batch, as its backward would (a no-op on one rank)
+            self.parallel.reduce_gradients()
+        return loss
+
+    def _micro_batch(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> torch.Tensor:
+        """The micro-batch's forward and backward, eager or replayed, run as one that does not reduce gradients
+        (they are reduced after the step's last: __call__)."""
         self.calls += 1
         self.accumulates |= not is_last
         # One graph serves every micro-batch of a step, so it must be one whose replays were checked against
         # eager ones (GPU tests): a micro-batch before the last where steps accumulate gradients, else a last one.
         if self.calls <= self.warmup or (self.graph is None and is_last and self.accumulates):
-            return super().__call__(batch, loss_scale, is_last)
+            return super().__call__(batch, loss_scale, is_last=False)
         if self.graph is None:
-            self._capture(batch, loss_scale, is_last)
+            self._capture(batch, loss_scale)
         elif _signature(batch) != self.signature:
             self.eager_fallbacks += 1
             if self.eager_fallbacks == 1:
                 log.warning("training.cuda_graphs: a micro-batch unlike the captured one (%s) runs eagerly",
                             ", ".join(f"{k} {v[0] if isinstance(v, tuple) else v}" for k, v in _signature(batch)))
-            return super().__call__(batch, loss_scale, is_last)
+            return super().__call__(batch, loss_scale, is_last=False)
         for name, value in batch.items():
             if torch.is_tensor(value):
                 self.inputs[name].copy_(value, non_blocking=True)
@@ -102,7 +115,7 @@ class GraphedForwardBackward(ForwardBackward):
         self.graph.replay()
         return self.loss
 
-    def _capture(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> None:
+    def _capture(self, batch: dict, loss_scale: torch.Tensor) -> None:
         self.signature = _signature(batch)
         self.inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in batch.items()}
         self.loss_scale = loss_scale.clone()
@@ -110,7 +123,7 @@ class GraphedForwardBackward(ForwardBackward):
         # thread_local: the data loader's and the checkpoint writer's threads keep using CUDA meanwhile.
         try:
             with torch.cuda.graph(self.graph, capture_error_mode="thread_local"):
-                self.loss = super().__call__(self.inputs, self.loss_scale, is_last)
+                self.loss = super().__call__(self.inputs, self.loss_scale, is_last=False)
         except RuntimeError as e:  # torch's own message names the operation, not why it matters or what to do
             raise CaptureFailed(
                 "training.cuda_graphs: the micro-batch's forward and backward could not be captured as a CUDA "
