@@ -3,10 +3,12 @@
   crash       the rank's process dies (os._exit) in the middle of a step, as a crashed peer does
   log_error   an exception while logging a step, on that rank only
   disk_full   the rank's checkpoint write fails with ENOSPC, as on a full disk
+  sigterm     the rank gets SIGTERM once it has logged the step, as from a scheduler ending the job
 """
 
 import errno
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -39,6 +41,15 @@ elif MINE and FAULT == "log_error":
         if step >= AT_STEP:
             raise OverflowError("injected: a value too large to log")
         return log_fn(run, step, out)
+
+    train.log_step = log_step
+elif MINE and FAULT == "sigterm":
+    log_fn = train.log_step
+
+    def log_step(run, step, out):
+        log_fn(run, step, out)
+        if step == AT_STEP:
+            os.kill(os.getpid(), signal.SIGTERM)
 
     train.log_step = log_step
 elif MINE and FAULT == "disk_full":

@@ -126,42 +126,46 @@ TWO_RANKS = {"vit-te-2ranks": ("vit_base_patch16_224", [*SMALL_VIT, "model.backe
 TWO_RANK_RESUMED = {"vit-te-2ranks"}  # also stopped by SIGTERM and resumed
 
 
-def _two_rank_phases(tmp_path, case: str) -> list[dict]:
+def _torchrun_losses(tmp_path, case: str, name: str, *overrides: str, fault: dict | None = None) -> dict:
+    """A 2-process torchrun of train.py (tests/fault_run.py with `fault`: its FAULT* variables); its logged losses
+    by step, and its output."""
+    import os
+    import subprocess
+
+    from tests.helpers import REPO, torchrun
+
     config, common = TWO_RANKS[case]
-
-    def run(name, overrides, **phase):
-        return {"config": config, "overrides": [*common, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
-                "run_dir": f"{tmp_path}/{name}/run", **phase}
-
-    phases = [run("eager", ["training.cuda_graphs=none", "training.steps=12"]),
-              run("graphed", [GRAPHED, "training.steps=12"])]
-    if case in TWO_RANK_RESUMED:
-        phases += [run("job", [GRAPHED, "training.steps=12"], signal_at=5), run("job", [GRAPHED, "training.steps=12"])]
-    return phases
-
-
-@pytest.fixture(scope="module")
-def two_rank_runs(request, tmp_path_factory) -> dict:
-    """Every selected case's runs on 2 GPUs, in one pair of worker processes (rank 0's view)."""
-    cases = [c["case"] for c in selected_cases(request, "test_graphed_two_ranks_match_eager_and_resume_exactly")]
-    root = tmp_path_factory.mktemp("graphs2")
-    return run_workers(2, each_case, _phases, {case: (_two_rank_phases(root / case, case),) for case in cases})[0]
+    run = tmp_path / case / name
+    cmd = torchrun(2, "tests/fault_run.py" if fault else "train.py", "--config-name", config,
+                   f"hydra.run.dir={run}/run", f"checkpoint.path={tmp_path / case / name.split('_')[0]}/ckpt",
+                   "training.steps=12", *common, *overrides)
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(fault or {})})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return {"losses": train_losses(run / "run"), "out": proc.stdout + proc.stderr}
 
 
 @needs_two
 @pytest.mark.parametrize("case", list(TWO_RANKS))
-def test_graphed_two_ranks_match_eager_and_resume_exactly(case, two_rank_runs):
+def test_graphed_two_ranks_match_eager_and_resume_exactly(case, tmp_path):
     """On 2 data-parallel ranks (ZeRO-0) every micro-batch replays the graph, none reduces inside it, and the
     gradients are all-reduced after each step's last: the same sums, bucket by bucket, as the eager run's
-    backward hooks, so the same losses bit for bit; a graphed run stopped by SIGTERM and resumed continues them."""
-    results = case_result(two_rank_runs, case)
-    eager, graphed = results[:2]
-    assert sorted(graphed["losses"]) == list(range(1, 13))
-    diffs = {s: abs(graphed["losses"][s] - eager["losses"][s]) / abs(eager["losses"][s]) for s in eager["losses"]}
-    print(f"GRAPHS2 {case}: eager {eager['losses']}\nGRAPHS2 {case}: graphed {graphed['losses']}\n"
+    backward hooks, so the same losses bit for bit; a graphed run stopped by SIGTERM and resumed with the same
+    command continues them."""
+    eager = _torchrun_losses(tmp_path, case, "eager", "training.cuda_graphs=none")["losses"]
+    graphed = _torchrun_losses(tmp_path, case, "graphed", GRAPHED)
+    assert "micro-batches replayed as CUDA graphs" in graphed["out"] and "captured the forward and backward" in graphed["out"]
+    graphed = graphed["losses"]
+    assert sorted(graphed) == list(range(1, 13))
+    diffs = {s: abs(graphed[s] - eager[s]) / abs(eager[s]) for s in eager}
+    print(f"GRAPHS2 {case}: eager {eager}\nGRAPHS2 {case}: graphed {graphed}\n"
           f"GRAPHS2 {case}: largest relative difference {max(diffs.values()):.2e}")
-    assert graphed["losses"] == eager["losses"]
+    assert graphed == eager
     if case in TWO_RANK_RESUMED:
-        stopped, resumed = results[2:]
-        assert stopped["stopped_by"] == "SIGTERM" and 5 <= resumed["start_step"] < 12
-        assert resumed["losses"] == graphed["losses"]
+        stopped = _torchrun_losses(tmp_path, case, "job_1", GRAPHED,
+                                   fault={"FAULT": "sigterm", "FAULT_RANK": "0", "FAULT_STEP": "5"})
+        assert "stopping after step" in stopped["out"], stopped["out"][-3000:]
+        resumed = _torchrun_losses(tmp_path, case, "job_2", GRAPHED)  # the same command again
+        assert "resumed from" in resumed["out"]
+        assert min(resumed["losses"]) == max(stopped["losses"]) + 1 and max(resumed["losses"]) == 12
+        assert {**stopped["losses"], **resumed["losses"]} == graphed
