@@ -38,15 +38,18 @@ profile_gpt_1b() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| megatron-fsdp', getattr(megatron_fsdp, '__version__', '0.6.1?'))" | tee -a "$OUT/gpu_info.txt"
-# tests: the whole GPU suite (`pytest -m gpu`); smoke: its quick subset (`pytest -m gpu_smoke`); each timed.
+# tests [PATH ...]: the whole GPU suite (`pytest -m gpu`), or its tests under the given paths (on 2 GPUs the suite
+# takes longer than one 10-minute call of the GPU machine: e.g. `tests tests/test_gpu.py`, then the other files);
+# smoke: its quick subset (`pytest -m gpu_smoke`); each timed.
 gpu_tests() {
-  local start=$SECONDS
-  python3 -m pytest -m "$1" -q -rA -p no:cacheprovider --durations=30 2>&1 | tee "$OUT/$1_tests.log" | tail -45
-  echo "pytest -m $1: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)" \
-    | tee -a "$OUT/$1_tests.log"
+  local start=$SECONDS marker=$1 log="$OUT/$1_tests${2:+_$(basename "${2%.py}")}.log"
+  shift
+  python3 -m pytest -m "$marker" -q -rA -p no:cacheprovider --durations=30 "$@" 2>&1 | tee "$log" | tail -45
+  echo "pytest -m $marker $*: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)" \
+    | tee -a "$log"
 }
 if [[ $what == tests || $what == all ]]; then
-  gpu_tests gpu
+  gpu_tests gpu "${@:2}"
 fi
 if [[ $what == smoke ]]; then
   gpu_tests gpu_smoke

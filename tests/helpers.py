@@ -3,6 +3,7 @@ gloo worker processes, and running the entry-point scripts in processes forked w
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -164,6 +165,9 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, re
     # The machine's cores shared out, as torchrun does (one thread per process there): ranks that each ran as many
     # threads as there are cores would wait on one another's spinning threads, several times slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    # A rank that dies of a signal (SIGSEGV in a native library) leaves no result: its Python stack on stderr says
+    # where it was.
+    faulthandler.enable()
     try:
         results[rank] = ("ok", fn(*args))
     except BaseException:  # report any failure to the parent, with its traceback
