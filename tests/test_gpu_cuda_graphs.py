@@ -122,7 +122,9 @@ ZERO0 = ["distributed.mfsdp.zero_dp_strategy=0"]  # no collective inside a micro
 TWO_RANKS = {"vit-te-2ranks": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0,
                                                         "training.global_batch_size=128"]),
              "vit-te-2ranks-1micro": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0]),
-             "gpt-te-2ranks": ("gpt_sanity", [*SMALL_GPT, *ZERO0, "training.global_batch_size=32"])}
+             "gpt-te-2ranks": ("gpt_sanity", [*SMALL_GPT, *ZERO0, "training.global_batch_size=32"]),
+             # Packed sequences (thd attention, cu_seqlens changing every micro-batch), 2 micro-batches per rank.
+             "esm2-te-2ranks": ("esm2_sanity", [*SMALL_ESM, *ZERO0, "training.global_batch_size=8"])}
 TWO_RANK_RESUMED = {"vit-te-2ranks"}  # also stopped by SIGTERM and resumed
 
 
