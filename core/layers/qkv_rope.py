@@ -78,8 +78,14 @@ def _sequences(cu_seqlens, q_freqs, k_freqs, device) -> tuple:
     """The kernels' (cu_seqlens, sequences, positions with angles) arguments; unused outside thd."""
     positions = min(q_freqs.shape[0], k_freqs.shape[0])
     if cu_seqlens is None:
-        return torch.zeros(1, dtype=torch.int32, device=device), 0, positions
+        return _no_sequences(device), 0, positions
     return cu_seqlens, cu_seqlens.shape[0] - 1, positions
+
+
+@functools.cache
+def _no_sequences(device: torch.device) -> torch.Tensor:
+    """The cu_seqlens argument outside thd (never read there): one per device, not one per launch."""
+    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _search_steps(cu_seqlens) -> int:

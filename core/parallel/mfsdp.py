@@ -127,6 +127,7 @@ class MegatronFSDP(Parallel):
         # One data-parallel rank without sharding: the gradients are already complete in the main-gradient
         # buffer, and "reducing" them would only copy 4 bytes per parameter through a one-rank all-reduce.
         self.nothing_to_reduce = zero == 0 and env.dp_size == 1
+        self._reduction_order: list | None = None  # reduce_gradients' parameters, listed at its first call
         # wrapper.module is the user's model; its parameters are now Megatron-FSDP's distributed
         # (DTensor) optimizer parameters under their original names.
         super().__init__(wrapper, wrapper.module)
@@ -162,8 +163,10 @@ class MegatronFSDP(Parallel):
         # (megatron_fsdp.py, _root_post_backward), for every parameter: each bucket's all-reduce (ZeRO-0) or
         # reduce-scatter (ZeRO-1), in the same buckets and order as the hooks, so the sums are the same.
         wrapped = self.wrapped
-        params = sorted(wrapped.param_to_name, key=wrapped.param_to_name.get)
-        wrapped.grad_reduce_pipeline.reduce_gradients(params, suggested_queue_capacity=wrapped.suggested_RS_queue_capacity,
+        if self._reduction_order is None:
+            self._reduction_order = sorted(wrapped.param_to_name, key=wrapped.param_to_name.get)
+        wrapped.grad_reduce_pipeline.reduce_gradients(self._reduction_order,
+                                                      suggested_queue_capacity=wrapped.suggested_RS_queue_capacity,
                                                       outer_fsdp_group_grad_reduce=wrapped.dist_index.use_hybrid_fsdp)
         wrapped.grad_reduce_pipeline.reset()
 
