@@ -6,11 +6,9 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
-import pickle
 import socket
 import subprocess
 import sys
-import tempfile
 import traceback
 from pathlib import Path
 from typing import Callable
@@ -196,28 +194,6 @@ def run_workers(world_size: int, fn: Callable, *args) -> list:
             status, value = results.get(r, ("error", f"rank {r} exited with code {procs[r].exitcode} and no result"))
             if status != "ok":
                 raise AssertionError(f"rank {r} failed:\n{value}")
-            out.append(value)
-        return out
-
-
-def run_torchrun(world_size: int, fn: Callable, *args, timeout: float = 600) -> list:
-    """Run fn(*args) (a module-level function) on each rank of `torchrun --nproc-per-node <world_size>`
-    (tests/torchrun_worker.py); return each rank's value. The processes start as a user's do, fresh: the GPU
-    tests of several ranks use it (docs/testing.md says why not run_workers there)."""
-    with tempfile.TemporaryDirectory() as tmp:
-        job = Path(tmp) / "job.pkl"
-        job.write_bytes(pickle.dumps((fn, args)))
-        proc = subprocess.run(torchrun(world_size, "tests/torchrun_worker.py", str(job), tmp), cwd=REPO,
-                              capture_output=True, text=True, timeout=timeout)
-        out = []
-        for rank in range(world_size):
-            result = Path(tmp) / f"rank{rank}.pkl"
-            if not result.exists():
-                raise AssertionError(f"rank {rank} left no result (torchrun exited with {proc.returncode}):\n"
-                                     f"{proc.stdout[-3000:]}\n{proc.stderr[-12000:]}")
-            status, value = pickle.loads(result.read_bytes())
-            if status != "ok":
-                raise AssertionError(f"rank {rank} failed:\n{value}")
             out.append(value)
         return out
 

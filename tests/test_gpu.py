@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from tests.checkpoint_harness import run_phases, train_losses
-from tests.helpers import (REPO, case_result, each_case, read_records, run_torchrun, run_workers, selected_cases,
-                           torchrun)
+from tests.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
 from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
 pytestmark = pytest.mark.gpu
@@ -74,6 +73,24 @@ def test_mfsdp_te_vit_base_learns_synthetic(nproc, tmp_path):
     assert (tmp_path / "ckpt" / "step_40" / "COMPLETE").exists()
 
 
+@needs_two
+def test_multirun_sweep_on_2_gpus(tmp_path):
+    """Two jobs of a Hydra multirun in one torchrun on 2 GPUs (mfsdp + TE): the second job starts a process group
+    of its own in the same processes (torch's NCCL crashed splitting it into the mesh's groups: env.py)."""
+    cmd = torchrun(2, "train.py", "-m", "--config-name", "vit_base_patch16_224", "model.depth=2", "data=synthetic",
+                   "data.synthetic_train_size=64", "data.num_classes=10", "training.micro_batch_size=8",
+                   "training.global_batch_size=16", "training.steps=3", "training.log_every_n_steps=1",
+                   "training.val_every_n_steps=0", "training.val_at_end=false", "logger.progress_bar=never",
+                   "optim.lr=1e-3,3e-4")
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    (sweep,) = list((tmp_path / "multirun" / "vit_base_patch16_224").iterdir())
+    for job, lr in (("0", "0.001"), ("1", "0.0003")):
+        assert (sweep / "checkpoints" / f"optim.lr={lr}" / "step_3" / "COMPLETE").exists()
+        losses = [r["loss"] for r in read_records(sweep / job) if "split" not in r]
+        assert len(losses) == 3 and all(loss == loss for loss in losses), losses
+
+
 @pytest.fixture(scope="module")
 def fp8_runs(request, tmp_path_factory) -> dict:
     """test_fp8_trains' runs, in one worker process (the command line is test_mfsdp_te_vit_base_learns_synthetic's)."""
@@ -106,19 +123,9 @@ def mfsdp_runs(request, tmp_path_factory):
                         f"distributed.mfsdp.te_fuse_wgrad_accumulation={c['fused_wgrad']}"],
                      f"{root}/{nproc}-{c['layers']}-{c['fused_wgrad']}", False)
                  for c in selected if c["nproc"] == nproc}
-        if nproc == 1:
-            return run_workers(1, each_case, _train_worker, cases)[0]
-        return {name: _each_rank_zero(_train_worker, *args) for name, args in cases.items()}  # a job per case
+        return run_workers(nproc, each_case, _train_worker, cases)[0]
 
     return runs
-
-
-def _each_rank_zero(fn, *args) -> tuple[str, object]:
-    """each_case's entry for one case run as its own 2-rank torchrun job: rank 0's value, or the failure."""
-    try:
-        return "ok", run_torchrun(2, fn, *args)[0]
-    except AssertionError as failure:
-        return "error", str(failure)
 
 
 @functools.cache
@@ -267,53 +274,29 @@ def test_fp8_amax_history_survives_resume(tmp_path):
 # ----------------------------------------------------------------------------- the MNIST workflow on GPUs
 
 
-def mnist_pretrain(root: str, overrides: list[str], steps: int) -> None:
+def mnist_workflow(root: str, overrides: list[str], pretrain_steps: int = 1000) -> dict:
+    """Worker body: docs/mnist.md's three steps (pretrain, fine-tune from its last step, predict the test split)
+    through train.py's and predict.py's functions, in this process; the fine-tune's last validation and the
+    prediction's rows and metrics."""
+    import predict
     from tests.helpers import compose_config, train_run
 
-    train_run(compose_config("mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre", f"training.steps={steps}"]),
-              f"{root}/pre")
-
-
-def mnist_finetune(root: str, overrides: list[str], pretrain_steps: int) -> dict:
-    from tests.helpers import compose_config, train_run
-
+    train_run(compose_config("mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre",
+                                                f"training.steps={pretrain_steps}"]), f"{root}/pre")
     finetune = [*overrides, f"checkpoint.init_from={root}/ckpt/pre/step_{pretrain_steps}", f"checkpoint.path={root}/ckpt/ft"]
     tuned = train_run(compose_config("mnist_finetune", finetune), f"{root}/ft")["result"]
-    return {"val": tuned.val, "steps": tuned.steps}
-
-
-def mnist_predict(root: str, overrides: list[str], finetune_steps: int) -> dict:
-    import predict
-    from tests.helpers import compose_config
-
-    predicting = [*overrides, f"checkpoint.init_from={root}/ckpt/ft/step_{finetune_steps}", f"predict.output={root}/pred.csv",
+    predicting = [*overrides, f"checkpoint.init_from={root}/ckpt/ft/step_{tuned.steps}", f"predict.output={root}/pred.csv",
                   f"checkpoint.path={root}/ckpt/unused"]
     predicted = predict.predict(compose_config("mnist_predict", predicting), Path(f"{root}/predict"), predicting)
-    return {"rows": predicted.rows, "metrics": predicted.metrics}
-
-
-def in_this_process(fn, *args):
-    return fn(*args)
-
-
-def mnist_workflow(root: str, overrides: list[str], run=in_this_process, pretrain_steps: int = 1000) -> dict:
-    """docs/mnist.md's three steps (pretrain, fine-tune from its last step, predict the test split) through
-    train.py's and predict.py's functions, each run by run(step, *args) (in this process by default); the
-    fine-tune's last validation and the prediction's rows and metrics."""
-    run(mnist_pretrain, root, overrides, pretrain_steps)
-    tuned = run(mnist_finetune, root, overrides, pretrain_steps)
-    return {"val": tuned["val"], **run(mnist_predict, root, overrides, tuned["steps"])}
+    return {"val": tuned.val, "rows": predicted.rows, "metrics": predicted.metrics}
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
 def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
-    """mnist_pretrain -> mnist_finetune -> predict with the GPU defaults (mfsdp + TE layers), bf16: on 1 GPU in
-    one worker process, on 2 each step a torchrun job of its own (the command lines: tests/test_mnist.py on CPUs)."""
+    """mnist_pretrain -> mnist_finetune -> predict with the GPU defaults (mfsdp + TE layers), bf16, in one group
+    of worker processes (the command lines: tests/test_mnist.py on CPUs)."""
     gpu = ["distributed=mfsdp", "model.backend=te", "precision=bf16", "logger.progress_bar=never"]
-    if nproc == 1:
-        out = run_workers(1, mnist_workflow, str(tmp_path), gpu)[0]
-    else:
-        out = mnist_workflow(str(tmp_path), gpu, run=lambda fn, *args: run_torchrun(2, fn, *args)[0])
+    out = run_workers(nproc, mnist_workflow, str(tmp_path), gpu)[0]
     accuracy = out["metrics"]["accuracy"]
     print(f"MNIST on {nproc} GPU(s), mfsdp + TE: fine-tune val {out['val']}; test accuracy {accuracy:.4f}")
     assert out["rows"] == 1000 and len((tmp_path / "pred.csv").read_text().splitlines()) == 1001

@@ -84,6 +84,7 @@ def _export_slurm_env_if_needed() -> None:
 
 _STORE: Optional[dist.Store] = None
 _JOBS_STARTED = 0
+_DEVICE_BOUND_WORLD_STARTED = False
 
 
 def _job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.Store:
@@ -153,9 +154,15 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
     timeout = datetime.timedelta(minutes=timeout_minutes)
     backend = "cuda:nccl,cpu:gloo" if device_type == "cuda" else "gloo"
     if not dist.is_initialized():
+        global _DEVICE_BOUND_WORLD_STARTED
+        # Only this process's first NCCL world is bound to the device (NCCL starts at once and the mesh's groups
+        # are split from it): torch's NCCL backend crashes (SIGSEGV in split_group, pytorch/pytorch#191952) when a
+        # bound world that is not the process's first NCCL group splits. A later job in the same processes (the
+        # next of a Hydra multirun, tests that run several) starts its NCCL lazily and makes its groups anew.
+        bind = device_type == "cuda" and not _DEVICE_BOUND_WORLD_STARTED
         dist.init_process_group(backend, store=_job_store(rank, world_size, timeout), rank=rank,
-                                world_size=world_size, timeout=timeout,
-                                device_id=device if device_type == "cuda" else None)
+                                world_size=world_size, timeout=timeout, device_id=device if bind else None)
+        _DEVICE_BOUND_WORLD_STARTED = _DEVICE_BOUND_WORLD_STARTED or bind
     mesh = init_device_mesh(device_type, (dp_outer, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
     return DistEnv(rank, world_size, local_rank, device, mesh, dp_mesh, dp_outer, dp_shard, tp)
