@@ -38,14 +38,15 @@ profile_gpt_1b() {
 }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| megatron-fsdp', getattr(megatron_fsdp, '__version__', '0.6.1?'))" | tee -a "$OUT/gpu_info.txt"
-# tests [PATH ...]: the whole GPU suite (`pytest -m gpu`), or its tests under the given paths (on 2 GPUs the suite
-# takes longer than one 10-minute call of the GPU machine: e.g. `tests tests/test_gpu.py`, then the other files);
-# smoke: its quick subset (`pytest -m gpu_smoke`); each timed.
+# tests [PYTEST ARGS ...]: the whole GPU suite (`pytest -m gpu`), or the part the arguments select (paths, -k): on
+# 2 GPUs the suite takes longer than one 10-minute call of the GPU machine (docs/testing.md gives a split in three);
+# smoke: its quick subset (`pytest -m gpu_smoke`); each timed, logged under a name made from the arguments.
 gpu_tests() {
-  local start=$SECONDS marker=$1 log="$OUT/$1_tests${2:+_$(basename "${2%.py}")}.log"
+  local start=$SECONDS marker=$1
   shift
+  local log="$OUT/${marker}_tests${1:+_$(printf "%s" "$*" | sed 's#tests/##g; s#\.py##g' | tr -c 'A-Za-z0-9_=-' '_' | cut -c1-80)}.log"
   python3 -m pytest -m "$marker" -q -rA -p no:cacheprovider --durations=30 "$@" 2>&1 | tee "$log" | tail -45
-  echo "pytest -m $marker $*: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git rev-parse --short HEAD 2>/dev/null)" \
+  echo "pytest -m $marker $*: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git describe --always --dirty 2>/dev/null) (-dirty: the files differ from that commit)" \
     | tee -a "$log"
 }
 if [[ $what == tests || $what == all ]]; then
