@@ -115,3 +115,33 @@ def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown key 'training.checkpoint.path'; did you mean 'checkpoint.path'?" in proc.stderr
     assert not (tmp_path / "outputs").exists()  # nothing was started
+
+
+class _Mesh:
+    """What env.setup asks of a device mesh."""
+
+    def __getitem__(self, dims):
+        return self
+
+    def _flatten(self, name):
+        return self
+
+
+def test_only_a_processs_first_nccl_world_is_bound_to_its_device(monkeypatch):
+    """A later job in the same processes (a multirun's next) starts its NCCL world without device_id: torch's NCCL
+    crashed (SIGSEGV) splitting a device-bound world that was not the process's first into the mesh's groups
+    (benchmarks/results/2026-11-27-two-gpus-suite-h200x2/; on GPUs: tests/test_gpu.py's 2-GPU multirun)."""
+    import torch
+
+    from core.distributed import env
+
+    bound = []
+    monkeypatch.setattr(env, "_DEVICE_BOUND_WORLD_STARTED", False)
+    monkeypatch.setattr(env, "_job_store", lambda *args: None)
+    monkeypatch.setattr(env, "init_device_mesh", lambda *args, **kwargs: _Mesh())
+    monkeypatch.setattr(env.torch.cuda, "set_device", lambda index: None)
+    monkeypatch.setattr(env.dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(env.dist, "init_process_group", lambda *args, **kwargs: bound.append(kwargs["device_id"]))
+    for device_type in ("cpu", "cuda", "cuda", "cuda"):  # jobs one after another in one process
+        env.setup(1, 1, 1, 1.0, device_type)
+    assert bound == [None, torch.device("cuda", 0), None, None]
