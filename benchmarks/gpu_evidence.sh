@@ -4,7 +4,7 @@
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
 #                                       esm2|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
-#                                       two_gpus_vit|two_gpus_gpt]
+#                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -39,7 +39,7 @@ profile_gpt_1b() {
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu_info.txt"
 python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torch.__version__, '| TE', transformer_engine.__version__, '| megatron-fsdp', getattr(megatron_fsdp, '__version__', '0.6.1?'))" | tee -a "$OUT/gpu_info.txt"
 # tests [PYTEST ARGS ...]: the whole GPU suite (`pytest -m gpu`), or the part the arguments select (paths, -k): on
-# 2 GPUs the suite takes longer than one 10-minute call of the GPU machine (docs/testing.md gives a split in three);
+# 2 GPUs the suite takes longer than one 10-minute call of the GPU machine: tests_2gpus, below;
 # smoke: its quick subset (`pytest -m gpu_smoke`); each timed, logged under a name made from the arguments.
 gpu_tests() {
   local start=$SECONDS marker=$1
@@ -51,6 +51,19 @@ gpu_tests() {
 }
 if [[ $what == tests || $what == all ]]; then
   gpu_tests gpu "${@:2}"
+fi
+# tests_2gpus 1|2|3: the whole GPU suite on 2 GPUs in three parts, each within one 10-minute call (about 5, 6 and 7
+# minutes on 2 H200s): test_gpu.py but its two longest tests; those two, then every GPU test outside test_gpu.py and
+# test_gpu_cuda_graphs.py; test_gpu_cuda_graphs.py.
+if [[ $what == tests_2gpus ]]; then
+  longest="tensor_parallel_gpt_125m or fp8_checkpoint_resumes_on_2"
+  case ${2:-} in
+    1) gpu_tests gpu tests/test_gpu.py -k "not ($longest)" ;;
+    2) gpu_tests gpu tests/test_gpu.py -k "$longest"
+       gpu_tests gpu tests/ --ignore=tests/test_gpu.py --ignore=tests/test_gpu_cuda_graphs.py ;;
+    3) gpu_tests gpu tests/test_gpu_cuda_graphs.py ;;
+    *) echo "tests_2gpus takes the part: 1, 2 or 3" >&2; exit 2 ;;
+  esac
 fi
 if [[ $what == smoke ]]; then
   gpu_tests gpu_smoke
