@@ -44,7 +44,7 @@ python3 -c "import torch, transformer_engine, megatron_fsdp; print('torch', torc
 gpu_tests() {
   local start=$SECONDS marker=$1
   shift
-  local log="$OUT/${marker}_tests${1:+_$(printf "%s" "$*" | sed 's#tests/##g; s#\.py##g' | tr -c 'A-Za-z0-9_=-' '_' | cut -c1-80)}.log"
+  local log="$OUT/${marker}_tests${1:+_$(printf "%s" "$*" | sed 's#tests/##g; s#\.py##g' | tr -c 'A-Za-z0-9_-' '_' | cut -c1-80)}.log"
   python3 -m pytest -m "$marker" -q -rA -p no:cacheprovider --durations=30 "$@" 2>&1 | tee "$log" | tail -45
   echo "pytest -m $marker $*: $((SECONDS - start)) s wall, $(date -u +%FT%TZ), $(git describe --always --dirty 2>/dev/null) (-dirty: the files differ from that commit)" \
     | tee -a "$log"
@@ -52,8 +52,8 @@ gpu_tests() {
 if [[ $what == tests || $what == all ]]; then
   gpu_tests gpu "${@:2}"
 fi
-# tests_2gpus 1|2|3: the whole GPU suite on 2 GPUs in three parts, each within one 10-minute call (about 5, 6 and 7
-# minutes on 2 H200s): test_gpu.py but its two longest tests; those two, then every GPU test outside test_gpu.py and
+# tests_2gpus 1|2|3: the whole GPU suite on 2 GPUs in three parts, each within one 10-minute call (times in
+# docs/testing.md): test_gpu.py but its two longest tests; those two, then every GPU test outside test_gpu.py and
 # test_gpu_cuda_graphs.py; test_gpu_cuda_graphs.py.
 if [[ $what == tests_2gpus ]]; then
   longest="tensor_parallel_gpt_125m or fp8_checkpoint_resumes_on_2"
