@@ -3,9 +3,9 @@
     python -m recipes.esm2.preprocess --input uniref90.fasta.gz --out /data/uniref90_store
     python -m recipes.esm2.preprocess --input shards/ --column sequence --name-column id --out /data/store
 
-Inputs: FASTA (optionally .gz), parquet, CSV or TSV files, folders of them, or a `datasets` save_to_disk
-folder, read in order and tokenized (letters outside the ESM-2 vocabulary become <unk>; empty sequences are
-left out). The output folder (residues.bin, offsets.npy, names.txt, index.json) is what `data.path` takes;
+Inputs: what `data.path` takes (recipes/esm2/sources.py: FASTA, parquet, CSV/TSV, Arrow, `datasets` folders,
+folders and patterns of them), read in order and tokenized (letters outside the ESM-2 vocabulary become <unk>;
+empty sequences are left out; both are counted and printed). The output folder (residues.bin, offsets.npy, names.txt, index.json) is what `data.path` takes;
 it appears complete or not at all. Memory: 8 bytes per sequence.
 """
 
@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Optional
 
 from core.config.errors import ConfigError
-from recipes.esm2.sequences import records, write_store
+from recipes.esm2.sequences import write_store
+from recipes.esm2.sources import records
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -35,6 +36,8 @@ def main(argv: Optional[list[str]] = None) -> None:
         raise SystemExit(f"error: {e}") from None
     print(f"wrote {index['sequences']} sequences, {index['residues']} residues to {args.out} "
           f"(train with data.path={args.out})")
+    if index["notes"]:
+        print(f"note: {index['notes']}")
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
 """Protein sequences from the files people keep them in, as one array of residue tokens and their offsets.
 
-Sources (`read_store`): FASTA (.fasta .fa .faa .fas .fna, optionally .gz), parquet and CSV/TSV (one column of
-sequences, optionally one of names), a Hugging Face `datasets` folder written by `save_to_disk` (its Arrow
-files, read with pyarrow: no `datasets` import), a folder of any of these, or a folder written by
-`python -m recipes.esm2.preprocess` (`write_store`): the same arrays on disk, memory-mapped, so a run over
-100M+ sequences starts at once and every process shares the pages.
+Sources (`read_store`): what `recipes/esm2/sources.py` reads (FASTA, parquet, CSV/TSV, Arrow and `datasets`
+folders, folders and patterns of them), tokenized now and held in memory; or a folder written by
+`python -m recipes.esm2.preprocess` (`write_store`): the same arrays on disk, memory-mapped, so that a run over
+100M+ sequences reads and tokenizes nothing again and every process shares the pages.
 
 A store is two arrays, `residues` (uint8 token ids, every sequence's residues one after another, no <cls>/<eos>)
 and `offsets` (int64, sequence i is residues[offsets[i]:offsets[i+1]]), and the sequences' names. That is what
@@ -14,23 +13,25 @@ keeps resume exact: sequence i is the same tokens in every process and every run
 from __future__ import annotations
 
 import array
-import gzip
 import hashlib
 import json
+import logging
+import re
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
 
 import numpy as np
 
-from core.checkpointing.hf_folders import read_json_object
 from core.config.errors import ConfigError
-from recipes.esm2.tokenizer import encode_residues
+from recipes.esm2.sources import records
+from recipes.esm2.tokenizer import UNK, encode_residues
 
-FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas", ".fna")
-TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
+log = logging.getLogger("train")
+
 STORE_INDEX = "index.json"
+_LINE_BREAKS = re.compile(r"[\r\n]")
 STORE_VERSION = 1
 
 
@@ -53,144 +54,80 @@ class SequenceStore:
 
     def name(self, i: int) -> str:
         if self.names is None and self.names_file is not None:
-            self.names = self.names_file.read_text(encoding="utf-8").split("\n")[: len(self)]
+            with open(self.names_file, encoding="utf-8", newline="") as f:  # newline="": a lone \r is no line end
+                names = f.read().split("\n")
+            if names and names[-1] == "":
+                names.pop()  # the last line's end
+            if len(names) != len(self):
+                raise ConfigError(f"data.path={self.source}: names.txt holds {len(names)} names for {len(self)} "
+                                  "sequences; write the folder again with python -m recipes.esm2.preprocess")
+            self.names = names
         return self.names[i] if self.names is not None else str(i)
 
 
-def source_files(path: Path) -> list[Path]:
-    """The sequence files a path names: itself, or the readable files of a folder (sorted; other files are
-    skipped, hidden ones too)."""
-    if path.is_file():
-        return [path]
-    if not path.is_dir():
-        raise ConfigError(f"data.path={path}: no such file or folder")
-    files = sorted(p for p in path.rglob("*") if p.is_file() and not any(part.startswith(".") for part in
-                                                                          p.relative_to(path).parts)
-                   and _kind(p) is not None)
-    if not files:
-        raise ConfigError(f"data.path={path}: no sequence files in this folder (FASTA {', '.join(FASTA_SUFFIXES)}, "
-                          f"{', '.join(TABLE_SUFFIXES)}, optionally .gz for FASTA; or a `datasets` save_to_disk folder)")
-    return files
+@dataclass
+class ReadCounts:
+    """What tokenizing left out or could not read, for the user to see: empty sequences (left out), residues that
+    became <unk>, and sequences of nucleotide letters only (DNA or RNA read as protein?)."""
+    sequences: int = 0
+    empty: int = 0
+    unknown_residues: int = 0
+    nucleotide_like: int = 0
+    examples: dict = field(default_factory=dict)  # the first sequence's name of each kind
+
+    def add(self, name: str, ids: np.ndarray) -> None:
+        if not len(ids):
+            self.empty += 1
+            self.examples.setdefault("empty", name)
+            return
+        self.sequences += 1
+        unknown = int(np.count_nonzero(ids == UNK))
+        if unknown:
+            self.unknown_residues += unknown
+            self.examples.setdefault("unknown_residues", name)
+        if len(ids) >= NUCLEOTIDE_CHECK_LENGTH and _NUCLEOTIDE[ids].all():
+            self.nucleotide_like += 1
+            self.examples.setdefault("nucleotide_like", name)
+
+    def summary(self) -> str:
+        """One line, empty when there is nothing to say."""
+        parts = [f"{n} {what} (first: {self.examples[key]!r})" for n, what, key in (
+            (self.empty, "empty sequences left out", "empty"),
+            (self.unknown_residues, "residues outside the ESM-2 vocabulary read as <unk>", "unknown_residues"),
+            (self.nucleotide_like, f"sequences of nucleotide letters only (ACGTUN, {NUCLEOTIDE_CHECK_LENGTH}+ "
+                                   "long): DNA or RNA read as protein?", "nucleotide_like")) if n]
+        return "; ".join(parts)
 
 
-def _kind(path: Path) -> Optional[str]:
-    name = path.name.lower().removesuffix(".gz")
-    if name.endswith(FASTA_SUFFIXES):
-        return "fasta"
-    if path.name.lower().endswith(".gz"):
-        return None
-    if name.endswith(".parquet"):
-        return "parquet"
-    if name.endswith((".csv", ".tsv")):
-        return "csv"
-    if name.endswith(".arrow"):
-        return "arrow"
-    return None
+# A protein this long made only of the letters A C G T U N is vanishingly unlikely; nucleic acid is all of them.
+NUCLEOTIDE_CHECK_LENGTH = 30
+_NUCLEOTIDE = np.zeros(256, dtype=bool)
+_NUCLEOTIDE[encode_residues("ACGTUN")] = True
 
 
-def read_fasta(path: Path) -> Iterator[tuple[str, str]]:
-    """(name, sequence) per record: the header's first word (after '>'), the sequence lines joined. Blank lines
-    and ';' comment lines are skipped; text before the first header is an error."""
-    opener = gzip.open if path.name.lower().endswith(".gz") else open
-    name, parts, line_number = None, [], 0
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for line_number, line in enumerate(f, 1):
-            line = line.strip()
-            if not line or line.startswith(";"):
-                continue
-            if line.startswith(">"):
-                if name is not None:
-                    yield name, "".join(parts)
-                header = line[1:].split()
-                name, parts = (header[0] if header else ""), []
-            elif name is None:
-                raise ValueError(f"{path}:{line_number}: sequence text before the first '>' header: not FASTA")
-            else:
-                parts.append(line)
-    if name is not None:
-        yield name, "".join(parts)
-
-
-def read_table(path: Path, column: str, name_column: Optional[str]) -> Iterator[tuple[str, str]]:
-    """(name, sequence) per row of a parquet, CSV or TSV file (or an Arrow file of a `datasets` folder), read in
-    batches; a missing name column gives row numbers, a missing sequence column is an error naming the columns."""
-    import pyarrow as pa
-    import pyarrow.csv as pacsv
-    import pyarrow.parquet as pq
-
-    kind = _kind(path)
-    if kind == "parquet":
-        parquet = pq.ParquetFile(path)
-        columns, batches = parquet.schema_arrow.names, None
-    elif kind == "csv":
-        options = pacsv.ParseOptions(delimiter="\t" if path.name.lower().endswith(".tsv") else ",")
-        reader = pacsv.open_csv(path, parse_options=options)
-        columns, batches = reader.schema.names, reader
-    else:  # arrow: the IPC stream files `datasets.save_to_disk` writes
-        reader = pa.ipc.open_stream(pa.memory_map(str(path)))
-        columns, batches = reader.schema.names, reader
-    if column not in columns:
-        raise ConfigError(f"data.column={column}: {path} has no such column (it has {', '.join(columns)})")
-    use_names = name_column is not None and name_column in columns
-    if kind == "parquet":
-        batches = parquet.iter_batches(columns=[column] + ([name_column] if use_names else []), batch_size=65536)
-    row = 0
-    for batch in batches:
-        sequences = batch.column(column).to_pylist()
-        names = batch.column(name_column).to_pylist() if use_names else range(row, row + len(sequences))
-        for name, sequence in zip(names, sequences):
-            if sequence is not None and not isinstance(sequence, str):
-                raise ConfigError(f"data.column={column}: {path} row {row}: expected text, got {type(sequence).__name__}")
-            yield str(name), sequence or ""
-            row += 1
-
-
-def datasets_folder_files(path: Path, split: str) -> Optional[list[Path]]:
-    """The Arrow files of a `datasets` save_to_disk folder (a Dataset, or a DatasetDict's `split`); None when
-    `path` is not one."""
-    if (path / "dataset_dict.json").is_file():
-        splits = read_json_object(path / "dataset_dict.json").get("splits", [])
-        if split not in splits:
-            raise ConfigError(f"data.split={split}: {path} is a DatasetDict of splits {splits}")
-        path = path / split
-    state = path / "state.json"
-    if not state.is_file():
-        return None
-    files = read_json_object(state).get("_data_files", [])
-    names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
-    if not names or not all(isinstance(n, str) and "/" not in n and "\\" not in n and not n.startswith(".")
-                            for n in names):
-        raise ConfigError(f"data.path={path}: state.json lists no Arrow files, or names outside the folder")
-    return [path / n for n in names]
-
-
-def records(path: Path, column: str, name_column: Optional[str], split: str) -> Iterator[tuple[str, str]]:
-    """(name, sequence) from every file `path` names, in order."""
-    files = datasets_folder_files(path, split) if path.is_dir() else None
-    for file in files if files is not None else source_files(path):
-        if _kind(file) == "fasta":
-            yield from read_fasta(file)
-        else:
-            yield from read_table(file, column, name_column)
-
-
-def tokenized(named_sequences: Iterable[tuple[str, str]]) -> Iterator[tuple[str, np.ndarray]]:
-    """(name, token ids) per sequence; empty sequences are left out."""
+def tokenized(named_sequences: Iterable[tuple[str, str]], counts: Optional[ReadCounts] = None
+              ) -> Iterator[tuple[str, np.ndarray]]:
+    """(name, token ids) per sequence; empty sequences are left out (and counted in `counts`)."""
     for name, sequence in named_sequences:
         ids = encode_residues(sequence)
+        if counts is not None:
+            counts.add(name, ids)
         if len(ids):
             yield name, ids
 
 
 def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> SequenceStore:
-    """Tokenize sequences into a store (in memory); empty sequences are left out."""
-    chunks, lengths, names = [], [], []
-    for name, ids in tokenized(named_sequences):
+    """Tokenize sequences into a store (in memory: about twice the residues, and the names); empty sequences are
+    left out. What tokenizing left out or could not read is logged."""
+    chunks, lengths, names, counts = [], [], [], ReadCounts()
+    for name, ids in tokenized(named_sequences, counts):
         chunks.append(ids)
         lengths.append(len(ids))
         names.append(name)
     if not lengths:
         raise ConfigError(f"data.path={source}: no sequences (or only empty ones)")
+    if counts.summary():
+        log.warning("%s: %s", source, counts.summary())
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
     np.cumsum(lengths, out=offsets[1:])
     return SequenceStore(np.concatenate(chunks), offsets, names, source)
@@ -198,28 +135,35 @@ def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> Sequ
 
 def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: str) -> dict:
     """Tokenize sequences into files under `out`, streaming (memory: 8 bytes per sequence): residues.bin,
-    offsets.npy, names.txt, then index.json (counts and the offsets' hash). They are written into
-    <out>.partial and moved to `out` when complete; an existing `out` is refused. Empty sequences are left out."""
+    offsets.npy, names.txt (one per line: a line break inside a name becomes a space), then index.json (counts,
+    the offsets' hash, what tokenizing left out). They are written into <out>.partial and moved to `out` when
+    complete (a failure removes them); an existing `out` is refused. Empty sequences are left out."""
     if out.exists():
         raise FileExistsError(f"{out} exists: give a new folder")
     partial = out.with_name(out.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
-    lengths = array.array("q")
-    with open(partial / "residues.bin", "wb") as residues, open(partial / "names.txt", "w", encoding="utf-8") as names:
-        for name, ids in tokenized(named_sequences):
-            residues.write(ids.tobytes())
-            names.write(name.replace("\n", " ") + "\n")
-            lengths.append(len(ids))
-    if not lengths:
-        shutil.rmtree(partial)
-        raise ValueError(f"{source}: no sequences (or only empty ones)")
-    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
-    np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
-    np.save(partial / "offsets.npy", offsets, allow_pickle=False)
-    index = {"version": STORE_VERSION, "sequences": len(lengths), "residues": int(offsets[-1]),
-             "offsets_sha256": hashlib.sha256(offsets.tobytes()).hexdigest(), "source": source}
-    (partial / STORE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    try:
+        lengths, counts = array.array("q"), ReadCounts()
+        with open(partial / "residues.bin", "wb") as residues, \
+                open(partial / "names.txt", "w", encoding="utf-8", newline="") as names:
+            for name, ids in tokenized(named_sequences, counts):
+                residues.write(ids.tobytes())
+                names.write(_LINE_BREAKS.sub(" ", name) + "\n")
+                lengths.append(len(ids))
+        if not lengths:
+            raise ConfigError(f"{source}: no sequences (or only empty ones)")
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
+        np.save(partial / "offsets.npy", offsets, allow_pickle=False)
+        index = {"version": STORE_VERSION, "sequences": len(lengths), "residues": int(offsets[-1]),
+                 "offsets_sha256": hashlib.sha256(offsets.tobytes()).hexdigest(), "source": source,
+                 "empty_sequences_left_out": counts.empty, "unknown_residues": counts.unknown_residues,
+                 "nucleotide_like_sequences": counts.nucleotide_like, "notes": counts.summary()}
+        (partial / STORE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+    except BaseException:
+        shutil.rmtree(partial, ignore_errors=True)
+        raise
     partial.rename(out)
     return index
 

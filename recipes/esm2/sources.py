@@ -1,0 +1,276 @@
+"""Which files a `data.path` names, and (name, sequence) records read from them.
+
+A path is a file, a folder (walked in name order; a `datasets` save_to_disk folder inside it is read through its
+state.json, so its cache files and other splits are not), or a glob pattern (`/data/hub/data/train-*.parquet`).
+Files: FASTA (.fasta .fa .faa .fas), parquet, CSV/TSV, Arrow (the IPC stream files `datasets` writes, or IPC
+files: Feather v2); FASTA and CSV/TSV may be compressed (.gz .bz2 .xz .zst). Nucleotide FASTA (NCBI's .fna .ffn
+.frn) is not protein: a folder skips it, a path naming it is refused. Anything a user would lose silently is
+refused with the file named instead: a file of a known kind in an unreadable compression, the same file twice
+(x.fasta and x.fasta.gz), a folder whose file names mark several splits (Hugging Face's train/validation/test
+naming), a damaged or truncated file.
+"""
+
+from __future__ import annotations
+
+import bz2
+import glob
+import gzip
+import io
+import lzma
+import re
+import zlib
+from collections import Counter
+from pathlib import Path
+from typing import Iterator, Optional
+
+from core.checkpointing.hf_folders import read_json_object
+from core.config.errors import ConfigError
+
+FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
+NUCLEOTIDE_SUFFIXES = (".fna", ".ffn", ".frn")
+TABLE_SUFFIXES = (".parquet", ".csv", ".tsv")
+ARROW_SUFFIXES = (".arrow", ".feather")
+COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # for FASTA and CSV/TSV
+UNREADABLE_COMPRESSIONS = (".zip", ".7z", ".rar", ".lz4", ".br", ".snappy", ".zstd", ".lzma", ".z")
+# Hugging Face datasets' split keywords in file and folder names (data/train-00000-of-00002.parquet, test/x.csv)
+_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
+                "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
+                "evaluation": "test"}
+_SPLIT_PATTERN = re.compile(r"(?:^|[\s\-_./])(" + "|".join(sorted(_SPLIT_WORDS, key=len, reverse=True))
+                            + r")(?=[\s\-_./0-9]|$)")
+_GLOB_CHARACTERS = re.compile(r"[*?\[]")
+_DIGIT = re.compile(r"\d")
+
+
+def _split_suffix(name: str) -> tuple[str, str]:
+    """(the name without its compression suffix, that suffix or "")."""
+    lower = name.lower()
+    for suffix in (*COMPRESSIONS, *UNREADABLE_COMPRESSIONS):
+        if lower.endswith(suffix):
+            return lower[: -len(suffix)], suffix
+    return lower, ""
+
+
+def file_kind(path: Path) -> tuple[Optional[str], Optional[str]]:
+    """(kind, why it cannot be read): kind is fasta, nucleotide, parquet, csv or arrow, or None for a file that
+    is not sequence data; the reason is set for a sequence file this reader cannot open."""
+    base, compression = _split_suffix(path.name)
+    if base.endswith(FASTA_SUFFIXES):
+        kind = "fasta"
+    elif base.endswith(NUCLEOTIDE_SUFFIXES):
+        kind = "nucleotide"
+    elif base.endswith(".parquet"):
+        kind = "parquet"
+    elif base.endswith((".csv", ".tsv")):
+        kind = "csv"
+    elif base.endswith(ARROW_SUFFIXES):
+        kind = "arrow"
+    else:
+        return None, None
+    if compression and (compression not in COMPRESSIONS or kind in ("parquet", "arrow")):
+        return kind, (f"{compression} compression is not read here (FASTA and CSV/TSV: "
+                      f"{' '.join(COMPRESSIONS)}; parquet and Arrow compress inside the file): decompress it")
+    return kind, None
+
+
+def _is_datasets_folder(folder: Path) -> bool:
+    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+
+
+def datasets_folder_files(path: Path, split: str) -> list[Path]:
+    """The Arrow files of a `datasets` save_to_disk folder: a Dataset's, or a DatasetDict's `split`'s (the ones
+    its state.json lists: not the cache files `.map()` leaves beside them)."""
+    if (path / "dataset_dict.json").is_file():
+        splits = read_json_object(path / "dataset_dict.json").get("splits", [])
+        if split not in splits:
+            raise ConfigError(f"data.split={split}: {path} is a DatasetDict of splits {splits}")
+        path = path / split
+    state = path / "state.json"
+    if not state.is_file():
+        raise ConfigError(f"data.path={path}: a `datasets` folder without state.json")
+    files = read_json_object(state).get("_data_files", [])
+    names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
+    if not names or not all(isinstance(n, str) and "/" not in n and "\\" not in n and not n.startswith(".")
+                            for n in names):
+        raise ConfigError(f"data.path={path}: state.json lists no Arrow files, or names outside the folder")
+    return [path / n for n in names]
+
+
+def source_files(path: Path, split: str = "train") -> list[Path]:
+    """The sequence files `path` names, in reading order (see the module's docstring for what is refused)."""
+    if _GLOB_CHARACTERS.search(str(path)) and not path.exists():
+        matches = sorted(Path(p) for p in glob.glob(str(path)))
+        if not matches:
+            raise ConfigError(f"data.path={path}: the pattern matches nothing")
+        files = [f for match in matches for f in source_files(match, split)]
+        repeated = sorted(str(f) for f, n in Counter(files).items() if n > 1)
+        if repeated:
+            raise ConfigError(f"data.path={path}: the pattern names these files twice: {', '.join(repeated)}")
+        return files
+    if path.is_file():
+        kind, problem = file_kind(path)
+        if kind is None:
+            raise ConfigError(f"data.path={path}: not a sequence file (FASTA {' '.join(FASTA_SUFFIXES)}, parquet, "
+                              f"CSV/TSV, Arrow; FASTA and CSV/TSV optionally {' '.join(COMPRESSIONS)}), nor a folder")
+        if kind == "nucleotide":
+            raise ConfigError(f"data.path={path}: {path.suffix} is NCBI's suffix for nucleotide FASTA; this recipe reads "
+                              "protein sequences (rename the file .fasta if it holds proteins)")
+        if problem:
+            raise ConfigError(f"data.path={path}: {problem}")
+        return [path]
+    if not path.is_dir():
+        raise ConfigError(f"data.path={path}: no such file or folder")
+    files, unreadable, nucleotide = [], [], []
+    _walk(path, split, files, unreadable, nucleotide)
+    if unreadable:
+        raise ConfigError(f"data.path={path}: cannot read " + "; ".join(f"{f} ({why})" for f, why in unreadable[:5])
+                          + (f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""))
+    if not files:
+        raise ConfigError(f"data.path={path}: no sequence files in this folder (FASTA {' '.join(FASTA_SUFFIXES)}, "
+                          f"parquet, CSV/TSV, Arrow, a `datasets` save_to_disk folder)"
+                          + (f"; {len(nucleotide)} nucleotide FASTA files skipped" if nucleotide else ""))
+    _refuse_doubles(path, files)
+    _refuse_mixed_splits(path, files)
+    return files
+
+
+def _walk(folder: Path, split: str, files: list, unreadable: list, nucleotide: list) -> None:
+    if _is_datasets_folder(folder):
+        files.extend(datasets_folder_files(folder, split))
+        return
+    for entry in sorted(folder.iterdir()):
+        if entry.name.startswith("."):
+            continue
+        if entry.is_dir():
+            _walk(entry, split, files, unreadable, nucleotide)
+            continue
+        kind, problem = file_kind(entry)
+        if kind == "nucleotide":
+            nucleotide.append(entry)
+        elif problem:
+            unreadable.append((entry, problem))
+        elif kind is not None and entry.is_file():
+            files.append(entry)
+
+
+def _refuse_doubles(root: Path, files: list[Path]) -> None:
+    seen: dict[tuple[Path, str], Path] = {}
+    for f in files:
+        key = (f.parent, _split_suffix(f.name)[0])
+        if key in seen:
+            raise ConfigError(f"data.path={root}: {seen[key].name} and {f.name} in {f.parent} look like one file "
+                              "twice: keep one")
+        seen[key] = f
+
+
+def _refuse_mixed_splits(root: Path, files: list[Path]) -> None:
+    marked: dict[str, Path] = {}
+    for f in files:
+        match = _SPLIT_PATTERN.search(f.relative_to(root).as_posix().lower())
+        if match:
+            marked.setdefault(_SPLIT_WORDS[match.group(1)], f)
+    if len(marked) > 1:
+        examples = ", ".join(f"{s}: {f.relative_to(root)}" for s, f in marked.items())
+        raise ConfigError(f"data.path={root}: its files belong to several splits by their names ({examples}); "
+                          "point data.path at the training split's files (a folder, a file or a pattern such as "
+                          f"{root}/data/train-*.parquet) and data.val_path at the validation split's")
+
+
+def records(path: Path, column: str, name_column: Optional[str], split: str) -> Iterator[tuple[str, str]]:
+    """(name, sequence) from every file `path` names, in order; a file that cannot be read is named."""
+    for file in source_files(path, split):
+        try:
+            if file_kind(file)[0] == "fasta":
+                yield from read_fasta(file)
+            else:
+                yield from read_table(file, column, name_column)
+        except ConfigError:
+            raise
+        except Exception as e:
+            if isinstance(e, (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)) \
+                    or type(e).__module__.startswith("pyarrow"):
+                raise ConfigError(f"data.path={file}: unreadable ({type(e).__name__}: {e})") from e
+            raise
+
+
+def _open_text(path: Path) -> io.TextIOBase:
+    """A text reader of a (possibly compressed) file; a byte-order mark is dropped, bytes that are not UTF-8 become
+    U+FFFD (and so <unk>)."""
+    compression = _split_suffix(path.name)[1]
+    if compression == ".zst":
+        import pyarrow as pa
+
+        raw = pa.input_stream(str(path), compression="zstd")
+    else:
+        raw = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression, open)(path, "rb")
+    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace")
+
+
+def read_fasta(path: Path) -> Iterator[tuple[str, str]]:
+    """(name, sequence) per record: the header's first word (after '>'), the sequence lines joined. Blank lines
+    and ';' comment lines are skipped; text before the first header, or a digit in a sequence line (a header that
+    lost its '>'), is an error naming the line."""
+    name, parts, line_number = None, [], 0
+    with _open_text(path) as f:
+        for line_number, line in enumerate(f, 1):
+            line = line.strip()
+            if not line or line.startswith(";"):
+                continue
+            if line.startswith(">"):
+                if name is not None:
+                    yield name, "".join(parts)
+                header = line[1:].split()
+                name, parts = (header[0] if header else ""), []
+            elif name is None:
+                raise ConfigError(f"data.path={path}:{line_number}: sequence text before the first '>' header: not FASTA")
+            elif _DIGIT.search(line):
+                raise ConfigError(f"data.path={path}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
+                                  "header that lost its '>'?")
+            else:
+                parts.append(line)
+    if name is not None:
+        yield name, "".join(parts)
+
+
+def read_table(path: Path, column: str, name_column: Optional[str]) -> Iterator[tuple[str, str]]:
+    """(name, sequence) per row of a parquet, CSV or TSV file, or an Arrow file, read in batches; both columns are
+    read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
+    columns."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+    import pyarrow.parquet as pq
+
+    kind = file_kind(path)[0]
+    if kind == "parquet":
+        parquet = pq.ParquetFile(path)
+        columns, batches = parquet.schema_arrow.names, None
+    elif kind == "csv":
+        text = {column: pa.string()} | ({name_column: pa.string()} if name_column else {})
+        reader = pacsv.open_csv(path, parse_options=pacsv.ParseOptions(
+            delimiter="\t" if _split_suffix(path.name)[0].endswith(".tsv") else ","),
+            convert_options=pacsv.ConvertOptions(column_types=text))
+        columns, batches = reader.schema.names, reader
+    else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
+        source = pa.memory_map(str(path))
+        is_file_format = source.read(6) == b"ARROW1"
+        source.seek(0)
+        if is_file_format:
+            reader = pa.ipc.open_file(source)
+            columns, batches = reader.schema.names, (reader.get_batch(i) for i in range(reader.num_record_batches))
+        else:
+            reader = pa.ipc.open_stream(source)
+            columns, batches = reader.schema.names, reader
+    if column not in columns:
+        raise ConfigError(f"data.column={column}: {path} has no such column (it has {', '.join(columns)})")
+    use_names = name_column is not None and name_column in columns
+    if kind == "parquet":
+        batches = parquet.iter_batches(columns=[column] + ([name_column] if use_names else []), batch_size=65536)
+    row = 0
+    for batch in batches:
+        sequences = batch.column(column).to_pylist()
+        names = batch.column(name_column).to_pylist() if use_names else [None] * len(sequences)
+        for name, sequence in zip(names, sequences):
+            if sequence is not None and not isinstance(sequence, str):
+                raise ConfigError(f"data.column={column}: {path} row {row}: expected text, got {type(sequence).__name__}")
+            yield (str(row) if name is None else str(name)), sequence or ""
+            row += 1
