@@ -20,6 +20,7 @@ the step folder's config.yaml; a `--config` whose model settings differ from it 
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import sys
 from pathlib import Path
@@ -32,14 +33,17 @@ from core.checkpointing.layout import CheckpointError
 
 
 def _check_writable(out: str) -> None:
-    """An OSError naming `out` if it cannot be written (a missing folder, a directory, no permission): torch.save
-    and safetensors report that as a RuntimeError of their own, after the weights are read."""
+    """An OSError naming `out` if it exists (a file of the user's, or of the checkpoint being read) or cannot be
+    written (a missing folder, no permission): torch.save and safetensors report that as a RuntimeError of their
+    own, after the weights are read."""
     path = Path(out)
-    existed = path.exists()
-    with open(path, "ab"):
+    if path.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "Is a directory", str(path))
+    if path.exists() or path.is_symlink():
+        raise FileExistsError(f"{path} exists; choose a new path")
+    with open(path, "xb"):
         pass
-    if not existed:
-        path.unlink()
+    path.unlink()
 
 
 def run_recipe(source: Path, config: Optional[str]) -> Optional[str]:
@@ -113,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif folder_model_type(Path(args.hf_dir)) == "esm":
             from recipes.esm2.hf import import_from_hf
 
-            import_from_hf(args.hf_dir, args.out)
+            import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
         else:
             from recipes.gpt.hf import import_from_hf
 

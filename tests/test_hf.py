@@ -188,7 +188,9 @@ def test_from_hf_refuses_what_our_model_does_not_compute(cache, tmp_path):
                           ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
                           ({"head_dim": 32}, "head_dim=32"), ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
                           ({"hidden_size": None}, "hidden_size missing"),
-                          ({"num_hidden_layers": 3}, r"missing: model\.layers\.2\."),
+                          ({"num_hidden_layers": 3}, "it gives 3 layers, the weights hold 2"),
+                          ({"num_hidden_layers": 2**31 - 1}, "it gives 2147483647 layers, the weights hold 2"),
+                          ({"quantization_config": {"quant_method": "bitsandbytes"}}, "a quantized model"),
                           ({"intermediate_size": 128},
                            r"other shape: model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(config.json: \(64, 128\)\)"),
                           ({"tie_word_embeddings": True}, "lm_head.weight differs")):

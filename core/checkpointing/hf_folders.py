@@ -5,6 +5,8 @@ code from them, reading a run's settings and weights, and writing imported weigh
 
 from __future__ import annotations
 
+import re
+import shlex
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional
 
@@ -138,7 +140,35 @@ def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], d
     if target.exists():
         raise FileExistsError(f"{target} exists; choose a new path")
     config = read_json_object(folder / "config.json")
-    return folder, target, config, {k: v.float() for k, v in read_hf_weights(folder).items()}
+    if config.get("quantization_config") is not None:
+        raise ValueError(f"{folder / 'config.json'}: a quantized model (quantization_config "
+                         f"{shown(config['quantization_config'])}); import the unquantized weights; nothing was imported")
+    weights = read_hf_weights(folder)  # floats in fp32; anything else is kept as it is, for the check to name
+    return folder, target, config, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
+
+
+def layer_count(weights: dict, prefix: str) -> int:
+    """How many layers the names `<prefix><i>.` of `weights` number (the highest index + 1; 0 for none)."""
+    pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
+    indices = [int(m[1]) for m in map(pattern.match, weights) if m]
+    return max(indices) + 1 if indices else 0
+
+
+def override(key: str, value: Any) -> str:
+    """`key=value` as one shell word that Hydra reads back as the text of `value`: quoted for Hydra only where
+    it would read something else (a comma makes a sweep, `1e5` a number, edge spaces are dropped), then for
+    the shell (spaces)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    text = str(value)
+    try:
+        plain = OverridesParser.create().parse_override(f"{key}={text}").value() == text
+    except HydraException:
+        plain = False
+    if not plain:  # Hydra's quoted strings: backslashes are escaped only before a quote or at the end
+        text = '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), text) + '"'
+    return shlex.quote(f"{key}={text}")
 
 
 def write_weights(weights: dict[str, torch.Tensor], target: Path, source: str) -> None:

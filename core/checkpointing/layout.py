@@ -236,6 +236,9 @@ def checksum_errors(path: Path, rank: int = 0, world_size: int = 1, threads: int
         return [error for error in pool.map(check, mine) if error]
 
 
+HF_WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin")
+
+
 def verify(path: Path) -> Metadata:
     """Check that `path` is a complete checkpoint whose files are all there, whole; return its metadata.
 
@@ -250,6 +253,9 @@ def verify(path: Path) -> Metadata:
             raise CheckpointError(f"{path}: a DCP folder without a {COMPLETE_MARKER} marker (not a training checkpoint "
                                   "of this tool, e.g. format_utils torch_to_dcp output): it can be used as "
                                   "checkpoint.init_from (weights only), not resumed from")
+        if (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES):
+            raise CheckpointError(f"{path}: a Hugging Face model folder, not a checkpoint of this tool: convert it with "
+                                  f"python checkpoint.py from-hf {path} <out.safetensors>, then use that")
         raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
     listed = _listed(read_marker(path))
     for name, (size, _) in listed.items():

@@ -55,7 +55,10 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     if path.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path))
+        try:
+            return load_file(str(path))
+        except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
+            raise CheckpointError(f"{path}: cannot read as safetensors ({type(e).__name__}: {e})") from None
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001

@@ -8,12 +8,14 @@ embedding matrix in both (tied). The contact-prediction head of EsmForMaskedLM i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
+from core.checkpointing.hf_folders import layer_count, override
 from recipes.esm2.model import TABLE_ROWS, VOCAB_SIZE
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, VOCABULARY
 
@@ -40,7 +42,17 @@ def _renames(num_layers: int) -> dict[str, str]:
 
 
 def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
-    """Our model's state dict (TE's `_extra_state` entries ignored) -> EsmForMaskedLM's."""
+    """Our model's state dict (TE's `_extra_state` entries ignored) -> EsmForMaskedLM's; refused, naming them,
+    when the weights do not fit the model settings `m` (another recipe's, another size)."""
+    layers = layer_count(weights, "layers.")
+    if layers != m.num_layers:
+        raise ValueError(f"the config gives model.num_layers={m.num_layers}, the weights hold {layers} layers")
+    qkv = ("layernorm_qkv.weight",) if m.fuse_qkv_params else ("layernorm_qkv.query_weight",)
+    wanted = [*_renames(m.num_layers), *(f"layers.{i}.self_attention.{n}" for i in range(m.num_layers) for n in qkv)]
+    missing = [name for name in wanted if name not in weights]
+    if missing:
+        raise ValueError(f"the weights are not an ESM-2 model of this config: {len(missing)} tensors missing, e.g. "
+                         f"{missing[:3]}")
     heads, head_dim = m.num_attention_heads, m.hidden_size // m.num_attention_heads
     out = {theirs: weights[ours] for ours, theirs in _renames(m.num_layers).items()}
     for name in ("esm.embeddings.word_embeddings.weight", "lm_head.bias"):  # our tables' padding rows left out
@@ -56,6 +68,7 @@ def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
             else:
                 q, k, v = (weights[f"{ours}{part}_{kind}"] for part in ("query", "key", "value"))
             out[theirs + f"query.{kind}"], out[theirs + f"key.{kind}"], out[theirs + f"value.{kind}"] = q, k, v
+    check_hf_weights(out, m, "the run's model config", "nothing was written")  # every shape (the FFN width, ...)
     out["esm.rotary_embeddings.inv_freq"] = rotary_inverse_frequencies(m)
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -66,37 +79,80 @@ def rotary_inverse_frequencies(m: Any) -> torch.Tensor:
     return 1.0 / m.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
 
 
+def hf_shapes(m: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an EsmForMaskedLM with our model settings `m` that we read or write, and its shape."""
+    h, ffn = m.hidden_size, m.ffn_hidden_size
+    shapes = {"esm.embeddings.word_embeddings.weight": (VOCAB_SIZE, h), "lm_head.bias": (VOCAB_SIZE,),
+              "lm_head.dense.weight": (h, h)}
+    shapes |= {f"{name}.{kind}": (h,) for name in ("esm.encoder.emb_layer_norm_after", "lm_head.layer_norm")
+               for kind in ("weight", "bias")} | {"lm_head.dense.bias": (h,)}
+    for i in range(m.num_layers):
+        layer = f"esm.encoder.layer.{i}."
+        for name, rows, columns in (("attention.self.query", h, h), ("attention.self.key", h, h),
+                                    ("attention.self.value", h, h), ("attention.output.dense", h, h),
+                                    ("intermediate.dense", ffn, h), ("output.dense", h, ffn)):
+            shapes |= {layer + name + ".weight": (rows, columns), layer + name + ".bias": (rows,)}
+        for norm in ("attention.LayerNorm", "LayerNorm"):
+            shapes |= {f"{layer}{norm}.weight": (h,), f"{layer}{norm}.bias": (h,)}
+    return shapes
+
+
+# Tensors of an EsmForMaskedLM folder that are not weights of our model: the contact head, buffers (rotary
+# frequencies, position ids), and the decoder, which ESM-2 ties to the embedding (checked apart).
+_NOT_OURS = re.compile(r"^esm\.contact_head\.|rotary_embeddings\.inv_freq$|^esm\.embeddings\.position_ids$|"
+                       r"^lm_head\.decoder\.weight$")
+
+
+def canonical_hf_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """LayerNorm weights by their current names: transformers still reads, and its save_pretrained of a fresh
+    EsmForMaskedLM writes, the legacy `LayerNorm.gamma` / `LayerNorm.beta`."""
+    return {re.sub(r"(LayerNorm|layer_norm|emb_layer_norm_after)\.(gamma|beta)$",
+                   lambda x: f"{x[1]}.{'weight' if x[2] == 'gamma' else 'bias'}", k): v for k, v in hf.items()}
+
+
+def check_hf_weights(hf: dict[str, torch.Tensor], m: Any, settings: str = "config.json",
+                     outcome: str = "nothing was imported") -> None:
+    """Refuse EsmForMaskedLM weights that do not fit the model settings `m` (from `settings`) as our ESM-2
+    (missing, unexpected, misshapen or quantized tensors), naming them; the layer count is checked first, so
+    settings of absurd size build no table."""
+    layers = layer_count(hf, "esm.encoder.layer.")
+    if layers != m.num_layers:
+        raise ValueError(f"{settings} gives {m.num_layers} layers, the weights hold {layers}; {outcome}")
+    expected = hf_shapes(m)
+    missing = sorted(set(expected) - set(hf))
+    unexpected = sorted(k for k in set(hf) - set(expected) if not _NOT_OURS.search(k))
+    shapes = [f"{k} {tuple(hf[k].shape)} ({settings}: {expected[k]})" for k in sorted(set(expected) & set(hf))
+              if tuple(hf[k].shape) != expected[k]]
+    quantized = sorted(k for k in set(expected) & set(hf) if not hf[k].is_floating_point())
+    problems = [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
+                                    ("not floating point (quantized?)", quantized)) if names]
+    if problems:
+        raise ValueError(f"the weights do not fit {settings} as an ESM-2 EsmForMaskedLM of {m.num_layers} layers: "
+                         + "; ".join(problems) + f"; {outcome}")
+
+
 def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
-    """EsmForMaskedLM's state dict -> ours (the contact head dropped; checked: every tensor we need is there, with
-    our shapes)."""
+    """EsmForMaskedLM's state dict -> ours (the contact head dropped; checked first: every tensor we need is there,
+    with our shapes, and none is left over)."""
+    hf = canonical_hf_names(hf)
+    check_hf_weights(hf, m)
     heads, head_dim, h = m.num_attention_heads, m.hidden_size // m.num_attention_heads, m.hidden_size
     names = _renames(m.num_layers)
-    missing = [theirs for theirs in names.values() if theirs not in hf]
-    if missing:
-        raise ValueError(f"not an ESM-2 EsmForMaskedLM of {m.num_layers} layers: {len(missing)} tensors missing, "
-                         f"e.g. {missing[:3]}")
-    out = {ours: hf[theirs] for ours, theirs in names.items()}
+    out = {ours: hf[theirs].float() for ours, theirs in names.items()}
     for name in ("embedding.weight", "lm_head.bias"):
-        if out[name].shape[0] != VOCAB_SIZE:
-            raise ValueError(f"{names[name]}: {out[name].shape[0]} rows, ESM-2's vocabulary has {VOCAB_SIZE}")
         padding = out[name].new_zeros(TABLE_ROWS - VOCAB_SIZE, *out[name].shape[1:])
         out[name] = torch.cat([out[name], padding])  # rows our model never reads
     for i in range(m.num_layers):
         ours, theirs = f"layers.{i}.self_attention.layernorm_qkv.", f"esm.encoder.layer.{i}.attention.self."
         for kind in ("weight", "bias"):
-            q, k, v = (hf[f"{theirs}{part}.{kind}"] for part in ("query", "key", "value"))
+            q, k, v = (hf[f"{theirs}{part}.{kind}"].float() for part in ("query", "key", "value"))
             if m.fuse_qkv_params:
                 stacked = torch.stack([t.reshape(heads, head_dim, *t.shape[1:]) for t in (q, k, v)], dim=1)
                 out[ours + kind] = stacked.reshape(3 * h, *q.shape[1:])
             else:
                 out[f"{ours}query_{kind}"], out[f"{ours}key_{kind}"], out[f"{ours}value_{kind}"] = q, k, v
     out["rotary.inv_freq"] = rotary_inverse_frequencies(m)  # a buffer of our model, in its state dict
-    expected = {"embedding.weight": (TABLE_ROWS, h), "lm_head.bias": (TABLE_ROWS,),
-                "layers.0.layernorm_mlp.fc1_weight": (m.ffn_hidden_size, h)}
-    for name, shape in expected.items():
-        if tuple(out[name].shape) != shape:
-            raise ValueError(f"{name}: shape {tuple(out[name].shape)} in the Hugging Face weights, the config gives "
-                             f"{shape}")
     return {k: v.contiguous() for k, v in out.items()}
 
 
@@ -113,7 +169,7 @@ def hf_config(m: Any, dtype: str = "float32") -> dict[str, Any]:
             "pad_token_id": PAD, "mask_token_id": MASK, "cls_token_id": CLS, "eos_token_id": EOS, "dtype": dtype}
 
 
-def check_esm2_config(config: dict, file: Path) -> SimpleNamespace:
+def check_esm2_config(config: dict, file: Path, fuse_qkv: bool = True) -> SimpleNamespace:
     """An EsmForMaskedLM config.json -> our model settings; refuses what our ESM-2 does not compute."""
     def need(condition: bool, what: str) -> None:
         if not condition:
@@ -135,14 +191,15 @@ def check_esm2_config(config: dict, file: Path) -> SimpleNamespace:
                            num_attention_heads=config["num_attention_heads"],
                            ffn_hidden_size=config["intermediate_size"], norm_epsilon=float(eps),
                            rotary_base=float(theta), token_dropout=bool(config.get("token_dropout", False)),
-                           fuse_qkv_params=True)
+                           fuse_qkv_params=fuse_qkv)
 
 
 def settings_overrides(m: SimpleNamespace) -> list[str]:
     return [f"model.hidden_size={m.hidden_size}", f"model.num_layers={m.num_layers}",
             f"model.num_attention_heads={m.num_attention_heads}", f"model.ffn_hidden_size={m.ffn_hidden_size}",
             f"model.norm_epsilon={m.norm_epsilon}", f"model.rotary_base={m.rotary_base}",
-            f"model.token_dropout={str(m.token_dropout).lower()}"]
+            f"model.token_dropout={str(m.token_dropout).lower()}"] + (
+        [] if m.fuse_qkv_params else ["model.fuse_qkv_params=false"])
 
 
 def write_tokenizer(out: Path, max_length: int) -> list[str]:
@@ -185,13 +242,13 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     return written
 
 
-def import_from_hf(hf_dir: str, out: str) -> list[str]:
+def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     """checkpoint.py from-hf for an EsmForMaskedLM folder (e.g. a local copy of facebook/esm2_t33_650M_UR50D) -> our
     weights as a .safetensors/.pt file or a step folder (checkpoint.init_from). Returns the model settings."""
     from core.checkpointing.hf_folders import read_hf_folder, write_weights
 
     folder, target, config, hf = read_hf_folder(hf_dir, out)
-    m = check_esm2_config(config, folder / "config.json")
+    m = check_esm2_config(config, folder / "config.json", fuse_qkv)
     weights = from_hf(hf, m)
     if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"],
                                                           hf["esm.embeddings.word_embeddings.weight"]):
@@ -199,5 +256,5 @@ def import_from_hf(hf_dir: str, out: str) -> list[str]:
     write_weights(weights, target, str(folder))
     settings = settings_overrides(m)
     print(f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
-          f"checkpoint.init_from={target} {' '.join(settings)}")
+          f"{override('checkpoint.init_from', target)} {' '.join(settings)}")
     return settings

@@ -26,8 +26,6 @@ files outside the folder, and tensors that do not fit, naming the file and the f
 from __future__ import annotations
 
 import json
-import re
-import shlex
 import shutil
 from pathlib import Path
 from typing import Annotated, Any, Optional
@@ -35,7 +33,7 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.checkpointing.hf_folders import read_hf_folder, read_run, write_weights
+from core.checkpointing.hf_folders import layer_count, override, read_hf_folder, read_run, write_weights
 from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
@@ -93,6 +91,20 @@ def to_llama(weights: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tenso
     return {k: v.contiguous() for k, v in out.items()}
 
 
+def to_llama_checked(weights: dict[str, torch.Tensor], m: dict, vocab_size: int) -> dict[str, torch.Tensor]:
+    """to_llama, refused with the tensors named where the weights do not fit the model settings `m` (a weights file
+    given with another run's or another recipe's config)."""
+    layers = layer_count(weights, "layers.")
+    if layers != m["num_layers"]:
+        raise ValueError(f"the config gives model.num_layers={m['num_layers']}, the weights hold {layers} layers")
+    try:
+        hf = to_llama(weights, m)
+    except KeyError as e:
+        raise ValueError(f"the weights are not a GPT model of this config: no tensor {e}") from None
+    check_llama_weights(hf, m | {"vocab_size": vocab_size})
+    return hf
+
+
 def llama_shapes(m: dict) -> dict[str, tuple[int, ...]]:
     """Every tensor of a LlamaForCausalLM with our model settings `m`, and its shape."""
     heads, groups, head_dim = _heads(m)
@@ -113,7 +125,12 @@ def llama_shapes(m: dict) -> dict[str, tuple[int, ...]]:
 
 
 def check_llama_weights(hf: dict[str, torch.Tensor], m: dict) -> None:
-    """Refuse weights that do not fit config.json (missing, unexpected or misshapen tensors), naming them."""
+    """Refuse weights that do not fit config.json (missing, unexpected, misshapen or quantized tensors), naming
+    them; the layer count is checked first, so a config.json of absurd size builds no table."""
+    layers = layer_count(hf, "model.layers.")
+    if layers != m["num_layers"]:
+        raise ValueError(f"the weights do not fit config.json as a Llama: it gives {m['num_layers']} layers, the "
+                         f"weights hold {layers}")
     expected = llama_shapes(m)
     # Tied models may still store lm_head (a copy of the embedding); old exports stored RoPE's inv_freq.
     ignored = {"lm_head.weight"} if m["tie_embeddings"] else set()
@@ -121,8 +138,10 @@ def check_llama_weights(hf: dict[str, torch.Tensor], m: dict) -> None:
     unexpected = sorted(k for k in set(hf) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
     shapes = [f"{k} {tuple(hf[k].shape)} (config.json: {expected[k]})" for k in sorted(set(expected) & set(hf))
               if tuple(hf[k].shape) != expected[k]]
+    quantized = sorted(k for k in set(expected) & set(hf) if not hf[k].is_floating_point())
     problems = [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
-                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes)) if names]
+                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
+                                    ("not floating point (quantized?)", quantized)) if names]
     if problems:
         raise ValueError("the weights do not fit config.json as a Llama: " + "; ".join(problems))
 
@@ -268,23 +287,6 @@ LLAMA_FIELDS = {"vocab_size": "vocab_size", "seq_length": "max_position_embeddin
                 "rotary_base": "rope_theta", "norm_epsilon": "rms_norm_eps", "init_std": "initializer_range"}
 
 
-def override(key: str, value: Any) -> str:
-    """`key=value` as one shell word that Hydra reads back as the text of `value`: quoted for Hydra only where
-    it would read something else (a comma makes a sweep, `1e5` a number, edge spaces are dropped), then for
-    the shell (spaces)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.errors import HydraException
-
-    text = str(value)
-    try:
-        plain = OverridesParser.create().parse_override(f"{key}={text}").value() == text
-    except HydraException:
-        plain = False
-    if not plain:  # Hydra's quoted strings: backslashes are escaped only before a quote or at the end
-        text = '"' + re.sub(r'(\\*)("|$)', lambda m: m[1] * 2 + ('\\"' if m[2] else ""), text) + '"'
-    return shlex.quote(f"{key}={text}")
-
-
 def overrides(settings: dict[str, Any]) -> list[str]:
     """The command-line settings that build our model in the shape of an imported Llama."""
     keys = ("vocab_size", "seq_length", *SHAPE_KEYS, "rotary_base", "norm_epsilon", "tie_embeddings")
@@ -385,7 +387,7 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
             specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
             tokenizer_note = f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
-    hf = {k: v.to(torch_dtype) for k, v in to_llama(weights, model_cfg).items()}
+    hf = {k: v.to(torch_dtype) for k, v in to_llama_checked(weights, model_cfg, vocab_size).items()}
     out.mkdir(parents=True, exist_ok=True)
     save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
     written = llama_config(model_cfg, vocab_size, specials, dtype)
