@@ -147,6 +147,21 @@ def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], d
     return folder, target, config, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
+def weight_mismatches(hf: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], ignored: Callable[[str], bool],
+                      settings: str) -> list[str]:
+    """What keeps weights `hf` from being the `expected` tensors (name -> shape, from `settings`): missing,
+    unexpected (but for those `ignored`), misshapen and not floating point (quantized) tensors, a few of each
+    named; empty when they fit."""
+    missing = sorted(set(expected) - set(hf))
+    unexpected = sorted(k for k in set(hf) - set(expected) if not ignored(k))
+    both = sorted(set(expected) & set(hf))
+    shapes = [f"{k} {tuple(hf[k].shape)} ({settings}: {expected[k]})" for k in both if tuple(hf[k].shape) != expected[k]]
+    quantized = [k for k in both if not hf[k].is_floating_point()]
+    return [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+            for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
+                                ("not floating point (quantized?)", quantized)) if names]
+
+
 def layer_count(weights: dict, prefix: str) -> int:
     """How many layers the names `<prefix><i>.` of `weights` number (the highest index + 1; 0 for none)."""
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.")

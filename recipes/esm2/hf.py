@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import torch
 
-from core.checkpointing.hf_folders import layer_count, override
+from core.checkpointing.hf_folders import layer_count, override, weight_mismatches
 from recipes.esm2.model import TABLE_ROWS, VOCAB_SIZE
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, VOCABULARY
 
@@ -118,15 +118,7 @@ def check_hf_weights(hf: dict[str, torch.Tensor], m: Any, settings: str = "confi
     layers = layer_count(hf, "esm.encoder.layer.")
     if layers != m.num_layers:
         raise ValueError(f"{settings} gives {m.num_layers} layers, the weights hold {layers}; {outcome}")
-    expected = hf_shapes(m)
-    missing = sorted(set(expected) - set(hf))
-    unexpected = sorted(k for k in set(hf) - set(expected) if not _NOT_OURS.search(k))
-    shapes = [f"{k} {tuple(hf[k].shape)} ({settings}: {expected[k]})" for k in sorted(set(expected) & set(hf))
-              if tuple(hf[k].shape) != expected[k]]
-    quantized = sorted(k for k in set(expected) & set(hf) if not hf[k].is_floating_point())
-    problems = [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
-                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
-                                    ("not floating point (quantized?)", quantized)) if names]
+    problems = weight_mismatches(hf, hf_shapes(m), lambda k: bool(_NOT_OURS.search(k)), settings)
     if problems:
         raise ValueError(f"the weights do not fit {settings} as an ESM-2 EsmForMaskedLM of {m.num_layers} layers: "
                          + "; ".join(problems) + f"; {outcome}")

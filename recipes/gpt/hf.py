@@ -33,7 +33,8 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.checkpointing.hf_folders import layer_count, override, read_hf_folder, read_run, write_weights
+from core.checkpointing.hf_folders import (layer_count, override, read_hf_folder, read_run, weight_mismatches,
+                                            write_weights)
 from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
@@ -131,17 +132,10 @@ def check_llama_weights(hf: dict[str, torch.Tensor], m: dict) -> None:
     if layers != m["num_layers"]:
         raise ValueError(f"the weights do not fit config.json as a Llama: it gives {m['num_layers']} layers, the "
                          f"weights hold {layers}")
-    expected = llama_shapes(m)
     # Tied models may still store lm_head (a copy of the embedding); old exports stored RoPE's inv_freq.
-    ignored = {"lm_head.weight"} if m["tie_embeddings"] else set()
-    missing = sorted(set(expected) - set(hf))
-    unexpected = sorted(k for k in set(hf) - set(expected) - ignored if not k.endswith("rotary_emb.inv_freq"))
-    shapes = [f"{k} {tuple(hf[k].shape)} (config.json: {expected[k]})" for k in sorted(set(expected) & set(hf))
-              if tuple(hf[k].shape) != expected[k]]
-    quantized = sorted(k for k in set(expected) & set(hf) if not hf[k].is_floating_point())
-    problems = [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
-                for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
-                                    ("not floating point (quantized?)", quantized)) if names]
+    tied_copy = "lm_head.weight" if m["tie_embeddings"] else None
+    problems = weight_mismatches(hf, llama_shapes(m), lambda k: k == tied_copy or k.endswith("rotary_emb.inv_freq"),
+                                 "config.json")
     if problems:
         raise ValueError("the weights do not fit config.json as a Llama: " + "; ".join(problems))
 
