@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from core.config.errors import ConfigError
 from recipes.gpt.config import GPTDataConfig
 from recipes.gpt.tokenizer import build_tokenizer
 
@@ -90,8 +91,38 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
         if not Path(f"{prefix}.json").exists():  # written last by preprocess: the files are whole
             log.info("tokenizing %s with the %s tokenizer into %s.bin/.idx", ", ".join(map(str, files)),
                      data.tokenizer, prefix)
-            preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token)
+            preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token, replace=True)
     return str(prefix)
+
+
+def check_prefix_tokenizer(prefix: str, tokenizer) -> None:
+    """Refuse a <prefix>.bin/.idx that our preprocess wrote (its <prefix>.json says how) with another tokenizer
+    than data.tokenizer: its ids would be read as other tokens, silently. Files from elsewhere are not checked."""
+    record = Path(f"{prefix}.json")
+    if not record.is_file():
+        return
+    try:
+        made = json.loads(record.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(made, dict) or "vocab_size" not in made:
+        return
+    ours = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "tokenizer_sha256": getattr(tokenizer, "sha256", None)}
+    differ = [f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items()
+              if made.get(k) is not None and made.get(k) != v]
+    if differ:
+        raise ConfigError(f"data.tokenizer={tokenizer.name}: {prefix}.bin/.idx were tokenized with "
+                          f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again")
+
+
+def index_cache_dir(cache_dir: str, prefixes: list[str], tokenizer) -> str:
+    """Megatron-Core's sample-index cache, in a folder named by what the index depends on beyond its own key
+    (which names the prefixes by path only): the files' sizes and times, and the tokenizer. A prefix made
+    again, or a tokenizer replaced in its folder, gets a fresh index instead of a stale one."""
+    files = [[str(Path(f"{p}{s}").resolve()), Path(f"{p}{s}").stat().st_size, Path(f"{p}{s}").stat().st_mtime_ns]
+             for p in prefixes for s in (".bin", ".idx")]
+    key = json.dumps([files, dict(tokenizer.unique_identifiers)])
+    return str(Path(cache_dir) / "megatron_index" / hashlib.md5(key.encode()).hexdigest()[:16])
 
 
 def padded_vocab_size(vocab: int, multiple: int) -> int:
@@ -114,6 +145,7 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         for p in prefixes:
             if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file()):
                 raise FileNotFoundError(f"data.prefixes: {p}.bin / {p}.idx not found")
+            check_prefix_tokenizer(p, tokenizer)
         weights = list(data.weights) if data.weights is not None else None
         blend, split, cls = (prefixes, weights), data.split, gpt_dataset.GPTDataset
     config = gpt_dataset.GPTDatasetConfig(
@@ -126,7 +158,8 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         reset_attention_mask=False,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,  # the attention is causal by construction
-        path_to_cache=str(Path(data.cache_dir) / "megatron_index"),
+        path_to_cache=(str(Path(data.cache_dir) / "megatron_index") if data.format == "mock"
+                       else index_cache_dir(data.cache_dir, prefixes, tokenizer)),
         mmap_bin_files=True,
     )
     with warnings.catch_warnings():

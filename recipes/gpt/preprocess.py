@@ -34,15 +34,16 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
     if suffix == ".txt":
         raw = path.read_bytes()
         try:
-            text = raw.decode("utf-8")
+            text = raw.decode("utf-8-sig")  # a byte-order mark is no text
         except UnicodeDecodeError as e:
             line = raw.count(b"\n", 0, e.start) + 1
             raise ValueError(f"{path}:{line}: not UTF-8 text (byte {e.start} of the file: {e.reason}); is it a "
                              "binary file?") from None
+        text = text.replace("\r\n", "\n").replace("\r", "\n")  # Windows and old Mac line ends, as Python's text mode
         if text_document == "file":
             parts = [text]
         elif text_document == "line":
-            parts = text.splitlines()
+            parts = text.split("\n")  # line ends only: a form feed or U+2028 inside a line does not split it
         elif text_document == "paragraph":
             parts = re.split(r"\n\s*\n", text)
         else:
@@ -70,24 +71,43 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
             import pyarrow.parquet as pq
         except ImportError:
             raise ImportError("reading .parquet needs pyarrow: pip install pyarrow") from None
-        table = pq.ParquetFile(path)
+        try:
+            table = pq.ParquetFile(path)
+        except Exception as e:  # noqa: BLE001 (pyarrow's errors are of its own types)
+            raise ValueError(f"{path}: unreadable as parquet ({type(e).__name__}: {e})") from None
         if text_key not in table.schema_arrow.names:
             raise ValueError(f"{path}: no column {text_key!r} (columns: {', '.join(table.schema_arrow.names)})")
+        row = 0
         for batch in table.iter_batches(columns=[text_key]):
-            yield from (t for t in batch.column(0).to_pylist() if t)
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):  # a null or a number: as a .jsonl line without text, refused
+                    raise ValueError(f"{path}: row {row}: no text in the column {text_key!r} ({text!r:.40})")
+                if text:
+                    yield text
+                row += 1
     else:
         raise ValueError(f"{path}: unknown input type {suffix!r} (expected .txt, .jsonl or .parquet)")
 
 
 def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "byte", text_key: str = "text",
-               text_document: str = "paragraph", eod_token: Optional[str] = None) -> dict:
-    """Write <output_prefix>.bin/.idx/.json; return the summary that goes into the .json."""
+               text_document: str = "paragraph", eod_token: Optional[str] = None, replace: bool = False) -> dict:
+    """Write <output_prefix>.bin/.idx/.json; return the summary that goes into the .json. Existing outputs are
+    refused unless `replace` (the tokenize-on-first-use cache, which owns its prefix)."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     tokenizer = build_tokenizer(tokenizer_spec, eod_token)
     for path in inputs:
         if not path.is_file():
-            raise FileNotFoundError(f"{path}: no such input file")
+            raise FileNotFoundError(f"{path}: no such input file" + (" (a folder: give its files)" if path.is_dir()
+                                                                     else ""))
+        if path.suffix.lower() not in (".txt", ".jsonl", ".parquet"):
+            raise ValueError(f"{path}: unknown input type {path.suffix!r} (expected .txt, .jsonl or .parquet)")
+    repeated = sorted({str(p) for p in inputs if [q.resolve() for q in inputs].count(p.resolve()) > 1})
+    if repeated:
+        raise ValueError(f"{', '.join(repeated)}: given twice (its documents would be trained on twice)")
+    existing = [f"{output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json") if Path(f"{output_prefix}{suffix}").exists()]
+    if existing and not replace:
+        raise FileExistsError(f"{', '.join(existing)} exist; choose another --output-prefix (or remove them)")
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
     tmp = output_prefix.with_name(f"{output_prefix.name}.tmp-{os.getpid()}")
     builder = IndexedDatasetBuilder(f"{tmp}.bin", dtype=DType.optimal_dtype(tokenizer.vocab_size))
@@ -102,6 +122,7 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
         if documents == 0:
             raise ValueError(f"no documents in {', '.join(map(str, inputs))}")
         summary = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
+                   "tokenizer_sha256": getattr(tokenizer, "sha256", None),
                    "documents": documents, "tokens": tokens, "sources": [str(p) for p in inputs],
                    "text_key": text_key, "text_document": text_document}
         Path(f"{tmp}.json").write_text(json.dumps(summary, indent=1))

@@ -7,6 +7,7 @@ id appended after each document), `pad`, and `unique_identifiers` (part of the d
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import OrderedDict
 from pathlib import Path
@@ -48,7 +49,13 @@ class HFTokenizer:
             raise FileNotFoundError(f"data.tokenizer={path}: no tokenizer.json there (give a local Hugging Face "
                                     "tokenizer folder, or 'byte')")
         self.name = str(folder)
-        self._tok = Tokenizer.from_file(str(file))
+        raw = file.read_bytes()
+        try:
+            self._tok = Tokenizer.from_str(raw.decode("utf-8"))
+        except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
+            raise ValueError(f"{file}: not a tokenizer.json the tokenizers library reads ({type(e).__name__}: "
+                             f"{str(e)[:200]}); a Git LFS pointer or a truncated download?") from None
+        self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
         eod_token = eod_token or _eos_token(file.parent)
         if eod_token is None:
             raise ValueError(f"{path}: no eos_token in its config; set data.eod_token (e.g. '</s>' or '<|endoftext|>')")
@@ -56,12 +63,13 @@ class HFTokenizer:
         if eod is None:
             raise ValueError(f"{path}: the end-of-document token {eod_token!r} is not in the vocabulary")
         self.eod, self.eod_token = eod, eod_token
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        # The highest id + 1, not the count of tokens: a vocabulary may leave ids unused.
+        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
         self.pad = self.vocab_size  # never produced: Megatron-Core only needs it to differ from eod
 
     @property
     def unique_identifiers(self) -> OrderedDict:
-        return OrderedDict(tokenizer=self.name, vocab_size=self.vocab_size, eod=self.eod)
+        return OrderedDict(tokenizer=self.name, vocab_size=self.vocab_size, eod=self.eod, sha256=self.sha256)
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
