@@ -128,16 +128,26 @@ def read_prompts(path: Path) -> list[str]:
     """One prompt per non-empty line, or a "prompt" field per line of a .jsonl file."""
     if not path.is_file():
         raise ConfigError(f"generate.prompt_file={path}: no such file")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    try:
+        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no prompt text
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"generate.prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+    lines = [line for line in text.splitlines() if line.strip()]
     if path.suffix != ".jsonl":
         prompts = lines
     else:
         prompts = []
         for n, line in enumerate(lines, 1):
             try:
-                prompts.append(json.loads(line)["prompt"])
-            except (json.JSONDecodeError, KeyError, TypeError):
-                raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" field") from None
+                prompt = json.loads(line)["prompt"]
+            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
+                prompt = None
+            if not isinstance(prompt, str):
+                raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" string")
+            prompts.append(prompt)
+    for n, prompt in enumerate(prompts, 1):
+        if not prompt.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in prompt):
+            raise ConfigError(f"{path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text")
     if not prompts:
         raise ConfigError(f"generate.prompt_file={path} holds no prompt")
     return prompts

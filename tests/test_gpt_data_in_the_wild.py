@@ -96,3 +96,33 @@ def test_parquet_nulls_damage_existing_outputs_and_repeated_files_are_refused_by
     with pytest.raises(SystemExit, match=r"p.json exist; choose another --output-prefix"):
         gpt_preprocess.main(["--input", str(tmp_path / "ok.parquet"), "--output-prefix", str(tmp_path / "p")])
     assert (tmp_path / "p.json").read_text() == "a user's notes" and not (tmp_path / "p.bin").exists()
+
+
+def test_odd_text_and_settings_are_named_not_tracebacks(tmp_path):
+    import generate
+
+    (tmp_path / "s.jsonl").write_text('{"text": "a\\ud800b"}\n')
+    with pytest.raises(ValueError, match=r"s.jsonl:1: the text holds a lone UTF-16 surrogate"):
+        list(read_documents(tmp_path / "s.jsonl"))
+    (tmp_path / "deep.jsonl").write_text("[" * 100_000 + "\n")
+    with pytest.raises(ValueError, match=r"deep.jsonl:1: not JSON \(RecursionError"):
+        list(read_documents(tmp_path / "deep.jsonl"))
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1})
+    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": ["</s>"]}))
+    with pytest.raises(ConfigError, match=r"tokenizer_config.json: eos_token is \['</s>'\], expected a token's text"):
+        build_tokenizer(str(folder))
+    for name, content, says in (("n.jsonl", '{"prompt": null}\n', 'n.jsonl:1: expected a JSON object with a "prompt" '
+                                                                   "string"),
+                                ("bad.txt", b"The whale \xff\n", "bad.txt: not UTF-8 text")):
+        (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
+        with pytest.raises(ConfigError, match=says):
+            generate.read_prompts(tmp_path / name)
+    (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfThe whale\r\nCall me\r\n")
+    assert generate.read_prompts(tmp_path / "bom.txt") == ["The whale", "Call me"]
+    # --decode of a .bin/.idx made elsewhere (no <prefix>.json): the tokenizer given
+    (tmp_path / "a.txt").write_text("hello there")
+    preprocess([tmp_path / "a.txt"], tmp_path / "p")
+    (tmp_path / "p.json").unlink()
+    with pytest.raises(SystemExit, match="p.json: no such file .*give --tokenizer"):
+        gpt_preprocess.main(["--decode", str(tmp_path / "p")])
+    gpt_preprocess.main(["--decode", str(tmp_path / "p"), "--tokenizer", "byte"])

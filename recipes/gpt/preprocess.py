@@ -61,11 +61,15 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
                     continue
                 try:
                     record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise ValueError(f"{path}:{number}: not JSON ({e})") from None
+                except (json.JSONDecodeError, RecursionError) as e:
+                    raise ValueError(f"{path}:{number}: not JSON ({type(e).__name__}: {str(e)[:100]})") from None
                 if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
                     raise ValueError(f"{path}:{number}: no text under the key {text_key!r}")
-                yield record[text_key]
+                text = record[text_key]
+                if not text.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in text):  # JSON's "\ud800" escapes
+                    raise ValueError(f"{path}:{number}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                                     "not text any tokenizer encodes")
+                yield text
     elif suffix == ".parquet":
         try:
             import pyarrow.parquet as pq
@@ -138,8 +142,12 @@ def decode_document(prefix: Path, index: int, tokenizer_spec: Optional[str] = No
     """Document `index` of an indexed dataset, as text (the tokenizer recorded in <prefix>.json by default)."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    meta = json.loads(Path(f"{prefix}.json").read_text())
-    tokenizer = build_tokenizer(tokenizer_spec or meta["tokenizer"])
+    if tokenizer_spec is None:
+        record = Path(f"{prefix}.json")
+        if not record.is_file():
+            raise FileNotFoundError(f"{record}: no such file (it names the tokenizer); give --tokenizer")
+        tokenizer_spec = json.loads(record.read_text())["tokenizer"]
+    tokenizer = build_tokenizer(tokenizer_spec)
     dataset = IndexedDataset(str(prefix))
     if not 0 <= index < len(dataset):
         raise ValueError(f"{prefix}: document {index} out of range (0..{len(dataset) - 1})")
@@ -151,7 +159,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", type=Path, help=".txt, .jsonl or .parquet files")
     parser.add_argument("--output-prefix", type=Path, help="writes <prefix>.bin, <prefix>.idx, <prefix>.json")
-    parser.add_argument("--tokenizer", default="byte", help="byte, or a local Hugging Face tokenizer folder")
+    parser.add_argument("--tokenizer", default=None, help="byte (the default), or a local Hugging Face tokenizer "
+                        "folder; with --decode: the one the <prefix>.json names by default")
     parser.add_argument("--eod-token", default=None, help="HF tokenizers: end-of-document token (default: eos)")
     parser.add_argument("--text-key", default="text", help=".jsonl key / .parquet column holding the text")
     parser.add_argument("--text-document", default="paragraph", choices=TEXT_DOCUMENTS,
@@ -161,11 +170,11 @@ def main(argv: Optional[list[str]] = None) -> None:
     args = parser.parse_args(argv)
     try:
         if args.decode:
-            sys.stdout.write(decode_document(args.decode, args.document) + "\n")
+            sys.stdout.write(decode_document(args.decode, args.document, args.tokenizer) + "\n")
             return
         if not args.input or not args.output_prefix:
             parser.error("--input and --output-prefix are needed (or --decode PREFIX)")
-        summary = preprocess(args.input, args.output_prefix, args.tokenizer, args.text_key, args.text_document,
+        summary = preprocess(args.input, args.output_prefix, args.tokenizer or "byte", args.text_key, args.text_document,
                              args.eod_token)
     except (OSError, ValueError, ImportError) as e:
         raise SystemExit(f"error: {e}") from None

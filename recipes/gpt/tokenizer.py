@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Optional
 
 from core.config.errors import ConfigError
+from core.config.file_shape import shown
 
 
 class ByteTokenizer:
@@ -101,8 +102,11 @@ def _eos_token(folder: Path) -> Optional[str]:
         file = folder / name
         if file.is_file():
             token = read_settings_file(file).get("eos_token")
-            if isinstance(token, dict):
+            if isinstance(token, dict):  # an AddedToken
                 token = token.get("content")
+            if token is not None and not isinstance(token, str):
+                raise ConfigError(f"{file}: eos_token is {shown(token)}, expected a token's text (or an object with "
+                                  "its \"content\"); fix it, or give the end-of-document token (data.eod_token)")
             if token:
                 return token
     return None
