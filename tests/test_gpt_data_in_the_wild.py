@@ -126,3 +126,23 @@ def test_odd_text_and_settings_are_named_not_tracebacks(tmp_path):
     with pytest.raises(SystemExit, match="p.json: no such file .*give --tokenizer"):
         gpt_preprocess.main(["--decode", str(tmp_path / "p")])
     gpt_preprocess.main(["--decode", str(tmp_path / "p"), "--tokenizer", "byte"])
+
+
+def test_a_damaged_bin_or_idx_is_named_before_training(tmp_path):
+    (tmp_path / "a.txt").write_text(corpus(20))
+    preprocess([tmp_path / "a.txt"], tmp_path / "p")
+    whole = (tmp_path / "p.bin").read_bytes()
+    (tmp_path / "p.bin").write_bytes(whole[:-1000])  # an rsync cut short
+    with pytest.raises(ConfigError, match=r"p.bin holds \d+ bytes, its .idx describes \d+: a copy cut short"):
+        build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)
+    (tmp_path / "p.bin").write_bytes(whole)
+    original = (tmp_path / "p.idx").read_bytes()
+    for code, says in ((4, r"p.bin holds 10500 bytes, its .idx describes 11026"),  # uint16 -> int32: sizes differ
+                       (3, r"p.idx holds 5250 tokens of int16, its .json says 5250 of uint16")):  # same size
+        index = bytearray(original)
+        index[17] = code  # the token type's code, after the 9-byte magic and the 8-byte version
+        (tmp_path / "p.idx").write_bytes(bytes(index))
+        with pytest.raises(ConfigError, match=says):
+            build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)
+    (tmp_path / "p.idx").write_bytes(original)
+    assert len(build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)[0]) > 0

@@ -115,6 +115,34 @@ def check_prefix_tokenizer(prefix: str, tokenizer) -> None:
                           f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again")
 
 
+def check_prefix_files(prefix: str) -> None:
+    """Refuse a <prefix>.bin that is not the size its .idx describes (a copy cut short, a file from another pair),
+    and (where our <prefix>.json says how it was made) an .idx whose token type or counts differ from it: either
+    would be read as other tokens, or fail mid-run without naming the file."""
+    from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
+
+    try:
+        index = IndexedDataset(prefix).index
+        lengths, pointers = index.sequence_lengths, index.sequence_pointers
+        expected = int(pointers[-1]) + int(lengths[-1]) * index.dtype_size if len(lengths) else 0
+    except Exception as e:  # noqa: BLE001 (Megatron-Core asserts, numpy and struct errors)
+        raise ConfigError(f"data.prefixes: {prefix}.idx: unreadable ({type(e).__name__}: {e})") from None
+    size = Path(f"{prefix}.bin").stat().st_size
+    if size != expected:
+        raise ConfigError(f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
+                          "short, or not the .idx's own .bin")
+    record = Path(f"{prefix}.json")
+    try:
+        made = json.loads(record.read_text()) if record.is_file() else None
+    except (OSError, ValueError):
+        made = None
+    if isinstance(made, dict) and isinstance(made.get("vocab_size"), int) and isinstance(made.get("tokens"), int):
+        dtype = DType.optimal_dtype(made["vocab_size"])
+        if index.dtype != dtype or int(lengths.sum()) != made["tokens"]:
+            raise ConfigError(f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
+                              f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's")
+
+
 def index_cache_dir(cache_dir: str, prefixes: list[str], tokenizer) -> str:
     """Megatron-Core's sample-index cache, in a folder named by what the index depends on beyond its own key
     (which names the prefixes by path only): the files' sizes and times, and the tokenizer. A prefix made
@@ -145,6 +173,7 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         for p in prefixes:
             if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file()):
                 raise FileNotFoundError(f"data.prefixes: {p}.bin / {p}.idx not found")
+            check_prefix_files(p)
             check_prefix_tokenizer(p, tokenizer)
         weights = list(data.weights) if data.weights is not None else None
         blend, split, cls = (prefixes, weights), data.split, gpt_dataset.GPTDataset
