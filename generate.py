@@ -39,6 +39,7 @@ from core.config.errors import ConfigError
 from core.distributed import launch
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
 from recipes.gpt.recipe import GPTRecipe
+from recipes.gpt.tokenizer import lone_surrogate
 from recipes.registry import config_keys, get_recipe, register_configs
 
 log = logging.getLogger("generate")
@@ -146,7 +147,7 @@ def read_prompts(path: Path) -> list[str]:
                 raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" string")
             prompts.append(prompt)
     for n, prompt in enumerate(prompts, 1):
-        if not prompt.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in prompt):
+        if lone_surrogate(prompt):
             raise ConfigError(f"{path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text")
     if not prompts:
         raise ConfigError(f"generate.prompt_file={path} holds no prompt")

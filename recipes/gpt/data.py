@@ -95,30 +95,11 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
     return str(prefix)
 
 
-def check_prefix_tokenizer(prefix: str, tokenizer) -> None:
-    """Refuse a <prefix>.bin/.idx that our preprocess wrote (its <prefix>.json says how) with another tokenizer
-    than data.tokenizer: its ids would be read as other tokens, silently. Files from elsewhere are not checked."""
-    record = Path(f"{prefix}.json")
-    if not record.is_file():
-        return
-    try:
-        made = json.loads(record.read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(made, dict) or "vocab_size" not in made:
-        return
-    ours = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "tokenizer_sha256": getattr(tokenizer, "sha256", None)}
-    differ = [f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items()
-              if made.get(k) is not None and made.get(k) != v]
-    if differ:
-        raise ConfigError(f"data.tokenizer={tokenizer.name}: {prefix}.bin/.idx were tokenized with "
-                          f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again")
-
-
-def check_prefix_files(prefix: str) -> None:
+def check_prefix(prefix: str, tokenizer) -> None:
     """Refuse a <prefix>.bin that is not the size its .idx describes (a copy cut short, a file from another pair),
-    and (where our <prefix>.json says how it was made) an .idx whose token type or counts differ from it: either
-    would be read as other tokens, or fail mid-run without naming the file."""
+    and, where our preprocess's <prefix>.json says how the pair was made, an .idx whose token type or count differs
+    from it or a data.tokenizer other than the one it was made with: each would be read as other tokens, or fail
+    mid-run without naming the file. Files from elsewhere (no .json) get the size check only."""
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
     try:
@@ -136,11 +117,19 @@ def check_prefix_files(prefix: str) -> None:
         made = json.loads(record.read_text()) if record.is_file() else None
     except (OSError, ValueError):
         made = None
-    if isinstance(made, dict) and isinstance(made.get("vocab_size"), int) and isinstance(made.get("tokens"), int):
+    if not isinstance(made, dict) or not isinstance(made.get("vocab_size"), int):
+        return
+    if isinstance(made.get("tokens"), int):
         dtype = DType.optimal_dtype(made["vocab_size"])
         if index.dtype != dtype or int(lengths.sum()) != made["tokens"]:
             raise ConfigError(f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
                               f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's")
+    ours = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "tokenizer_sha256": getattr(tokenizer, "sha256", None)}
+    differ = [f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items()
+              if made.get(k) is not None and made.get(k) != v]
+    if differ:
+        raise ConfigError(f"data.tokenizer={tokenizer.name}: {prefix}.bin/.idx were tokenized with "
+                          f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again")
 
 
 def index_cache_dir(cache_dir: str, prefixes: list[str], tokenizer) -> str:
@@ -173,8 +162,7 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         for p in prefixes:
             if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file()):
                 raise FileNotFoundError(f"data.prefixes: {p}.bin / {p}.idx not found")
-            check_prefix_files(p)
-            check_prefix_tokenizer(p, tokenizer)
+            check_prefix(p, tokenizer)
         weights = list(data.weights) if data.weights is not None else None
         blend, split, cls = (prefixes, weights), data.split, gpt_dataset.GPTDataset
     config = gpt_dataset.GPTDatasetConfig(

@@ -18,12 +18,13 @@ import json
 import os
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Iterator, Optional
 
 import numpy as np
 
-from recipes.gpt.tokenizer import build_tokenizer
+from recipes.gpt.tokenizer import build_tokenizer, lone_surrogate
 
 TEXT_DOCUMENTS = ("paragraph", "line", "file")
 
@@ -66,7 +67,7 @@ def read_documents(path: Path, text_key: str = "text", text_document: str = "par
                 if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
                     raise ValueError(f"{path}:{number}: no text under the key {text_key!r}")
                 text = record[text_key]
-                if not text.isascii() and any(0xD800 <= ord(c) <= 0xDFFF for c in text):  # JSON's "\ud800" escapes
+                if lone_surrogate(text):
                     raise ValueError(f"{path}:{number}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
                                      "not text any tokenizer encodes")
                 yield text
@@ -106,7 +107,8 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
                                                                      else ""))
         if path.suffix.lower() not in (".txt", ".jsonl", ".parquet"):
             raise ValueError(f"{path}: unknown input type {path.suffix!r} (expected .txt, .jsonl or .parquet)")
-    repeated = sorted({str(p) for p in inputs if [q.resolve() for q in inputs].count(p.resolve()) > 1})
+    times = Counter(p.resolve() for p in inputs)
+    repeated = sorted({str(p) for p in inputs if times[p.resolve()] > 1})
     if repeated:
         raise ValueError(f"{', '.join(repeated)}: given twice (its documents would be trained on twice)")
     existing = [f"{output_prefix}{suffix}" for suffix in (".bin", ".idx", ".json") if Path(f"{output_prefix}{suffix}").exists()]
