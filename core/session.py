@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
@@ -19,7 +20,7 @@ import torch.distributed as dist
 from omegaconf import DictConfig
 
 from core.checkpointing.layout import CheckpointError
-from core.config.errors import ConfigError
+from core.config.errors import DEBUG_ENV, ConfigError, DataError, message_of
 from core.config.validation import save_config, validate
 from core.distributed import env as distributed
 from core.distributed import launch
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 
-EXIT_CODES = ((ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""))
+EXIT_CODES = ((DataError, 2, "data error: "), (ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""))
 
 
 @dataclass
@@ -100,11 +101,13 @@ def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
 
 
 def exit_on_error(function: Callable[..., Any], *args: Any) -> Any:
-    """Run an entry point's body; a config, checkpoint or non-finite error ends the process with one clear
-    line and its exit code (2, 3, 4) instead of a traceback."""
+    """Run an entry point's body; a config, data, checkpoint or non-finite error ends the process with one clear
+    line and its exit code (2, 2, 3, 4) instead of a traceback (also with it when RECIPES_DEBUG=1)."""
     try:
         return function(*args)
     except tuple(error for error, _, _ in EXIT_CODES) as e:
         code, label = next((code, label) for error, code, label in EXIT_CODES if isinstance(e, error))
-        log.error("%s%s", label, e)
+        if os.environ.get(DEBUG_ENV):
+            log.error("the traceback (%s is set):", DEBUG_ENV, exc_info=e)
+        log.error("%s%s", label, message_of(e))
         raise SystemExit(code) from None

@@ -80,7 +80,14 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
             if state["stop"]:
                 return None
         with taking:
-            item = next(source, None)
+            try:
+                item = next(source, None)
+            except BaseException as e:  # noqa: BLE001 - e.g. a loader worker's error: handed to the consumer
+                with changed:
+                    done[state["taken"]] = _Failed(e)
+                    state["taken"] += 1
+                    changed.notify_all()
+                return None
             with changed:
                 if item is None:
                     state["end"] = state["taken"] if state["end"] is None else state["end"]
