@@ -39,6 +39,16 @@ class TrainingData:
             self.val_loader = make_loader(PaddedEval(self.val), sampler, self.num_workers, self.pin_memory, cfg.seed,
                                           recipe.collate_fn(), ignore_signals)
 
+    def start_val_workers(self) -> None:
+        """Fork the validation loader's (persistent) workers now, with the training loader's, before the first
+        step, instead of at the first validation. During training, gloo's threads finish asynchronous
+        collectives (FSDP2's prefetching all-gathers) and take CPython's thread-state lock to release their
+        tensors; a process forked at that moment inherits the lock held, and on CPython before 3.11.10
+        (python/cpython#112275) the new worker deadlocks as it starts (docs/data.md). Every validation then
+        reuses these workers."""
+        if self.val_loader is not None and self.num_workers > 0:
+            iter(self.val_loader)
+
     def micro_batches(self, consumed_samples: int, count: int) -> Iterator[dict]:
         """This rank's next `count` micro-batches from stream position `consumed_samples`, on the device; the
         next ones' host-to-device copies (or decoding) overlap the current step (core/data/loading.py)."""
@@ -52,6 +62,7 @@ class TrainingData:
         stream = MultiEpochDatasetResampler(self.train, num_samples=end, seed=self.seed)
         loader = make_loader(stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
                              self.recipe.collate_fn(), self.ignore_signals)
+        self.start_val_workers()
         # A step takes all its micro-batches before it starts (their loss counts scale the loss): the threads
         # prepare the next step's while this one trains.
         return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device,
