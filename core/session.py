@@ -23,7 +23,7 @@ from core.checkpointing.layout import CheckpointError
 from core.config.errors import DEBUG_ENV, ConfigError, DataError, message_of
 from core.config.validation import save_config, validate
 from core.distributed import env as distributed
-from core.distributed import launch
+from core.distributed import failed_jobs, launch
 from core.layers.namespace import get_layers
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
@@ -102,7 +102,8 @@ def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
 
 def exit_on_error(function: Callable[..., Any], *args: Any) -> Any:
     """Run an entry point's body; a config, data, checkpoint or non-finite error ends the process with one clear
-    line and its exit code (2, 2, 3, 4) instead of a traceback (also with it when RECIPES_DEBUG=1)."""
+    line and its exit code (2, 2, 3, 4) instead of a traceback (also with it when RECIPES_DEBUG=1). In a multirun
+    job it ends that job only (core/distributed/failed_jobs.py)."""
     try:
         return function(*args)
     except tuple(error for error, _, _ in EXIT_CODES) as e:
@@ -110,4 +111,6 @@ def exit_on_error(function: Callable[..., Any], *args: Any) -> Any:
         if os.environ.get(DEBUG_ENV):
             log.error("the traceback (%s is set):", DEBUG_ENV, exc_info=e)
         log.error("%s%s", label, message_of(e))
+        if failed_jobs.in_multirun_job():  # the sweep goes on with its next job
+            raise failed_jobs.job_error(code, label, message_of(e)) from None
         raise SystemExit(code) from None

@@ -130,3 +130,22 @@ def test_the_swept_keys_are_read_from_the_command_line_and_the_sweeper(monkeypat
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: sweeper))
     assert launch.swept_keys() == {"training.steps", "training.epochs", "optim.weight_decay", "model", "model@x",
                                    "optim.lr"}
+
+
+@pytest.mark.slow
+def test_a_failing_job_is_named_and_the_sweep_goes_on(tmp_path):
+    """Job 1 of 3 has a config error: it is logged as its line, jobs 0 and 2 train to the end, and the multirun
+    ends with job 1's exit code (2) and a list naming it with its overrides. (A job's error left through
+    SystemExit, which ended the whole sweep at job 1: job 2 never ran.)"""
+    proc = _sweep(tmp_path, "optim.lr=0.001,-1,0.002", "training.val_every_n_steps=0", "training.val_at_end=false")
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out[-3000:]
+    sweep = tmp_path / "sweep"
+    for job, lr in (("0", "0.001"), ("2", "0.002")):
+        assert max(r["step"] for r in read_records(sweep / job) if "split" not in r) == 4
+        overrides = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
+        assert (sweep / "checkpoints" / configuration_name(overrides) / "step_4" / "COMPLETE").exists()
+    assert "config error: optim.lr=-1.0: expected 1e-30 <= lr <= 10" in out
+    summary = proc.stderr[proc.stderr.index("multirun: 1 job(s) failed"):].splitlines()
+    assert summary[1] == "  job 1 (optim.lr=-1): config error: optim.lr=-1.0: expected 1e-30 <= lr <= 10"
+    assert not (sweep / "0" / "job_failed.json").exists() and (sweep / "1" / "job_failed.json").exists()

@@ -265,7 +265,8 @@ def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = 
     """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys(its
     arguments)` (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
     on ranks > 0, and the process ended when it returns or fails, with its exit code (1 for an unexpected
-    error, which Hydra has printed). Ending with os._exit keeps a failed run from waiting at interpreter
+    error, which Hydra has printed; a multirun with failed jobs names them and ends with the first one's code:
+    core/distributed/failed_jobs.py). Ending with os._exit keeps a failed run from waiting at interpreter
     exit for data-loader workers or threads that are still running: a failing job ends instead of holding
     its nodes."""
     from core.config.errors import ConfigError
@@ -283,19 +284,21 @@ def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = 
     prepare_argv()
     exit_with_launcher()
     export_to_jobs()
+    from core.distributed.failed_jobs import finish
+
     try:
         hydra_main()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
-        exit_process(code)
+        exit_process(finish(code))
     except BaseException:  # noqa: BLE001  (anything Hydra did not report: print it, then end)
         import traceback
 
         traceback.print_exc()
-        exit_process(1)
-    exit_process(0)
+        exit_process(finish(1))
+    exit_process(finish(0))  # a multirun's failed jobs are named, and end it with an error code
 
 
 # Also on import: a job started by hydra-submitit-launcher unpickles train.py's main (which imports this module)
