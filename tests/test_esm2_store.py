@@ -134,10 +134,32 @@ def test_a_preprocessed_store_pickles_as_its_folder_and_refuses_one_written_agai
     shutil.rmtree(store)
     with pytest.raises(DataError, match=f"data.path={re.escape(str(store))}: the store was removed after this run "
                                         "opened it"):
-        pickle.loads(payload)
+        pickle.loads(payload).sequence(0)
     write_store(iter(NAMED[::-1]), store, "test")  # the same folder name, other contents
     with pytest.raises(DataError, match=f"data.path={re.escape(str(store))}: the store was written again"):
-        pickle.loads(payload)
+        pickle.loads(pickle.dumps(packs))[0]
+
+
+@pytest.mark.slow
+def test_a_loader_worker_refuses_a_store_written_again_in_one_line(tmp_path):
+    """A forkserver loader worker maps the store itself; one written again since the run opened it reaches the main
+    process as the DataError's one line, not as "worker exited unexpectedly"."""
+    import torch
+
+    from core.config.errors import message_of
+
+    store = make_store(tmp_path / "store")
+    packs = PackedSequences(read_store(store), np.arange(len(NAMED)), 256, 64, 8, Masking(), seed=1, shuffle_seed=2)
+    loader = torch.utils.data.DataLoader(packs, batch_size=2, num_workers=1, multiprocessing_context="forkserver")
+    assert torch.equal(next(iter(loader))["tokens"][1], packs[1]["tokens"])
+    import shutil
+
+    shutil.rmtree(store)
+    write_store(iter(NAMED[::-1]), store, "test")
+    with pytest.raises(DataError) as refused:
+        next(iter(loader))
+    assert message_of(refused.value) == (f"data.path={store}: the store was written again (its files changed) after "
+                                         "this run opened it; start the run again (in a data loader worker)")
 
 
 # --- preprocess runs that meet at one --out --------------------------------------------------------

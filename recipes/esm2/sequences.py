@@ -211,7 +211,7 @@ class StoreFolder:
     keys: SourceKeys
     fingerprint: tuple
 
-    def reopen(self) -> SequenceStore:
+    def reopen(self) -> SequenceStore | UnavailableStore:
         store = None
         if _fingerprint(self.path) == self.fingerprint:
             try:
@@ -220,9 +220,22 @@ class StoreFolder:
                 store = None
         if store is None or _fingerprint(self.path) != self.fingerprint:  # what was mapped is what was checked
             what = "written again (its files changed)" if self.path.exists() else "removed"
-            raise DataError(f"{self.keys.of('path', self.path)}: the store was {what} after this run opened it; "
-                            "start the run again")
+            return UnavailableStore(f"{self.keys.of('path', self.path)}: the store was {what} after this run opened "
+                                    "it; start the run again")
         return store
+
+
+@dataclass(frozen=True)
+class UnavailableStore:
+    """What an unpickled store is when its folder was removed or written again: each read raises the DataError.
+    Raised while a loader worker unpickles its dataset, it would end the worker before its loop (the main process
+    sees only "worker exited unexpectedly"); raised from a read, it reaches the main process as one line."""
+    message: str
+
+    def _refuse(self, *args):
+        raise DataError(self.message)
+
+    __len__ = lengths = lengths_of = sequence = name = _refuse
 
 
 def _map_store(folder: Path, keys: SourceKeys, fingerprint: tuple) -> SequenceStore:
