@@ -86,20 +86,21 @@ def test_every_source_format_gives_the_same_sequences(tmp_path):
     assert len(read_store(tmp_path)) == 30 + 6  # the datasets folder's Arrow file too
 
 
-def test_preprocessed_store_is_the_same_and_refuses_tampering(tmp_path):
+def test_preprocessed_store_is_the_same_and_refuses_tampering(tmp_path, capsys):
     from recipes.esm2 import preprocess
 
     store = read_store(SAMPLE)
     preprocess.main(["--input", str(SAMPLE), "--out", str(tmp_path / "store")])
-    with pytest.raises(SystemExit, match="exists"):
+    with pytest.raises(SystemExit) as stop:
         preprocess.main(["--input", str(SAMPLE), "--out", str(tmp_path / "store")])
+    assert stop.value.code == 2 and f"error: --out {tmp_path / 'store'} exists" in capsys.readouterr().err
     again = read_store(tmp_path / "store")
     assert len(again) == len(store) == 1000 and np.array_equal(again.offsets, store.offsets)
     assert np.array_equal(np.asarray(again.residues), store.residues)
     assert again.name(3) == store.name(3) and again.name(3).startswith("UniRef90_")
     with open(tmp_path / "store" / "residues.bin", "ab") as f:
         f.write(b"\x00")
-    with pytest.raises(ConfigError, match="residues.bin is not"):
+    with pytest.raises(ConfigError, match=r"residues.bin is \d+ bytes, not index.json.s residues=\d+"):
         read_store(tmp_path / "store")
     rewrite(tmp_path / "store")
     offsets = np.load(tmp_path / "store" / "offsets.npy")
@@ -176,6 +177,49 @@ def test_plan_packs_fills_in_order_within_budget_and_slots():
     assert starts.tolist() == [0, 2, 4, 7, 8]  # [5 3] [4 6] [2 2 2] (slots) [8]
     assert plan_packs(np.array([10, 10]), 10, 5).tolist() == [0, 1, 2]
     assert plan_packs(np.array([2, 2, 2, 2, 8]), 10, 3).tolist() == [0, 3, 5]  # the slot limit closes the first
+
+
+def plain_rule(lengths: list[int], budget: int, max_sequences: int) -> list[int]:
+    """Pack starts by the rule as stated, over the whole list at once: a pack closes when the next sequence does
+    not fit in its budget or it holds max_sequences."""
+    starts, used, count = [0], 0, 0
+    for i, n in enumerate(lengths):
+        if used + n > budget or count == max_sequences:
+            starts.append(i)
+            used, count = 0, 0
+        used += n
+        count += 1
+    return starts + [len(lengths)]
+
+
+@pytest.mark.parametrize("shuffle_seed", [77, None])
+def test_packs_planned_a_chunk_at_a_time_are_the_plain_rules_at_under_12_bytes_a_sequence(monkeypatch, shuffle_seed):
+    """Planning in chunks (many here: 4,096 sequences each) with the order shuffled in place gives the packs of the
+    plain rule over the order 8067eef drew (indices[rng.permutation(n)]); the planning's peak allocations are the
+    order itself and a chunk's temporaries (8067eef: about 45 bytes a sequence, a list of every length)."""
+    import tracemalloc
+
+    from recipes.esm2 import packing
+    from recipes.esm2.sequences import SequenceStore
+
+    monkeypatch.setattr(packing, "PLAN_CHUNK", 4096, raising=False)  # (8067eef has none)
+    rng = np.random.default_rng(5)
+    lengths = np.clip(rng.lognormal(np.log(284), 0.69, 220_000), 1, 35_000).astype(np.int64)  # proteins' spread
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    store = SequenceStore(np.zeros(0, dtype=np.uint8), offsets, None, "test")
+    indices = np.flatnonzero(rng.random(len(lengths)) < 0.9)  # a training split's
+    tracemalloc.start()
+    packs = PackedSequences(store, indices, 4096, 1024, 12, Masking(), seed=0, shuffle_seed=shuffle_seed)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    order = indices if shuffle_seed is None else indices[np.random.default_rng(shuffle_seed).permutation(len(indices))]
+    framed = np.minimum(lengths[order], 1022) + 2
+    assert np.array_equal(packs.order, order)
+    assert packs.starts.tolist() == plain_rule(framed.tolist(), 4096, 12)
+    assert packs.real_tokens == int(framed.sum()) and len(packs) > 15_000
+    assert peak / len(indices) < 12, f"{peak / len(indices):.1f} bytes a sequence"
+    print(f"planning peak: {peak / len(indices):.1f} bytes a sequence")
 
 
 def test_packs_hold_every_sequence_once_with_fixed_shapes():

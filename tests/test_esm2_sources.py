@@ -8,6 +8,7 @@ import bz2
 import gzip
 import json
 import lzma
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,7 @@ import pyarrow.feather as feather
 import pyarrow.parquet as pq
 import pytest
 
-from core.config.errors import ConfigError
+from core.config.errors import ConfigError, DataError
 from recipes.esm2 import preprocess
 from recipes.esm2.sequences import read_store
 from recipes.esm2.tokenizer import decode
@@ -128,7 +129,7 @@ def test_files_that_would_be_lost_or_misread_are_refused_by_name(tmp_path):
         read_store(tmp_path / "lost.fasta")
 
 
-def test_damaged_files_are_named_and_preprocess_leaves_nothing_behind(tmp_path):
+def test_damaged_files_are_named_and_preprocess_leaves_nothing_behind(tmp_path, capsys):
     with gzip.open(tmp_path / "full.fa.gz", "wt") as f:
         f.write(FASTA * 50)
     (tmp_path / "cut.fa.gz").write_bytes((tmp_path / "full.fa.gz").read_bytes()[:30])
@@ -140,9 +141,11 @@ def test_damaged_files_are_named_and_preprocess_leaves_nothing_behind(tmp_path):
     for name in ("cut.fa.gz", "cut.parquet", "ragged.csv", "latin1.csv"):
         with pytest.raises(ConfigError, match=f"data.path={tmp_path / name}: unreadable"):
             read_store(tmp_path / name)
-    with pytest.raises(SystemExit, match="cut.fa.gz: unreadable .*EOFError"):
+    with pytest.raises(SystemExit) as stop:
         preprocess.main(["--input", str(tmp_path / "cut.fa.gz"), "--out", str(tmp_path / "store")])
-    assert not (tmp_path / "store").exists() and not (tmp_path / "store.partial").exists()
+    assert stop.value.code == 2
+    assert re.fullmatch(r"error: --input \S*cut.fa.gz: unreadable \(EOFError: .*\)\n", capsys.readouterr().err)
+    assert not (tmp_path / "store").exists() and not list(tmp_path.glob("store.partial*"))
 
 
 def test_preprocess_says_what_tokenizing_left_out(tmp_path, capsys):
@@ -155,3 +158,50 @@ def test_preprocess_says_what_tokenizing_left_out(tmp_path, capsys):
     index = json.loads((tmp_path / "store" / "index.json").read_text())
     assert (index["empty_sequences_left_out"], index["unknown_residues"], index["nucleotide_like_sequences"]) == (1, 2, 1)
 
+
+
+def test_errors_name_the_setting_that_gave_the_path(tmp_path, capsys):
+    """data.val_path, predict.folder and preprocess's --input / --column name themselves, not data.path."""
+    from recipes.esm2.recipe import ESM2Recipe
+    from tests.helpers import validated_config
+
+    missing = tmp_path / "missing.fasta"
+    recipe = ESM2Recipe(validated_config("esm2_sanity", [f"data.val_path={missing}", "checkpoint.path=unused"]))
+    with pytest.raises(DataError, match=f"^data.val_path={re.escape(str(missing))}: no such file or folder$"):
+        recipe.build_datasets()
+    with pytest.raises(DataError, match=f"^predict.folder={re.escape(str(missing))}: no such file or folder$"):
+        recipe.unlabeled(str(missing))
+    write_datasets_folder(tmp_path / "saved", {"train": [("a", "MKV")]})
+    (tmp_path / "saved" / "dataset_dict.json").write_text('{"splits": 5}')
+    recipe = ESM2Recipe(validated_config("esm2_sanity", [f"data.val_path={tmp_path / 'saved'}", "checkpoint.path=x"]))
+    with pytest.raises(DataError, match=f"^data.val_path={re.escape(str(tmp_path / 'saved'))}: .*dataset_dict.json "
+                                        "is not what this recipe reads \\(splits=5: Input should be a valid array\\)"):
+        recipe.build_datasets()
+    (tmp_path / "t.csv").write_text("name,seq\na,MKV\n")
+    for argv, says in ((["--input", str(missing)], f"--input {missing}: no such file or folder"),
+                       (["--input", str(tmp_path / "t.csv")],
+                        f"--column sequence: {tmp_path / 't.csv'} has no such column (it has name, seq)")):
+        with pytest.raises(SystemExit) as stop:
+            preprocess.main(argv + ["--out", str(tmp_path / "store")])
+        assert stop.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
+
+
+@pytest.mark.parametrize("file,content,says", [
+    ("dataset_dict.json", '{"splits": 5}', "splits=5: Input should be a valid array"),
+    ("dataset_dict.json", '{"splits": ["../../etc"]}', "should be the name of a file in the folder"),
+    ("dataset_dict.json", "[" * 100_000, "recursion limit exceeded"),
+    ("train/state.json", "not JSON", "Invalid JSON"),
+    ("train/state.json", '{"_data_files": "data.arrow"}', "_data_files='data.arrow': Input should be a valid array"),
+    ("train/state.json", '{"_data_files": []}', "_data_files=\\[\\]: List should have at least 1 item"),
+])
+def test_a_damaged_datasets_folder_is_one_line_naming_the_file(tmp_path, file, content, says):
+    """Its JSON files of any wrong shape: a DataError naming the setting and the file (not the Hugging Face
+    importer's "nothing was imported", not a TypeError)."""
+    write_datasets_folder(tmp_path / "saved", {"train": [("a", "MKV")], "test": [("t", "WWW")]})
+    (tmp_path / "saved" / file).write_text(content)
+    with pytest.raises(DataError) as refused:
+        read_store(tmp_path / "saved")
+    message = str(refused.value)
+    assert re.match(f"data.path={re.escape(str(tmp_path / 'saved'))}: {re.escape(str(tmp_path / 'saved' / file))} "
+                    f"is not what this recipe reads \\(.*{says}.*\\); save the dataset again", message), message
+    assert "\n" not in message and "imported" not in message

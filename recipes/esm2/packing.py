@@ -12,35 +12,63 @@ filled in that order until the next sequence does not fit), so a pack is a sampl
 sampler shuffles packs per epoch, splits them over ranks and resumes mid-epoch exactly, while each sequence's
 window and masks still change per epoch (recipes/esm2/masking.py). Padded batches are the special case of one
 sequence per pack and budget = max_length.
+
+Planning holds the shuffled order (8 bytes a sequence, shuffled in place) and the packs' starts; lengths are
+looked up and packs filled a chunk of PLAN_CHUNK sequences at a time, so no other array or list of the whole
+dataset exists at once (UniRef90 is 150M+ sequences, planned in every process).
 """
 
 from __future__ import annotations
 
+import array
 import math
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
+from core.config.errors import DataError
 from core.data.datasets import epoch_index, sample_generator
 from recipes.esm2.masking import IGNORE, Masking, crop_and_mask, framed_length
 from recipes.esm2.sequences import SequenceStore
 from recipes.esm2.tokenizer import PAD, VOCABULARY
 
+PLAN_CHUNK = 1 << 16
+
+
+class PackPlanner:
+    """Pack boundaries for sequences fed in order, a chunk of lengths (tokens, each <= budget) at a time. A pack
+    closes when the next sequence does not fit in what is left of its budget, or when it holds max_sequences."""
+
+    def __init__(self, budget: int, max_sequences: int):
+        self.budget, self.max_sequences = budget, max_sequences
+        self.starts, self.seen, self.used, self.count = array.array("q", [0]), 0, 0, 0
+
+    def add(self, lengths: np.ndarray) -> None:
+        budget, max_sequences, starts = self.budget, self.max_sequences, self.starts
+        used, count = self.used, self.count
+        for i, n in enumerate(lengths.tolist(), self.seen):
+            if used + n > budget or count == max_sequences:
+                starts.append(i)
+                used, count = 0, 0
+            used += n
+            count += 1
+        self.seen += len(lengths)
+        self.used, self.count = used, count
+
+    def finish(self) -> np.ndarray:
+        """starts: pack k holds positions starts[k]:starts[k+1]."""
+        self.starts.append(self.seen)
+        return np.frombuffer(self.starts, dtype=np.int64)  # a view: no second copy of every start
+
 
 def plan_packs(lengths: np.ndarray, budget: int, max_sequences: int) -> np.ndarray:
     """Pack boundaries for sequences of `lengths` tokens (in the order given, each <= budget): pack k holds
-    positions starts[k]:starts[k+1]. A pack closes when the next sequence does not fit in what is left of its
-    budget, or when it holds max_sequences."""
-    starts, used, count = [0], 0, 0
-    for i, n in enumerate(lengths.tolist()):
-        if used + n > budget or count == max_sequences:
-            starts.append(i)
-            used, count = 0, 0
-        used += n
-        count += 1
-    starts.append(len(lengths))
-    return np.asarray(starts, dtype=np.int64)
+    positions starts[k]:starts[k+1] (PackPlanner's rule)."""
+    planner = PackPlanner(budget, max_sequences)
+    for start in range(0, len(lengths), PLAN_CHUNK):
+        planner.add(lengths[start:start + PLAN_CHUNK])
+    return planner.finish()
 
 
 class PackedSequences(Dataset):
@@ -55,12 +83,16 @@ class PackedSequences(Dataset):
         self.store, self.masking, self.seed = store, masking, seed
         self.budget, self.max_length, self.max_sequences = budget, max_length, max_sequences
         self.slots = max_sequences + math.ceil(budget / max_length)  # + the padding's pieces
-        order = np.asarray(indices, dtype=np.int64)
+        order = np.array(indices, dtype=np.int64)  # a copy: shuffled in place
         if shuffle_seed is not None:
-            order = order[np.random.default_rng(shuffle_seed).permutation(len(order))]
-        lengths = framed_length(store.lengths()[order], max_length)
-        self.order, self.starts = order, plan_packs(lengths, budget, max_sequences)
-        self.real_tokens = int(lengths.sum())
+            # The same order as order[rng.permutation(n)]: the same swaps, without an index array of n.
+            np.random.default_rng(shuffle_seed).shuffle(order)
+        planner, self.real_tokens = PackPlanner(budget, max_sequences), 0
+        for start in range(0, len(order), PLAN_CHUNK):
+            lengths = framed_length(store.lengths_of(order[start:start + PLAN_CHUNK]), max_length)
+            planner.add(lengths)
+            self.real_tokens += int(lengths.sum())
+        self.order, self.starts = order, planner.finish()
 
     def __len__(self) -> int:
         return len(self.starts) - 1
@@ -76,8 +108,8 @@ class PackedSequences(Dataset):
         for i in members.tolist():
             residues = self.store.sequence(i)
             if len(residues) and int(residues.max()) >= len(VOCABULARY):
-                raise ValueError(f"{self.store.source}: sequence {i} holds token id {int(residues.max())}, outside "
-                                 f"the {len(VOCABULARY)}-token vocabulary")
+                raise DataError(f"{self.store.source}: sequence {i} holds token id {int(residues.max())}, outside "
+                                f"the {len(VOCABULARY)}-token vocabulary")
             t, y = crop_and_mask(residues, self.max_length, self.masking, sample_generator(self.seed, epoch, i))
             start = offsets[-1]
             tokens[start:start + len(t)], labels[start:start + len(t)] = t, y

@@ -23,6 +23,7 @@ from core.layers.torch_twins import packed_positions
 from recipes.esm2.model import ESM2, VOCAB_SIZE, flat_offsets
 from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import SequenceStore, read_store
+from recipes.esm2.sources import SourceKeys
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD
 
 
@@ -66,14 +67,20 @@ class ESM2Recipe(Recipe):
         """Packs of the training sequences (which share a pack: planned once, from the seed) and of the validation
         sequences (in order): data.val_path's, or data.val_fraction of data.path's drawn with data.split_seed."""
         data = self.cfg.data
-        store = read_store(data.path, data.column, data.name_column, data.split)
+        store = self._read("data.path", data.path)
         train_indices, val_indices = self._split_indices(store)
         val_store = store
         if data.val_path is not None:
-            val_store = read_store(data.val_path, data.column, data.name_column, data.split)
+            val_store = self._read("data.val_path", data.val_path)
             val_indices = np.arange(len(val_store))
         train = self._packs(store, train_indices, shuffle_seed=mix_seed(self.cfg.seed, 0x9ac))
         return Datasets(train, self._packs(val_store, val_indices, shuffle_seed=None))
+
+    def _read(self, setting: str, path: str) -> SequenceStore:
+        """The sequences at `path`, which `setting` gave (data.path, data.val_path, predict.folder): its errors
+        name that setting."""
+        data = self.cfg.data
+        return read_store(path, data.column, data.name_column, data.split, SourceKeys(path=setting))
 
     def _split_indices(self, store: SequenceStore) -> tuple[np.ndarray, np.ndarray]:
         """(training, validation) sequence indices of data.path's store, as build_datasets draws them."""
@@ -100,15 +107,15 @@ class ESM2Recipe(Recipe):
         if name not in ("train", "val", "all"):
             raise ConfigError(f"predict.split={name}: the ESM-2 recipe's splits are train, val and all (data.path)")
         if name == "val" and data.val_path is not None:
-            store = read_store(data.val_path, data.column, data.name_column, data.split)
+            store = self._read("data.val_path", data.val_path)
             return self._prediction_packs(store, np.arange(len(store)))
-        store = read_store(data.path, data.column, data.name_column, data.split)
+        store = self._read("data.path", data.path)
         train, val = self._split_indices(store)
         return self._prediction_packs(store, {"train": train, "val": val, "all": np.arange(len(store))}[name])
 
     def unlabeled(self, folder: str) -> PackedSequences:
         """predict.folder: every sequence of a file or folder (any format data.path takes)."""
-        store = read_store(folder, self.cfg.data.column, self.cfg.data.name_column, self.cfg.data.split)
+        store = self._read("predict.folder", folder)
         return self._prediction_packs(store, np.arange(len(store)))
 
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:

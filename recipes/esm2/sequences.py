@@ -16,23 +16,28 @@ import array
 import hashlib
 import json
 import logging
+import os
 import re
-import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterable, Iterator, Optional
+from typing import Annotated, Callable, Iterable, Iterator, Literal, Optional
 
 import numpy as np
+from pydantic import BaseModel, ConfigDict, Field
 
-from core.config.errors import ConfigError
-from recipes.esm2.sources import records
+from core.config.errors import DataError
+from recipes.esm2.partial_output import PartialFolder
+from recipes.esm2.sources import DATA_PATH, SourceKeys, read_json_file, records
 from recipes.esm2.tokenizer import UNK, encode_residues
 
 log = logging.getLogger("train")
 
 STORE_INDEX = "index.json"
+STORE_FILES = ("residues.bin", "offsets.npy", "names.txt", STORE_INDEX)
 _LINE_BREAKS = re.compile(r"[\r\n]")
 STORE_VERSION = 1
+REWRITE = "write the folder again with python -m recipes.esm2.preprocess"
+CHECK_CHUNK = 1 << 20  # offsets checked a chunk at a time: no temporary of the whole array
 
 
 @dataclass
@@ -40,14 +45,19 @@ class SequenceStore:
     residues: np.ndarray  # uint8 [total residues]
     offsets: np.ndarray  # int64 [sequences + 1]
     names: Optional[list[str]]  # one per sequence, or None (a preprocessed store reads them on demand)
-    source: str
+    source: str  # what gave it, for messages: `data.path=/data/x.fasta`
     names_file: Optional[Path] = None
+    folder: Optional["StoreFolder"] = None  # a preprocessed store: pickled as its folder (see StoreFolder)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
 
     def lengths(self) -> np.ndarray:
         return np.diff(self.offsets)
+
+    def lengths_of(self, indices: np.ndarray) -> np.ndarray:
+        """The residue counts of sequences `indices` (a temporary of their size only)."""
+        return self.offsets[indices + 1] - self.offsets[indices]
 
     def sequence(self, i: int) -> np.ndarray:
         return self.residues[self.offsets[i]:self.offsets[i + 1]]
@@ -59,10 +69,17 @@ class SequenceStore:
             if names and names[-1] == "":
                 names.pop()  # the last line's end
             if len(names) != len(self):
-                raise ConfigError(f"data.path={self.source}: names.txt holds {len(names)} names for {len(self)} "
-                                  "sequences; write the folder again with python -m recipes.esm2.preprocess")
+                raise DataError(f"{self.source}: names.txt holds {len(names)} names for {len(self)} sequences; "
+                                + REWRITE)
             self.names = names
         return self.names[i] if self.names is not None else str(i)
+
+    def __reduce_ex__(self, protocol):
+        # A preprocessed store goes to a loader worker (forkserver, spawn) as its folder, not as a copy of every
+        # residue; the worker maps the same files.
+        if self.folder is not None:
+            return self.folder.reopen, ()
+        return super().__reduce_ex__(protocol)
 
 
 @dataclass
@@ -125,7 +142,7 @@ def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> Sequ
         lengths.append(len(ids))
         names.append(name)
     if not lengths:
-        raise ConfigError(f"data.path={source}: no sequences (or only empty ones)")
+        raise DataError(f"{source}: no sequences (or only empty ones)")
     if counts.summary():
         log.warning("%s: %s", source, counts.summary())
     offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
@@ -133,75 +150,160 @@ def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> Sequ
     return SequenceStore(np.concatenate(chunks), offsets, names, source)
 
 
-def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: str) -> dict:
+def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: str, named: Optional[str] = None,
+                option: str = "--out", say: Callable[[str], None] = log.warning) -> dict:
     """Tokenize sequences into files under `out`, streaming (memory: 8 bytes per sequence): residues.bin,
     offsets.npy, names.txt (one per line: a line break inside a name becomes a space), then index.json (counts,
-    the offsets' hash, what tokenizing left out). They are written into <out>.partial and moved to `out` when
-    complete (a failure removes them); an existing `out` is refused. Empty sequences are left out."""
-    if out.exists():
-        raise FileExistsError(f"{out} exists: give a new folder")
-    partial = out.with_name(out.name + ".partial")
-    shutil.rmtree(partial, ignore_errors=True)
-    partial.mkdir(parents=True)
-    try:
+    the offsets' hash, what tokenizing left out). They are written into this process's `<out>.partial-<pid>` and
+    renamed to `out` when complete; a failure removes them, an existing `out` or another run writing it is refused
+    (recipes/esm2/partial_output.py). Empty sequences are left out. `named` (default: `source`) and `option` name
+    the input and the output in messages."""
+    with PartialFolder(out, STORE_FILES, option, say) as folder:
         lengths, counts = array.array("q"), ReadCounts()
-        with open(partial / "residues.bin", "wb") as residues, \
-                open(partial / "names.txt", "w", encoding="utf-8", newline="") as names:
+        with open(folder.path / "residues.bin", "wb") as residues, \
+                open(folder.path / "names.txt", "w", encoding="utf-8", newline="") as names:
             for name, ids in tokenized(named_sequences, counts):
                 residues.write(ids.tobytes())
                 names.write(_LINE_BREAKS.sub(" ", name) + "\n")
                 lengths.append(len(ids))
         if not lengths:
-            raise ConfigError(f"{source}: no sequences (or only empty ones)")
+            raise DataError(f"{named or source}: no sequences (or only empty ones)")
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
-        np.save(partial / "offsets.npy", offsets, allow_pickle=False)
+        np.save(folder.path / "offsets.npy", offsets, allow_pickle=False)
         index = {"version": STORE_VERSION, "sequences": len(lengths), "residues": int(offsets[-1]),
-                 "offsets_sha256": hashlib.sha256(offsets.tobytes()).hexdigest(), "source": source,
+                 "offsets_sha256": hashlib.sha256(offsets).hexdigest(), "source": source,
                  "empty_sequences_left_out": counts.empty, "unknown_residues": counts.unknown_residues,
                  "nucleotide_like_sequences": counts.nucleotide_like, "notes": counts.summary()}
-        (partial / STORE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
-    except BaseException:
-        shutil.rmtree(partial, ignore_errors=True)
-        raise
-    partial.rename(out)
+        (folder.path / STORE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
+        folder.publish()
     return index
 
 
-def open_store(folder: Path) -> SequenceStore:
-    """A store written by write_store, memory-mapped; every count checked against index.json before use."""
-    try:
-        index = json.loads((folder / STORE_INDEX).read_text())
-        sequences, residues = int(index["sequences"]), int(index["residues"])
-        if index.get("version") != STORE_VERSION:
-            raise ValueError(f"version {index.get('version')!r}, expected {STORE_VERSION}")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ConfigError(f"data.path={folder}: unreadable {STORE_INDEX} ({e}); write it with "
-                          "python -m recipes.esm2.preprocess") from e
+class StoreIndex(BaseModel):
+    """index.json: the counts and the offsets' hash the other files are checked against."""
+    model_config = ConfigDict(strict=True)
+    version: Literal[STORE_VERSION]
+    sequences: Annotated[int, Field(ge=1, le=2**40)]
+    residues: Annotated[int, Field(ge=1, le=2**62)]
+    offsets_sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")]
+
+
+def _fingerprint(folder: Path) -> tuple:
+    """The store's files as they are now, (name, device, inode, size, modification time) each: a folder written
+    again or replaced gives another."""
+    found = []
+    for name in STORE_FILES:
+        try:
+            status = os.stat(folder / name)
+        except FileNotFoundError:
+            continue
+        found.append((name, status.st_dev, status.st_ino, status.st_size, status.st_mtime_ns))
+    return tuple(found)
+
+
+@dataclass(frozen=True)
+class StoreFolder:
+    """A preprocessed store's folder as a run opened it: the files then (`fingerprint`) and the setting that
+    named it. What a store pickles as; a worker that unpickles it maps the same files again, and refuses a folder
+    removed or written again since (it would read other sequences than the main process planned packs of)."""
+    path: Path
+    keys: SourceKeys
+    fingerprint: tuple
+
+    def reopen(self) -> SequenceStore | UnavailableStore:
+        store = None
+        if _fingerprint(self.path) == self.fingerprint:
+            try:
+                store = _map_store(self.path, self.keys, self.fingerprint)
+            except (OSError, ValueError):  # removed or replaced meanwhile: told below
+                store = None
+        if store is None or _fingerprint(self.path) != self.fingerprint:  # what was mapped is what was checked
+            what = "written again (its files changed)" if self.path.exists() else "removed"
+            return UnavailableStore(f"{self.keys.of('path', self.path)}: the store was {what} after this run opened "
+                                    "it; start the run again")
+        return store
+
+
+@dataclass(frozen=True)
+class UnavailableStore:
+    """What an unpickled store is when its folder was removed or written again: each read raises the DataError.
+    Raised while a loader worker unpickles its dataset, it would end the worker before its loop (the main process
+    sees only "worker exited unexpectedly"); raised from a read, it reaches the main process as one line."""
+    message: str
+
+    def _refuse(self, *args):
+        raise DataError(self.message)
+
+    __len__ = lengths = lengths_of = sequence = name = _refuse
+
+
+def _map_store(folder: Path, keys: SourceKeys, fingerprint: tuple) -> SequenceStore:
     offsets = np.load(folder / "offsets.npy", mmap_mode="r", allow_pickle=False)
-    residue_file = folder / "residues.bin"
-    problem = None
-    if offsets.dtype != np.int64 or offsets.shape != (sequences + 1,):
-        problem = f"offsets.npy holds {offsets.dtype} {offsets.shape}, expected int64 ({sequences + 1},)"
-    elif not residue_file.is_file() or residue_file.stat().st_size != residues:
-        problem = f"residues.bin is not {residues} bytes"
-    elif offsets[0] != 0 or offsets[-1] != residues or np.any(np.diff(offsets) <= 0):
-        problem = "offsets.npy is not an increasing run of offsets from 0 to the residue count"
-    elif hashlib.sha256(np.ascontiguousarray(offsets).tobytes()).hexdigest() != index.get("offsets_sha256"):
-        problem = "offsets.npy does not match the hash in index.json"
-    if problem:
-        raise ConfigError(f"data.path={folder}: {problem}; write the folder again with python -m recipes.esm2.preprocess")
-    residues_array = np.memmap(residue_file, dtype=np.uint8, mode="r")
+    residues = np.memmap(folder / "residues.bin", dtype=np.uint8, mode="r")
     names_file = folder / "names.txt"
-    return SequenceStore(residues_array, offsets, None, str(folder), names_file if names_file.is_file() else None)
+    return SequenceStore(residues, offsets, None, keys.of("path", folder),
+                         names_file if names_file.is_file() else None, StoreFolder(folder, keys, fingerprint))
+
+
+def open_store(folder: Path, keys: SourceKeys = DATA_PATH) -> SequenceStore:
+    """A store written by write_store, memory-mapped; its files checked against each other before any use
+    (index.json's counts, offsets.npy's type, shape, order and hash, residues.bin's size). A damaged store is a
+    DataError naming the folder (after the setting that gave it) and the file."""
+    named = keys.of("path", folder)
+    fingerprint = _fingerprint(folder)
+    index = read_json_file(folder / STORE_INDEX, StoreIndex, named, REWRITE)
+    problem = _files_problem(folder, index)
+    if problem is None:
+        try:
+            store = _map_store(folder, keys, fingerprint)
+            problem = _offsets_problem(store.offsets, index)
+        except OSError as e:  # unreadable (permissions), or replaced while being opened
+            problem = f"cannot read its files ({e})"
+    if problem:
+        raise DataError(f"{named}: {problem}; {REWRITE}")
+    return store
+
+
+def _files_problem(folder: Path, index: StoreIndex) -> Optional[str]:
+    """What is wrong with offsets.npy and residues.bin as files: absent, not an int64 array of index.json's
+    sequences + 1 offsets, not index.json's residues bytes (None: nothing)."""
+    offsets_file, residue_file = folder / "offsets.npy", folder / "residues.bin"
+    for file in (offsets_file, residue_file):
+        if not file.is_file():  # also refuses a FIFO, which would block the reader
+            return f"{file.name} is missing or not a file"
+    if residue_file.stat().st_size != index.residues:
+        return f"residues.bin is {residue_file.stat().st_size} bytes, not index.json's residues={index.residues}"
+    try:
+        offsets = np.load(offsets_file, mmap_mode="r", allow_pickle=False)  # never a pickle
+    except (OSError, ValueError, EOFError) as e:
+        return f"offsets.npy is not a NumPy array of offsets ({e})"
+    if offsets.dtype != np.int64 or offsets.shape != (index.sequences + 1,):
+        return (f"offsets.npy holds {offsets.dtype} {offsets.shape}, expected int64 ({index.sequences + 1},) "
+                f"for index.json's sequences={index.sequences}")
+    return None
+
+
+def _offsets_problem(offsets: np.ndarray, index: StoreIndex) -> Optional[str]:
+    """Offsets that do not increase from 0 to the residue count, or whose hash is not index.json's."""
+    if offsets[0] != 0 or offsets[-1] != index.residues:
+        return (f"offsets.npy runs from {offsets[0]} to {offsets[-1]}, not from 0 to index.json's "
+                f"residues={index.residues}")
+    for start in range(0, len(offsets) - 1, CHECK_CHUNK):
+        chunk = offsets[start:start + CHECK_CHUNK + 1]
+        if np.any(chunk[1:] <= chunk[:-1]):
+            first = start + int(np.argmax(chunk[1:] <= chunk[:-1]))
+            return f"offsets.npy does not increase at sequence {first} (an empty or negative length)"
+    if hashlib.sha256(offsets).hexdigest() != index.offsets_sha256:
+        return "offsets.npy does not match the hash in index.json"
+    return None
 
 
 def read_store(path: str | Path, column: str = "sequence", name_column: Optional[str] = "id",
-               split: str = "train") -> SequenceStore:
-    """The sequences `path` names: a preprocessed folder (memory-mapped) or files read now."""
+               split: str = "train", keys: SourceKeys = DATA_PATH) -> SequenceStore:
+    """The sequences `path` names: a preprocessed folder (memory-mapped) or files read now. Messages name `path`
+    after the setting that gave it (`keys`: data.path, data.val_path, predict.folder, ...)."""
     path = Path(path)
-    if path.is_dir() and (path / STORE_INDEX).is_file():
-        store = open_store(path)
-    else:
-        store = build_store(records(path, column, name_column, split), str(path))
-    return store
+    if path.is_dir() and (path / STORE_INDEX).exists():
+        return open_store(path, keys)
+    return build_store(records(path, column, name_column, split, keys), keys.of("path", path))

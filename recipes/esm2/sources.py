@@ -7,7 +7,9 @@ files: Feather v2); FASTA and CSV/TSV may be compressed (.gz .bz2 .xz .zst). Nuc
 .frn) is not protein: a folder skips it, a path naming it is refused. Anything a user would lose silently is
 refused with the file named instead: a file of a known kind in an unreadable compression, the same file twice
 (x.fasta and x.fasta.gz), a folder whose file names mark several splits (Hugging Face's train/validation/test
-naming), a damaged or truncated file.
+naming), a damaged or truncated file, a `datasets` folder whose JSON files are not of the shape `datasets` writes.
+Each refusal is a DataError naming the setting that gave the path (`SourceKeys`: data.path, data.val_path,
+predict.folder, preprocess's --input).
 """
 
 from __future__ import annotations
@@ -20,11 +22,14 @@ import lzma
 import re
 import zlib
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Annotated, Iterator, Optional, TypeVar
 
-from core.checkpointing.hf_folders import read_json_object
-from core.config.errors import ConfigError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
+
+from core.config.errors import DataError
+from core.config.file_shape import problems, read_small_file
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
 NUCLEOTIDE_SUFFIXES = (".fna", ".ffn", ".frn")
@@ -40,6 +45,37 @@ _SPLIT_PATTERN = re.compile(r"(?:^|[\s\-_./])(" + "|".join(sorted(_SPLIT_WORDS, 
                             + r")(?=[\s\-_./0-9]|$)")
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")
 _DIGIT = re.compile(r"\d")
+MAX_JSON_BYTES = 16 << 20  # a datasets folder's state.json lists its files; a store's index.json is some 500 bytes
+
+
+@dataclass(frozen=True)
+class SourceKeys:
+    """The settings (or command-line options) that gave a read its path, column and split, so that a message
+    names what the user set: `data.path=/x`, `data.val_path=/x`, `predict.folder=/x`, `--input /x`."""
+    path: str = "data.path"
+    column: str = "data.column"
+    split: str = "data.split"
+
+    def of(self, key: str, value: object) -> str:
+        setting = getattr(self, key)
+        return f"{setting} {value}" if setting.startswith("-") else f"{setting}={value}"
+
+
+DATA_PATH = SourceKeys()
+RESAVE = "save the dataset again with `datasets`' save_to_disk"
+Model = TypeVar("Model", bound=BaseModel)
+
+
+def read_json_file(file: Path, model: type[Model], named: str, remedy: str) -> Model:
+    """A small JSON file checked against `model`; DataError naming it (after `named`, e.g. `data.path=/x`) and
+    `remedy` if it is missing, not a small regular file, not UTF-8 JSON or of another shape."""
+    try:
+        return model.model_validate_json(read_small_file(file, MAX_JSON_BYTES, follow_symlinks=True), strict=True)
+    except ValidationError as e:
+        problem = problems(e)
+    except (OSError, ValueError) as e:  # missing, unreadable, a FIFO, too large
+        problem = getattr(e, "strerror", None) or str(e)
+    raise DataError(f"{named}: {file} is not what this recipe reads ({problem}); {remedy}")
 
 
 def _split_suffix(name: str) -> tuple[str, str]:
@@ -74,75 +110,92 @@ def file_kind(path: Path) -> tuple[Optional[str], Optional[str]]:
 
 
 def _is_datasets_folder(folder: Path) -> bool:
-    return (folder / "dataset_dict.json").is_file() or (folder / "state.json").is_file()
+    return (folder / "dataset_dict.json").exists() or (folder / "state.json").exists()
 
 
-def datasets_folder_files(path: Path, split: str) -> list[Path]:
+def _file_in_folder(name: str) -> str:
+    if name in ("", ".", "..") or name.startswith(".") or any(c in name for c in "/\\\0"):
+        raise ValueError("should be the name of a file in the folder (no '/', no leading '.')")
+    return name
+
+
+class DatasetDictFile(BaseModel):
+    """dataset_dict.json of a `datasets` DatasetDict folder: the names of its splits (a folder each)."""
+    model_config = ConfigDict(strict=True)
+    splits: Annotated[list[Annotated[str, AfterValidator(_file_in_folder)]], Field(min_length=1)]
+
+
+class DataFileEntry(BaseModel):
+    filename: Annotated[str, AfterValidator(_file_in_folder)]
+
+
+class DatasetStateFile(BaseModel):
+    """state.json of a `datasets` Dataset folder: its Arrow files (not the cache files `.map()` leaves beside)."""
+    model_config = ConfigDict(strict=True)
+    data_files: Annotated[list[DataFileEntry], Field(alias="_data_files", min_length=1)]
+
+
+def datasets_folder_files(path: Path, split: str, keys: SourceKeys = DATA_PATH) -> list[Path]:
     """The Arrow files of a `datasets` save_to_disk folder: a Dataset's, or a DatasetDict's `split`'s (the ones
     its state.json lists: not the cache files `.map()` leaves beside them)."""
-    if (path / "dataset_dict.json").is_file():
-        splits = read_json_object(path / "dataset_dict.json").get("splits", [])
+    named = keys.of("path", path)
+    if (path / "dataset_dict.json").exists():
+        splits = read_json_file(path / "dataset_dict.json", DatasetDictFile, named, RESAVE).splits
         if split not in splits:
-            raise ConfigError(f"data.split={split}: {path} is a DatasetDict of splits {splits}")
+            raise DataError(f"{keys.of('split', split)}: {path} is a DatasetDict of splits {splits}")
         path = path / split
-    state = path / "state.json"
-    if not state.is_file():
-        raise ConfigError(f"data.path={path}: a `datasets` folder without state.json")
-    files = read_json_object(state).get("_data_files", [])
-    names = [f.get("filename") for f in files if isinstance(f, dict)] if isinstance(files, list) else []
-    if not names or not all(isinstance(n, str) and "/" not in n and "\\" not in n and not n.startswith(".")
-                            for n in names):
-        raise ConfigError(f"data.path={path}: state.json lists no Arrow files, or names outside the folder")
-    return [path / n for n in names]
+    state = read_json_file(path / "state.json", DatasetStateFile, named, RESAVE)
+    return [path / entry.filename for entry in state.data_files]
 
 
-def source_files(path: Path, split: str = "train") -> list[Path]:
+def source_files(path: Path, split: str = "train", keys: SourceKeys = DATA_PATH) -> list[Path]:
     """The sequence files `path` names, in reading order (see the module's docstring for what is refused)."""
     if _GLOB_CHARACTERS.search(str(path)) and not path.exists():
         matches = sorted(Path(p) for p in glob.glob(str(path)))
         if not matches:
-            raise ConfigError(f"data.path={path}: the pattern matches nothing")
-        files = [f for match in matches for f in source_files(match, split)]
+            raise DataError(f"{keys.of('path', path)}: the pattern matches nothing")
+        files = [f for match in matches for f in source_files(match, split, keys)]
         repeated = sorted(str(f) for f, n in Counter(files).items() if n > 1)
         if repeated:
-            raise ConfigError(f"data.path={path}: the pattern names these files twice: {', '.join(repeated)}")
+            raise DataError(f"{keys.of('path', path)}: the pattern names these files twice: {', '.join(repeated)}")
         return files
     if path.is_file():
         kind, problem = file_kind(path)
         if kind is None:
-            raise ConfigError(f"data.path={path}: not a sequence file (FASTA {' '.join(FASTA_SUFFIXES)}, parquet, "
-                              f"CSV/TSV, Arrow; FASTA and CSV/TSV optionally {' '.join(COMPRESSIONS)}), nor a folder")
+            raise DataError(f"{keys.of('path', path)}: not a sequence file (FASTA {' '.join(FASTA_SUFFIXES)}, parquet, "
+                            f"CSV/TSV, Arrow; FASTA and CSV/TSV optionally {' '.join(COMPRESSIONS)}), nor a folder")
         if kind == "nucleotide":
-            raise ConfigError(f"data.path={path}: {path.suffix} is NCBI's suffix for nucleotide FASTA; this recipe reads "
-                              "protein sequences (rename the file .fasta if it holds proteins)")
+            raise DataError(f"{keys.of('path', path)}: {path.suffix} is NCBI's suffix for nucleotide FASTA; this recipe "
+                            "reads protein sequences (rename the file .fasta if it holds proteins)")
         if problem:
-            raise ConfigError(f"data.path={path}: {problem}")
+            raise DataError(f"{keys.of('path', path)}: {problem}")
         return [path]
     if not path.is_dir():
-        raise ConfigError(f"data.path={path}: no such file or folder")
+        raise DataError(f"{keys.of('path', path)}: no such file or folder")
     files, unreadable, nucleotide = [], [], []
-    _walk(path, split, files, unreadable, nucleotide)
+    _walk(path, split, keys, files, unreadable, nucleotide)
     if unreadable:
-        raise ConfigError(f"data.path={path}: cannot read " + "; ".join(f"{f} ({why})" for f, why in unreadable[:5])
-                          + (f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""))
+        raise DataError(f"{keys.of('path', path)}: cannot read "
+                        + "; ".join(f"{f} ({why})" for f, why in unreadable[:5])
+                        + (f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""))
     if not files:
-        raise ConfigError(f"data.path={path}: no sequence files in this folder (FASTA {' '.join(FASTA_SUFFIXES)}, "
-                          f"parquet, CSV/TSV, Arrow, a `datasets` save_to_disk folder)"
-                          + (f"; {len(nucleotide)} nucleotide FASTA files skipped" if nucleotide else ""))
-    _refuse_doubles(path, files)
-    _refuse_mixed_splits(path, files)
+        raise DataError(f"{keys.of('path', path)}: no sequence files in this folder (FASTA {' '.join(FASTA_SUFFIXES)}, "
+                        f"parquet, CSV/TSV, Arrow, a `datasets` save_to_disk folder)"
+                        + (f"; {len(nucleotide)} nucleotide FASTA files skipped" if nucleotide else ""))
+    _refuse_doubles(path, files, keys)
+    _refuse_mixed_splits(path, files, keys)
     return files
 
 
-def _walk(folder: Path, split: str, files: list, unreadable: list, nucleotide: list) -> None:
+def _walk(folder: Path, split: str, keys: SourceKeys, files: list, unreadable: list, nucleotide: list) -> None:
     if _is_datasets_folder(folder):
-        files.extend(datasets_folder_files(folder, split))
+        files.extend(datasets_folder_files(folder, split, keys))
         return
     for entry in sorted(folder.iterdir()):
         if entry.name.startswith("."):
             continue
         if entry.is_dir():
-            _walk(entry, split, files, unreadable, nucleotide)
+            _walk(entry, split, keys, files, unreadable, nucleotide)
             continue
         kind, problem = file_kind(entry)
         if kind == "nucleotide":
@@ -153,17 +206,17 @@ def _walk(folder: Path, split: str, files: list, unreadable: list, nucleotide: l
             files.append(entry)
 
 
-def _refuse_doubles(root: Path, files: list[Path]) -> None:
+def _refuse_doubles(root: Path, files: list[Path], keys: SourceKeys) -> None:
     seen: dict[tuple[Path, str], Path] = {}
     for f in files:
         key = (f.parent, _split_suffix(f.name)[0])
         if key in seen:
-            raise ConfigError(f"data.path={root}: {seen[key].name} and {f.name} in {f.parent} look like one file "
-                              "twice: keep one")
+            raise DataError(f"{keys.of('path', root)}: {seen[key].name} and {f.name} in {f.parent} look like one file "
+                            "twice: keep one")
         seen[key] = f
 
 
-def _refuse_mixed_splits(root: Path, files: list[Path]) -> None:
+def _refuse_mixed_splits(root: Path, files: list[Path], keys: SourceKeys) -> None:
     marked: dict[str, Path] = {}
     for f in files:
         match = _SPLIT_PATTERN.search(f.relative_to(root).as_posix().lower())
@@ -171,25 +224,28 @@ def _refuse_mixed_splits(root: Path, files: list[Path]) -> None:
             marked.setdefault(_SPLIT_WORDS[match.group(1)], f)
     if len(marked) > 1:
         examples = ", ".join(f"{s}: {f.relative_to(root)}" for s, f in marked.items())
-        raise ConfigError(f"data.path={root}: its files belong to several splits by their names ({examples}); "
-                          "point data.path at the training split's files (a folder, a file or a pattern such as "
-                          f"{root}/data/train-*.parquet) and data.val_path at the validation split's")
+        raise DataError(f"{keys.of('path', root)}: its files belong to several splits by their names ({examples}); "
+                        f"point {keys.path} at one split's files (a folder, a file or a pattern such as "
+                        f"{root}/data/train-*.parquet)"
+                        + (" and data.val_path at the validation split's" if keys.path == "data.path" else ""))
 
 
-def records(path: Path, column: str, name_column: Optional[str], split: str) -> Iterator[tuple[str, str]]:
-    """(name, sequence) from every file `path` names, in order; a file that cannot be read is named."""
-    for file in source_files(path, split):
+def records(path: Path, column: str, name_column: Optional[str], split: str,
+            keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
+    """(name, sequence) from every file `path` names, in order; a file that cannot be read is named, after the
+    setting that gave it (`keys`)."""
+    for file in source_files(path, split, keys):
         try:
             if file_kind(file)[0] == "fasta":
-                yield from read_fasta(file)
+                yield from read_fasta(file, keys)
             else:
-                yield from read_table(file, column, name_column)
-        except ConfigError:
+                yield from read_table(file, column, name_column, keys)
+        except DataError:
             raise
         except Exception as e:
             if isinstance(e, (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)) \
                     or type(e).__module__.startswith("pyarrow"):
-                raise ConfigError(f"data.path={file}: unreadable ({type(e).__name__}: {e})") from e
+                raise DataError(f"{keys.of('path', file)}: unreadable ({type(e).__name__}: {e})") from e
             raise
 
 
@@ -206,7 +262,7 @@ def _open_text(path: Path) -> io.TextIOBase:
     return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace")
 
 
-def read_fasta(path: Path) -> Iterator[tuple[str, str]]:
+def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
     """(name, sequence) per record: the header's first word (after '>'), the sequence lines joined. Blank lines
     and ';' comment lines are skipped; text before the first header, or a digit in a sequence line (a header that
     lost its '>'), is an error naming the line."""
@@ -222,17 +278,19 @@ def read_fasta(path: Path) -> Iterator[tuple[str, str]]:
                 header = line[1:].split()
                 name, parts = (header[0] if header else ""), []
             elif name is None:
-                raise ConfigError(f"data.path={path}:{line_number}: sequence text before the first '>' header: not FASTA")
+                raise DataError(f"{keys.of('path', path)}:{line_number}: sequence text before the first '>' header: "
+                                "not FASTA")
             elif _DIGIT.search(line):
-                raise ConfigError(f"data.path={path}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
-                                  "header that lost its '>'?")
+                raise DataError(f"{keys.of('path', path)}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
+                                "header that lost its '>'?")
             else:
                 parts.append(line)
     if name is not None:
         yield name, "".join(parts)
 
 
-def read_table(path: Path, column: str, name_column: Optional[str]) -> Iterator[tuple[str, str]]:
+def read_table(path: Path, column: str, name_column: Optional[str],
+               keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
     """(name, sequence) per row of a parquet, CSV or TSV file, or an Arrow file, read in batches; both columns are
     read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
     columns."""
@@ -261,7 +319,7 @@ def read_table(path: Path, column: str, name_column: Optional[str]) -> Iterator[
             reader = pa.ipc.open_stream(source)
             columns, batches = reader.schema.names, reader
     if column not in columns:
-        raise ConfigError(f"data.column={column}: {path} has no such column (it has {', '.join(columns)})")
+        raise DataError(f"{keys.of('column', column)}: {path} has no such column (it has {', '.join(columns)})")
     use_names = name_column is not None and name_column in columns
     if kind == "parquet":
         batches = parquet.iter_batches(columns=[column] + ([name_column] if use_names else []), batch_size=65536)
@@ -271,6 +329,7 @@ def read_table(path: Path, column: str, name_column: Optional[str]) -> Iterator[
         names = batch.column(name_column).to_pylist() if use_names else [None] * len(sequences)
         for name, sequence in zip(names, sequences):
             if sequence is not None and not isinstance(sequence, str):
-                raise ConfigError(f"data.column={column}: {path} row {row}: expected text, got {type(sequence).__name__}")
+                raise DataError(f"{keys.of('column', column)}: {path} row {row}: expected text, got "
+                                f"{type(sequence).__name__}")
             yield (str(row) if name is None else str(name)), sequence or ""
             row += 1
