@@ -35,7 +35,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from core import session
 from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
-from core.config.errors import ConfigError
+from core.config.errors import ConfigError, DataError
 from core.distributed import launch
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
 from recipes.gpt.recipe import GPTRecipe
@@ -128,11 +128,13 @@ def whole_weights(cfg: DictConfig) -> DictConfig:
 def read_prompts(path: Path) -> list[str]:
     """One prompt per non-empty line, or a "prompt" field per line of a .jsonl file."""
     if not path.is_file():
-        raise ConfigError(f"generate.prompt_file={path}: no such file")
+        raise DataError(f"generate.prompt_file={path}: no such file")
     try:
         text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no prompt text
+    except OSError as e:
+        raise DataError(f"generate.prompt_file={path}: unreadable ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
-        raise ConfigError(f"generate.prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
+        raise DataError(f"generate.prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
     lines = [line for line in text.splitlines() if line.strip()]
     if path.suffix != ".jsonl":
         prompts = lines
@@ -144,13 +146,14 @@ def read_prompts(path: Path) -> list[str]:
             except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                 prompt = None
             if not isinstance(prompt, str):
-                raise ConfigError(f"{path}:{n}: expected a JSON object with a \"prompt\" string")
+                raise DataError(f"generate.prompt_file={path}:{n}: expected a JSON object with a \"prompt\" string")
             prompts.append(prompt)
     for n, prompt in enumerate(prompts, 1):
         if lone_surrogate(prompt):
-            raise ConfigError(f"{path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text")
+            raise DataError(f"generate.prompt_file={path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
+                            "not text")
     if not prompts:
-        raise ConfigError(f"generate.prompt_file={path} holds no prompt")
+        raise DataError(f"generate.prompt_file={path} holds no prompt")
     return prompts
 
 

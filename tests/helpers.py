@@ -236,17 +236,39 @@ def run_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None,
     fork server, where the training stack is already imported: seconds less than a fresh interpreter per command.
     Its output and exit code come back as subprocess.run(..., capture_output=True, text=True) gives them; past
     `timeout` seconds it is killed (subprocess.TimeoutExpired)."""
-    import tempfile
+    return start_python(*argv, cwd=cwd, env=env).finish(timeout)
 
-    with tempfile.TemporaryDirectory() as folder:
-        out, err = f"{folder}/stdout", f"{folder}/stderr"
-        proc = _fork_server().Process(target=_script_worker, args=([str(a) for a in argv], str(cwd),
-                                                        dict(os.environ if env is None else env), out, err))
-        proc.start()
-        proc.join(timeout)
-        if proc.is_alive():
-            proc.kill()
-            proc.join()
-            raise subprocess.TimeoutExpired(["python", *argv], timeout, Path(out).read_text(), Path(err).read_text())
-        return subprocess.CompletedProcess(["python", *argv], proc.exitcode, Path(out).read_text(errors="replace"),
-                                           Path(err).read_text(errors="replace"))
+
+class StartedPython:
+    """A run_python process handed back while it runs (`pid`: to signal it); `finish` waits for its result."""
+
+    def __init__(self, argv: list[str], cwd: Path | str, env: dict | None):
+        import tempfile
+
+        self.argv, self.folder = argv, tempfile.mkdtemp(prefix="run_python-")
+        self.out, self.err = f"{self.folder}/stdout", f"{self.folder}/stderr"
+        environ = dict(os.environ if env is None else env)
+        self.proc = _fork_server().Process(target=_script_worker, args=(argv, str(cwd), environ, self.out, self.err))
+        self.proc.start()
+        self.pid = self.proc.pid
+
+    def finish(self, timeout: float = 600) -> subprocess.CompletedProcess:
+        import shutil
+
+        try:
+            self.proc.join(timeout)
+            if self.proc.is_alive():
+                self.proc.kill()
+                self.proc.join()
+                raise subprocess.TimeoutExpired(["python", *self.argv], timeout, Path(self.out).read_text(),
+                                                Path(self.err).read_text())
+            return subprocess.CompletedProcess(["python", *self.argv], self.proc.exitcode,
+                                               Path(self.out).read_text(errors="replace"),
+                                               Path(self.err).read_text(errors="replace"))
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def start_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None) -> StartedPython:
+    """run_python's process, started and handed back running."""
+    return StartedPython([str(a) for a in argv], cwd, env)

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import json
 import logging
+import signal
 import warnings
 from pathlib import Path
 from typing import Any, Optional
@@ -21,22 +22,26 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from core.config.errors import ConfigError
+from core.config.errors import ConfigError, DataError
 from recipes.gpt.config import GPTDataConfig
+from recipes.gpt.options import DATA_CONFIG
 from recipes.gpt.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
 
 
 def megatron_datasets():
-    """Megatron-Core's dataset modules (quietly: without TE/Apex it warns about its optimizers)."""
+    """Megatron-Core's dataset modules (quietly: without TE/Apex it warns about its optimizers), and ours over
+    them (recipes/gpt/token_ids.py)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
         logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
         logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index building: a screenful per split
         from megatron.core.datasets import gpt_dataset
         from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    return gpt_dataset, BlendedMegatronDatasetBuilder
+
+        from recipes.gpt import token_ids
+    return gpt_dataset, BlendedMegatronDatasetBuilder, token_ids
 
 
 class MockTokenizer:
@@ -74,14 +79,16 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
 
     The prefix is named by a hash of the files (path, size, modification time), the tokenizer and the
     document rule, so a change re-tokenizes. One process tokenizes under a file lock; the others wait."""
+    from recipes.gpt.partial_outputs import Interrupted
     from recipes.gpt.preprocess import preprocess
 
     if not data.text_files:
-        raise ValueError("data.format=text needs data.text_files")
+        raise ConfigError("data.format=text needs data.text_files")
     files = [Path(f) for f in data.text_files]
     for f in files:
         if not f.is_file():
-            raise FileNotFoundError(f"data.text_files: {f} does not exist")
+            raise DataError(f"data.text_files: {f} does not exist" + (" (a folder: give its files)" if f.is_dir()
+                                                                      else ""))
     key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
                      + [dict(tokenizer.unique_identifiers), data.text_document, data.text_key])
     prefix = Path(data.cache_dir) / "tokenized" / f"{files[0].stem}-{hashlib.md5(key.encode()).hexdigest()[:12]}"
@@ -91,7 +98,12 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
         if not Path(f"{prefix}.json").exists():  # written last by preprocess: the files are whole
             log.info("tokenizing %s with the %s tokenizer into %s.bin/.idx", ", ".join(map(str, files)),
                      data.tokenizer, prefix)
-            preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token, replace=True)
+            try:
+                preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token,
+                           replace=True, options=DATA_CONFIG)
+            except Interrupted as e:  # its partial files removed: the signal does now what it would have done
+                signal.raise_signal(e.signum)
+                raise SystemExit(128 + e.signum) from None
     return str(prefix)
 
 
@@ -107,11 +119,11 @@ def check_prefix(prefix: str, tokenizer) -> None:
         lengths, pointers = index.sequence_lengths, index.sequence_pointers
         expected = int(pointers[-1]) + int(lengths[-1]) * index.dtype_size if len(lengths) else 0
     except Exception as e:  # noqa: BLE001 (Megatron-Core asserts, numpy and struct errors)
-        raise ConfigError(f"data.prefixes: {prefix}.idx: unreadable ({type(e).__name__}: {e})") from None
+        raise DataError(f"data.prefixes: {prefix}.idx: unreadable ({type(e).__name__}: {e})") from None
     size = Path(f"{prefix}.bin").stat().st_size
     if size != expected:
-        raise ConfigError(f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
-                          "short, or not the .idx's own .bin")
+        raise DataError(f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
+                        "short, or not the .idx's own .bin")
     record = Path(f"{prefix}.json")
     try:
         made = json.loads(record.read_text()) if record.is_file() else None
@@ -122,8 +134,8 @@ def check_prefix(prefix: str, tokenizer) -> None:
     if isinstance(made.get("tokens"), int):
         dtype = DType.optimal_dtype(made["vocab_size"])
         if index.dtype != dtype or int(lengths.sum()) != made["tokens"]:
-            raise ConfigError(f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
-                              f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's")
+            raise DataError(f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
+                            f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's")
     ours = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "tokenizer_sha256": getattr(tokenizer, "sha256", None)}
     differ = [f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items()
               if made.get(k) is not None and made.get(k) != v]
@@ -149,23 +161,26 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
 def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_train_samples: int,
                        vocab_size: Optional[int]) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
     """(train, validation, test) for `num_train_samples` training samples of `seq_length` tokens."""
-    gpt_dataset, builder = megatron_datasets()
+    gpt_dataset, builder, token_ids = megatron_datasets()
     if data.format == "mock":
         if vocab_size is None:
-            raise ValueError("data.format=mock needs model.vocab_size")
+            raise ConfigError("data.format=mock needs model.vocab_size")
         tokenizer, blend, split, cls = MockTokenizer(vocab_size), None, None, gpt_dataset.MockGPTDataset
     else:
         tokenizer = build_tokenizer(data.tokenizer, data.eod_token)
         prefixes = [tokenize_text_once(data, tokenizer)] if data.format == "text" else list(data.prefixes)
         if not prefixes:
-            raise ValueError("data.format=indexed needs data.prefixes (<prefix>.bin/.idx)")
+            raise ConfigError("data.format=indexed needs data.prefixes (<prefix>.bin/.idx)")
         for p in prefixes:
-            if not (Path(f"{p}.bin").is_file() and Path(f"{p}.idx").is_file()):
-                raise FileNotFoundError(f"data.prefixes: {p}.bin / {p}.idx not found")
+            missing = [f"{p}{s}" for s in (".bin", ".idx") if not Path(f"{p}{s}").is_file()]
+            if missing:
+                raise DataError(f"data.prefixes: {' and '.join(missing)} not found (a prefix names <prefix>.bin and "
+                                "<prefix>.idx: python -m recipes.gpt.preprocess writes them)")
             check_prefix(p, tokenizer)
         weights = list(data.weights) if data.weights is not None else None
-        blend, split, cls = (prefixes, weights), data.split, gpt_dataset.GPTDataset
-    config = gpt_dataset.GPTDatasetConfig(
+        blend, split, cls = (prefixes, weights), data.split, token_ids.CheckedGPTDataset
+    config = token_ids.CheckedGPTDatasetConfig(
+        source="data.text_files (tokenized in data.cache_dir)" if data.format == "text" else "data.prefixes",
         random_seed=seed,
         sequence_length=seq_length,
         blend=blend,
@@ -234,10 +249,10 @@ def document_windows(split_dataset: Optional[Samples], split: str, seq_length: i
                      eod_mask_loss: bool) -> DocumentWindows:
     """The documents Megatron-Core assigned to `split` (data.split), from every blended source."""
     if split_dataset is None:
-        raise ValueError(f"the {split} split has no documents (data.split shares it out)")
+        raise ConfigError(f"predict.split={split}: the split has no documents (data.split shares them out)")
     dataset = split_dataset.dataset
     sources = getattr(dataset, "datasets", [dataset])  # a blend, or one GPTDataset
     if not all(hasattr(s, "indices") and hasattr(s, "dataset") for s in sources):
-        raise ValueError("per-document scores need documents: data.format=text or indexed, not mock")
+        raise ConfigError("per-document scores need documents: data.format=text or indexed, not mock")
     return DocumentWindows([(s.dataset_path, s.dataset, np.sort(s.indices)) for s in sources], seq_length, eod,
                            eod_mask_loss)

@@ -82,7 +82,8 @@ class GPTRecipe(Recipe):
     def build_datasets(self) -> Datasets:
         splits = self._splits()
         if splits["train"] is None:
-            raise ValueError("the training split is empty: more data, or another data.split")
+            raise ConfigError(f"data.split={self.cfg.data.split}: the training split is empty: more data, or a larger "
+                              "training share")
         return Datasets(splits["train"], splits["val"])
 
     def split(self, name: str):

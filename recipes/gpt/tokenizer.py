@@ -14,8 +14,11 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
 
-from core.config.errors import ConfigError
+import numpy as np
+
+from core.config.errors import DataError
 from core.config.file_shape import shown
+from recipes.gpt.options import DATA_CONFIG, Options, given
 
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -42,36 +45,44 @@ class ByteTokenizer:
     def encode(self, text: str) -> list[int]:
         return list(text.encode("utf-8"))
 
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        """encode() of each text, as arrays (a byte array is its ids: no Python int per byte)."""
+        return [np.frombuffer(text.encode("utf-8"), dtype=np.uint8) for text in texts]
+
     def decode(self, ids) -> str:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (or its tokenizer.json). End of document: `eod_token`, or
-    the folder's eos_token (tokenizer_config.json / special_tokens_map.json)."""
+    the folder's eos_token (tokenizer_config.json / special_tokens_map.json). `options` name the settings (or
+    command-line options) that gave the folder and the token, in errors."""
 
-    def __init__(self, path: str, eod_token: Optional[str] = None):
+    def __init__(self, path: str, eod_token: Optional[str] = None, options: Options = DATA_CONFIG):
         from tokenizers import Tokenizer
 
-        folder = Path(path)
+        folder, named = Path(path), given(options.tokenizer, path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
         if not file.is_file():
-            raise FileNotFoundError(f"data.tokenizer={path}: no tokenizer.json there (give a local Hugging Face "
-                                    "tokenizer folder, or 'byte')")
+            raise DataError(f"{named}: no tokenizer.json there (give a local Hugging Face tokenizer folder, or "
+                            "'byte')")
         self.name = str(folder)
-        raw = file.read_bytes()
         try:
+            raw = file.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
-            raise ValueError(f"{file}: not a tokenizer.json the tokenizers library reads ({type(e).__name__}: "
-                             f"{str(e)[:200]}); a Git LFS pointer or a truncated download?") from None
+            raise DataError(f"{named}: {file}: not a tokenizer.json the tokenizers library reads ({type(e).__name__}: "
+                            f"{str(e)[:200]}); a Git LFS pointer or a truncated download?") from None
         self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
-        eod_token = eod_token or _eos_token(file.parent)
+        given_eod = eod_token
+        eod_token = eod_token or _eos_token(file.parent, named, options.eod_token)
         if eod_token is None:
-            raise ValueError(f"{path}: no eos_token in its config; set data.eod_token (e.g. '</s>' or '<|endoftext|>')")
+            raise DataError(f"{named}: no eos_token in its tokenizer_config.json or special_tokens_map.json; give "
+                            f"the end-of-document token ({options.eod_token}, e.g. '</s>' or '<|endoftext|>')")
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
-            raise ValueError(f"{path}: the end-of-document token {eod_token!r} is not in the vocabulary")
+            said = given(options.eod_token, given_eod) if given_eod else "its eos_token"
+            raise DataError(f"{named}: the end-of-document token {eod_token!r} ({said}) is not in the vocabulary")
         self.eod, self.eod_token = eod, eod_token
         # The highest id + 1, not the count of tokens: a vocabulary may leave ids unused.
         self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
@@ -84,6 +95,10 @@ class HFTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids
 
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        """encode() of each text, the texts encoded in parallel (no character offsets: ids only)."""
+        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
 
@@ -91,36 +106,38 @@ class HFTokenizer:
 SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # where the special tokens are declared
 
 
-def read_settings_file(file: Path) -> dict:
+def read_settings_file(file: Path, named: str = "") -> dict:
     """A tokenizer folder's tokenizer_config.json or special_tokens_map.json. One that is not a JSON object is
-    refused (ConfigError naming it), not skipped: the special tokens it should declare would silently come from
-    the other file, or be missing, and Hugging Face's own loaders fail on it too."""
+    refused (DataError naming it, after `named`: what gave the folder), not skipped: the special tokens it should
+    declare would silently come from the other file, or be missing, and Hugging Face's own loaders fail on it too."""
+    where = f"{named}: {file}" if named else str(file)
     try:
         settings = json.loads(file.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ConfigError(f"{file}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then "
-                          "run again") from None
+        raise DataError(f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then "
+                        "run again") from None
     if not isinstance(settings, dict):
-        raise ConfigError(f"{file}: a JSON {type(settings).__name__}, expected an object of the tokenizer's settings "
-                          "(eos_token, ...); fix or remove it, then run again")
+        raise DataError(f"{where}: a JSON {type(settings).__name__}, expected an object of the tokenizer's settings "
+                        "(eos_token, ...); fix or remove it, then run again")
     return settings
 
 
-def _eos_token(folder: Path) -> Optional[str]:
+def _eos_token(folder: Path, named: str, eod_option: str) -> Optional[str]:
     for name in SETTINGS_FILES:
         file = folder / name
         if file.is_file():
-            token = read_settings_file(file).get("eos_token")
+            token = read_settings_file(file, named).get("eos_token")
             if isinstance(token, dict):  # an AddedToken
                 token = token.get("content")
             if token is not None and not isinstance(token, str):
-                raise ConfigError(f"{file}: eos_token is {shown(token)}, expected a token's text (or an object with "
-                                  "its \"content\"); fix it, or give the end-of-document token (data.eod_token)")
+                raise DataError(f"{named}: {file}: eos_token is {shown(token)}, expected a token's text (or an object "
+                                f"with its \"content\"); fix it, or give the end-of-document token ({eod_option})")
             if token:
                 return token
     return None
 
 
-def build_tokenizer(spec: str, eod_token: Optional[str] = None):
-    """`byte`, or the path of a local Hugging Face tokenizer folder / tokenizer.json."""
-    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, eod_token)
+def build_tokenizer(spec: str, eod_token: Optional[str] = None, options: Options = DATA_CONFIG):
+    """`byte`, or the path of a local Hugging Face tokenizer folder / tokenizer.json (`options` name the settings
+    that gave them, in errors)."""
+    return ByteTokenizer() if spec == "byte" else HFTokenizer(spec, eod_token, options)
