@@ -14,18 +14,21 @@ What is left out, and said so in the log (never an error unless nothing is left)
     dataset is built, in parallel threads (data.verify_images=false skips the check: a bad file then
     stops training when a worker reads it, naming the file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
-    that kept the full 10,000-line annotations file).
+    that kept the full 10,000-line annotations file);
+  - links to a folder visited already or above the one walked (loops: recipes/vit/walk.py), and folders that
+    cannot be listed.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 from PIL import Image
+
+from recipes.vit.walk import folder_key, name_loops, real_ancestors, visible, walk
 
 log = logging.getLogger(__name__)
 
@@ -34,33 +37,29 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 Files = list[tuple[str, int]]  # (path, label); label -1: unlabeled
 
 
-def visible(name: str) -> bool:
-    return not name.startswith(".")
-
-
 def is_image_name(name: str) -> bool:
     return visible(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def images_under(folder: Path) -> list[Path]:
     """Image files under `folder` (any depth, hidden folders skipped), in sorted path order."""
-    found = []
-    for parent, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if visible(d)]
-        found += [Path(parent) / n for n in names if is_image_name(n)]
-    return sorted(found)
+    return sorted(parent / n for parent, names in walk(folder) for n in names if is_image_name(n))
 
 
 def _has_images(folder: Path) -> bool:
-    for parent, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if visible(d)]
-        if any(is_image_name(n) for n in names):
-            return True
-    return False
+    return any(is_image_name(n) for _, names in walk(folder) for n in names)
 
 
 def _subfolders(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and visible(p.name))
+    """The visible folders in `folder` (links to folders included), without links to `folder` itself or a folder
+    above it: such a class folder would hold every class (a loop)."""
+    above = real_ancestors(folder)
+    found, loops = [], []
+    for p in sorted(folder.iterdir()):
+        if visible(p.name) and p.is_dir():
+            (loops if folder_key(p) in above else found).append(p)
+    name_loops(folder, loops)
+    return found
 
 
 def _header_error(path: str) -> Optional[str]:
