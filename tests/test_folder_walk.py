@@ -124,7 +124,8 @@ def test_a_class_folder_linked_to_its_split_is_not_a_class(tmp_path):
     (train / "parent").symlink_to("..")
     listed, warnings = list_in_a_limited_process("imagefolder", train)
     assert listed == {"classes": ["a", "b"], "files": EIGHT}
-    assert [w for w in warnings if f"{train / 'all'} -> ." in w] and [w for w in warnings if f"{train / 'parent'} -> .." in w]
+    assert [w for w in warnings if f"{train / 'all'} -> ." in w]
+    assert [w for w in warnings if f"{train / 'parent'} -> .." in w]
 
 
 def test_predict_folder_walks_the_same_way(tmp_path):

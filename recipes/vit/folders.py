@@ -17,6 +17,9 @@ What is left out, and said so in the log (never an error unless nothing is left)
     that kept the full 10,000-line annotations file);
   - links to a folder visited already or above the one walked (loops: recipes/vit/walk.py), and folders that
     cannot be listed.
+
+What cannot be used is a DataError naming the folder or file (recipes/vit/data.py adds the setting that gave
+it); one that is not there a MissingDataError.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from typing import Optional
 
 from PIL import Image
 
+from core.config.errors import DataError, MissingDataError
 from recipes.vit.walk import folder_key, name_loops, real_ancestors, visible, walk
 
 log = logging.getLogger(__name__)
@@ -88,15 +92,15 @@ def readable(files: Files, where: str, threads: int = 16) -> Files:
 def imagefolder_classes(split_dir: Path) -> list[str]:
     """The class folders of `split_dir` that hold images, sorted by name."""
     if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir}: no such folder (expected <data.root>/<split>/<class>/<image>)")
+        raise MissingDataError(f"{split_dir}: no such folder (expected <root>/<split>/<class>/<image>)")
     folders = _subfolders(split_dir)
     classes = [f.name for f in folders if _has_images(f)]
     empty = [f.name for f in folders if f.name not in classes]
     if empty:
         log.warning("%s: left out %d class folders without images: %s", split_dir, len(empty), ", ".join(empty[:5]))
     if not classes:
-        raise ValueError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
-                         f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
+                        f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
     return classes
 
 
@@ -120,11 +124,12 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
     (torchvision's ImageFolder order), on purpose, so that a subset and the full set agree with the file."""
     train = root / "train"
     if not train.is_dir():
-        raise FileNotFoundError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
+        raise MissingDataError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
     present = {f.name for f in _subfolders(train) if _has_images(f / "images")}
     if not present:
-        raise ValueError(f"{train} has no <wnid>/images/ folders with images")
-    listed = [w.strip() for w in (root / "wnids.txt").read_text().splitlines()] if (root / "wnids.txt").is_file() else []
+        raise DataError(f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: "
+                        "train/<wnid>/images/<image>)")
+    listed = [w.strip() for w in _lines(root / "wnids.txt")] if (root / "wnids.txt").is_file() else []
     ordered = [w for w in dict.fromkeys(listed) if w in present]
     unlisted = sorted(present - set(ordered))
     if listed and unlisted:
@@ -149,7 +154,7 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
     if not annotations.is_file():
         return imagefolder_files(folder, classes)
     files, missing, other_class, malformed = [], 0, 0, 0
-    for line in annotations.read_text().splitlines():
+    for line in _lines(annotations):
         parts = line.split()
         if not parts:
             continue
@@ -168,9 +173,17 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
                  "that are missing%s", annotations, len(files), other_class, missing,
                  f", {malformed} malformed" if malformed else "")
     if not files:
-        raise ValueError(f"{annotations}: none of its lines names an existing file of a training class "
-                         f"({other_class} other classes, {missing} missing files)")
+        raise DataError(f"{annotations}: none of its lines names an existing file of a training class "
+                        f"({other_class} other classes, {missing} missing files)")
     return files
+
+
+def _lines(path: Path) -> list[str]:
+    """A text file's lines; DataError naming it if it cannot be read as text."""
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot be read as a text file ({type(e).__name__}: {e})") from None
 
 
 # --- unlabeled ---------------------------------------------------------------------------------------
@@ -178,8 +191,8 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
 def unlabeled_files(folder: Path) -> Files:
     """Every image under `folder` (any depth), in sorted path order, label -1."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"predict.folder={folder}: no such folder")
+        raise MissingDataError(f"{folder}: no such folder")
     files = [(str(p), -1) for p in images_under(folder)]
     if not files:
-        raise ValueError(f"predict.folder={folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(f"{folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
     return files
