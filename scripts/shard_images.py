@@ -8,7 +8,8 @@
 
 The classes and each split's images are found as training finds them (unreadable files left out, logged);
 with --shorter-side the images are resized so (never enlarged) and stored as JPEG. Prints each split's
-samples and shards.
+samples and shards. A dataset that cannot be used, or an --out that cannot be written, ends with one line
+`error: ...` naming the file (and --root or --out), exit code 2.
 """
 
 from __future__ import annotations
@@ -17,11 +18,13 @@ import argparse
 import logging
 import sys
 from pathlib import Path
+from typing import NoReturn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core.config.errors import DataError  # noqa: E402
 from recipes.vit.config import ImageDataConfig, ImageFormat  # noqa: E402
-from recipes.vit.data import image_classes, split_files  # noqa: E402
+from recipes.vit.data import image_classes, named, split_files  # noqa: E402
 from recipes.vit.shards import write_shards  # noqa: E402
 
 
@@ -39,25 +42,40 @@ def main() -> None:
             or not 1 <= args.quality <= 100:
         parser.error("--samples-per-shard and --shorter-side must be at least 1, --quality within 1-100")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        written, classes = shard(args)
+    except ValueError as e:  # DataError: a file of --root; ValueError: --out or --splits
+        fail(str(e))
+    except OSError as e:  # --out cannot be written
+        fail(f"--out {args.out}: {e}")
+    for split, shards in written.items():
+        print(f"{split}: {len(shards)} samples of {len(classes)} classes in {len(shards.shards)} shards "
+              f"({shards.shards[0].name} ...)")
+    print(f"wrote {args.out}; train from it with data.format=shards data.root={args.out}")
+
+
+def fail(message: str) -> NoReturn:
+    print(f"error: {message}", file=sys.stderr)
+    raise SystemExit(2)
+
+
+def shard(args: argparse.Namespace) -> tuple[dict, list[str]]:
+    """The dataset of --root written into shards under --out: the splits as read back, and the classes."""
+    given = f"--root {args.root}"
     data = ImageDataConfig(format=ImageFormat(args.format), root=args.root)
-    classes = image_classes(data)
+    classes = image_classes(data, given)
     splits = {}
     for split in args.splits:
-        files = split_files(data, split, classes)
+        files = split_files(data, split, classes, given)
         if files is None:
             print(f"{args.root}: no split {split!r}; left out")
             continue
         splits[split] = files
     if not splits:
-        sys.exit(f"{args.root}: none of the splits {args.splits} is there")
-    try:
+        raise DataError(f"{given}: none of the splits {args.splits} is there")
+    with named(given):  # an image that cannot be read is a file of --root
         written = write_shards(args.out, classes, splits, args.samples_per_shard, args.shorter_side, args.quality)
-    except ValueError as e:
-        sys.exit(str(e))
-    for split, shards in written.items():
-        print(f"{split}: {len(shards)} samples of {len(classes)} classes in {len(shards.shards)} shards "
-              f"({shards.shards[0].name} ...)")
-    print(f"wrote {args.out}; train from it with data.format=shards data.root={args.out}")
+    return written, classes
 
 
 if __name__ == "__main__":

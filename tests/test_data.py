@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import socket
+import subprocess
 import tarfile
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from core.config.errors import DataError
 from core.data.sampling import EvalBatchSampler, GlobalBatchSampler
 from core.data.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
@@ -105,6 +108,59 @@ def test_tar_gz_beside_missing_root_is_extracted_once(tmp_path):
 def test_missing_root_without_archive_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="data.root"):
         ensure_extracted(str(tmp_path / "nothing"))
+
+
+def _archive(tmp_path: Path) -> Path:
+    """<tmp>/data/mydata.tar.gz of a 3-class image folder under mydata/."""
+    src = tmp_path / "src" / "mydata"
+    write_image_folder(src)
+    archive = tmp_path / "data" / "mydata.tar.gz"
+    archive.parent.mkdir(exist_ok=True)
+    with tarfile.open(archive, "w:gz") as tar:
+        tar.add(src, arcname="mydata")
+    return archive
+
+
+@pytest.mark.parametrize("damage", ["cut short", "not an archive", "a member outside"])
+def test_a_failed_extraction_is_one_error_naming_the_archive_and_leaves_nothing(tmp_path, damage):
+    archive = _archive(tmp_path)
+    if damage == "cut short":
+        archive.write_bytes(archive.read_bytes()[:300])
+    elif damage == "not an archive":
+        archive.write_bytes(b"<html>404 not found</html>")
+    else:
+        with tarfile.open(archive, "w:gz") as tar:
+            tar.add(tmp_path / "src" / "mydata", arcname="../escaped")
+    root = str(tmp_path / "data" / "mydata")
+    for attempt in range(2):  # a retry fails the same way, and leaves nothing either
+        with pytest.raises(DataError, match=rf"^data.root={root}: {archive}: cannot be extracted \(\w+"):
+            ensure_extracted(root)
+        assert sorted(p.name for p in (tmp_path / "data").iterdir()) == ["mydata.lock", "mydata.tar.gz"]
+    with pytest.raises(DataError, match=rf"^--root {root}: {archive}: cannot be extracted"):
+        ensure_extracted(root, given=f"--root {root}")
+    assert not (tmp_path / "escaped").exists()
+
+
+def test_an_extraction_removes_the_leftovers_of_processes_that_are_gone_only(tmp_path):
+    """A process killed while extracting leaves its folder: the next extraction removes those of this host's
+    processes that are gone, never a running one's or another host's."""
+    archive = _archive(tmp_path)
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    running = subprocess.Popen(["sleep", "60"])
+    host = socket.gethostname()
+    try:
+        names = {f"mydata.extracting-{host}-{gone.pid}": False, f"mydata.extracting-{gone.pid}": False,
+                 f"mydata.extracting-{host}-{running.pid}": True, f"mydata.extracting-elsewhere-{gone.pid}": True}
+        for name in names:
+            (archive.parent / name / "mydata" / "train").mkdir(parents=True)
+            (archive.parent / name / "mydata" / "train" / "half.png").write_bytes(b"\x89PNG")
+        root = ensure_extracted(str(archive.parent / "mydata"))
+        assert len(list(root.rglob("*.png"))) == 12
+        assert {name: (archive.parent / name).exists() for name in names} == names
+    finally:
+        running.kill()
+        running.wait()
 
 
 def test_tiny_imagenet_layout(tmp_path):

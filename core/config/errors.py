@@ -19,6 +19,11 @@ class DataError(ConfigError):
     names the file and what gave it (`data.root=...`, `predict.folder=...`, `--input ...`) and what to do."""
 
 
+class MissingDataError(DataError, FileNotFoundError):
+    """A data file or folder that is not there; also a FileNotFoundError, for a caller that can do without it
+    (predict.py on new images with only the checkpoint)."""
+
+
 def require(condition: bool, message: str) -> None:
     """Raise ConfigError(message) unless `condition` holds."""
     if not condition:

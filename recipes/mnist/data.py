@@ -12,12 +12,13 @@ import gzip
 import logging
 import math
 import struct
+import zlib
 from pathlib import Path
 
 import torch
 from torch.utils.data import Dataset
 
-from core.config.errors import ConfigError
+from core.config.errors import ConfigError, DataError, MissingDataError
 from core.data.datasets import PRNGResampleDataset, epoch_index
 from recipes.mnist.config import MNISTDataConfig
 
@@ -47,19 +48,38 @@ FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
 
 
 def read_idx(path: Path) -> torch.Tensor:
-    """An IDX file of unsigned bytes (MNIST's format), plain or gzip-compressed."""
+    """An IDX file of unsigned bytes (MNIST's format), plain or gzip-compressed; DataError naming it if it is
+    not one (memory bounded by what the file holds, not by what its header claims)."""
     opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        data = f.read()
-    magic, = struct.unpack(">I", data[:4])
-    dims = magic & 0xFF
-    if magic >> 8 != 0x08 or dims not in (1, 3):
-        raise ValueError(f"{path}: not an IDX file of unsigned bytes (magic number {magic:#010x})")
-    shape = struct.unpack(f">{dims}I", data[4:4 + 4 * dims])
-    body = data[4 + 4 * dims:]
+    try:
+        with opener(path, "rb") as f:
+            head = f.read(4)
+            magic = int.from_bytes(head, "big") if len(head) == 4 else -1
+            dims = magic & 0xFF
+            if magic >> 8 != 0x08 or dims not in (1, 3):
+                raise DataError(f"{path}: not an IDX file of unsigned bytes (magic number {head.hex() or 'missing'})")
+            sizes = f.read(4 * dims)
+            if len(sizes) != 4 * dims:
+                raise DataError(f"{path}: cut short inside its header")
+            shape = struct.unpack(f">{dims}I", sizes)
+            body = _read_up_to(f, math.prod(shape) + 1)
+    except (OSError, EOFError, zlib.error) as e:  # unreadable, or a damaged or cut gzip stream
+        raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     if len(body) != math.prod(shape):
-        raise ValueError(f"{path}: {len(body)} bytes of data, but the header says {shape} (truncated?)")
-    return torch.frombuffer(bytearray(body), dtype=torch.uint8).reshape(shape)
+        raise DataError(f"{path}: {len(body)}{'+' if len(body) > math.prod(shape) else ''} bytes of data, but the "
+                        f"header says {shape} (truncated?)")
+    return torch.frombuffer(body, dtype=torch.uint8).reshape(shape)
+
+
+def _read_up_to(f, limit: int, chunk: int = 1 << 24) -> bytearray:
+    """At most `limit` bytes of `f`, read in chunks: a header may claim far more than the file holds."""
+    out = bytearray()
+    while len(out) < limit:
+        piece = f.read(min(chunk, limit - len(out)))
+        if not piece:
+            break
+        out += piece
+    return out
 
 
 def _find(raw: Path, name: str) -> Path | None:
@@ -69,7 +89,8 @@ def _find(raw: Path, name: str) -> Path | None:
 @functools.lru_cache(maxsize=2)  # train and validation come from the same file: read it once
 def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Images (uint8 [N, H, W]) and labels (int64 [N]) of MNIST's training (train=True) or test file in
-    `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when `download`."""
+    `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when `download`.
+    DataError naming data.root and the file for what cannot be used."""
     raw = Path(root) / "MNIST" / "raw"
     names = FILES[train]
     if download and not all(_find(raw, n) for n in names):
@@ -79,12 +100,17 @@ def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tenso
         MNIST(root, train=train, download=True)
     paths = [_find(raw, n) for n in names]
     if not all(paths):
-        raise FileNotFoundError(
-            f"no MNIST {'training' if train else 'test'} files ({names[0]}[.gz], {names[1]}[.gz]) in {raw}: point "
-            "data.root at a folder that has them, or set data.download=true to fetch the real MNIST there")
-    images, labels = read_idx(paths[0]), read_idx(paths[1])
+        raise MissingDataError(
+            f"data.root={root}: no MNIST {'training' if train else 'test'} files ({names[0]}[.gz], {names[1]}[.gz]) "
+            f"in {raw}: point data.root at a folder that has them, or set data.download=true to fetch the real "
+            "MNIST there")
+    try:
+        images, labels = read_idx(paths[0]), read_idx(paths[1])
+    except DataError as e:
+        raise DataError(f"data.root={root}: {e}") from None
     if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
-        raise ValueError(f"{raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} labels")
+        raise DataError(f"data.root={root}: {raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} "
+                        "labels")
     return images, labels.long()
 
 
@@ -102,7 +128,7 @@ def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dat
     """One of train (shuffled by the training loop), val or test (each in a PRNGResampleDataset order
     from its own seed: every sample exactly once)."""
     if split not in SPLITS:
-        raise ValueError(f"split {split!r}: expected one of {', '.join(SPLITS)}")
+        raise ConfigError(f"predict.split={split}: expected one of {', '.join(SPLITS)}")
     images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
     if tuple(images.shape[1:]) != (image_size, image_size):  # the model takes any size the files hold
         raise ConfigError(f"model.image_size={image_size}, but the images under data.root={data.root} are "

@@ -8,15 +8,13 @@ of the sample, never from the global RNGs (core/data/checks.py verifies that in 
 
 from __future__ import annotations
 
-import fcntl
+import contextlib
 import io
 import logging
 import math
-import os
-import shutil
-import tarfile
+import struct
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -24,7 +22,9 @@ from PIL import Image
 from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2
 
+from core.config.errors import ConfigError, DataError, MissingDataError
 from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
+from recipes.vit.archive import extract_beside
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.folders import (imagefolder_classes, imagefolder_files, readable, tiny_imagenet_classes,
                                  tiny_imagenet_files, unlabeled_files)
@@ -32,67 +32,67 @@ from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
 
-ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+# What PIL raises for a file whose header it read but whose pixels it cannot decode (truncated, damaged).
+DECODE_ERRORS = (OSError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
-def ensure_extracted(root: str) -> Path:
-    """Return `root`; if it is missing but `<root>.tar.gz` (.tgz, .tar) exists, extract it first.
+def ensure_extracted(root: str, given: Optional[str] = None) -> Path:
+    """Return `root`; if it is missing but `<root>.tar.gz` (.tgz, .tar) exists, extract it first (archive.py).
+    `given`: the setting or option that gave `root`, for messages (default `data.root=<root>`)."""
+    with named(given or f"data.root={root}"):
+        return extract_beside(root)
 
-    Safe with many ranks and nodes: one process extracts under a file lock into a temporary folder
-    and renames it into place, so nobody ever sees a half-extracted root.
-    """
-    path = Path(root)
-    if path.exists():
-        return path
-    archive = next((Path(root + s) for s in ARCHIVE_SUFFIXES if Path(root + s).exists()), None)
-    if archive is None:
-        raise FileNotFoundError(
-            f"data root {root} does not exist (and no {root}.tar.gz beside it); set data.root to your dataset"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(f"{root}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not path.exists():
-            tmp = Path(f"{root}.extracting-{os.getpid()}")
-            shutil.rmtree(tmp, ignore_errors=True)
-            log.info("extracting %s -> %s", archive, root)
-            with tarfile.open(archive) as tar:
-                tar.extractall(tmp, filter="data")
-            entries = list(tmp.iterdir())
-            # An archive usually holds one top folder (e.g. tiny-imagenet-200/): that folder is the root.
-            source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
-            os.rename(source, path)
-            shutil.rmtree(tmp, ignore_errors=True)
-    return path
+
+@contextlib.contextmanager
+def named(setting: Optional[str]) -> Iterator[None]:
+    """A DataError raised inside names `setting` (the setting or option that gave the path, `data.root=...`)
+    first, once: the message says which file, this says where it came from."""
+    try:
+        yield
+    except DataError as e:
+        if setting is None or getattr(e, "setting", None) is not None or str(e).startswith(setting):
+            raise
+        named_error = type(e)(f"{setting}: {e}")
+        named_error.setting = setting
+        raise named_error.with_traceback(e.__traceback__) from None
 
 
 class ImageSamples(Dataset):
     """{"image" (uint8, cropped and flipped: Transform), "label", "idx"} samples from (file, label) pairs, the
     files' bytes read by `reader` (by position) when given (tar shards: recipes/vit/shards.py), else from the
-    files.
+    files. A file that cannot be read or decoded is a DataError naming it and `given` (the setting that gave the
+    files, `data.root=...`), also in a loader worker.
 
     Takes an int or an EpochIndex: the training augmentation draws from sample_generator(seed, epoch,
     idx), so a sample is the same on every call, rank and loader worker, and differs between epochs.
     """
 
     def __init__(self, files: Sequence[tuple[str, int]], transform: Transform, seed: int,
-                 reader: Optional[Callable[[int], bytes]] = None):
-        self.files, self.transform, self.seed, self.reader = files, transform, seed, reader
+                 reader: Optional[Callable[[int], bytes]] = None, given: Optional[str] = None):
+        self.files, self.transform, self.seed, self.reader, self.given = files, transform, seed, reader, given
 
     def __len__(self) -> int:
         return len(self.files)
 
     def read(self, idx: int) -> bytes:
-        return self.reader(idx) if self.reader is not None else Path(self.files[idx][0]).read_bytes()
+        if self.reader is not None:
+            return self.reader(idx)
+        try:
+            return Path(self.files[idx][0]).read_bytes()
+        except OSError as e:  # gone or changed since the folder was listed
+            raise DataError(f"cannot read the image {self.files[idx][0]} ({e.strerror}); remove or replace "
+                            "it") from None
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
-        try:
-            with Image.open(io.BytesIO(self.read(idx))) as img:
-                image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
-        except (OSError, Image.DecompressionBombError) as e:  # header fine, pixels not (truncated, corrupt)
-            raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
+        with named(self.given):
+            try:
+                with Image.open(io.BytesIO(self.read(idx))) as img:
+                    image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
+            except DECODE_ERRORS as e:  # header fine, pixels not (truncated, corrupt)
+                raise DataError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace "
+                                "it") from None
         return {"image": image, "label": label, "idx": idx}
 
 
@@ -199,15 +199,17 @@ class EncodedImageSamples(ImageSamples):
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
-        raw = self.read(idx)
-        if raw[:2] != b"\xff\xd8":
-            raise ValueError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
-                             "(use data.decode_on=workers for other formats)")
-        try:
-            with Image.open(io.BytesIO(raw)) as img:  # parses the header only
-                width, height = img.size
-        except (OSError, Image.DecompressionBombError) as e:
-            raise ValueError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it") from None
+        with named(self.given):
+            raw = self.read(idx)
+            if raw[:2] != b"\xff\xd8":
+                raise DataError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
+                                "(use data.decode_on=workers for other formats)")
+            try:
+                with Image.open(io.BytesIO(raw)) as img:  # parses the header only
+                    width, height = img.size
+            except DECODE_ERRORS as e:
+                raise DataError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace "
+                                "it") from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         crop = self.transform.draw(height, width, sample_generator(self.seed, epoch, idx))
         return {"jpeg": data, "crop": torch.tensor(crop), "size": torch.tensor([height, width]), "path": str(path),
@@ -262,7 +264,7 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
                 SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1))
     classes = image_classes(data)
     if len(classes) != model.num_classes:
-        raise ValueError(f"{data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
+        raise DataError(f"data.root={data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
     if data.decode_on == "device":
         from recipes.vit.jpeg import nvimgcodec
 
@@ -270,70 +272,79 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
     samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
     train = split_samples(samples, data, data.train_split, classes, Transform(data, size, train=True), seed)
     if train is None:
-        raise ValueError(f"{data.root}: no training split {data.train_split!r}")
+        raise DataError(f"data.root={data.root}: no training split {data.train_split!r} (data.train_split)")
     return train, split_samples(samples, data, data.val_split, classes, Transform(data, size, train=False), seed)
+
+
+def _root_setting(data: ImageDataConfig, given: Optional[str]) -> str:
+    return given or f"data.root={data.root}"
 
 
 def split_samples(samples: type[ImageSamples], data: ImageDataConfig, split: str, classes: list[str],
                   transform: Transform, seed: int) -> Optional[ImageSamples]:
     """One split's samples (None if the data has no such split): from its files, or from tar shards."""
-    if data.format == "shards":
+    given = _root_setting(data, None)
+    if data.format != "shards":
+        files = split_files(data, split, classes)
+        return samples(files, transform, seed, given=given) if files is not None else None
+    with named(given):
         found, splits = read_index(ensure_extracted(data.root))
         if found != classes:
-            raise ValueError(f"{data.root}: the shards' classes differ from the ones given ({len(found)} against "
-                             f"{len(classes)})")
+            raise DataError(f"the shards' classes differ from the ones given ({len(found)} against {len(classes)})")
         if split not in splits:
             log.info("%s: no %s split", data.root, split)
             return None
         if not len(splits[split]):
-            raise ValueError(f"{data.root}: split {split!r} holds no samples")
+            raise DataError(f"split {split!r} holds no samples")
         if split == data.train_split:  # as for a folder: a class without training images is a head row never trained
             counts = np.bincount(np.asarray(splits[split].table[:, 4]), minlength=len(classes))
             if not counts.all():
                 empty = [c for c, n in zip(classes, counts) if not n]
-                raise ValueError(f"{data.root}: {len(empty)} classes have no training samples: {', '.join(empty[:5])}")
-        return samples(ShardFiles(splits[split]), transform, seed, ShardReader(splits[split]))
-    files = split_files(data, split, classes)
-    return samples(files, transform, seed) if files is not None else None
+                raise DataError(f"{len(empty)} classes have no training samples: {', '.join(empty[:5])}")
+    return samples(ShardFiles(splits[split]), transform, seed, ShardReader(splits[split]), given=given)
 
 
-def image_classes(data: ImageDataConfig) -> list[str]:
-    """The class names of an image dataset, in label order (recipes/vit/folders.py says which)."""
+def image_classes(data: ImageDataConfig, given: Optional[str] = None) -> list[str]:
+    """The class names of an image dataset, in label order (recipes/vit/folders.py says which). `given`: the
+    setting or option that gave data.root, for messages."""
     if data.root is None:
-        raise FileNotFoundError(f"data.root is not set (data.format={data.format} reads its images from it)")
-    root = ensure_extracted(data.root)
-    if data.format == "imagefolder":
-        return imagefolder_classes(root / data.train_split)
-    if data.format == "tiny_imagenet":
-        return tiny_imagenet_classes(root)
-    if data.format == "shards":
+        raise MissingDataError(f"data.root is not set (data.format={data.format} reads its images from it)")
+    if data.format not in ("imagefolder", "tiny_imagenet", "shards"):
+        raise ConfigError(f"data.format={data.format!r} has no class names (expected imagefolder, tiny_imagenet "
+                          "or shards)")
+    with named(_root_setting(data, given)):
+        root = ensure_extracted(data.root, given)
+        if data.format == "imagefolder":
+            return imagefolder_classes(root / data.train_split)
+        if data.format == "tiny_imagenet":
+            return tiny_imagenet_classes(root)
         return read_index(root)[0]
-    raise ValueError(f"data.format={data.format!r} has no class names (expected imagefolder, tiny_imagenet or "
-                     "shards)")
 
 
-def split_files(data: ImageDataConfig, split: str, classes: list[str]) -> Optional[list[tuple[str, int]]]:
+def split_files(data: ImageDataConfig, split: str, classes: list[str],
+                given: Optional[str] = None) -> Optional[list[tuple[str, int]]]:
     """(image, label) of one split, unreadable files left out (data.verify_images); None if it does not exist."""
-    root = ensure_extracted(data.root)
-    if data.format == "tiny_imagenet":
-        files = tiny_imagenet_files(root, split, classes)
-    elif (root / split).is_dir():
-        files = imagefolder_files(root / split, classes)
-    else:
-        files = None
-    if files is None:
-        log.info("%s: no %s split", root, split)
-        return None
-    if data.verify_images:
-        files = readable(files, str(root / split))
-    if not files:
-        raise ValueError(f"{root / split}: no readable images of the training classes")
-    if split == data.train_split:  # a class whose every image is unreadable would be a head row never trained
-        labels = {label for _, label in files}
-        empty = [c for i, c in enumerate(classes) if i not in labels]
-        if empty:
-            raise ValueError(f"{root / split}: {len(empty)} classes have no readable images: {', '.join(empty[:5])} "
-                             "(replace the files or remove the class folders)")
+    with named(_root_setting(data, given)):
+        root = ensure_extracted(data.root, given)
+        if data.format == "tiny_imagenet":
+            files = tiny_imagenet_files(root, split, classes)
+        elif (root / split).is_dir():
+            files = imagefolder_files(root / split, classes)
+        else:
+            files = None
+        if files is None:
+            log.info("%s: no %s split", root, split)
+            return None
+        if data.verify_images:
+            files = readable(files, str(root / split))
+        if not files:
+            raise DataError(f"{root / split}: no readable images of the training classes")
+        if split == data.train_split:  # a class whose every image is unreadable would be a head row never trained
+            labels = {label for _, label in files}
+            empty = [c for i, c in enumerate(classes) if i not in labels]
+            if empty:
+                raise DataError(f"{root / split}: {len(empty)} classes have no readable images: "
+                                f"{', '.join(empty[:5])} (replace the files or remove the class folders)")
     return files
 
 
@@ -342,19 +353,20 @@ def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, 
     """predict.py's images, with the validation transform: a split of the data (labels in `classes` order,
     read from the data when not given), or every image under `folder` (unlabeled, label -1)."""
     transform = Transform(data, model.img_size, train=False)
-    if folder is not None:
-        files = unlabeled_files(Path(folder))
-        files = readable(files, folder) if data.verify_images else files
-    else:
+    if folder is None:
         split = {"train": data.train_split, "val": data.val_split}.get(split, split)  # the names predict.py knows
         found = split_samples(ImageSamples, data, split, classes if classes is not None else image_classes(data),
                               transform, seed)
         if found is None:
-            raise ValueError(f"predict.split={split}: {data.root} has no such split")
+            raise DataError(f"predict.split={split}: {data.root} has no such split")
         return found
-    if not files:
-        raise ValueError(f"{folder or split}: no readable images")
-    return ImageSamples(files, transform, seed)
+    given = f"predict.folder={folder}"
+    with named(given):
+        files = unlabeled_files(Path(folder))
+        files = readable(files, folder) if data.verify_images else files
+        if not files:
+            raise DataError(f"{folder}: no readable images")
+    return ImageSamples(files, transform, seed, given=given)
 
 
 class ImagesToPredict(Dataset):

@@ -14,18 +14,25 @@ What is left out, and said so in the log (never an error unless nothing is left)
     dataset is built, in parallel threads (data.verify_images=false skips the check: a bad file then
     stops training when a worker reads it, naming the file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
-    that kept the full 10,000-line annotations file).
+    that kept the full 10,000-line annotations file);
+  - links to a folder visited already or above the one walked (loops: recipes/vit/walk.py), and folders that
+    cannot be listed.
+
+What cannot be used is a DataError naming the folder or file (recipes/vit/data.py adds the setting that gave
+it); one that is not there a MissingDataError.
 """
 
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
 from PIL import Image
+
+from core.config.errors import DataError, MissingDataError
+from recipes.vit.walk import folder_key, name_loops, real_ancestors, visible, walk
 
 log = logging.getLogger(__name__)
 
@@ -34,33 +41,29 @@ IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".t
 Files = list[tuple[str, int]]  # (path, label); label -1: unlabeled
 
 
-def visible(name: str) -> bool:
-    return not name.startswith(".")
-
-
 def is_image_name(name: str) -> bool:
     return visible(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
 def images_under(folder: Path) -> list[Path]:
     """Image files under `folder` (any depth, hidden folders skipped), in sorted path order."""
-    found = []
-    for parent, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if visible(d)]
-        found += [Path(parent) / n for n in names if is_image_name(n)]
-    return sorted(found)
+    return sorted(parent / n for parent, names in walk(folder) for n in names if is_image_name(n))
 
 
 def _has_images(folder: Path) -> bool:
-    for parent, dirs, names in os.walk(folder, followlinks=True):
-        dirs[:] = [d for d in dirs if visible(d)]
-        if any(is_image_name(n) for n in names):
-            return True
-    return False
+    return any(is_image_name(n) for _, names in walk(folder) for n in names)
 
 
 def _subfolders(folder: Path) -> list[Path]:
-    return sorted(p for p in folder.iterdir() if p.is_dir() and visible(p.name))
+    """The visible folders in `folder` (links to folders included), without links to `folder` itself or a folder
+    above it: such a class folder would hold every class (a loop)."""
+    above = real_ancestors(folder)
+    found, loops = [], []
+    for p in sorted(folder.iterdir()):
+        if visible(p.name) and p.is_dir():
+            (loops if folder_key(p) in above else found).append(p)
+    name_loops(folder, loops)
+    return found
 
 
 def _header_error(path: str) -> Optional[str]:
@@ -89,15 +92,15 @@ def readable(files: Files, where: str, threads: int = 16) -> Files:
 def imagefolder_classes(split_dir: Path) -> list[str]:
     """The class folders of `split_dir` that hold images, sorted by name."""
     if not split_dir.is_dir():
-        raise FileNotFoundError(f"{split_dir}: no such folder (expected <data.root>/<split>/<class>/<image>)")
+        raise MissingDataError(f"{split_dir}: no such folder (expected <root>/<split>/<class>/<image>)")
     folders = _subfolders(split_dir)
     classes = [f.name for f in folders if _has_images(f)]
     empty = [f.name for f in folders if f.name not in classes]
     if empty:
         log.warning("%s: left out %d class folders without images: %s", split_dir, len(empty), ", ".join(empty[:5]))
     if not classes:
-        raise ValueError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
-                         f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
+                        f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
     return classes
 
 
@@ -121,11 +124,12 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
     (torchvision's ImageFolder order), on purpose, so that a subset and the full set agree with the file."""
     train = root / "train"
     if not train.is_dir():
-        raise FileNotFoundError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
+        raise MissingDataError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
     present = {f.name for f in _subfolders(train) if _has_images(f / "images")}
     if not present:
-        raise ValueError(f"{train} has no <wnid>/images/ folders with images")
-    listed = [w.strip() for w in (root / "wnids.txt").read_text().splitlines()] if (root / "wnids.txt").is_file() else []
+        raise DataError(f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: "
+                        "train/<wnid>/images/<image>)")
+    listed = [w.strip() for w in _lines(root / "wnids.txt")] if (root / "wnids.txt").is_file() else []
     ordered = [w for w in dict.fromkeys(listed) if w in present]
     unlisted = sorted(present - set(ordered))
     if listed and unlisted:
@@ -150,7 +154,7 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
     if not annotations.is_file():
         return imagefolder_files(folder, classes)
     files, missing, other_class, malformed = [], 0, 0, 0
-    for line in annotations.read_text().splitlines():
+    for line in _lines(annotations):
         parts = line.split()
         if not parts:
             continue
@@ -169,9 +173,17 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
                  "that are missing%s", annotations, len(files), other_class, missing,
                  f", {malformed} malformed" if malformed else "")
     if not files:
-        raise ValueError(f"{annotations}: none of its lines names an existing file of a training class "
-                         f"({other_class} other classes, {missing} missing files)")
+        raise DataError(f"{annotations}: none of its lines names an existing file of a training class "
+                        f"({other_class} other classes, {missing} missing files)")
     return files
+
+
+def _lines(path: Path) -> list[str]:
+    """A text file's lines; DataError naming it if it cannot be read as text."""
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise DataError(f"{path}: cannot be read as a text file ({type(e).__name__}: {e})") from None
 
 
 # --- unlabeled ---------------------------------------------------------------------------------------
@@ -179,8 +191,8 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
 def unlabeled_files(folder: Path) -> Files:
     """Every image under `folder` (any depth), in sorted path order, label -1."""
     if not folder.is_dir():
-        raise FileNotFoundError(f"predict.folder={folder}: no such folder")
+        raise MissingDataError(f"{folder}: no such folder")
     files = [(str(p), -1) for p in images_under(folder)]
     if not files:
-        raise ValueError(f"predict.folder={folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(f"{folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
     return files

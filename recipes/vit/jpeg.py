@@ -21,6 +21,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from core.config.errors import DataError
+
 os.environ.setdefault("PYNVIMGCODEC_VERBOSITY", "1")  # errors only: a refused file is reported by us, named
 
 log = logging.getLogger(__name__)
@@ -114,10 +116,10 @@ class JpegDecoder:
                 stream = codec.CodeStream(data)
                 found = [stream.height, stream.width]  # parsed here
             except RuntimeError as e:  # not even a readable header
-                raise ValueError(f"cannot decode the image {name} ({e}); remove or replace it") from None
+                raise DataError(f"cannot decode the image {name} ({e}); remove or replace it") from None
             if found != list(size):
-                raise ValueError(f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
-                                 f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it")
+                raise DataError(f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
+                                f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it")
             streams.append(stream)
         images: list = [None] * len(streams)
         on_gpu = [i for i, data in enumerate(files) if self.gpu is not None and ends_whole(data)]
@@ -132,14 +134,14 @@ class JpegDecoder:
             out[i] = self._on_cpu(streams[i], names[i])
         for image, size, name in zip(out, sizes, names):
             if list(image.shape[1:]) != list(size):  # the crop was drawn for the size in the header
-                raise ValueError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, "
-                                 f"the decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
+                raise DataError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, "
+                                f"the decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
         return out
 
     def _on_cpu(self, stream, name: str) -> torch.Tensor:
         image = self.cpu.decode(stream, params=self.params)
         if image is None:
-            raise ValueError(f"cannot decode the image {name} (a damaged or unsupported JPEG); remove or replace it")
+            raise DataError(f"cannot decode the image {name} (a damaged or unsupported JPEG); remove or replace it")
         return torch.from_numpy(np.array(image)).to(self.device, non_blocking=False)
 
 

@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, StrictInt, ValidationError
 
+from core.config.errors import DataError, MissingDataError
 from core.config.file_shape import problems, read_small_file
 
 INDEX = "index.json"
@@ -99,29 +100,29 @@ class ShardSplit:
 def read_index(root: str | Path) -> tuple[list[str], dict[str, ShardSplit]]:
     """The classes and the splits of the shard folder `root`, checked before any work: index.json's shape,
     plain file names, each shard's size, and every table row (its shard, 512-aligned offsets, the data right
-    after a plain header and inside the shard, a label of the classes). ValueError naming the file."""
+    after a plain header and inside the shard, a label of the classes). DataError naming the file."""
     root = Path(root)
     index_path = root / INDEX
     try:  # links are followed, as for the shards (a dataset linked together from another place is common)
         raw = read_small_file(index_path, 64 << 20, follow_symlinks=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{index_path}: no such file (data.format=shards reads a folder that "
-                                "scripts/shard_images.py wrote)") from None
+        raise MissingDataError(f"{index_path}: no such file (data.format=shards reads a folder that "
+                               "scripts/shard_images.py wrote)") from None
     except (ValueError, OSError) as e:
-        raise ValueError(f"{index_path}: {e}") from None
+        raise DataError(f"{index_path}: {e}") from None
     try:
         index = IndexFile.model_validate(json.loads(raw, object_pairs_hook=_no_repeated_keys))
     except ValidationError as e:
-        raise ValueError(f"{index_path}: {problems(e)}") from None
+        raise DataError(f"{index_path}: {problems(e)}") from None
     except (ValueError, RecursionError) as e:  # not JSON, a key given twice, a number of thousands of digits
-        raise ValueError(f"{index_path}: not an index of this format ({str(e)[:200]})") from None
+        raise DataError(f"{index_path}: not an index of this format ({str(e)[:200]})") from None
     if index.version != 1:
-        raise ValueError(f"{index_path}: version={index.version}: this code reads version 1")
+        raise DataError(f"{index_path}: version={index.version}: this code reads version 1")
     if not index.classes or len(set(index.classes)) != len(index.classes):
-        raise ValueError(f"{index_path}: classes must be a non-empty list of distinct names")
+        raise DataError(f"{index_path}: classes must be a non-empty list of distinct names")
     files = [entry.table for entry in index.splits.values()] + [s.name for e in index.splits.values() for s in e.shards]
     if len(set(files)) != len(files):
-        raise ValueError(f"{index_path}: a file is named twice (each split has its own table and shards)")
+        raise DataError(f"{index_path}: a file is named twice (each split has its own table and shards)")
     splits = {name: _read_split(root, name, entry, len(index.classes)) for name, entry in index.splits.items()}
     return index.classes, splits
 
@@ -137,11 +138,11 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
     where = root / INDEX
     names = [entry.table] + [s.name for s in entry.shards]
     if not _plain_name(entry.table, ".npy") or not all(_plain_name(s.name, ".tar") for s in entry.shards):
-        raise ValueError(f"{where}: split {split!r} names a file that is not a plain .tar/.npy name of the folder")
+        raise DataError(f"{where}: split {split!r} names a file that is not a plain .tar/.npy name of the folder")
     if len(set(names)) != len(names):
-        raise ValueError(f"{where}: split {split!r} names a file twice")
+        raise DataError(f"{where}: split {split!r} names a file twice")
     if not entry.shards:
-        raise ValueError(f"{where}: split {split!r} has no shards")
+        raise DataError(f"{where}: split {split!r} has no shards")
     for shard in entry.shards:
         _expect_regular(root / shard.name, shard.bytes)
     table_path = root / entry.table
@@ -149,13 +150,13 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
     try:
         table = np.load(table_path, mmap_mode="r", allow_pickle=False)
     except (ValueError, EOFError, OSError) as e:
-        raise ValueError(f"{table_path}: not a table of this format ({e})") from None
+        raise DataError(f"{table_path}: not a table of this format ({e})") from None
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != len(COLUMNS):
-        raise ValueError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} "
-                         f"{table.shape}")
+        raise DataError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} "
+                        f"{table.shape}")
     if len(table) != sum(s.samples for s in entry.shards):
-        raise ValueError(f"{table_path}: {len(table)} rows, but {where} counts "
-                         f"{sum(s.samples for s in entry.shards)} samples in split {split!r}")
+        raise DataError(f"{table_path}: {len(table)} rows, but {where} counts "
+                        f"{sum(s.samples for s in entry.shards)} samples in split {split!r}")
     shard, header, data, size, label = (np.asarray(table[:, i]) for i in range(len(COLUMNS)))
     ends = np.asarray([s.bytes for s in entry.shards], dtype=np.int64)
     expected_shard = np.repeat(np.arange(len(entry.shards)), [s.samples for s in entry.shards])
@@ -165,8 +166,8 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
         bad = (header > ends[shard]) | (size > ends[shard]) | (data + size > ends[shard])
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        raise ValueError(f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
-                         f"at a member of its shard (or its label is not one of the {num_classes} classes)")
+        raise DataError(f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
+                        f"at a member of its shard (or its label is not one of the {num_classes} classes)")
     return ShardSplit(root, split, list(entry.shards), entry.table, table)
 
 
@@ -191,14 +192,14 @@ def _expect_regular(path: Path, size: Optional[int]) -> None:
     try:
         status = os.stat(path, follow_symlinks=True)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: listed in {path.parent / INDEX} but not there") from None
+        raise DataError(f"{path}: listed in {path.parent / INDEX} but not there") from None
     except OSError as e:  # e.g. a link to itself
-        raise ValueError(f"{path}: {e.strerror}") from None
+        raise DataError(f"{path}: {e.strerror}") from None
     if not stat.S_ISREG(status.st_mode):
-        raise ValueError(f"{path}: not a regular file")
+        raise DataError(f"{path}: not a regular file")
     if size is not None and status.st_size != size:
-        raise ValueError(f"{path}: {status.st_size} bytes, but {path.parent / INDEX} says {size} (a copy cut "
-                         "short or changed since it was written)")
+        raise DataError(f"{path}: {status.st_size} bytes, but {path.parent / INDEX} says {size} (a copy cut "
+                        "short or changed since it was written)")
 
 
 class ShardReader:
@@ -224,7 +225,7 @@ class ShardReader:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))  # a FIFO would block
         if not stat.S_ISREG(os.fstat(fd).st_mode):  # replaced since the index was checked
             os.close(fd)
-            raise ValueError(f"{path}: not a regular file")
+            raise DataError(f"{path}: not a regular file")
         self._files[shard] = fd
         if len(self._files) > self.MAX_OPEN:
             os.close(self._files.popitem(last=False)[1])
@@ -236,18 +237,18 @@ class ShardReader:
         try:
             block = os.pread(self._fd(shard), BLOCK + size, header)
         except OSError as e:
-            raise ValueError(f"{where}: cannot read the shard ({e.strerror})") from None
+            raise DataError(f"{where}: cannot read the shard ({e.strerror})") from None
         try:
             info = tarfile.TarInfo.frombuf(block[:BLOCK], "utf-8", "surrogateescape")
         except tarfile.HeaderError as e:
-            raise ValueError(f"{where}: no tar header where the index points ({e}); the shard is damaged or "
-                             "the index is not its own") from None
+            raise DataError(f"{where}: no tar header where the index points ({e}); the shard is damaged or "
+                            "the index is not its own") from None
         stem, _, _ = info.name.partition(".")
         if stem != _member_key(position) or info.name.endswith(".cls") or info.size != size or not info.isreg():
-            raise ValueError(f"{where}: the index points at member {info.name!r} of {info.size} bytes, not this "
-                             f"sample's image of {size} bytes; the index is not this shard's")
+            raise DataError(f"{where}: the index points at member {info.name!r} of {info.size} bytes, not this "
+                            f"sample's image of {size} bytes; the index is not this shard's")
         if len(block) != BLOCK + size:
-            raise ValueError(f"{where}: the shard ends inside the member (cut short)")
+            raise DataError(f"{where}: the shard ends inside the member (cut short)")
         return block[BLOCK:]
 
 
@@ -329,8 +330,8 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
             img.save(buffer, format="JPEG", quality=quality)
         return buffer.getvalue(), "jpg"
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # read, decoded or resized: a bad file
-        raise ValueError(f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace "
-                         "it") from None
+        raise DataError(f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace "
+                        "it") from None
 
 
 def _index_shards(shard_files: list[Path], labels: list[int]) -> tuple[list[dict], list[list[int]]]:

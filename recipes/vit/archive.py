@@ -1,0 +1,95 @@
+"""A dataset shipped as an archive: `<root>.tar.gz` (`.tgz`, `.tar`) beside a missing `<root>`, extracted there
+on first use.
+
+Safe with many ranks and nodes: one process extracts under a file lock (`<root>.lock`) into its own folder
+`<root>.extracting-<host>-<pid>/` and renames it into place, so nobody ever sees a half-extracted root. A failed
+extraction removes its folder and is one DataError naming the archive. A process killed while extracting cannot
+clean up: the next one to take the lock removes the folders of processes of its host that are gone (never one
+whose process still runs, nor another host's).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import os
+import re
+import shutil
+import socket
+import tarfile
+import zlib
+from pathlib import Path
+
+from core.config.errors import DataError, MissingDataError
+
+log = logging.getLogger(__name__)
+
+ARCHIVE_SUFFIXES = (".tar.gz", ".tgz", ".tar")
+EXTRACTING = ".extracting-"
+
+
+def extract_beside(root: str) -> Path:
+    """Return `root`; if it is missing but `<root>.tar.gz` (.tgz, .tar) exists, extract it first.
+    MissingDataError if there is neither; DataError naming the archive if it cannot be extracted."""
+    path = Path(root)
+    if path.exists():
+        return path
+    archive = next((Path(root + s) for s in ARCHIVE_SUFFIXES if Path(root + s).exists()), None)
+    if archive is None:
+        raise MissingDataError(f"no such folder, and no {root}.tar.gz (.tgz, .tar) beside it to extract; give your "
+                               "dataset's folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(f"{root}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            if not path.exists():
+                remove_leftovers(path)
+                _extract(archive, path)
+    except OSError as e:  # the folder beside the archive cannot be written
+        raise DataError(f"{archive}: cannot be extracted beside it ({e.strerror}: {e.filename})") from None
+    return path
+
+
+def _extract(archive: Path, path: Path) -> None:
+    tmp = path.with_name(f"{path.name}{EXTRACTING}{_host()}-{os.getpid()}")
+    log.info("extracting %s -> %s", archive, path)
+    try:
+        with tarfile.open(archive) as tar:
+            tar.extractall(tmp, filter="data")  # refuses members that would land outside or link out
+        entries = list(tmp.iterdir()) if tmp.is_dir() else []
+        if not entries:
+            raise DataError(f"{archive}: holds no files")
+        # An archive usually holds one top folder (e.g. tiny-imagenet-200/): that folder is the root.
+        source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
+        os.rename(source, path)
+    except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # cut short, damaged, not an archive, refused
+        raise DataError(f"{archive}: cannot be extracted ({type(e).__name__}: {e}); replace it, or extract it "
+                        f"to {path} yourself") from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # what a failed extraction left (after success: nothing)
+
+
+def remove_leftovers(path: Path) -> None:
+    """Remove the extraction folders beside `path` of processes of this host that no longer run."""
+    prefix, host = path.name + EXTRACTING, _host()
+    for entry in path.parent.iterdir():
+        if not entry.name.startswith(prefix):
+            continue
+        owner, _, pid = entry.name[len(prefix):].rpartition("-")  # "<host>-<pid>", or "<pid>" of older versions
+        if owner in (host, "") and re.fullmatch(r"[0-9]{1,9}", pid) and not _running(int(pid)):
+            log.info("removing %s: left by an extraction whose process (%s) is gone", entry, pid)
+            shutil.rmtree(entry, ignore_errors=True)  # a link is not followed, nor removed
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def _host() -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
