@@ -205,3 +205,20 @@ def test_a_damaged_datasets_folder_is_one_line_naming_the_file(tmp_path, file, c
     assert re.match(f"data.path={re.escape(str(tmp_path / 'saved'))}: {re.escape(str(tmp_path / 'saved' / file))} "
                     f"is not what this recipe reads \\(.*{says}.*\\); save the dataset again", message), message
     assert "\n" not in message and "imported" not in message
+
+
+def test_a_folder_with_link_loops_reads_each_file_once(tmp_path, caplog):
+    """A `self -> .` link and two `..` links (a loop os-walked without end) in a folder of FASTA files: each file is
+    read once, the loops named in a warning; a link to a folder elsewhere is followed once (its file counts)."""
+    data, other = tmp_path / "data", tmp_path / "other"
+    (data / "a").mkdir(parents=True)
+    other.mkdir()
+    (data / "a" / "x.fasta").write_text(">P1\nMKV\n")
+    (other / "y.fasta").write_text(">P2\nWWW\n")
+    (data / "a" / "self").symlink_to(".")
+    (data / "a" / "up").symlink_to("..")
+    (data / "up").symlink_to("..")
+    (data / "linked").symlink_to(other)
+    with caplog.at_level("WARNING"):
+        assert sequences(data) == [("P1", "MKV"), ("P2", "WWW")]
+    assert "a/self -> ." in caplog.text and "a/up -> .." in caplog.text

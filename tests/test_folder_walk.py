@@ -1,4 +1,4 @@
-"""Image folders with links (recipes/vit/walk.py), as training, predict.folder and scripts/shard_images.py list
+"""Image folders with links (core/data/folder_walk.py), as training, predict.folder and scripts/shard_images.py list
 them: each real folder once; a link to a folder visited already or above is a loop, named in one warning and
 not followed; a link to a folder elsewhere (a dataset assembled from links) and a linked image file count."""
 

@@ -30,6 +30,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
+from core.data.folder_walk import walk
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
 NUCLEOTIDE_SUFFIXES = (".fna", ".ffn", ".frn")
@@ -188,22 +189,24 @@ def source_files(path: Path, split: str = "train", keys: SourceKeys = DATA_PATH)
 
 
 def _walk(folder: Path, split: str, keys: SourceKeys, files: list, unreadable: list, nucleotide: list) -> None:
-    if _is_datasets_folder(folder):
-        files.extend(datasets_folder_files(folder, split, keys))
-        return
-    for entry in sorted(folder.iterdir()):
-        if entry.name.startswith("."):
+    """The sequence files under `folder` in path order, links to folders followed, each real folder once
+    (core/data/folder_walk.py: a link loop is named in a warning, never followed twice); a `datasets`
+    save_to_disk folder is read through its own state.json."""
+    found: list[tuple[Path, list[Path]]] = []  # (where it sorts, its files in their order)
+    for current, names in walk(folder, stop=_is_datasets_folder):
+        if not names and _is_datasets_folder(current):
+            found.append((current, datasets_folder_files(current, split, keys)))
             continue
-        if entry.is_dir():
-            _walk(entry, split, keys, files, unreadable, nucleotide)
-            continue
-        kind, problem = file_kind(entry)
-        if kind == "nucleotide":
-            nucleotide.append(entry)
-        elif problem:
-            unreadable.append((entry, problem))
-        elif kind is not None and entry.is_file():
-            files.append(entry)
+        for name in names:
+            entry = current / name
+            kind, problem = file_kind(entry)
+            if kind == "nucleotide":
+                nucleotide.append(entry)
+            elif problem:
+                unreadable.append((entry, problem))
+            elif kind is not None and entry.is_file():
+                found.append((entry, [entry]))
+    files.extend(f for _, group in sorted(found, key=lambda item: item[0]) for f in group)
 
 
 def _refuse_doubles(root: Path, files: list[Path], keys: SourceKeys) -> None:

@@ -15,7 +15,7 @@ What is left out, and said so in the log (never an error unless nothing is left)
     stops training when a worker reads it, naming the file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
     that kept the full 10,000-line annotations file);
-  - links to a folder visited already or above the one walked (loops: recipes/vit/walk.py), and folders that
+  - links to a folder visited already or above the one walked (loops: core/data/folder_walk.py), and folders that
     cannot be listed.
 
 What cannot be used is a DataError naming the folder or file (recipes/vit/data.py adds the setting that gave
@@ -32,7 +32,7 @@ from typing import Optional
 from PIL import Image
 
 from core.config.errors import DataError, MissingDataError
-from recipes.vit.walk import folder_key, name_loops, real_ancestors, visible, walk
+from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
 
 log = logging.getLogger(__name__)
 

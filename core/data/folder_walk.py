@@ -1,11 +1,12 @@
-"""A folder tree walked as datasets are assembled in the wild: links followed, each real folder visited once.
+"""A folder tree walked as datasets are assembled in the wild: links followed, each real folder visited once
+(image folders, scripts/shard_images.py, predict.folder; ESM-2's sequence folders).
 
 Datasets are often put together from links (`train/cat -> /data/cats`, `cp -rs`), so links to folders are
 followed. But a link to a folder already visited, or to one above the walk (`train/a/self -> .`,
 `up -> ..`), would list the same images again and again (os.walk(followlinks=True) repeats a `self -> .`
 link until the path is too long, and two `..` links grow without end): such a link is not followed, and is
-named once in a warning. Real folders are visited before the links, so an image reached both ways is listed
-under its real path. Linked image files are files like any other.
+named once in a warning. Real folders are visited before the links, so a file reached both ways is listed
+under its real path. Linked files are files like any other.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import collections
 import logging
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, Optional
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +69,11 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def walk(folder: Path) -> Iterator[tuple[Path, list[str]]]:
+def walk(folder: Path, stop: Optional[Callable[[Path], bool]] = None) -> Iterator[tuple[Path, list[str]]]:
     """(folder, the names of its visible entries that are not folders) for `folder` and each visible folder
     under it, links to folders followed, each real folder once (links named in a warning when they lead to a
-    folder visited already or above `folder`). A folder that cannot be listed is left out, logged."""
+    folder visited already or above `folder`). A folder that cannot be listed is left out, logged. A folder
+    for which `stop(folder)` holds is yielded with no names and not entered (its caller reads it whole)."""
     seen = real_ancestors(folder)
     real: list[Path] = [folder]
     links: collections.deque[Path] = collections.deque()
@@ -89,6 +91,9 @@ def walk(folder: Path) -> Iterator[tuple[Path, list[str]]]:
                 repeated.append(current)
                 continue
             seen.add(key)
+        if stop is not None and stop(current):
+            yield current, []
+            continue
         try:
             with os.scandir(current) as scan:
                 entries = sorted(scan, key=lambda e: e.name)
