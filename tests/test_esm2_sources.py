@@ -207,9 +207,26 @@ def test_a_damaged_datasets_folder_is_one_line_naming_the_file(tmp_path, file, c
     assert "\n" not in message and "imported" not in message
 
 
-def test_a_folder_with_link_loops_reads_each_file_once(tmp_path, caplog):
-    """A `self -> .` link and two `..` links (a loop os-walked without end) in a folder of FASTA files: each file is
-    read once, the loops named in a warning; a link to a folder elsewhere is followed once (its file counts)."""
+READ_FOLDER = """
+import json, logging, sys
+logging.basicConfig(level=logging.WARNING, format="%(message)s")
+from recipes.esm2.sequences import read_store
+from recipes.esm2.tokenizer import decode
+store = read_store(sys.argv[1])
+print(json.dumps([[store.name(i), decode(store.sequence(i))] for i in range(len(store))]))
+"""
+
+
+def test_a_folder_with_link_loops_reads_each_file_once(tmp_path):
+    """A `self -> .` link and two `..` links in a folder of FASTA files (the old recursive walk never ended): each
+    file is read once, the loops named in a warning; a link to a folder elsewhere is followed once (its file
+    counts). Read in a process of its own, limited to 60 s and 2 GiB, so that a regression fails, not hangs."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
     data, other = tmp_path / "data", tmp_path / "other"
     (data / "a").mkdir(parents=True)
     other.mkdir()
@@ -219,6 +236,8 @@ def test_a_folder_with_link_loops_reads_each_file_once(tmp_path, caplog):
     (data / "a" / "up").symlink_to("..")
     (data / "up").symlink_to("..")
     (data / "linked").symlink_to(other)
-    with caplog.at_level("WARNING"):
-        assert sequences(data) == [("P1", "MKV"), ("P2", "WWW")]
-    assert "a/self -> ." in caplog.text and "a/up -> .." in caplog.text
+    proc = subprocess.run([sys.executable, "-c", READ_FOLDER, str(data)], cwd=REPO, capture_output=True, text=True,
+                          timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert json.loads(proc.stdout) == [["P1", "MKV"], ["P2", "WWW"]]
+    assert "a/self -> ." in proc.stderr and "a/up -> .." in proc.stderr
