@@ -38,8 +38,7 @@ def test_readme_quick_start_then_the_shard_command_then_more_steps_then_predict(
         return _ok(run_python(REPO / "train.py", "--config-name", "vit_sanity", *overrides, *SHORT, cwd=tmp_path))
 
     plain = tmp_path / "outputs" / "vit_sanity" / "checkpoints"
-    out = train("training.steps=2")
-    assert f"checkpoints: outputs/vit_sanity/checkpoints (vit_sanity's own folder" in out
+    plain_out = train("training.steps=2")
     (first_run,) = _run_dirs(plain.parent)
     shards = tmp_path / "digits_shards"
     _ok(run_python(REPO / "scripts" / "shard_images.py", "--root", REPO / "data" / "digits", "--out", shards,
@@ -49,6 +48,8 @@ def test_readme_quick_start_then_the_shard_command_then_more_steps_then_predict(
     own = plain.parent / run_name(sharded)  # data.num_classes@10+data.root@%2F...%2Fdigits_shards+data@shards
     assert f"checkpoints: {own.relative_to(tmp_path)}/checkpoints, a run of its own" in out
     assert "resuming from" not in out and (own / "checkpoints" / "step_2" / "COMPLETE").is_file()
+    assert "checkpoints: outputs/vit_sanity/checkpoints (vit_sanity's own folder: the same command again resumes the " \
+           "run)" in plain_out
     (shard_run,) = _run_dirs(own)  # its run directory beside its checkpoints
     assert json.loads((own / "checkpoints" / "run.json").read_text())["run_dir"] == str(shard_run)
     out = train(*sharded, "training.steps=2")  # the same command again: its own run, resumed, nothing to do
