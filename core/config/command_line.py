@@ -150,10 +150,12 @@ def missing_config(script: str, from_checkpoint: bool) -> str:
     return f"{script} needs a config: --config-name <name>{also}, one of {', '.join(configs())}"
 
 
-def usage(script: str, from_checkpoint: bool) -> str:
-    """What `<script> --help` prints without --config-name: how to call it, the configs and the groups' options."""
-    lines = [f"usage: python {script} --config-name <name> [key=value ...]",
-             f"       torchrun --nproc-per-node <N> {script} --config-name <name> [key=value ...]"]
+def usage(script: str, from_checkpoint: bool, config: Optional[str] = None) -> str:
+    """What `<script> --help` prints: how to call it, the configs and the groups' options (`config`: the one the
+    command line names, whose values --cfg job prints)."""
+    lines = [f"usage: python {script} --config-name <name> [key=value ...]"]
+    if script != "generate.py":  # which runs in one process
+        lines.append(f"       torchrun --nproc-per-node <N> {script} --config-name <name> [key=value ...]")
     if from_checkpoint:
         lines.append(f"       python {script} checkpoint.init_from=<step folder | run's checkpoint folder> [key=value ...]"
                      "   (the config the checkpoint was trained with)")
@@ -164,5 +166,5 @@ def usage(script: str, from_checkpoint: bool) -> str:
     lines += [f"  {group}: {', '.join(options)}" for group, options in group_options().items()]
     lines += ["", "Any key of the config: key=value (e.g. training.steps=600 optim.lr=3e-4); every key and its default:",
               "core/config/schema.py and the recipes' config.py. A config with its values:",
-              f"python {script} --config-name <name> --cfg job. Hydra's own options: --hydra-help."]
+              f"python {script} --config-name {config or '<name>'} --cfg job. Hydra's own options: --hydra-help."]
     return "\n".join(lines)

@@ -356,18 +356,20 @@ CHOSEN_CONFIG: Optional[str] = None  # why this process runs the config it does,
 
 
 def choose_config(config_from_checkpoint: Callable[[list[str]], Optional[tuple[str, str]]] | None) -> None:
-    """A command line that names no config (--config-name): `--help` prints the usage and the configs (exit 0);
+    """`--help`: the usage and the configs (exit 0). A command line that names no config (--config-name):
     predict.py and generate.py take the config checkpoint.init_from was trained with (`config_from_checkpoint(argv)`:
     (its name, why that one), None when the command line gives no checkpoint; it exits itself on a checkpoint it
     cannot read), put into sys.argv for Hydra; otherwise one line listing the configs (exit 2)."""
     from core.config import command_line
 
     argv, script = sys.argv[1:], Path(sys.argv[0]).name
-    if command_line.config_name(argv) is not None or command_line.needs_no_config(argv):
+    if command_line.needs_no_config(argv):
         return
-    if command_line.wants_help(argv):
-        print(command_line.usage(script, config_from_checkpoint is not None))
+    if command_line.wants_help(argv):  # also with --config-name: Hydra's help lists the schemas in its store as options
+        print(command_line.usage(script, config_from_checkpoint is not None, command_line.config_name(argv)))
         exit_process(0)
+    if command_line.config_name(argv) is not None:
+        return
     chosen = config_from_checkpoint(argv) if config_from_checkpoint is not None else None
     if chosen is None:
         print(f"config error: {command_line.missing_config(script, config_from_checkpoint is not None)}",
