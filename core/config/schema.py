@@ -316,8 +316,9 @@ UNFIT_SIGNALS = {
 class CheckpointConfig:
     """Torch DCP checkpoints in <path>/step_<N>/ (core/checkpointing/)."""
 
-    # The default is the same for every run of a config (outputs/<config>/checkpoints), so running the
-    # same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
+    # The default is the same for every run of a command (outputs/<config>/checkpoints; a command line that changes
+    # what is trained or the parallel layout: outputs/<config>/<those overrides>/checkpoints, core/distributed/
+    # launch.py), so running the same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
     # so a sweep run again resumes each configuration's own job. A path given to a multirun is the root
     # instead: <path>/<the job's overrides>.
     path: str = "${checkpoint_dir:}"
