@@ -40,7 +40,7 @@ from core.distributed import launch
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
 from recipes.gpt.recipe import GPTRecipe
 from recipes.gpt.tokenizer import lone_surrogate
-from recipes.registry import config_keys, get_recipe, register_configs
+from recipes.registry import PREDICT_CONFIGS, config_keys, get_recipe, register_configs
 
 log = logging.getLogger("generate")
 
@@ -57,6 +57,8 @@ class Generation:
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
 def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
+    if launch.CHOSEN_CONFIG and launch.global_rank() == 0:  # the command line named no config
+        log.info("%s", launch.CHOSEN_CONFIG)
     session.exit_on_error(generate, cfg, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
 
 
@@ -159,4 +161,4 @@ def read_prompts(path: Path) -> list[str]:
 
 if __name__ == "__main__":
     register_configs()
-    launch.run_hydra(main, config_keys)
+    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, PREDICT_CONFIGS))

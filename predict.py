@@ -36,7 +36,7 @@ from core.config.errors import ConfigError
 from core.data.loading import make_loader
 from core.data.sampling import EvalBatchSampler, PaddedEval
 from core.distributed import launch
-from recipes.registry import config_keys, get_recipe, register_configs
+from recipes.registry import PREDICT_CONFIGS, config_keys, get_recipe, register_configs
 
 log = logging.getLogger("predict")
 
@@ -51,6 +51,8 @@ class PredictResult:
 @hydra.main(version_base="1.3", config_path="configs", config_name=None)
 def main(cfg: DictConfig) -> None:
     hydra_config = HydraConfig.get()
+    if launch.CHOSEN_CONFIG and launch.global_rank() == 0:  # the command line named no config
+        log.info("%s", launch.CHOSEN_CONFIG)
     session.exit_on_error(predict, cfg, Path(hydra_config.runtime.output_dir), list(hydra_config.overrides.task))
 
 
@@ -155,4 +157,4 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main, config_keys)
+    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, PREDICT_CONFIGS))

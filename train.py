@@ -108,6 +108,7 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
     # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
     register_configs()
     with session.start(cfg, run_dir, get_recipe) as sess:
+        launch.describe_checkpoint_path(cfg)  # the default folder, and why this one: the same command again resumes it
         return train(setup(sess, objective_required=launch.optimising_sweep()))
 
 
@@ -118,7 +119,7 @@ def setup(sess: session.Session, objective_required: bool = False) -> Run:
     with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
         # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
         #    a resumed run must keep its result-changing settings), the global batch's split.
-        checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg)
+        checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg, config_name=launch.config_name())
         on_failure.callback(checkpointer.close)
         checkpointer.prepare()
         accumulation = accumulation_steps(training.global_batch_size, training.micro_batch_size, env.dp_size)
@@ -180,8 +181,13 @@ def restore(run: Run) -> Optional[Path]:
     else the run starts from the fresh init."""
     ckpt, env, state = run.session.cfg.checkpoint, run.session.env, run.state
     path = run.checkpointer.restore(checkpoint_parts(run))
-    if path is not None:  # the learning rate and optimizer settings in effect are the config's
-        optim.apply_config(run.optimizer, run.scheduler, run.session.cfg.optim, state.step - state.skipped_steps)
+    if path is not None:  # the learning rate and optimizer settings in effect are the config's; the schedule's length
+        cfg = run.session.cfg
+        for note in optim.resume_schedule(run.optimizer, run.scheduler, cfg.optim, cfg.scheduler, state, run.length.steps):
+            if env.is_main:
+                log.warning("%s", note)
+    else:
+        state.schedule_steps = run.length.steps
     if path is None and ckpt.init_from:
         load_weights(run.parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected,
                      env.is_main, ckpt.verify_checksums)
@@ -201,7 +207,9 @@ def train(run: Run) -> RunResult:
     sess, training, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
     start_step, last_train, last_val, stopped_by = state.step, {}, {}, None
     if start_step >= steps and sess.is_main:
-        log.info("the checkpoint is at step %d of %d: nothing left to do", start_step, steps)
+        log.info("the checkpoint %s is at step %d of %d: nothing left to do. To train this run longer, raise "
+                 "training.steps (it continues from step %d); to train a new run, give it a folder of its own: "
+                 "checkpoint.path=<a new folder>", run.resumed_from, start_step, steps, start_step)
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))

@@ -14,12 +14,15 @@ import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Optional
 
 import torch.distributed as dist
 from omegaconf import DictConfig
+from omegaconf.errors import InterpolationResolutionError
 
 from core.checkpointing.layout import CheckpointError
+from core.checkpointing.saved_config import trained_config
+from core.config import command_line
 from core.config.errors import DEBUG_ENV, ConfigError, DataError, message_of
 from core.config.validation import save_config, validate
 from core.distributed import env as distributed
@@ -37,7 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 
-EXIT_CODES = ((DataError, 2, "data error: "), (ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""))
+EXIT_CODES = ((DataError, 2, "data error: "), (ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""),
+              (InterpolationResolutionError, 2, "config error: "))  # a ${...} of the config that does not resolve
 
 
 @dataclass
@@ -114,3 +118,14 @@ def exit_on_error(function: Callable[..., Any], *args: Any) -> Any:
         if failed_jobs.in_multirun_job():  # the sweep goes on with its next job
             raise failed_jobs.job_error(code, label, message_of(e)) from None
         raise SystemExit(code) from None
+
+
+def config_of_init_from(argv: list[str], recipe_configs: dict[str, str]) -> Optional[tuple[str, str]]:
+    """For launch.run_hydra, in predict.py and generate.py: (the config to compose, why) when the command line names no
+    config but gives checkpoint.init_from: the one it was trained with, else its recipe's in `recipe_configs`
+    (core/checkpointing/saved_config.py:trained_config); None without checkpoint.init_from. A checkpoint that cannot
+    say ends the process with its one line and exit code."""
+    init_from = command_line.override_value(argv, "checkpoint.init_from")
+    if init_from is None:
+        return None
+    return exit_on_error(trained_config, init_from, command_line.configs(), recipe_configs)

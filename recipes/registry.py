@@ -15,6 +15,9 @@ from core.config.validation import register_schemas
 from recipes.base import Recipe
 
 KNOWN_RECIPES = ("vit", "mnist", "gpt", "esm2")
+# The config predict.py and generate.py compose for a checkpoint of the recipe when neither the command line nor the
+# checkpoint names one (its step folder names the config it was trained with since this tool records it).
+PREDICT_CONFIGS = {"vit": "vit_predict", "mnist": "mnist_predict", "gpt": "gpt_sanity", "esm2": "esm2_sanity"}
 CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 

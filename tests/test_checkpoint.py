@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import format_utils
 
 from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
 from core.checkpointing.retention import checkpoints_to_keep
+from core.distributed.launch import run_name
 from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
 from tests.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
 
@@ -72,9 +73,9 @@ def _finish(proc: subprocess.Popen) -> str:
 
 @pytest.mark.slow
 def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
-    """torchrun with 2 processes and the default checkpoint.path (outputs/<config>/checkpoints):
-    SIGTERM to torchrun saves and stops; kill -9 right after a save loses only the steps since.
-    Running the same command again continues with the uninterrupted run's losses, bit for bit."""
+    """torchrun with 2 processes and the default checkpoint.path (outputs/<config>/<the overrides that make it a run of
+    its own>/checkpoints): SIGTERM to torchrun saves and stops; kill -9 right after a save loses only the steps
+    since. Running the same command again continues with the uninterrupted run's losses, bit for bit."""
     # A loader worker too: torchrun signals it as well, and it must outlive the signal save.
     args = TINY + ["distributed=fsdp2", "training.steps=30", "checkpoint.save_every_n_steps=5",
                    "model.hidden_dropout=0.1", "data.num_workers=1"]
@@ -85,7 +86,7 @@ def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
     assert sorted(expected) == list(range(1, 31))
 
     cwd = tmp_path / "job"
-    ckpt = cwd / "outputs" / "vit_sanity" / "checkpoints"
+    ckpt = cwd / "outputs" / "vit_sanity" / run_name(args) / "checkpoints"
     proc = _start(args, cwd, "run1")
     _wait_for(lambda: len(train_losses(cwd / "run1")) >= 3, proc)
     proc.send_signal(signal.SIGTERM)  # to torchrun, which forwards it to both workers

@@ -22,7 +22,7 @@ import predict
 from core.checkpointing.layout import write_marker
 from core.checkpointing.lock import PathLock
 from core.config.errors import ConfigError
-from core.distributed.launch import configuration_name
+from core.distributed.launch import configuration_name, run_name
 from core.checkpointing.layout import CheckpointError
 from core.training.optim import lr_multiplier
 from tests.checkpoint_harness import TINY
@@ -284,3 +284,36 @@ def test_configuration_names():
     assert len(long) == 121 and long != configuration_name([f"model.layer_{i}=123456780" for i in range(30)])
     kept = "data.root=" + "a" * 110  # 120 characters: kept whole
     assert configuration_name([kept]) == kept and len(configuration_name([kept + "a"])) == 121
+
+
+def test_a_single_runs_default_folder_is_named_by_the_overrides_that_make_another_run():
+    """outputs/<config>/checkpoints for the config as it is, also extended (training.steps) or run with other
+    logging, saving or speed settings; outputs/<config>/<name>/checkpoints for one that changes the model, data,
+    optimization, parallel layout or starting weights: gpt.md's `distributed.tp=2` after `gpt_sanity` and the
+    README's shard command after `vit_sanity` are runs of their own. The name can be given back on a command line
+    unquoted (checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    for same_run in (["training.steps=600"], ["training.steps=600", "scheduler.on_extend=hold"],
+                     ["logger.progress_bar=never", "data.num_workers=0", "model.backend=torch",
+                      "checkpoint.save_every_n_steps=5", "checkpoint.keep_last_n=2", "training.micro_batch_size=4"]):
+        assert run_name(same_run) is None, same_run
+    assert run_name(["distributed.tp=2"]) == "distributed.tp@2"
+    assert run_name(["distributed=ddp", "training.steps=9"]) == "distributed@ddp"
+    assert run_name(["data=shards", "data.root=/tmp/digits_shards", "data.num_classes=10", "training.steps=20"]) == \
+        "data.num_classes@10+data.root@%2Ftmp%2Fdigits_shards+data@shards"
+    assert run_name(["data.format=shards", "data.root=/tmp/digits_shards"]) == \
+        "data.format@shards+data.root@%2Ftmp%2Fdigits_shards"  # docs/data.md's
+    assert run_name(["checkpoint.init_from=ckpt/pre/step_3000"]) == "checkpoint.init_from@ckpt%2Fpre%2Fstep_3000"
+    assert run_name(["optim.lr=1e-3", "+seed=2", "scheduler=wsd", "seed=3"]) == "optim.lr@1e-3+scheduler@wsd+seed@3"
+    different = [["data.root=a/b"], ["data.root=a@b"], ["data.root=a+b"], ["data.root=a%2Fb"], ["data.root=a~b"],
+                 ["data.root=a=b"], ["data.root=x", "data.split=y"], ["data.root=x+data.split@y"], ["data.root=[1,2]"]]
+    names = [run_name(overrides) for overrides in different]
+    assert len(set(names)) == len(names), names
+    parser = OverridesParser.create()
+    for name in names:
+        assert parser.parse_override(f"checkpoint.init_from=outputs/x/{name}/checkpoints").value() == \
+            f"outputs/x/{name}/checkpoints"
+    assert len(run_name([f"model.layer_{i}=123456789" for i in range(30)])) == 121
+    # A sweep's folders keep their names (result-changing and swept keys only).
+    assert configuration_name(["distributed.tp=2", "optim.lr=1e-3"]) == "optim.lr=1e-3"

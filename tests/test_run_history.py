@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from core.distributed.launch import run_name
 from core.metrics.history import keep_history_up_to
 from tests.checkpoint_harness import phase, run_phases
 from tests.helpers import REPO, run_python, run_workers
@@ -90,9 +91,11 @@ def test_the_same_command_again_continues_in_the_same_run_dir(tmp_path):
 
     invoke("train.py", "training.steps=3")
     invoke("train.py", "training.steps=5")
-    runs = [p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]
-    assert len(runs) == 1
+    # The model overrides make a run of its own: its checkpoints and run directories in outputs/vit_sanity/<them>/.
+    folder = tmp_path / "outputs" / "vit_sanity" / run_name(tiny)
+    runs = [p for p in folder.iterdir() if p.name != "checkpoints"]
+    assert len(runs) == 1 and [p.name for p in (tmp_path / "outputs" / "vit_sanity").iterdir()] == [folder.name]
     assert [r["step"] for r in _records(runs[0] / "metrics.jsonl") if "split" not in r] == [1, 2, 3, 4, 5]
     assert (runs[0] / "train.log").read_text().count("global batch 8") == 2  # both invocations' logs, one file
-    invoke("predict.py", "checkpoint.init_from=outputs/vit_sanity/checkpoints/step_5", "predict.split=val")
-    assert len([p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]) == 2
+    invoke("predict.py", f"checkpoint.init_from={folder}/checkpoints/step_5", "predict.split=val")
+    assert len([p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != folder.name]) == 1

@@ -63,10 +63,14 @@ class PendingSave:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None):
+    def __init__(self, cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None,
+                 config_name: Optional[str] = None):
         self.cfg, self.rank, self.device = cfg, rank, device
         self.is_main = rank == 0
         self.config = config  # the run's resolved config, saved beside each checkpoint
+        # The name of the config it was composed from (--config-name), in each COMPLETE marker: predict.py and
+        # generate.py given a step folder and no --config-name compose it again.
+        self.config_name = config_name
         self.path = Path(cfg.path)
         self.candidates: list[Path] = []  # checkpoints to try, newest first (prepare)
         self.auto = False  # resume=auto|true: a corrupt newest checkpoint falls back to the one before
@@ -162,8 +166,9 @@ class Checkpointer:
             raise ConfigError(
                 f"resuming from {path}, but these settings differ from the ones it was trained with:\n  "
                 + "\n  ".join(refused) + "\nThey change the run's result, so a resume keeps them. To start a new run "
-                "with them, use another checkpoint.path (or checkpoint.init_from=" + str(path) + " for its weights "
-                "only); to continue this run with them on purpose, set checkpoint.allow_config_changes=true")
+                "with them, give it a folder of its own: checkpoint.path=<a new folder> (add checkpoint.init_from="
+                + str(path) + " to start from these weights); to continue this run with them on purpose, set "
+                "checkpoint.allow_config_changes=true")
         if self.is_main and (refused or other):
             log.warning("resuming from %s with changed settings (in effect from the first resumed step): %s", path,
                         "; ".join(refused + other))
@@ -295,7 +300,8 @@ class Checkpointer:
             return
         if self.config is not None:
             save_config(self.config, save.target / "config.yaml")
-        write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time()})
+        named = {"config_name": self.config_name} if self.config_name else {}
+        write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time(), **named})
         size = sum(p.stat().st_size for p in save.target.iterdir() if p.is_file())
         log.info("saved checkpoint %s (%.1f MB in %.2f s%s)", save.target, size / 2**20,
                  time.perf_counter() - save.started, ", async" if self.cfg.async_save else "")

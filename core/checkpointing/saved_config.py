@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf._utils import get_yaml_loader
 from omegaconf.errors import OmegaConfBaseException
 
-from core.checkpointing.layout import CheckpointError, resolve_checkpoint
+from core.checkpointing.layout import COMPLETE_MARKER, CheckpointError, read_marker, resolve_checkpoint
 from core.config.errors import ConfigError
 from core.config.file_shape import read_small_file
 from core.config.identity import changes_result
@@ -190,6 +190,30 @@ def saved_config_file(init_from: Optional[str]) -> Optional[Path]:
     step = resolve_checkpoint(init_from)
     file = step / CONFIG_FILE
     return file if step.is_dir() and file.is_file() else None
+
+
+def trained_config(init_from: str, configs: Iterable[str], recipe_configs: dict[str, str]) -> tuple[str, str]:
+    """For predict.py and generate.py given no --config-name: the config to compose for checkpoint.init_from (a step
+    folder, or a run's checkpoint folder: its newest complete step) and why that one. The config the step was trained
+    with, which its COMPLETE marker names (when it is one of `configs`: the name comes from a file), else its recipe's
+    entry in `recipe_configs` (the recipe from its config.yaml). ConfigError for a checkpoint that names no recipe (a
+    weights file, a folder without config.yaml); CheckpointError naming the file for one that cannot be read."""
+    step = resolve_checkpoint(init_from)
+    file = step / CONFIG_FILE
+    if not step.exists():
+        raise ConfigError(f"checkpoint.init_from={init_from}: no such file or folder")
+    if not (step.is_dir() and file.is_file()):
+        raise ConfigError(f"checkpoint.init_from={init_from}: {step} holds no {CONFIG_FILE} (a weights file, or a "
+                          "converted folder), so it does not say which config to use: give one with --config-name")
+    recipe = read_config_file(file).get("recipe")
+    if recipe not in recipe_configs:
+        raise CheckpointError(f"{file}: recipe: {recipe!r}, expected one of {', '.join(recipe_configs)}")
+    recorded = read_marker(step).get("config_name") if (step / COMPLETE_MARKER).is_file() else None
+    if isinstance(recorded, str) and recorded in configs:
+        return recorded, f"the config {step} was trained with"
+    why = (f"the config it names, {recorded!r}, is not one of configs/" if recorded is not None
+           else "its step folder does not name the config it was trained with")
+    return recipe_configs[recipe], f"the {recipe} recipe's config for predictions on {step} ({why})"
 
 
 def explicit_keys(overrides: Iterable[str]) -> dict[str, str]:

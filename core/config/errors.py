@@ -38,6 +38,10 @@ def message_of(error: BaseException) -> str:
     """The error's own message. One raised in a DataLoader worker reaches the main process re-raised with the
     worker's whole traceback as its text ("Caught DataError in DataLoader worker process 0. Original Traceback
     ... recipes.x.DataError: <message>"): the message is what follows the last line naming its type."""
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(error, OmegaConfBaseException):  # the key, and the first line of OmegaConf's message
+        return f"{getattr(error, 'full_key', None) or 'the config'}: {str(getattr(error, 'msg', error)).splitlines()[0]}"
     text = str(error)
     if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
         return text

@@ -82,6 +82,20 @@ class ScheduleName(StrEnum):
     cosine = "cosine"  # linear warmup, then cosine decay to min_lr_ratio * optim.lr at training.steps
     linear = "linear"  # linear warmup, then linear decay to min_lr_ratio * optim.lr
     constant = "constant"  # linear warmup, then constant
+    # warmup-stable-decay: linear warmup, constant, then linear decay to min_lr_ratio * optim.lr over the last
+    # decay_steps (or decay_fraction of training.steps): a run extended before its decay starts goes on unchanged.
+    wsd = "wsd"
+
+
+class ScheduleExtension(StrEnum):
+    """What a resumed run given more (or fewer) training.steps than its schedule spans does with the schedule."""
+
+    # The schedule spans the new training.steps: from the resumed step on, the learning rate is the longer schedule's
+    # (a finished cosine or linear decay rises again; a wsd run still in its stable phase goes on unchanged).
+    stretch = "stretch"
+    # The schedule keeps the length it started with (recorded in the checkpoint): steps past its end keep its final
+    # learning rate, min_lr_ratio * optim.lr.
+    hold = "hold"
 
 
 class FP8RecipeName(StrEnum):
@@ -302,8 +316,9 @@ UNFIT_SIGNALS = {
 class CheckpointConfig:
     """Torch DCP checkpoints in <path>/step_<N>/ (core/checkpointing/)."""
 
-    # The default is the same for every run of a config (outputs/<config>/checkpoints), so running the
-    # same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
+    # The default is the same for every run of a command (outputs/<config>/checkpoints; a command line that changes
+    # what is trained or the parallel layout: outputs/<config>/<those overrides>/checkpoints, core/distributed/
+    # launch.py), so running the same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
     # so a sweep run again resumes each configuration's own job. A path given to a multirun is the root
     # instead: <path>/<the job's overrides>.
     path: str = "${checkpoint_dir:}"
@@ -395,8 +410,14 @@ class SchedulerConfig:
     name: ScheduleName = ScheduleName.cosine
     warmup_steps: int = 0  # linear warmup from 0 over these steps
     min_lr_ratio: float = 0.0  # final lr = min_lr_ratio * optim.lr (constant: the lr stays)
+    decay_fraction: float = 0.2  # wsd: the decay spans this share of the schedule's steps, at its end ...
+    decay_steps: Optional[int] = None  # ... or this many steps (null: decay_fraction)
+    # A resumed run whose training.steps differ from the length its schedule started with (extended): stretch the
+    # schedule over the new length, or hold it (ScheduleExtension). Changing it does not make another run.
+    on_extend: ScheduleExtension = ScheduleExtension.stretch
 
-    RANGES: ClassVar[dict[str, Rule]] = {"warmup_steps": Int(0, INT32_MAX), "min_lr_ratio": Real(0, 1)}
+    RANGES: ClassVar[dict[str, Rule]] = {"warmup_steps": Int(0, INT32_MAX), "min_lr_ratio": Real(0, 1),
+                                         "decay_fraction": Real(0, 1), "decay_steps": Int(0, INT32_MAX)}
 
 
 @dataclass

@@ -12,13 +12,14 @@ recipe and its data are known.
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING, Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.config_source import ConfigLoadError
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from core.config.command_line import other_recipes_option, schema_of_option
 from core.config.errors import ConfigError
 from core.config.ranges import rules_of
 from core.config.schema import TrainConfig
@@ -45,6 +46,40 @@ def _recipe_schema(group: str, recipe: str) -> DictConfig:
         raise ConfigError(f"recipe: unknown recipe {recipe!r}; known: {', '.join(known) or 'none registered'}") from None
 
 
+def _recipe_of_schema(group: str, schema: type) -> Optional[str]:
+    """The recipe whose `group` schema (as stored by register_schemas) is `schema`, or None."""
+    cs = ConfigStore.instance()
+    suffix = f"_{group}_schema.yaml"
+    for name in cs.list(group):
+        if name.endswith(suffix) and OmegaConf.get_type(cs.load(f"{group}/{name}").node) is schema:
+            return name.removesuffix(suffix)
+    return None
+
+
+def _chosen(group: str) -> Optional[str]:
+    """The option Hydra composed for `group` (e.g. moby_dick), when this runs under Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    choice = HydraConfig.get().runtime.choices.get(group)
+    return choice if isinstance(choice, str) else None
+
+
+def check_recipe_groups(cfg: DictConfig, recipe: str) -> None:
+    """The model and data sections must be made for the config's recipe: an option of another recipe's group (vit_sanity
+    data=moby_dick) is refused naming the group, the recipe it is for and the options there are for this one, before
+    its missing keys surface as interpolation errors of keys the user never set."""
+    for group in ("model", "data"):
+        node = cfg._get_node(group) if group in cfg else None
+        owner = _recipe_of_schema(group, OmegaConf.get_type(node)) if isinstance(node, DictConfig) else None
+        if owner is None or owner == recipe:
+            continue
+        chosen = _chosen(group)
+        given = f"{group}={chosen}" if chosen and schema_of_option(group, chosen) == f"{owner}_{group}_schema" else group
+        raise ConfigError(other_recipes_option(group, given, owner, recipe))
+
+
 def validate(cfg: DictConfig) -> DictConfig:
     """Check the composed config against the schemas, strictly, run the value checks, and return it
     resolved and read-only. Raises ConfigError naming the offending key (unknown key, wrong type, a value
@@ -55,6 +90,7 @@ def validate(cfg: DictConfig) -> DictConfig:
     schema = OmegaConf.structured(TrainConfig)
     schema.model = _recipe_schema("model", recipe)
     schema.data = _recipe_schema("data", recipe)
+    check_recipe_groups(cfg, recipe)
     try:
         container = OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)
         checked = OmegaConf.merge(schema, container)

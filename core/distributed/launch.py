@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Collection
+from typing import Callable, Collection, Optional
 from urllib.parse import quote
 
 from omegaconf import OmegaConf
@@ -64,8 +64,11 @@ def run_id() -> str:
 
 
 def checkpoint_dir() -> str:
-    """Default checkpoint.path: the same for every run of a config, so running the same command again
-    resumes (outputs/<config>/checkpoints). In a multirun sweep, one folder per configuration,
+    """Default checkpoint.path: the same for every run of one command, so running it again resumes (also after
+    SIGTERM, or requeued). The config as it is: outputs/<config>/checkpoints; with command-line overrides that
+    make another run (core/config/identity.py:names_run: the model, data, optimization, parallel layout or the
+    weights it starts from), outputs/<config>/<those overrides>/checkpoints (`run_folder`), so such a command
+    never resumes, or is refused by, the plain command's run. In a multirun sweep, one folder per configuration,
     <sweep dir>/checkpoints/<its overrides that change the result or that the sweep varies>, not per job
     number: a sweep run again with a changed value list resumes each configuration's own job."""
     from hydra.core.hydra_config import HydraConfig
@@ -73,22 +76,82 @@ def checkpoint_dir() -> str:
 
     hydra_cfg = HydraConfig.get()
     if hydra_cfg.mode == RunMode.MULTIRUN:
-        name = configuration_name(list(hydra_cfg.overrides.task), swept_keys())
+        name = configuration_name(task_overrides(), swept_keys())
         return str(Path(hydra_cfg.sweep.dir) / "checkpoints" / name)
-    return str(Path("outputs") / hydra_cfg.job.config_name / "checkpoints")
+    return str(Path(run_folder()) / "checkpoints")
 
 
-def run_dir(checkpoint_path: str, new_run_dir: str) -> str:
-    """hydra.run.dir: for train.py, where the run of `checkpoint_path` started (recorded in its run.json by rank 0
-    of an earlier invocation, which every rank of this one reads before any of them starts), else `new_run_dir`;
-    predict.py and generate.py, which only read a checkpoint, always write to a new directory."""
+def run_folder() -> str:
+    """Where a single training run of this command keeps its checkpoints and run directories: outputs/<config>,
+    or outputs/<config>/<its overrides that make another run> (`run_name`). predict.py and generate.py, which
+    start no run: outputs/<config>."""
     from hydra.core.hydra_config import HydraConfig
+
+    hydra_cfg = HydraConfig.get()
+    folder = Path("outputs") / hydra_cfg.job.config_name
+    name = run_name(task_overrides()) if hydra_cfg.job.name == "train" else None
+    return str(folder / name if name else folder)
+
+
+def task_overrides() -> list[str]:
+    """The command line's overrides of the config (Hydra's overrides.task) as given: not resolved, since one that
+    holds an interpolation (`optim.lr=${data.lr}`) would be resolved in Hydra's node, where its keys are not."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return [str(o) for o in OmegaConf.to_container(HydraConfig.get().overrides.task, resolve=False)]
+
+
+def config_name() -> Optional[str]:
+    """The name of the config Hydra composed for this job (--config-name); None outside Hydra (a caller from Python)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return HydraConfig.get().job.config_name if HydraConfig.initialized() else None
+
+
+def run_dir(new_run_dir: str, *, _root_) -> str:
+    """hydra.run.dir: for train.py, where the run of checkpoint.path started (recorded in its run.json by rank 0
+    of an earlier invocation, which every rank of this one reads before any of them starts), else `new_run_dir`;
+    predict.py and generate.py, which only read a checkpoint, always write to a new directory. A checkpoint.path
+    that cannot be resolved (an interpolation of a key or variable that is not there) gets a new directory here,
+    and the run stops with a config error naming the key once it starts, instead of a traceback from Hydra."""
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf.errors import OmegaConfBaseException
 
     from core.config.run_record import recorded_run_dir
 
     if HydraConfig.get().job.name != "train":
         return new_run_dir
+    try:
+        checkpoint_path = str(_root_.checkpoint.path)
+    except OmegaConfBaseException:
+        return new_run_dir
     return recorded_run_dir(checkpoint_path, new_run_dir)
+
+
+def describe_checkpoint_path(cfg) -> None:
+    """Say at the start of a single run whose checkpoint.path is the default where its checkpoints go, and why
+    there: the same command again resumes them; overrides that make another run gave it a folder of its own."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    from core.config.schema import CheckpointConfig
+
+    hydra_cfg = HydraConfig.get()
+    given = OmegaConf.to_container(cfg.checkpoint)["path"]
+    if hydra_cfg.mode == RunMode.MULTIRUN or given != CheckpointConfig.path or global_rank() != 0:
+        return
+    plain = Path("outputs") / hydra_cfg.job.config_name / "checkpoints"
+    named = run_overrides(task_overrides())
+    log = logging.getLogger("train")
+    if not named:
+        log.info("checkpoints: %s (%s's own folder: the same command again resumes the run)", cfg.checkpoint.path,
+                 hydra_cfg.job.config_name)
+    else:
+        log.info("checkpoints: %s, a run of its own: %s on the command line change%s the model, data, optimization, "
+                 "parallel layout or starting weights of %s, so the same command again resumes this run, not %s's "
+                 "(to continue that one with them instead, set checkpoint.path=%s)", cfg.checkpoint.path,
+                 " ".join(f"{k}={v}" for k, v in sorted(named.items())), "s" if len(named) == 1 else "",
+                 hydra_cfg.job.config_name, plain, plain)
 
 
 # Characters an override keeps in a folder name besides letters, digits and _.-~; the others are percent-encoded:
@@ -96,6 +159,7 @@ def run_dir(checkpoint_path: str, new_run_dir: str) -> str:
 # systems treat specially (: * ? $ ...).
 NAME_SAFE = "=+[]@"
 NAME_MAX = 120  # a longer name is shortened, ending in a hash of the whole
+DEFAULT_NAME = "default"  # no override names the configuration
 
 
 def configuration_name(overrides: list[str], swept: Collection[str] = ()) -> str:
@@ -107,13 +171,38 @@ def configuration_name(overrides: list[str], swept: Collection[str] = ()) -> str
     NAME_MAX becomes its start and a hash of the whole, one character longer than any name kept whole."""
     from core.config.identity import changes_result
 
-    last = {o.lstrip("+~").split("=", 1)[0]: o.lstrip("+~") for o in overrides if "=" in o}  # the last one wins
-    named = [o for key, o in last.items() if changes_result(key) or key in swept]
-    name = ",".join(sorted(quote(o, safe=NAME_SAFE) for o in named))
-    name = name or "default"
-    if len(name) > NAME_MAX:
-        name = name[:NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
-    return name
+    named = [f"{key}={value}" for key, value in _last_values(overrides).items() if changes_result(key) or key in swept]
+    return _shortened(",".join(sorted(quote(o, safe=NAME_SAFE) for o in named)) or DEFAULT_NAME)
+
+
+def run_name(overrides: list[str]) -> Optional[str]:
+    """The folder name of a single run's overrides that make it another run (core/config/identity.py:names_run),
+    sorted, each as key@value, joined by +: `distributed.tp@2`, `data.root@%2Fdata%2Fa+data@shards`; None for none.
+    Unlike a sweep's names, these hold nothing Hydra reads specially in an unquoted value (= , [ ] ~), so the folder
+    can be given as it is (checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints). Keys and values are
+    percent-encoded but for letters, digits and _ . -, so two different sets of overrides never share a name."""
+    def encoded(text: str) -> str:
+        return quote(text, safe="").replace("~", "%7E")  # quote leaves ~ as it is
+
+    named = [f"{encoded(key)}@{encoded(value)}" for key, value in run_overrides(overrides).items()]
+    return _shortened("+".join(sorted(named))) if named else None
+
+
+def run_overrides(overrides: list[str]) -> dict[str, str]:
+    """{key: value} of the overrides that make a single run another run (core/config/identity.py:names_run)."""
+    from core.config.identity import names_run
+
+    return {key: value for key, value in _last_values(overrides).items() if names_run(key)}
+
+
+def _last_values(overrides: list[str]) -> dict[str, str]:
+    """{key: value} of `key=value` overrides (+key, ++key and ~key as key), the last one winning."""
+    return dict(o.lstrip("+~").split("=", 1) for o in overrides if "=" in o)
+
+
+def _shortened(name: str) -> str:
+    """A name longer than NAME_MAX as its start and a hash of the whole: one character longer than any name kept."""
+    return name if len(name) <= NAME_MAX else name[:NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
 
 
 def swept_on_command_line(argv: list[str]) -> list[str]:
@@ -160,7 +249,7 @@ def separate_checkpoint_path(cfg) -> None:
     given = OmegaConf.to_container(cfg.checkpoint)["path"]  # as written: the default is ${checkpoint_dir:}
     if hydra_cfg.mode != RunMode.MULTIRUN or given == CheckpointConfig.path:
         return
-    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(list(hydra_cfg.overrides.task),
+    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(task_overrides(),
                                                                              swept_keys()))
     if global_rank() == 0:
         logging.getLogger("train").info("this job's checkpoints: %s (checkpoint.path/<its overrides>)",
@@ -176,6 +265,8 @@ def register_resolvers() -> None:
         OmegaConf.register_new_resolver("checkpoint_dir", checkpoint_dir)
     if not OmegaConf.has_resolver("run_dir"):
         OmegaConf.register_new_resolver("run_dir", run_dir)
+    if not OmegaConf.has_resolver("run_folder"):
+        OmegaConf.register_new_resolver("run_folder", run_folder)
 
 
 def global_rank() -> int:
@@ -261,22 +352,54 @@ def pass_on_stop_signal(stopped_by: str | None) -> None:
         handler(sig, None)
 
 
-def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = None) -> None:
-    """Run a @hydra.main entry point on this rank: the command line's keys checked against `config_keys(its
-    arguments)` (an unknown one ends with exit code 2 and the closest valid key), the resolvers registered, Hydra quiet
-    on ranks > 0, and the process ended when it returns or fails, with its exit code (1 for an unexpected
-    error, which Hydra has printed; a multirun with failed jobs names them and ends with the first one's code:
-    core/distributed/failed_jobs.py). Ending with os._exit keeps a failed run from waiting at interpreter
-    exit for data-loader workers or threads that are still running: a failing job ends instead of holding
-    its nodes."""
+CHOSEN_CONFIG: Optional[str] = None  # why this process runs the config it does, when the command line named none
+
+
+def choose_config(config_from_checkpoint: Callable[[list[str]], Optional[tuple[str, str]]] | None) -> None:
+    """`--help`: the usage and the configs (exit 0). A command line that names no config (--config-name):
+    predict.py and generate.py take the config checkpoint.init_from was trained with (`config_from_checkpoint(argv)`:
+    (its name, why that one), None when the command line gives no checkpoint; it exits itself on a checkpoint it
+    cannot read), put into sys.argv for Hydra; otherwise one line listing the configs (exit 2)."""
+    from core.config import command_line
+
+    argv, script = sys.argv[1:], Path(sys.argv[0]).name
+    if command_line.needs_no_config(argv):
+        return
+    if command_line.wants_help(argv):  # also with --config-name: Hydra's help lists the schemas in its store as options
+        print(command_line.usage(script, config_from_checkpoint is not None, command_line.config_name(argv)))
+        exit_process(0)
+    if command_line.config_name(argv) is not None:
+        return
+    chosen = config_from_checkpoint(argv) if config_from_checkpoint is not None else None
+    if chosen is None:
+        print(f"config error: {command_line.missing_config(script, config_from_checkpoint is not None)}",
+              file=sys.stderr)
+        exit_process(2)
+    global CHOSEN_CONFIG
+    name, CHOSEN_CONFIG = chosen[0], f"--config-name {chosen[0]}: {chosen[1]}"
+    sys.argv[1:1] = ["--config-name", name]
+
+
+def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = None,
+              config_from_checkpoint: Callable[[list[str]], Optional[tuple[str, str]]] | None = None) -> None:
+    """Run a @hydra.main entry point on this rank: a command line without --config-name answered first (`choose_config`),
+    the command line's keys checked against `config_keys(its arguments)` (an unknown one ends with exit code 2 and the
+    closest valid key), the resolvers registered, Hydra quiet on ranks > 0, and the process ended when it returns or
+    fails, with its exit code (1 for an unexpected error, which Hydra has printed; a multirun with failed jobs names
+    them and ends with the first one's code: core/distributed/failed_jobs.py). Ending with os._exit keeps a failed
+    run from waiting at interpreter exit for data-loader workers or threads that are still running: a failing job
+    ends instead of holding its nodes."""
+    from core.config import command_line
     from core.config.errors import ConfigError
     from core.config.overrides import check_overrides
     from core.distributed.watchdog import exit_with_launcher
 
+    choose_config(config_from_checkpoint)
     if config_keys is not None:
         try:
             groups = {p.name for p in (REPO_DIR / "configs").iterdir() if p.is_dir()}
             check_overrides(sys.argv[1:], config_keys(sys.argv[1:]), groups)
+            command_line.check_group_choices(sys.argv[1:])  # e.g. data=moby_dick (gpt's) for vit_sanity
         except ConfigError as e:
             print(f"config error: {e}", file=sys.stderr)
             exit_process(2)

@@ -1,14 +1,16 @@
-"""AdamW with weight-decay parameter groups, and the warmup + decay learning-rate schedule."""
+"""AdamW with weight-decay parameter groups, and the warmup + decay learning-rate schedule (also when a resumed run
+is extended)."""
 
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 from torch import nn
 
-from core.config.schema import OptimConfig, ScheduleName, SchedulerConfig
+from core.config.schema import OptimConfig, ScheduleExtension, ScheduleName, SchedulerConfig
+from core.training.state import TrainState
 
 
 def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float,
@@ -34,30 +36,93 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:
-    """Linear warmup from 0 over warmup_steps, then cosine / linear decay to min_lr_ratio at total_steps.
+    """Linear warmup from 0 over warmup_steps, then cosine / linear decay to min_lr_ratio at total_steps; constant;
+    or wsd: constant until its decay, then linear to min_lr_ratio at total_steps. Past total_steps: the final value.
     `step` counts optimizer steps already taken (0 for the first)."""
     if step < cfg.warmup_steps:
         return (step + 1) / cfg.warmup_steps
     if cfg.name == ScheduleName.constant:
         return 1.0
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
+    start = decay_start(total_steps, cfg)
+    if step < start:
+        return 1.0
+    progress = min(1.0, (step - start) / max(1, total_steps - start))
     if cfg.name == ScheduleName.cosine:
         shape = 0.5 * (1.0 + math.cos(math.pi * progress))
-    else:  # linear
+    else:  # linear, wsd
         shape = 1.0 - progress
     return cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * shape
 
 
+def decay_start(total_steps: int, cfg: SchedulerConfig) -> int:
+    """The optimizer step (counted from 0) at which the decay of a schedule over `total_steps` begins: after the warmup,
+    or for wsd its last decay_steps (decay_fraction of total_steps); total_steps for constant (never)."""
+    if cfg.name == ScheduleName.constant:
+        return total_steps
+    if cfg.name != ScheduleName.wsd:
+        return cfg.warmup_steps
+    decay = cfg.decay_steps if cfg.decay_steps is not None else round(cfg.decay_fraction * total_steps)
+    return max(cfg.warmup_steps, total_steps - decay)
+
+
+def _multiplier(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:
+    # A function, not an object: LambdaLR saves an object's attributes into the checkpoint.
+    return lambda step: lr_multiplier(step, total_steps, cfg)
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, total_steps: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(step, total_steps, cfg))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, _multiplier(cfg, total_steps))
+
+
+def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, optim_cfg: OptimConfig, cfg: SchedulerConfig,
+                    state: TrainState, run_steps: int) -> list[str]:
+    """After a resume (the checkpoint's scheduler state and counters loaded): the schedule spans `run_steps`
+    (scheduler.on_extend=stretch) or keeps the length the run started with (hold: state.schedule_steps, recorded in
+    the checkpoint), and the learning rate and optimizer settings in effect are the config's (apply_config). Returns
+    what to warn about, one line each: a learning rate at the resumed step other than the one the checkpoint's run
+    would have used (an extension that changes the rate's path), a held schedule that has ended."""
+    saved_lr = scheduler.get_last_lr()[0]  # the checkpoint's: the rate its run would have used next
+    recorded, hold, notes = state.schedule_steps, cfg.on_extend == ScheduleExtension.hold, []
+    length = recorded if hold and recorded else run_steps
+    if hold and not recorded:
+        notes.append(f"scheduler.on_extend=hold: the checkpoint does not record the length of its schedule (an earlier "
+                     f"version wrote it): the schedule spans training.steps={run_steps}")
+    state.schedule_steps = length
+    scheduler.lr_lambdas = [_multiplier(cfg, length) for _ in scheduler.lr_lambdas]
+    position = state.step - state.skipped_steps
+    apply_config(optimizer, scheduler, optim_cfg, position)
+    lr = scheduler.get_last_lr()[0]
+    if not math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12):
+        notes.append(f"the learning rate at step {state.step + 1} is {lr:.3g}, not the {saved_lr:.3g} the checkpoint's "
+                     f"run would have used: {_why_changed(cfg, recorded, length, position)}")
+    if hold and position >= length and run_steps > state.step:
+        idle = ": they change nothing (weight decay too is scaled by the rate)" if lr == 0 else ""
+        notes.append(f"scheduler.on_extend=hold: the schedule ended at step {length}; steps {state.step + 1}-{run_steps} "
+                     f"keep its final learning rate {lr:.3g} (scheduler.min_lr_ratio={cfg.min_lr_ratio} x optim.lr){idle}")
+    return notes
+
+
+def _why_changed(cfg: SchedulerConfig, recorded: int, length: int, position: int) -> str:
+    """Why a resumed schedule's learning rate differs from the checkpoint's, and what keeps it, in words."""
+    if not recorded:
+        return (f"the schedule spans training.steps={length} (the checkpoint does not record the length its schedule "
+                "started with), or its settings changed")
+    if recorded == length:
+        return "the schedule's settings differ from the checkpoint's"
+    began = (f", and its decay had begun (at step {decay_start(recorded, cfg) + 1}): the rate is back at the stable rate, "
+             f"and decays again from step {decay_start(length, cfg) + 1}"
+             if cfg.name == ScheduleName.wsd and position >= decay_start(recorded, cfg) else "")
+    return (f"the {cfg.name} schedule now spans training.steps={length}, not the {recorded} it started with{began}. "
+            "scheduler.on_extend=hold keeps the schedule it started with (steps past its end at its final rate); a "
+            "scheduler=wsd run extended before its decay begins goes on at the same rate")
 
 
 def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, schedule_steps: int) -> None:
     """After a resume: every optimizer setting (AdamW's switches such as amsgrad or maximize as well) and the
     schedule's base rate are the config's (a checkpoint restores those it was saved with, and a file may
     hold anything); the schedule's position is `schedule_steps` (the optimizer steps taken, not skipped, from
-    the checked training counters), and the learning rate is the schedule's value there (the schedule itself,
-    e.g. its length, always comes from the config)."""
+    the checked training counters), and the learning rate is the schedule's value there (the schedule itself comes from
+    the config; its length from resume_schedule)."""
     scheduler.base_lrs = []
     scheduler.last_epoch, scheduler._step_count = schedule_steps, schedule_steps + 1
     built_with = {k: v for k, v in getattr(optimizer, "defaults", {}).items() if k not in ("lr", "weight_decay")}
