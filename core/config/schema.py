@@ -455,7 +455,9 @@ class LoggerConfig:
 class PredictConfig:
     """predict.py: run the model of `checkpoint.init_from` over one split, one output row per sample."""
 
-    split: str = "test"  # which of the recipe's splits (e.g. test | val)
+    # Which of the recipe's splits (e.g. test | val); null: the data's test split where it has one, else val
+    # (the log says which).
+    split: Optional[str] = None
     folder: Optional[str] = None  # instead of a split: every input under this folder, unlabeled (the ViT)
     micro_batch_size: int = 256  # per rank
     output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
