@@ -14,8 +14,8 @@ from checkpoint import main as checkpoint_cli
 from tests.helpers import train_run, validated_config
 
 TINY = {
-    "gpt": ("gpt_sanity", ["data.cache_dir={tmp}/cache", "model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
-                           "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
+    "gpt": ("gpt_sanity", ["data.cache_dir={tmp}/cache", "model.hidden_size=32", "model.num_layers=1",
+                           "model.num_attention_heads=2", "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
     "esm2": ("esm2_sanity", ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
                              "model.ffn_hidden_size=64", "model.max_seq_length=64", "data.tokens_per_pack=256"]),
 }
@@ -48,9 +48,10 @@ def test_every_file_written_has_the_umasks_mode(tmp_path, mask):
         steps = {}
         for recipe, (config, model) in TINY.items():
             train_run(validated_config(config, [
-                *(o.format(tmp=tmp_path) for o in model), "training.steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
-                "training.val_every_n_steps=0", "training.val_at_end=false", "data.num_workers=0",
-                "logger.progress_bar=never", f"checkpoint.path={tmp_path}/out/{recipe}_ckpt"]), tmp_path / f"{recipe}_run")
+                *(o.format(tmp=tmp_path) for o in model), "training.steps=1", "training.global_batch_size=4",
+                "training.micro_batch_size=4", "training.val_every_n_steps=0", "training.val_at_end=false",
+                "data.num_workers=0", "logger.progress_bar=never", f"checkpoint.path={tmp_path}/out/{recipe}_ckpt"]),
+                tmp_path / f"{recipe}_run")
             steps[recipe] = tmp_path / "out" / f"{recipe}_ckpt" / "step_1"
         out = tmp_path / "out"
         for command in (["to-torch", steps["gpt"], out / "gpt.pt"],

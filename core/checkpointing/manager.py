@@ -330,8 +330,9 @@ class Checkpointer:
         one this run resumed from is left alone."""
         resumed = self.resumed_from.resolve() if self.resumed_from is not None else None
         own = [(step, p) for step, p in set_aside_dirs(self.path) if is_own(p) and p.resolve() != resumed]
-        for i in set_aside_to_delete([(step, is_complete(p)) for step, p in own], newest_complete, self.cfg.keep_last_n):
-            step, p = own[i]
+        released = set_aside_to_delete([(step, is_complete(p)) for step, p in own], newest_complete,
+                                        self.cfg.keep_last_n)
+        for _, p in (own[i] for i in released):
             log.info("deleting %s (%s)", p.name, "set aside" if is_complete(p) else "an interrupted save")
             shutil.rmtree(p, ignore_errors=True)
 

@@ -56,10 +56,15 @@ def continue_output(output: Path, settings: dict, prompts: list[str], samples: i
     if not settings_file(output).exists():
         raise DataError(f"generate.output={output} exists and is not an output of generate.py (no "
                         f"{settings_file(output).name} beside it): move it away, or choose another generate.output")
-    differences = _differences(_read_settings(settings_file(output)), settings)
+    try:
+        differences = _differences(_read_settings(settings_file(output)), settings)
+    except RecursionError:  # objects inside objects, hundreds deep: not a file generate.py wrote
+        raise DataError(f"{settings_file(output)}: nested too deeply to be the settings generate.py writes: move it "
+                        "and its output away, or choose another generate.output") from None
     if differences:
         raise ConfigError(f"generate.output={output} holds continuations made with other settings ("
-                          + "; ".join(differences) + "): run with those to continue it, or choose another generate.output")
+                          + "; ".join(differences) + "): run with those to continue it, or choose another "
+                          "generate.output")
     done = _check_records(output, prompts, samples)
     total = len(prompts) * samples
     if done == total:
