@@ -24,6 +24,7 @@ import errno
 import json
 import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 import yaml
@@ -57,17 +58,31 @@ def run_recipe(source: Path, config: Optional[str]) -> Optional[str]:
         if file is not None and file.is_file():
             try:
                 recipe = yaml.safe_load(file.read_text()).get("recipe")
-            except (yaml.YAMLError, AttributeError, UnicodeDecodeError):
+            except (yaml.YAMLError, AttributeError, UnicodeDecodeError, RecursionError):  # (Recursion: nested deeply)
                 continue  # the conversion reads the file again and says what is wrong with it
             return recipe if isinstance(recipe, str) else None
     return None
+
+
+def exporter(source: Path, config: Optional[str]) -> ModuleType:
+    """The Hugging Face conversion of the run `source` belongs to (recipes/registry.py:hf_conversions); the GPT's
+    when neither the step folder nor --config says (its export then names what is missing)."""
+    from recipes.registry import hf_conversions
+
+    conversions, recipe = hf_conversions(), run_recipe(source, config)
+    if recipe is not None and recipe not in conversions:
+        names = sorted(conversions)
+        listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
+        raise CheckpointError(f"{source}: a checkpoint of the {recipe} recipe; to-hf exports those of the {listed} "
+                              f"recipe{'s' if len(names) > 1 else ''}")
+    return conversions.get(recipe, conversions["gpt"])
 
 
 def folder_model_type(folder: Path) -> Optional[str]:
     """config.json's model_type of a Hugging Face folder (None when it cannot be read: the import says why)."""
     try:
         model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested too deeply for json
         return None
     return model_type if isinstance(model_type, str) else None
 
@@ -108,12 +123,9 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "from-torch":
             from_torch(args.source, args.step_dir)
         elif args.command == "to-hf":
-            if run_recipe(Path(args.step_dir), args.config) == "esm2":
-                from recipes.esm2.hf import export_to_hf
-            else:
-                from recipes.gpt.hf import export_to_hf
-            export_to_hf(args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
-                         config=args.config)
+            exporter(Path(args.step_dir), args.config).export_to_hf(
+                args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
+                config=args.config)
         elif folder_model_type(Path(args.hf_dir)) == "esm":
             from recipes.esm2.hf import import_from_hf
 

@@ -16,16 +16,20 @@ Top to bottom:
   3. decode   - token by token with a KV cache (recipes/gpt/generation.py): greedy, or sampled with
                 temperature, top-k and top-p from generate.seed; until generate.max_new_tokens or the
                 end-of-document token
-  4. write    - each prompt and its continuation printed, and <run dir>/generations.jsonl
+  4. write    - each prompt and its continuation printed, and appended to generate.output (default
+                <run dir>/generations.jsonl) as it is done (recipes/gpt/generations_file.py): SIGTERM, SIGINT or
+                SIGHUP stops the run after the continuation in progress, and the same command with the same
+                generate.output continues after the last one written
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import signal
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import hydra
 import torch
@@ -33,16 +37,25 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import session
+from core.checkpointing.layout import resolve_checkpoint
 from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError, DataError
+from core.config.file_shape import shown
+from core.config.validation import to_plain
 from core.distributed import launch
+from core.distributed.signals import StopSignals
+from core.training.nonfinite import NonFiniteError
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
+from recipes.gpt.generations_file import Appender, continue_output, prompts_identity
 from recipes.gpt.recipe import GPTRecipe
 from recipes.gpt.tokenizer import lone_surrogate
 from recipes.registry import PREDICT_CONFIGS, config_keys, get_recipe, register_configs
 
 log = logging.getLogger("generate")
+
+# Each stops the run after the continuation in progress (a second one of the same kind ends it at once).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 @dataclass
@@ -63,8 +76,10 @@ def main(cfg: DictConfig) -> None:
 
 
 def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> list[Generation]:
-    """`overrides`: the command line's (Hydra's overrides.task); a model setting given there must be the
-    one the checkpoint was trained with."""
+    """The continuations this invocation makes (those an output it continues held already stay in the file).
+    `overrides`: the command line's (Hydra's overrides.task); a model setting given there must be the one the
+    checkpoint was trained with. A stop signal ends it after the current continuation with SystemExit(128 + the
+    signal's number), once it has said how to continue."""
     gen = cfg.generate
     if not cfg.checkpoint.init_from:
         raise ConfigError("generate.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
@@ -73,45 +88,96 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
     prompts = [gen.prompt] if gen.prompt is not None else read_prompts(Path(gen.prompt_file))
     register_configs()  # as in train.run: for a caller from Python, which never ran __main__
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
-    with session.start(whole_weights(cfg), run_dir, get_recipe) as sess:
-        # 1. The model in one process, its weights from checkpoint.init_from.
-        if sess.env.world_size != 1:
-            raise ConfigError(f"generate.py runs in one process (started with {sess.env.world_size}): use python, "
-                              "not torchrun")
-        # The class, not hasattr(recipe, "tokenizer"): hasattr would call the property and swallow its error.
-        if not isinstance(sess.recipe, GPTRecipe):
-            raise ConfigError(f"generate.py needs a language model; the {sess.cfg.recipe} recipe is not one")
-        parallel, _ = session.build_model(sess, training=False)
-        ckpt = sess.cfg.checkpoint
-        load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, True,
-                     ckpt.verify_checksums)
-        model = parallel.model.eval()
-        # 2.-3. Each prompt, each sample.
-        tokenizer, gen = sess.recipe.tokenizer, sess.cfg.generate
-        seq_length = sess.cfg.model.seq_length
-        sampling = Sampling(gen.greedy, gen.temperature, gen.top_k, gen.top_p)
-        banned = banned_tokens(sess.recipe.vocab_size, tokenizer)
-        kv_dtype = (sess.runtime.autocast_dtype or torch.float32) if gen.kv_cache else None
-        results = []
-        for i, prompt in enumerate(prompts):
-            ids = tokenizer.encode(prompt)
-            if not ids:
-                raise ConfigError(f"prompt {i + 1} is empty")
-            for j in range(1 if gen.greedy else gen.samples_per_prompt):
-                out = continue_prompt(model, ids, gen.max_new_tokens, seq_length, sampling,
-                                      None if gen.greedy else sample_generator(gen.seed, i, j), banned,
-                                      tokenizer.eod if gen.stop_at_eod else None, sess.env.device, sess.autocast,
-                                      kv_dtype)
-                results.append(Generation(prompt, j, tokenizer.decode(out.tokens), len(out.tokens), out.stop))
-                sample = f", sample {j + 1}" if gen.samples_per_prompt > 1 and not gen.greedy else ""
-                print(f"--- prompt {i + 1}{sample}"
-                      + f" ({out.stop}, {len(out.tokens)} tokens)\n{prompt}{results[-1].text}", flush=True)
-        # 4. Write them all.
-        output = Path(gen.output) if gen.output else run_dir / "generations.jsonl"
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text("".join(json.dumps(vars(r)) + "\n" for r in results))
-        log.info("wrote %d continuations of %d prompts to %s", len(results), len(prompts), output)
-        return results
+    stop = StopSignals(STOP_SIGNALS)  # from the start: a signal while the model loads stops before the first prompt
+    try:
+        with session.start(whole_weights(cfg), run_dir, get_recipe) as sess:
+            # 1. The model in one process, its weights from checkpoint.init_from.
+            if sess.env.world_size != 1:
+                raise ConfigError(f"generate.py runs in one process (started with {sess.env.world_size}): use "
+                                  "python, not torchrun")
+            # The class, not hasattr(recipe, "tokenizer"): hasattr would call the property and swallow its error.
+            if not isinstance(sess.recipe, GPTRecipe):
+                raise ConfigError(f"generate.py needs a language model; the {sess.cfg.recipe} recipe is not one")
+            parallel, _ = session.build_model(sess, training=False)
+            ckpt = sess.cfg.checkpoint
+            load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, True,
+                         ckpt.verify_checksums)
+            # 2. The output: new, or continued after the continuations it holds.
+            gen = sess.cfg.generate
+            output = Path(gen.output) if gen.output else run_dir / "generations.jsonl"
+            samples = 1 if gen.greedy else gen.samples_per_prompt
+            done = continue_output(output, run_settings(sess.cfg, prompts), prompts, samples)
+            # 3. Each prompt, each sample, appended as it is done.
+            with Appender(output) as out:
+                results = decode(sess, parallel.model.eval(), prompts, samples, done, out, stop)
+            report(output, done + len(results), len(prompts), samples, stop.received, explicit=bool(gen.output))
+            return results
+    finally:
+        stop.close()
+
+
+def decode(sess: session.Session, model: torch.nn.Module, prompts: list[str], samples: int, start: int,
+           out: Appender, stop: StopSignals) -> list[Generation]:
+    """Continuation k = sample k % samples of prompt k // samples, for k from `start` on, each appended to `out`;
+    until all are done or a stop signal arrived."""
+    tokenizer, gen = sess.recipe.tokenizer, sess.cfg.generate
+    sampling = Sampling(gen.greedy, gen.temperature, gen.top_k, gen.top_p)
+    banned = banned_tokens(sess.recipe.vocab_size, tokenizer)
+    kv_dtype = (sess.runtime.autocast_dtype or torch.float32) if gen.kv_cache else None
+    results = []
+    for k in range(start, len(prompts) * samples):
+        if stop.received:
+            break
+        (i, j), prompt = divmod(k, samples), prompts[k // samples]
+        ids = tokenizer.encode(prompt)
+        if not ids:
+            raise ConfigError(f"prompt {i + 1} is empty")
+        sample = f", sample {j + 1}" if samples > 1 else ""
+        try:
+            continuation = continue_prompt(model, ids, gen.max_new_tokens, sess.cfg.model.seq_length, sampling,
+                                           None if gen.greedy else sample_generator(gen.seed, i, j), banned,
+                                           tokenizer.eod if gen.stop_at_eod else None, sess.env.device, sess.autocast,
+                                           kv_dtype)
+        except NonFiniteError as e:
+            raise NonFiniteError(f"prompt {i + 1}{sample} ({shown(prompt)}): {e}; the weights of "
+                                 f"checkpoint.init_from={sess.cfg.checkpoint.init_from} hold NaN/Inf or their values "
+                                 f"overflow ({k} continuations before it are in {out.path})") from None
+        results.append(Generation(prompt, j, tokenizer.decode(continuation.tokens), len(continuation.tokens),
+                                  continuation.stop))
+        out.append(vars(results[-1]))
+        print(f"--- prompt {i + 1}{sample} ({continuation.stop}, {len(continuation.tokens)} tokens)\n"
+              f"{prompt}{results[-1].text}", flush=True)
+    return results
+
+
+def report(output: Path, done: int, prompts: int, samples: int, stopped_by: Optional[str], explicit: bool) -> None:
+    """Say what the output holds; after a stop signal, how to continue, then end with 128 + its number."""
+    if not stopped_by or done == prompts * samples:
+        log.info("wrote %d continuations of %d prompts to %s", done, prompts, output)
+        return
+    how = "run the same command again" if explicit else f"run the same command with generate.output={output}"
+    log.warning("stopped by %s: %d of %d prompts done (%d continuations in %s); to continue after them, %s",
+                stopped_by, done // samples, prompts, done, output, how)
+    raise SystemExit(128 + signal.Signals[stopped_by].value)
+
+
+def run_settings(cfg: DictConfig, prompts: list[str]) -> dict:
+    """What the continuations depend on, for the output's settings file: the checkpoint (a root or `last` named as
+    the step folder it stands for), the prompts, the decoding, model, tokenizer and precision settings."""
+    plain = to_plain(cfg)
+    return {"checkpoint": checkpoint_identity(resolve_checkpoint(cfg.checkpoint.init_from)),
+            "prompts": prompts_identity(prompts),
+            "generate": {k: v for k, v in plain["generate"].items() if k not in ("output", "prompt", "prompt_file")},
+            "model": plain["model"], "precision": plain["precision"],
+            "data": {k: plain["data"].get(k) for k in ("tokenizer", "eod_token")}}
+
+
+def checkpoint_identity(path: Path) -> dict:
+    """The weights as the output's settings file records them: their path, and the size and modification time of
+    the file that changes whenever they do (a step folder's COMPLETE marker, a DCP folder's index, a weights file)."""
+    changes_with = next((path / name for name in ("COMPLETE", ".metadata") if (path / name).is_file()), path)
+    status = changes_with.stat()
+    return {"init_from": str(path.resolve()), "bytes": status.st_size, "modified_ns": status.st_mtime_ns}
 
 
 def whole_weights(cfg: DictConfig) -> DictConfig:

@@ -74,13 +74,17 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
         # 2. Data: rank r takes samples r, r + dp, ...; every rank runs the same number of batches (the
         #    sharded model's collectives need that), shorter shares padded with samples marked invalid.
         pred = sess.cfg.predict
-        dataset = sess.recipe.unlabeled(pred.folder) if pred.folder else sess.recipe.split(pred.split)
+        split = pred.split or sess.recipe.default_split()
+        if sess.is_main and not pred.folder and not pred.split:
+            log.info("predict.split is not given: predicting on the %s split (the data's test split where it has one, "
+                     "else val)", split)
+        dataset = sess.recipe.unlabeled(pred.folder) if pred.folder else sess.recipe.split(split)
         sampler = EvalBatchSampler(len(dataset), sess.cfg.predict.micro_batch_size, sess.env.dp_size, sess.env.dp_rank)
         loader = make_loader(PaddedEval(dataset), sampler, sess.cfg.data.num_workers,
                              sess.env.device.type == "cuda" and sess.cfg.data.pin_memory, sess.cfg.seed,
                              sess.recipe.collate_fn())
         if sess.is_main:
-            log.info("predicting %d samples of %s with %s", len(dataset), pred.folder or f"the {pred.split} split",
+            log.info("predicting %d samples of %s with %s", len(dataset), pred.folder or f"the {split} split",
                      ckpt.init_from)
         # 3. Predict, gather on rank 0, write.
         local = predict_rows(sess, parallel.wrapped, loader)

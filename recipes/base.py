@@ -69,6 +69,11 @@ class Recipe:
         core.data.checks.assert_dataset_deterministic."""
         raise NotImplementedError
 
+    def default_split(self) -> str:
+        """The split predict.py predicts on when predict.split is not given: "test" where the data has one, else
+        "val" (recipes whose data may lack a test split say which it has)."""
+        return "test"
+
     def split(self, name: str) -> Dataset:
         """One named split (e.g. "test") for predict.py, indexed with ints; it carries what finish_predictions
         needs to name its rows (the recipe keeps nothing between the calls)."""

@@ -7,7 +7,9 @@ and each recipe's model and data schemas) in Hydra's ConfigStore. Nothing is reg
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from pathlib import Path
+from types import ModuleType
 from typing import Optional
 
 from core.config.errors import ConfigError
@@ -25,6 +27,18 @@ def get_recipe(name: str) -> type[Recipe]:
     if name not in KNOWN_RECIPES:
         raise ConfigError(f"recipe: unknown recipe {name!r}; known: {', '.join(KNOWN_RECIPES)}")
     return importlib.import_module(f"recipes.{name}.recipe").RECIPE
+
+
+def hf_conversions() -> dict[str, ModuleType]:
+    """The recipes with a Hugging Face conversion (recipes/<name>/hf.py, with export_to_hf and import_from_hf), by
+    name: what `checkpoint.py to-hf` and `from-hf` take."""
+    found = {}
+    for name in KNOWN_RECIPES:
+        if importlib.util.find_spec(f"recipes.{name}.hf") is not None:
+            module = importlib.import_module(f"recipes.{name}.hf")
+            if hasattr(module, "export_to_hf") and hasattr(module, "import_from_hf"):
+                found[name] = module
+    return found
 
 
 def config_keys(argv: Optional[list[str]] = None) -> set[str]:

@@ -157,6 +157,8 @@ def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert resumed["losses"] == {s: ref["losses"][s] for s in range(3, 9)}
     assert [p.name for p in step_dirs(ckpt)] == ["step_2", "step_4", "step_6", "step_8"]
     assert all(verify(p) for p in step_dirs(ckpt))  # step_4 was written again, completely
+    # The interrupted save is gone once a later save completed: nothing set aside, nothing else kept.
+    assert sorted(p.name for p in ckpt.iterdir() if p.is_dir()) == ["step_2", "step_4", "step_6", "step_8"]
 
 
 # ----------------------------------------------------------------------------- bad checkpoints, bad disks
@@ -266,6 +268,57 @@ def test_retention_rule():
     assert checkpoints_to_keep(entries, 1, 0, 1, "max", {1}) == {1, 6}  # 1 protected (resumed from), 1 also best
     assert checkpoints_to_keep(entries, -1, 0, 0, "min", set()) == {1, 2, 3, 4, 5, 6}
     assert checkpoints_to_keep([], 1, 0, 1, "min", set()) == set()
+
+
+def test_set_aside_rule():
+    from core.checkpointing.retention import set_aside_to_delete
+
+    folders = [(3, True), (6, False), (6, True), (9, True), (9, False)]  # (step, complete)
+    assert set_aside_to_delete(folders, 6, 2) == [0, 1, 2, 4]  # complete ones up to the newest step, all partial ones
+    assert set_aside_to_delete(folders, 6, -1) == [1, 4]  # keep all: only interrupted saves go
+    assert set_aside_to_delete(folders, 2, 1) == [1, 4]
+
+
+def _fake_step(folder: Path, step: int, complete: bool, extra: tuple[str, ...] = ()) -> Path:
+    """A step folder as a save of this tool leaves it: complete (COMPLETE listing .metadata), or interrupted."""
+    folder.mkdir(parents=True)
+    (folder / ".metadata").write_bytes(b"")
+    (folder / "__0_0.distcp").write_bytes(b"x" * 10)
+    if complete:
+        (folder / "COMPLETE").write_text(json.dumps({"step": step, "metrics": {}, "files": {
+            ".metadata": {"size": 0, "crc32": 0}, "__0_0.distcp": {"size": 10, "crc32": 0}}}))
+    else:
+        (folder / "SAVING").write_text("a save in progress\n")
+    for name in extra:
+        (folder / name).write_text("the user's\n")
+    return folder
+
+
+@pytest.mark.parametrize("keep_last_n", [2, -1])
+def test_retention_deletes_set_aside_folders_of_this_tool_only(tmp_path, keep_last_n):
+    """After a save completes, retention deletes this tool's interrupted saves that a resume set aside
+    (step_<N>.superseded, as earlier versions named them), and, unless every checkpoint is kept, the complete
+    set-aside ones the run's checkpoints have reached; never a folder that is not the tool's own, nor a link."""
+    from core.checkpointing.manager import Checkpointer
+    from core.config.schema import CheckpointConfig
+
+    root = tmp_path / "ckpt"
+    for step in (2, 4):
+        _fake_step(root / f"step_{step}", step, complete=True)
+    _fake_step(root / "step_6.superseded", 6, complete=False)  # an interrupted save set aside
+    _fake_step(root / "step_3.superseded-2", 3, complete=False)
+    _fake_step(root / "step_3.superseded", 3, complete=True)  # a branch the run went back from, caught up with
+    _fake_step(root / "step_6.superseded-2", 6, complete=True)  # ... not yet caught up with
+    _fake_step(root / "step_1.superseded", 1, complete=False, extra=("notes.txt",))  # holds a file of the user's
+    _fake_step(root / "step_2.superseded", 7, complete=True)  # its marker names another step: not this tool's
+    _fake_step(root / "elsewhere" / "step_5", 5, complete=False)
+    (root / "step_5.superseded").symlink_to(root / "elsewhere" / "step_5")
+    _fake_step(root / "mine.superseded", 1, complete=False)
+    Checkpointer(CheckpointConfig(path=str(root), keep_last_n=keep_last_n), 0, torch.device("cpu"))._apply_retention()
+    kept = {"step_2", "step_4", "step_6.superseded-2", "step_1.superseded", "step_2.superseded", "step_5.superseded",
+            "mine.superseded", "elsewhere"} | ({"step_3.superseded"} if keep_last_n < 0 else set())
+    assert {p.name for p in root.iterdir()} == kept
+    assert (root / "elsewhere" / "step_5" / "SAVING").exists()
 
 
 @pytest.mark.slow

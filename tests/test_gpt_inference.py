@@ -6,7 +6,11 @@ from __future__ import annotations
 import csv
 import json
 import math
+import os
+import signal
 import subprocess
+import sys
+import time
 from collections import OrderedDict
 
 import pytest
@@ -17,6 +21,24 @@ from core.checkpointing.weights import read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
 from tests.helpers import REPO, compose_config, run_python, torchrun, train_run, validated_config
+
+# A tiny GPT of gpt_sanity's byte tokenizer: for tests of how generate.py runs, not of its text.
+TINY_GPT = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2",
+            "model.ffn_hidden_size=64", "model.seq_length=32"]
+
+
+def _tiny_weights(path, nan: bool = False):
+    """TINY_GPT's weights drawn at random, as a .safetensors (which holds no settings: give TINY_GPT with it)."""
+    from safetensors.torch import save_file
+
+    cfg = validated_config("gpt_sanity", TINY_GPT + ["checkpoint.path=unused"])
+    torch.manual_seed(0)
+    state = {k: v.contiguous() for k, v in GPT(cfg.model, 384, TORCH_LAYERS).state_dict().items()
+             if not k.endswith("_extra_state")}
+    if nan:  # one weight every position's output goes through
+        state["layers.0.self_attention.proj.weight"][0, 0] = float("nan")
+    save_file(state, str(path))
+    return path
 
 STEPS = 80
 
@@ -131,3 +153,78 @@ def test_per_document_perplexity_on_two_processes(trained, tmp_path):
     assert metrics["rows"] == len(rows) and metrics["tokens"] == tokens
     assert metrics["perplexity"] == pytest.approx(math.exp(sum(float(r["nll"]) for r in rows) / tokens), rel=1e-5)
     assert 3 < metrics["perplexity"] < 20  # learned (258 for a model that knew nothing)
+
+
+@pytest.mark.slow
+def test_a_stopped_generation_keeps_what_it_finished_and_the_same_command_continues_it(tmp_path):
+    """SIGTERM to generate.py over 1000 prompts: it stops after the continuation in progress, its output holds
+    the uninterrupted run's first lines byte for byte, and it says how to continue; a torn last line (a kill -9
+    while writing) is dropped, and the same command completes the file to the uninterrupted run's."""
+    train_run(validated_config("gpt_sanity", [
+        *TINY_GPT, "training.micro_batch_size=4", "training.global_batch_size=4", "training.steps=2",
+        "training.val_every_n_steps=0", "training.val_at_end=false", "data.num_workers=0", "logger.progress_bar=never",
+        f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={tmp_path}/ckpt"]), tmp_path / "train")
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("".join(f"Prompt {i}: {'call me Ishmael ' * (i % 3)}\n" for i in range(1000)))
+    settings = [f"checkpoint.init_from={tmp_path}/ckpt/step_2", f"generate.prompt_file={prompts}",
+                "generate.max_new_tokens=3", "generate.samples_per_prompt=2", "generate.temperature=0.8",
+                f"checkpoint.path={tmp_path}/unused"]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model's tiny matrices: more threads only wait on one another
+    try:
+        generate.generate(compose_config("gpt_sanity", settings + [f"generate.output={tmp_path}/ref.jsonl"]),
+                          tmp_path / "ref")
+    finally:
+        torch.set_num_threads(threads)
+    reference = (tmp_path / "ref.jsonl").read_bytes().splitlines(keepends=True)
+    assert len(reference) == 2000
+
+    output = tmp_path / "out.jsonl"
+    command = [sys.executable, str(REPO / "generate.py"), "--config-name", "gpt_sanity", *settings,
+               f"generate.output={output}", f"hydra.run.dir={tmp_path}/run"]
+
+    def run(name: str, stop_after_lines: int = 0) -> tuple[int, str]:
+        with open(tmp_path / name, "w") as log:
+            proc = subprocess.Popen(command, cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT,
+                                    env={**os.environ, "OMP_NUM_THREADS": "1"})
+            deadline = time.time() + 300
+            while stop_after_lines and not (output.exists() and output.read_bytes().count(b"\n") >= stop_after_lines):
+                assert proc.poll() is None and time.time() < deadline, (tmp_path / name).read_text()[-3000:]
+                time.sleep(0.05)
+            if stop_after_lines:
+                proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        return proc.returncode, (tmp_path / name).read_text()
+
+    code, log = run("stopped.log", stop_after_lines=20)
+    lines = output.read_bytes().splitlines(keepends=True)
+    assert code == 128 + signal.SIGTERM, log[-3000:]
+    assert 20 <= len(lines) < 2000 and lines == reference[:len(lines)]
+    assert (f"stopped by SIGTERM: {len(lines) // 2} of 1000 prompts done ({len(lines)} continuations in {output}); "
+            "to continue after them, run the same command again") in log
+    with output.open("ab") as f:  # a process killed while writing the next line
+        f.write(reference[len(lines)][:30])
+    code, log = run("continued.log")
+    assert code == 0, log[-3000:]
+    assert f"holds {len(lines)} of 2000 continuations already: continuing after them" in log
+    assert output.read_bytes() == b"".join(reference)
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_non_finite_logits_are_one_line_naming_the_prompt(tmp_path, caplog, greedy):
+    """A checkpoint with a NaN weight: exit code 4 and one line naming the prompt and the checkpoint (sampling
+    ended in a traceback; greedy decoding wrote the token of a NaN logit)."""
+    from core import session
+
+    weights = _tiny_weights(tmp_path / "nan.safetensors", nan=True)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("The whale\nQueequeg\n")
+    cfg = compose_config("gpt_sanity", [f"checkpoint.init_from={weights}", *TINY_GPT, f"generate.greedy={greedy}",
+                                        f"generate.prompt_file={prompts}", f"checkpoint.path={tmp_path}/unused"])
+    with caplog.at_level("ERROR"), pytest.raises(SystemExit) as stopped:
+        session.exit_on_error(generate.generate, cfg, tmp_path / "run")
+    assert stopped.value.code == 4
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
+        f"prompt 1 ('The whale'): the model's logits for new token 1 hold NaN; the weights of "
+        f"checkpoint.init_from={weights} hold NaN/Inf or their values overflow (0 continuations before it are in "
+        f"{tmp_path}/run/generations.jsonl)"]

@@ -51,6 +51,13 @@ def test_records_and_series_of_a_hand_written_history(tmp_path):
     assert found["throughput"].tokens_per_sample == pytest.approx(65)
 
 
+def test_a_line_nested_too_deeply_is_skipped_as_no_record(tmp_path):
+    metrics = _write_history(tmp_path)
+    with metrics.open("a") as f:
+        f.write("\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    assert plot.read_records(metrics)[1] == 2  # the half-written line and this one (a RecursionError before)
+
+
 def test_the_figures_of_a_hand_written_history(tmp_path):
     from matplotlib.figure import Figure
 

@@ -44,6 +44,7 @@ NOT_LOCK_RECORDS = {
     "pid 0": b'{"host": "n", "pid": 0, "job": null, "since": 0}',
     "since NaN": b'{"host": "n", "pid": 1, "job": null, "since": NaN}',
     "not JSON": b"held by alice",
+    "nested too deeply": b"[" * 100_000 + b"]" * 100_000,
 }
 
 
@@ -383,6 +384,7 @@ NOT_RUN_RECORDS = {
     "run_dir interpolated": b'{"run_dir": "/tmp/x_${oc.env:HOME}"}',
     "wandb_id interpolated": b'{"run_dir": "/runs/a", "wandb_id": "${oc.env:HOME}"}',
     "added field interpolated": b'{"run_dir": "/runs/a", "later": {"k": ["${now:}"]}}',
+    "nested too deeply": b'{"run_dir": "/runs/a", "later": ' + b"[" * 100_000 + b"]" * 100_000 + b"}",
 }
 
 
@@ -621,11 +623,23 @@ def test_a_config_json_field_of_the_wrong_type_or_range_is_refused(change, named
     (b"[1]", "Input should be an object"),
     (b'{"model_type": "ll\xffama"}', "Invalid JSON"),
     (b"", "Invalid JSON"),
-], ids=["array", "not_utf8", "empty"])
+    (b"[" * 100_000 + b"]" * 100_000, "Invalid JSON: recursion limit exceeded"),  # was a RecursionError traceback
+    (b'{"model_type": "llama", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit exceeded"),
+], ids=["array", "not_utf8", "empty", "nested_too_deeply", "a_field_nested_too_deeply"])
 def test_a_config_json_that_is_not_a_json_object_is_refused(content, named, llama, tmp_path):
     (llama / "config.json").write_bytes(content)
     error = _from_hf_error(llama, tmp_path / "w.safetensors")
     assert error.startswith(f"error: {llama / 'config.json'}: ") and named in error
+
+
+def test_a_step_folders_config_nested_too_deeply_is_one_line_for_to_hf(tmp_path):
+    """to-hf reads the recipe of a step folder's config.yaml before anything else (it was a RecursionError there)."""
+    step = tmp_path / "step_1"
+    step.mkdir()
+    (step / "config.yaml").write_text("recipe: gpt\nmodel: " + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(SystemExit) as stopped:
+        checkpoint_cli(["to-hf", str(step), str(tmp_path / "hf")])
+    assert str(stopped.value) == f"error: {step / 'config.yaml'}: not a YAML config (nested too deeply)"
 
 
 def _shard(folder: Path) -> tuple[Path, dict[str, str]]:

@@ -13,4 +13,5 @@
   weights.py     model weights only: init_from, plain-file reads, full weights of a step folder
   manager.py     Checkpointer: where to resume from, restore, save, async completion, retention
   conversion.py  DCP <-> .pt / .safetensors
+  output_files.py  weight files written whole (temporary file, renamed) with the umask's permissions
 """

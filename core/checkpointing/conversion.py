@@ -8,6 +8,7 @@ from pathlib import Path
 import torch.distributed.checkpoint as dcp
 
 from core.checkpointing.layout import STEP_DIR, CheckpointError, start_marker, write_marker
+from core.checkpointing.output_files import save_safetensors, save_torch
 from core.checkpointing.storage import ChecksummingWriter
 from core.checkpointing.weights import load_weights_file, read_model_weights
 from core.training.state import TrainState
@@ -15,19 +16,15 @@ from core.training.state import TrainState
 
 def to_torch(step_dir: str, out: str, verify_checksums: bool = True) -> None:
     """A step folder's full model weights -> one torch.save file ({name: tensor})."""
-    import torch
-
     weights = read_model_weights(Path(step_dir), verify_checksums)
-    torch.save(weights, out)
+    save_torch(weights, Path(out))
     print(f"wrote {len(weights)} tensors to {out}")
 
 
 def to_safetensors(step_dir: str, out: str, verify_checksums: bool = True) -> None:
     """A step folder's full model weights -> one .safetensors file."""
-    from safetensors.torch import save_file
-
     weights = read_model_weights(Path(step_dir), verify_checksums)
-    save_file({k: v.contiguous() for k, v in weights.items()}, out)
+    save_safetensors({k: v.contiguous() for k, v in weights.items()}, Path(out))
     print(f"wrote {len(weights)} tensors to {out}")
 
 

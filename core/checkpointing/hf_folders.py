@@ -189,15 +189,14 @@ def override(key: str, value: Any) -> str:
 def write_weights(weights: dict[str, torch.Tensor], target: Path, source: str) -> None:
     """Imported weights as a .safetensors or .pt file, or (another path) a new step folder, all of which
     checkpoint.init_from reads."""
-    from safetensors.torch import save_file
-
     from core.checkpointing.conversion import write_weights_step
+    from core.checkpointing.output_files import save_safetensors, save_torch
 
     if target.suffix == ".safetensors":
         target.parent.mkdir(parents=True, exist_ok=True)
-        save_file(weights, str(target))
+        save_safetensors(weights, target)
     elif target.suffix in (".pt", ".pth"):
         target.parent.mkdir(parents=True, exist_ok=True)
-        torch.save(weights, target)
+        save_torch(weights, target)
     else:
         write_weights_step(weights, target, source)

@@ -42,6 +42,9 @@ from core.checkpointing.storage import collect_checksums, file_crc32, is_checksu
 from core.config.file_shape import read_small_file
 
 STEP_DIR = re.compile(r"^step_(0|[1-9][0-9]*)$")  # step_<N> as a save names it: no step_04, no other digits
+# A step folder of this tool set aside (core/checkpointing/manager.py): step_<N>.superseded, -2, -3, ... for more.
+SET_ASIDE = ".superseded"
+SET_ASIDE_DIR = re.compile(r"^step_(0|[1-9][0-9]*)\.superseded(-[1-9][0-9]*)?$")
 COMPLETE_MARKER = "COMPLETE"
 MARKER_MAX_BYTES = 64 * 1024 * 1024  # a marker lists each file in some 60 bytes: room for a million files
 SAVING_MARKER = "SAVING"
@@ -77,6 +80,26 @@ def step_dirs(root: Path) -> list[Path]:
         return []
     found = [(step_of(p), p) for p in root.iterdir() if step_of(p) is not None and p.is_dir()]
     return [p for _, p in sorted(found)]
+
+
+def set_aside_name(path: Path) -> Path:
+    """The name `path` is set aside under: step_<N>.superseded, or .superseded-2, -3, ...: a name no file has yet."""
+    path = Path(path)
+    candidate, n = path.with_name(path.name + SET_ASIDE), 1
+    while candidate.exists() or candidate.is_symlink():
+        n += 1
+        candidate = path.with_name(f"{path.name}{SET_ASIDE}-{n}")
+    return candidate
+
+
+def set_aside_dirs(root: Path) -> list[tuple[int, Path]]:
+    """Existing step_<N>.superseded[-k] folders under root (no symbolic links), with their steps, oldest first."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir()
+             if (m := SET_ASIDE_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+    return sorted(found, key=lambda entry: (entry[0], entry[1].name))
 
 
 LAST = "last"  # <checkpoint.path>/last: the newest complete step folder under checkpoint.path
@@ -160,7 +183,7 @@ def read_marker(path: Path) -> dict:
     except (OSError, ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
         raise CheckpointError(f"{file}: unreadable completion marker ({type(e).__name__}: {e})") from None
     problem = _marker_problem(marker)
-    named = STEP_DIR.match(Path(path).name)
+    named = STEP_DIR.match(Path(path).name) or SET_ASIDE_DIR.match(Path(path).name)
     if not problem and named and marker["step"] != int(named.group(1)):
         problem = f"step {marker['step']}, in the folder of step {named.group(1)}"
     if problem:

@@ -212,7 +212,7 @@ class PathLock:
             if e.errno not in NO_HARD_LINKS:
                 raise
         try:  # no hard links here: create it in place, where a reader may catch it empty for a moment
-            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+            fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666)  # the umask decides, as for any file
         except FileExistsError:
             return False
         with os.fdopen(fd, "wb") as f:

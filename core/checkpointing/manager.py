@@ -29,10 +29,11 @@ from omegaconf import DictConfig
 from core.checkpointing.changes import config_changes
 from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, check_checksums, complete_checkpoints, describe,
                                        is_complete, is_own, is_own_incomplete, read_marker, resolve_checkpoint,
-                                       start_marker, step_dirs, step_of, verify, write_marker)
+                                       set_aside_dirs, set_aside_name, start_marker, step_dirs, step_of, verify,
+                                       write_marker)
 from core.checkpointing.lock import LockHeld, PathLock
 from core.checkpointing.parts import CheckpointPart, Saved
-from core.checkpointing.retention import checkpoints_to_keep
+from core.checkpointing.retention import checkpoints_to_keep, set_aside_to_delete
 from core.checkpointing.staging import AlreadyStaged, HostStager
 from core.checkpointing.storage import ChecksummingWriter, SafeLoadPlanner, SafeReader
 from core.config.errors import ConfigError
@@ -40,15 +41,6 @@ from core.config.schema import CheckpointConfig
 from core.config.validation import save_config
 
 log = logging.getLogger("checkpoint")
-
-
-def _unused_name(path: Path, suffix: str) -> Path:
-    """`path` + suffix, or + suffix-2, -3, ...: a name no file has yet."""
-    candidate, n = path.with_name(path.name + suffix), 1
-    while candidate.exists():
-        n += 1
-        candidate = path.with_name(f"{path.name}{suffix}-{n}")
-    return candidate
 
 
 @dataclass
@@ -76,6 +68,7 @@ class Checkpointer:
         self.auto = False  # resume=auto|true: a corrupt newest checkpoint falls back to the one before
         self.pending: Optional[PendingSave] = None
         self.protected: set[int] = set()  # steps retention must keep (the one resumed from)
+        self.resumed_from: Optional[Path] = None  # kept by retention too, also when it is a set-aside folder
         self._async_group = None
         self._stager = HostStager()
         self._lock = PathLock(self.path)
@@ -194,18 +187,20 @@ class Checkpointer:
                 log.warning("cannot resume from %s: %s; trying the previous checkpoint", path, e)
                 continue
             self.protected.add(step_of(path) or -1)
+            self.resumed_from = path
             self._set_aside_newer(read_marker(path)["step"])
             return path
         return None
 
     def _set_aside_newer(self, step: int) -> None:
-        """A collective, after resuming from `step`: this tool's checkpoints under checkpoint.path of later steps
-        (a branch the run went back from, or damaged ones automatic resume skipped) are renamed
-        step_<N>.superseded: kept, but never resumed from, ranked by retention or saved over."""
+        """A collective, after resuming from `step`: this tool's complete checkpoints under checkpoint.path of later
+        steps (a branch the run went back from, or damaged ones automatic resume skipped) are renamed
+        step_<N>.superseded: never resumed from, ranked by retention or saved over, and kept until retention
+        drops them (`_apply_retention`). Interrupted saves stay as they are: the next save deletes them."""
         if self.is_main:
             for p in step_dirs(self.path):
-                if (step_of(p) or -1) > step and is_own(p):
-                    kept = _unused_name(p, ".superseded")
+                if (step_of(p) or -1) > step and is_own(p) and not is_own_incomplete(p):
+                    kept = set_aside_name(p)
                     p.rename(kept)
                     log.warning("%s is newer than the checkpoint this run continues from (step %d): kept as %s",
                                 p, step, kept.name)
@@ -246,7 +241,7 @@ class Checkpointer:
                 if target.exists() and is_complete(target):
                     # A save of this step before that this run did not continue from (usually set aside at
                     # resume already): kept beside, never lost.
-                    kept = _unused_name(target, ".superseded")
+                    kept = set_aside_name(target)
                     target.rename(kept)
                     log.warning("%s exists (this run resumed from an earlier step): kept as %s, saving anew",
                                 target, kept.name)
@@ -308,7 +303,8 @@ class Checkpointer:
         self._apply_retention()
 
     def _apply_retention(self) -> None:
-        """Rank 0, after a checkpoint completed: drop interrupted saves and what the keep_* rules release."""
+        """Rank 0, after a checkpoint completed: drop interrupted saves, what the keep_* rules release, and the
+        set-aside folders that are no longer needed."""
         in_flight = self.pending.target if self.pending is not None else None
         entries, folders = [], {}
         for p in step_dirs(self.path):
@@ -331,6 +327,20 @@ class Checkpointer:
             if step not in keep:  # the folder examined above, never a name made up from its step
                 log.info("deleting checkpoint %s (retention)", folders[step].name)
                 shutil.rmtree(folders[step], ignore_errors=True)
+        if entries:
+            self._drop_set_aside(max(step for step, _ in entries))
+
+    def _drop_set_aside(self, newest_complete: int) -> None:
+        """Rank 0: delete this tool's step_<N>.superseded folders that retention releases (retention.py:
+        set_aside_to_delete); a folder that is not this tool's (other files in it, a damaged marker) or the
+        one this run resumed from is left alone."""
+        resumed = self.resumed_from.resolve() if self.resumed_from is not None else None
+        own = [(step, p) for step, p in set_aside_dirs(self.path) if is_own(p) and p.resolve() != resumed]
+        released = set_aside_to_delete([(step, is_complete(p)) for step, p in own], newest_complete,
+                                        self.cfg.keep_last_n)
+        for _, p in (own[i] for i in released):
+            log.info("deleting %s (%s)", p.name, "set aside" if is_complete(p) else "an interrupted save")
+            shutil.rmtree(p, ignore_errors=True)
 
     def check_monitor(self, metrics: dict) -> None:
         """checkpoint.monitor must name a metric the run records, train/<name> (loss, lr, grad_norm) or val/<name>;

@@ -20,3 +20,12 @@ def checkpoints_to_keep(entries: list[tuple[int, Optional[float]]], keep_last_n:
     if steps:
         keep.add(steps[-1])  # the newest: what a restart resumes from
     return keep
+
+
+def set_aside_to_delete(set_aside: list[tuple[int, bool]], newest_complete: int, keep_last_n: int) -> list[int]:
+    """Which of this tool's set-aside folders `set_aside` = [(step, complete)] (step_<N>.superseded) to delete,
+    by position, once the run has completed a checkpoint of step `newest_complete`: every interrupted save (it holds
+    nothing usable), and, unless every checkpoint is kept (keep_last_n=-1), every complete one the run's own
+    checkpoints have caught up with (a step <= the newest)."""
+    return [i for i, (step, complete) in enumerate(set_aside)
+            if not complete or (keep_last_n >= 0 and step <= newest_complete)]

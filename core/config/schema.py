@@ -476,7 +476,9 @@ class LoggerConfig:
 class PredictConfig:
     """predict.py: run the model of `checkpoint.init_from` over one split, one output row per sample."""
 
-    split: str = "test"  # which of the recipe's splits (e.g. test | val)
+    # Which of the recipe's splits (e.g. test | val); null: the data's test split where it has one, else val
+    # (the log says which).
+    split: Optional[str] = None
     folder: Optional[str] = None  # instead of a split: every input under this folder, unlabeled (the ViT)
     micro_batch_size: int = 256  # per rank
     output: Optional[str] = None  # a .csv file; null: <run dir>/predictions.csv
@@ -503,7 +505,9 @@ class GenerateConfig:
     seed: int = 0  # sample j of prompt i draws from (seed, i, j): the same seed gives the same text
     stop_at_eod: bool = True  # end a continuation at the end-of-document token
     kv_cache: bool = True  # false: recompute the whole sequence for every token (a reference)
-    output: Optional[str] = None  # a .jsonl file; null: <run dir>/generations.jsonl
+    # A .jsonl file, appended to as each continuation is done; one that exists is continued after its last line
+    # (when made with the same settings: docs/gpt.md). null: <run dir>/generations.jsonl
+    output: Optional[str] = None
 
     RANGES: ClassVar[dict[str, Rule]] = {
         "max_new_tokens": Int(1, INT32_MAX),

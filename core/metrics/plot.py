@@ -57,7 +57,7 @@ def read_records(path: Path) -> tuple[dict[str, list[dict]], int]:
             continue
         try:
             record = json.loads(line)
-        except ValueError:
+        except (ValueError, RecursionError):  # RecursionError: nested too deeply for json
             record = None
         step = record.get("step") if isinstance(record, dict) else None
         if not isinstance(step, int) or isinstance(step, bool):

@@ -209,9 +209,8 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
                  config: Optional[str] = None) -> dict:
     """checkpoint.py to-hf for an ESM-2 run: a step folder (or weights file + its run's config) -> a folder that
     EsmForMaskedLM.from_pretrained and EsmTokenizer.from_pretrained load. Returns the written config.json."""
-    from safetensors.torch import save_file
-
     from core.checkpointing.hf_folders import read_run
+    from core.checkpointing.output_files import save_safetensors
     from core.checkpointing.layout import CheckpointError
     from recipes.registry import get_recipe
 
@@ -223,7 +222,7 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = {k: v.to(torch_dtype) for k, v in to_hf(weights, m).items() if k != "lm_head.decoder.weight"}  # tied
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf, out / "model.safetensors", metadata={"format": "pt"})
     written = hf_config(m, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     files = write_tokenizer(out, m.max_seq_length)

@@ -101,6 +101,9 @@ class ESM2Recipe(Recipe):
         return PackedSequences(store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking,
                                self.cfg.seed, shuffle_seed=None)
 
+    def default_split(self) -> str:
+        return "val"  # its splits are train, val and all: no test
+
     def split(self, name: str) -> PackedSequences:
         """predict.py: the sequences of data.path's train or val split (val: data.val_path's when given), or all."""
         data = self.cfg.data

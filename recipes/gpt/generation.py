@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from core.data.datasets import mix_seed
+from core.training.nonfinite import NonFiniteError
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,7 @@ class Sampling:
         """The next token from the last position's logits [vocab] (float32, on the CPU)."""
         if self.greedy:
             return int(logits.argmax())
-        logits = logits / self.temperature
+        logits = logits.double() / self.temperature  # in float64: a large float32 logit / 0.001 stays finite
         if 0 < self.top_k < logits.numel():
             kth = logits.topk(self.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -64,7 +65,8 @@ def continue_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int, co
     the dtype of the cached keys and values (that of the attention inputs), or None for no cache.
 
     The model sees at most `context` tokens (its training sequence length): when the text outgrows that,
-    the window restarts on its last context // 2 tokens (with a cache: a new cache, filled with them)."""
+    the window restarts on its last context // 2 tokens (with a cache: a new cache, filled with them).
+    NonFiniteError when the model's logits hold a NaN or an infinity."""
     if not prompt:
         raise ValueError("an empty prompt: give at least one token")
     text, start = list(prompt), 0  # the window is text[start:]
@@ -83,6 +85,9 @@ def continue_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int, co
                 logits = model(torch.tensor([new], device=device), kv_cache=cache)
                 cached += len(new)
         last = logits[0, -1].float().cpu()
+        if not bool(torch.isfinite(last).all()):  # else sampling fails on them, or argmax picks a NaN's token
+            kind = "NaN" if bool(last.isnan().any()) else "infinite values"
+            raise NonFiniteError(f"the model's logits for new token {len(text) - len(prompt) + 1} hold {kind}")
         if banned:
             last[banned] = float("-inf")
         token = sampling.choose(last, generator)

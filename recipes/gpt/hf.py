@@ -355,9 +355,8 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
                  config: Optional[str] = None) -> dict:
     """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
     LlamaForCausalLM.from_pretrained loads. Returns the written config.json."""
-    from safetensors.torch import save_file
-
     from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.output_files import save_safetensors
     from recipes.gpt.tokenizer import build_tokenizer
     from recipes.registry import get_recipe
 
@@ -383,7 +382,7 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = {k: v.to(torch_dtype) for k, v in to_llama_checked(weights, model_cfg, vocab_size).items()}
     out.mkdir(parents=True, exist_ok=True)
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
+    save_safetensors(hf, out / "model.safetensors", metadata={"format": "pt"})
     written = llama_config(model_cfg, vocab_size, specials, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     copied = []
@@ -393,7 +392,7 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
         folder = tokenizer_file(data["tokenizer"]).parent
         for name in TOKENIZER_FILES:
             if (folder / name).is_file():
-                shutil.copy2(folder / name, out / name)
+                shutil.copyfile(folder / name, out / name)  # the umask's mode, not the source's
                 copied.append(name)
     print(f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
           f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else ""))

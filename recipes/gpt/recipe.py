@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import torch
 from torch import nn
@@ -86,10 +87,19 @@ class GPTRecipe(Recipe):
                               "training share")
         return Datasets(splits["train"], splits["val"])
 
+    def default_split(self) -> str:
+        """test where data.split gives it a share, else val."""
+        shares = [float(share) for share in re.split(r"[,/]", str(self.cfg.data.split))]
+        return "test" if len(shares) == 3 and shares[2] > 0 else "val"
+
     def split(self, name: str):
         """predict.py: the split's documents in windows of seq_length tokens (per-document perplexity)."""
         if name not in ("train", "val", "test"):
             raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
+        if self.cfg.data.format == "mock":
+            raise ConfigError("predict.py scores documents, and data.format=mock (synthetic tokens, for throughput) "
+                              "has none: give the text to score, e.g. data=moby_dick, or data=gpt_indexed "
+                              "data.prefixes=[<prefix>] data.tokenizer=<the tokenizer the model was trained with>")
         return document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
                                 self.cfg.data.eod_mask_loss)
 

@@ -348,6 +348,16 @@ def split_files(data: ImageDataConfig, split: str, classes: list[str],
     return files
 
 
+def default_prediction_split(data: ImageDataConfig) -> str:
+    """"test" where the data has that split (a folder of the root holding labelled images, a split of the shards),
+    else "val". Tiny ImageNet's test images carry no labels: its default is val."""
+    if data.format == "tiny_imagenet" or data.root is None:  # (without a root, the split says what is missing)
+        return "val"
+    root = ensure_extracted(data.root)
+    has_test = "test" in read_index(root)[1] if data.format == "shards" else (root / "test").is_dir()
+    return "test" if has_test else "val"
+
+
 def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, split: Optional[str],
                        folder: Optional[str], classes: Optional[list[str]] = None) -> ImageSamples:
     """predict.py's images, with the validation transform: a split of the data (labels in `classes` order,

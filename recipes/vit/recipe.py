@@ -19,6 +19,7 @@ from core.layers.namespace import Layers
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import (ImagesToPredict, Transform, build_image_datasets, collate_encoded, decode_batch,
+                              default_prediction_split,
                               image_classes, prediction_samples)
 from recipes.vit.model import VisionTransformer
 
@@ -131,6 +132,10 @@ class ViTRecipe(Recipe):
         return ("loss", "top1", "top5")
 
     # --- prediction (predict.py) ---------------------------------------------------------------
+    def default_split(self) -> str:
+        """test where the data has that split (a folder of the root, a split of the shards), else val."""
+        return "val" if self.cfg.data.format == "synthetic" else default_prediction_split(self.cfg.data)
+
     def split(self, name: str):
         if self.cfg.data.format == "synthetic":
             raise ConfigError(f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
