@@ -135,7 +135,17 @@ def main(argv: Optional[list[str]] = None) -> None:
 
             import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
     except (CheckpointError, ValueError, OSError) as e:  # OSError: an output that cannot be written, a missing input
-        raise SystemExit(f"error: {e}") from None
+        raise CommandFailed(f"error: {e}", 3 if isinstance(e, CheckpointError) else 2) from None
+
+
+class CommandFailed(SystemExit):
+    """Ends the command with its line on stderr and `code` (2: an input or output to fix, 3: a checkpoint);
+    str() is the line, for callers from Python."""
+
+    def __init__(self, line: str, code: int):
+        super().__init__(line)
+        self.code = code  # what the interpreter exits with (it prints nothing more for an int)
+        print(line, file=sys.stderr)
 
 
 if __name__ == "__main__":

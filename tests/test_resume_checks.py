@@ -170,6 +170,21 @@ def test_an_output_that_cannot_be_written_is_an_error_line(tmp_path, command):
     assert (tmp_path / "out.bin").stat().st_size > 0
 
 
+def test_the_checkpoint_command_exits_3_for_a_checkpoint_and_2_for_other_inputs(tmp_path):
+    """`python checkpoint.py ...` ends with its one line and an exit code a script can tell apart: 3 for a
+    checkpoint to fix, 2 for another input or output (it was 1 for everything)."""
+    from tests.helpers import REPO, run_python
+
+    (tmp_path / "step_5").mkdir()  # a save that never completed
+    torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
+    checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_0")])
+    for args, code, says in ((["to-torch", tmp_path / "step_5", tmp_path / "o.pt"], 3, "incomplete checkpoint"),
+                             (["to-torch", tmp_path / "step_0", tmp_path / "no" / "o.pt"], 2, "No such file")):
+        proc = run_python(REPO / "checkpoint.py", *args, cwd=tmp_path)
+        assert proc.returncode == code and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
+        assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+
+
 # --- the GPT's tokenizer folder, Hugging Face import, vocabulary and generate.py ---------------------------------
 
 LLAMA = {"vocab_size": 258, "hidden_size": 16, "ffn_hidden_size": 24, "num_layers": 1, "num_attention_heads": 2,
