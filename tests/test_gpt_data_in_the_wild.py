@@ -160,6 +160,9 @@ def test_a_damaged_bin_or_idx_is_named_before_training(tmp_path):
             build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)
     (tmp_path / "p.idx").write_bytes(original)
     assert len(build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)[0]) > 0
+    # A <prefix>.json nested 100,000 deep (a RecursionError traceback) is not ours: the size check alone holds.
+    (tmp_path / "p.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert len(build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)[0]) > 0
 
 
 SLOW_INPUT = '''"""preprocess's command line with its input held open: after the last document it says READY (a file)

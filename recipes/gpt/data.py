@@ -23,6 +23,7 @@ import torch
 from torch.utils.data import Dataset
 
 from core.config.errors import ConfigError, DataError
+from core.config.file_shape import read_small_file
 from recipes.gpt.config import GPTDataConfig
 from recipes.gpt.options import DATA_CONFIG
 from recipes.gpt.tokenizer import build_tokenizer
@@ -126,8 +127,8 @@ def check_prefix(prefix: str, tokenizer) -> None:
                         "short, or not the .idx's own .bin")
     record = Path(f"{prefix}.json")
     try:
-        made = json.loads(record.read_text()) if record.is_file() else None
-    except (OSError, ValueError):
+        made = json.loads(read_small_file(record, 1 << 24, follow_symlinks=True)) if record.is_file() else None
+    except (OSError, ValueError, RecursionError):  # not ours, or damaged: the size check is all there is
         made = None
     if not isinstance(made, dict) or not isinstance(made.get("vocab_size"), int):
         return
