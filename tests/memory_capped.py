@@ -25,6 +25,8 @@ def mapped_bytes() -> int:
 
 
 def main() -> None:
+    import torch  # noqa: F401  (mapped before the ceiling is measured, in a fresh interpreter too)
+
     report, mib, *argv = sys.argv[1:]
     limit = mapped_bytes() + (int(mib) << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -39,6 +41,7 @@ def main() -> None:
     atexit.register(write_report)
     leave, os._exit = os._exit, exit_reporting
     sys.argv = argv
+    sys.path[0] = str(Path(argv[0]).resolve().parent)  # as `python <script>` has it
     runpy.run_path(argv[0], run_name="__main__")
 
 

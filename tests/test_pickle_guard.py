@@ -1,8 +1,8 @@
 """No small file costs gigabytes or minutes before it is refused: every pickle a checkpoint load reads passes one
 guard first (core/checkpointing/pickle_guard.py), and what passes still loads.
 
-The crafted files are those that took the machine before the guard: a 1 KB value of a `.distcp` shard whose nested
-lists share references through the pickle memo (on resume), an ~800-byte `.pt` whose pickle is `bytearray(2**32)`
+The crafted files are those that took the machine before the guard: a 1.4 KB value of a `.distcp` shard whose nested
+lists share references through the pickle memo (on resume), a .pt under 1 KB whose pickle is `bytearray(2**32)`
 (checkpoint.init_from, `checkpoint.py from-torch`, `from-hf` of a folder with `pytorch_model.bin`), a `.metadata`
 whose entries share one list of chunks (init_from and resume: quadratic time), and torch files whose storages
 claim more than the file holds (a compressed record, the legacy format's sizes, a tensor item of a shard). Each
@@ -41,7 +41,7 @@ BYTEARRAY_4GIB = b"\x80\x02cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x00\x01\x8
 
 
 def shared_lists(depth: int) -> list:
-    """x0 = []; x(k+1) = [x_k, x_k]: `depth` lists in memory and in a pickle, 2**(depth+1) - 1 copied out."""
+    """x0 = []; x(k+1) = [x_k, x_k]: depth + 1 lists in memory and in a pickle, 2**(depth+1) - 1 copied out."""
     lists: list = []
     for _ in range(depth):
         lists = [lists, lists]
@@ -65,7 +65,7 @@ def with_data_pkl(archive: bytes, pickled: bytes) -> bytes:
 
 
 def bytearray_pt() -> bytes:
-    """An ~800-byte .pt whose pickle is bytearray(2**32)."""
+    """A .pt of less than 1 KB whose pickle is bytearray(2**32)."""
     return with_data_pkl(torch_saved({"w": torch.zeros(2)}), BYTEARRAY_4GIB)
 
 
@@ -245,7 +245,8 @@ def _with_record(archive: bytes, name: str, packed: bytes, size: int, crc: int) 
     start = out.tell()
     for fields, header_at, encoded in directory:
         out.write(struct.pack("<4s6H3I5H2I", b"PK\x01\x02", 20, 20, 0, *fields, 0, 0, 0, 0, 0, header_at) + encoded)
-    out.write(struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, len(directory), len(directory), out.tell() - start, start, 0))
+    count = len(directory)
+    out.write(struct.pack("<4s4H2IH", b"PK\x05\x06", 0, 0, count, count, out.tell() - start, start, 0))
     return out.getvalue()
 
 
@@ -272,7 +273,7 @@ def legacy_bytearray() -> bytes:
 
 CLAIMS = {
     "a deflated record": (lambda: _deflated(128 << 20), "archive/data/0 is compressed"),
-    "a legacy storage claiming 2**31 floats": (lambda: legacy_claiming(2**31 - 1), "claims 2147483647 elements"),
+    "a legacy storage claiming 2**31 floats": (lambda: legacy_claiming(2**31 - 1), "claims 2,147,483,647 elements"),
     "a legacy bytearray(2**32)": (legacy_bytearray, "global builtins.bytearray at byte 141 is not one"),
 }
 
@@ -337,13 +338,14 @@ def test_a_tensor_item_of_a_shard_whose_pickle_allocates_is_refused_before_dcp_r
     _replace_item_pickle(crafted / info.relative_path, info.offset, info.length, BYTEARRAY_4GIB)
     write_marker(crafted, {"step": 4, "metrics": {}})  # the attacker makes the marker match
     runs = {name: run_capped(tmp_path / f"{name}.json", "checkpoint.py", "to-torch", str(folder),
-                             str(tmp_path / f"{name}.pt")) for name, folder in (("clean", trained), ("crafted", crafted))}
+                             str(tmp_path / f"{name}.pt"))
+            for name, folder in (("clean", trained), ("crafted", crafted))}
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     line = error_line(proc)
     assert proc.returncode == 1 and line.startswith(f"error: {crafted}: loading failed "), line
-    assert (f"refusing to load the tensor {where.fqn!r} ({info.relative_path} at byte {info.offset}): global builtins.bytearray "
-            "at byte 2 is not one a saved tensor is built with") in line, line
+    assert (f"refusing to load the tensor {where.fqn!r} ({info.relative_path} at byte {info.offset}): global "
+            "builtins.bytearray at byte 2 is not one a saved tensor is built with") in line, line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
 
@@ -427,7 +429,8 @@ def test_torch_files_as_written_load_through_the_guard(tmp_path):
     base = torch.arange(10.0)
     values = {"model": model.state_dict(), "optimizer": state, "twice": {"a": base, "b": base},
               "dtypes": {"u16": torch.ones(3, dtype=torch.uint16), "fp8": torch.ones(3, dtype=torch.float8_e4m3fn)},
-              "parameter": torch.nn.Parameter(torch.ones(2)), "views": {"slice": base[2:5], "expanded": base.expand(3, 10)},
+              "parameter": torch.nn.Parameter(torch.ones(2)),
+              "views": {"slice": base[2:5], "expanded": base.expand(3, 10)},
               "plain": {"epoch": 3, "name": "run", "bytes": b"\x00\x01", "set": {1, 2}}}
     for name, value in values.items():
         for data in [torch_saved(value)] + ([legacy_saved(value)] if name != "dtypes" else []):  # (torch's limit)

@@ -294,8 +294,8 @@ class _Walk:
             for child in self.holds[number]:
                 copies[child] = min(copies.get(child, 0) + copies[number], 1 << 64)
         shared = max(copies, key=lambda n: (copies[n], size[n]))
-        return (f"a pickle that shares one {self.kinds[shared]} at least {copies[shared]:,} times: copied out, it would be "
-                f"more than {limit:,} objects (one per byte of the pickle, and {SHARING_ALLOWANCE} more)")
+        return (f"a pickle that shares one {self.kinds[shared]} at least {copies[shared]:,} times: copied out, it "
+                f"would be more than {limit:,} objects (one per byte of the pickle, and {SHARING_ALLOWANCE} more)")
 
 
 def _shown(item: Any) -> str:
@@ -372,7 +372,8 @@ def _check_archive(file: BinaryIO, length: int, allowed: AllowList) -> None:
             strays = [name for name in names if name.partition("/")[0] != folder or "/" not in name]
             if not names or strays or len(set(names)) != len(names):
                 raise UnsafeCheckpoint(f"not a torch.save archive (its entries: {', '.join(names[:4])}...)")
-            packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED or e.compress_size != e.file_size]
+            packed = [e.filename for e in entries
+                      if e.compress_type != zipfile.ZIP_STORED or e.compress_size != e.file_size]
             if packed:
                 raise UnsafeCheckpoint(f"its entry {packed[0]} is compressed (torch.save stores every entry as it is)")
             if sum(e.file_size for e in entries) > length:
@@ -390,9 +391,11 @@ def _check_archive(file: BinaryIO, length: int, allowed: AllowList) -> None:
     for claim in storages:
         storage_type, key, numel = _storage_claim(claim, 5)
         record = records.get(f"data/{key}")
-        if record is None or record != numel * STORAGE_ELEMENT_SIZES[storage_type]:
-            raise UnsafeCheckpoint(f"a storage of {numel:,} x {STORAGE_ELEMENT_SIZES[storage_type]} bytes (key {key!r}), "
-                                   f"where the archive holds {'no record' if record is None else f'{record} bytes'}")
+        element_size = STORAGE_ELEMENT_SIZES[storage_type]
+        if record is None or record != numel * element_size:
+            held = "no record" if record is None else f"{record:,} bytes"
+            raise UnsafeCheckpoint(f"a storage of {numel:,} x {element_size} bytes (key {key!r:.60}), where the "
+                                   f"archive holds {held}")
 
 
 def _storage_claim(claim: tuple, fields: int) -> tuple[str, str, int]:
@@ -431,22 +434,25 @@ def _check_legacy(file: BinaryIO, length: int, allowed: AllowList) -> None:
         raise UnsafeCheckpoint("its list of storages is not a list of distinct names")
     position = file.tell()
     for key in keys:
-        numel, element_size = claims.get(key, (None, None))
+        if key not in claims:
+            raise UnsafeCheckpoint(f"the file stores a storage {key!r:.60} that its pickle does not hold")
+        numel, element_size = claims[key]
         file.seek(position)
         stored = file.read(8)
-        if numel is None or len(stored) != 8 or struct.unpack("<q", stored)[0] != numel \
-                or position + 8 + numel * element_size > length:
-            raise UnsafeCheckpoint(f"the storage {key!r} claims {numel} elements, where the file holds "
-                                   f"{struct.unpack('<q', stored)[0] if len(stored) == 8 else 'none'}")
+        count = struct.unpack("<q", stored)[0] if len(stored) == 8 else None
+        if count != numel or position + 8 + numel * element_size > length:
+            raise UnsafeCheckpoint(f"the storage {key!r:.60} claims {numel:,} elements, where the file holds "
+                                   f"{'a count of ' + format(count, ',') if count is not None else 'no count'} and "
+                                   f"{max(0, length - position - 8):,} bytes")
         position += 8 + numel * element_size
     unread = sorted(set(claims) - set(keys))
     if unread:
         raise UnsafeCheckpoint(f"the storage {unread[0]!r} is claimed but not stored")
 
 
-def load_torch_file(source: Union[Path, bytes], allowed: AllowList = PLAIN_DATA_GLOBALS) -> Any:
+def load_torch_file(source: Union[str, Path, bytes], allowed: AllowList = PLAIN_DATA_GLOBALS) -> Any:
     """torch.load(weights_only=True) of a torch.save file (a path, or its bytes) that the guard passed first,
     onto the CPU. UnsafeCheckpoint for what the guard refuses; torch's own errors for a malformed file."""
-    with (open(source, "rb") if isinstance(source, Path) else io.BytesIO(source)) as file:
+    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as file:
         check_torch_file(file, allowed)
         return torch.load(file, map_location="cpu", weights_only=True)
