@@ -487,3 +487,30 @@ def test_a_container_that_holds_itself_or_nests_too_deep_is_refused():
     for _ in range(MAX_DEPTH + 5):
         nested = [nested]
     assert f"nested {MAX_DEPTH + 6} containers deep" in _refusal(pickle.dumps(nested, protocol=2))
+
+
+@pytest.mark.parametrize("zipped", [True, False], ids=["zip", "legacy"])
+def test_a_pytorch_model_bin_as_transformers_wrote_it_imports_as_its_safetensors(tmp_path, zipped):
+    """transformers before safetensors: torch.save(model.state_dict()) as pytorch_model.bin (in the legacy format
+    before torch 1.6), the tied embeddings two tensors of one storage. It imports (`from-hf`) as the same model
+    saved as safetensors does."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from checkpoint import main as checkpoint_cli
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    model = transformers.LlamaForCausalLM(config)
+    model.save_pretrained(tmp_path / "safetensors")
+    state = model.state_dict()
+    storages = {state[name].untyped_storage().data_ptr() for name in ("lm_head.weight", "model.embed_tokens.weight")}
+    assert len(storages) == 1
+    folder = tmp_path / "bin"
+    folder.mkdir()
+    shutil.copy(tmp_path / "safetensors" / "config.json", folder)
+    torch.save(state, folder / "pytorch_model.bin", _use_new_zipfile_serialization=zipped)
+    checkpoint_cli(["from-hf", str(tmp_path / "safetensors"), str(tmp_path / "a.safetensors")])
+    checkpoint_cli(["from-hf", str(folder), str(tmp_path / "b.safetensors")])
+    a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -129,12 +129,6 @@ class _Walk:
         if persistent_ids:
             self.handlers["BINPERSID"] = self._persistent_id
 
-    def step(self, name: str, arg: Any, at: int) -> None:
-        handler = self.handlers.get(name)
-        if handler is None:
-            raise UnsafeCheckpoint(f"opcode {name} at byte {at} is not plain data")
-        handler(arg, at)
-
     # -- the containers
 
     def new(self, kind: str, items: list = ()) -> int:
@@ -317,7 +311,7 @@ def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList,
         length = source.seek(0, io.SEEK_END) - start
         source.seek(start)
     walk = _Walk(allowed, min(length, MAX_PICKLE) + SHARING_ALLOWANCE, persistent_ids=storages is not None)
-    ops, step = pickletools.genops(source), walk.step
+    ops, handlers = pickletools.genops(source), walk.handlers
     while True:
         try:
             op, arg, at = next(ops)
@@ -332,8 +326,11 @@ def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList,
             if storages is not None:
                 storages.extend(walk.storages)
         else:
+            handler = handlers.get(op.name)
+            if handler is None:
+                raise UnsafeCheckpoint(f"opcode {op.name} at byte {at} is not plain data")
             try:
-                step(op.name, arg, at)
+                handler(arg, at)
             except (IndexError, KeyError):  # an empty stack, no MARK to pop to
                 raise UnsafeCheckpoint(f"opcode {op.name} at byte {at} finds no value it needs") from None
         yield op, arg, at
