@@ -435,6 +435,10 @@ def test_torch_files_as_written_load_through_the_guard(tmp_path):
     for name, value in values.items():
         for data in [torch_saved(value)] + ([legacy_saved(value)] if name != "dtypes" else []):  # (torch's limit)
             assert _same(load_torch_file(data), value), name
+    # A legacy file saved from a GPU names the CUDA storage classes and the device: it loads onto the CPU.
+    on_gpu = legacy_saved({"w": base}).replace(b"ctorch\nFloatStorage\n", b"ctorch.cuda\nFloatStorage\n")
+    on_gpu = on_gpu.replace(b"X\x03\x00\x00\x00cpu", b"X\x06\x00\x00\x00cuda:0")
+    assert b"torch.cuda" in on_gpu and b"cuda:0" in on_gpu and _same(load_torch_file(on_gpu), {"w": base})
     tied = load_torch_file(torch_saved(model.state_dict()))
     assert tied["0.weight"].untyped_storage().data_ptr() == tied["1.weight"].untyped_storage().data_ptr()
 

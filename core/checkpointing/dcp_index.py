@@ -59,7 +59,7 @@ _ALLOWED: list = [
 # torch's list of allowed globals is process-wide: one index at a time adds ours to it and takes them away.
 _ALLOWED_LOCK = threading.Lock()
 # The globals an index names: ours above and, of PyTorch's defaults, only sizes, dtypes, layouts and
-# OrderedDict. The rewrite refuses any other name before PyTorch's unpickler sees it: its defaults also
+# OrderedDict. The guard refuses any other name before PyTorch's unpickler sees it: its defaults also
 # allow globals an index never needs, some of which allocate what the file asks for (bytearray(2**31),
 # torch.Tensor(2**31)) or import modules (_codecs.encode).
 _INDEX_GLOBALS = AllowList(

@@ -56,9 +56,11 @@ def _storage_element_sizes() -> dict[str, int]:
     with warnings.catch_warnings():  # asking a typed storage class its dtype warns that TypedStorage is deprecated
         warnings.simplefilter("ignore", UserWarning)
         sizes = {f"torch.{name}": torch._utils._element_size(getattr(torch, name).dtype)
-                 for name in dir(torch) if name.endswith("Storage")
+                 for name in dir(torch) if name.endswith("Storage") and name != "Storage"  # (an alias)
                  and isinstance(getattr(getattr(torch, name), "dtype", None), torch.dtype)}
-    return sizes | {"torch.storage.UntypedStorage": 1}
+    # Files saved from a GPU in the legacy format name the CUDA classes (loaded onto the CPU all the same).
+    on_gpu = {f"torch.cuda.{name[6:]}": size for name, size in sizes.items() if hasattr(torch.cuda, name[6:])}
+    return sizes | on_gpu | {"torch.storage.UntypedStorage": 1}
 
 
 STORAGE_ELEMENT_SIZES = _storage_element_sizes()

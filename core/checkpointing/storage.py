@@ -6,8 +6,8 @@ Reading runs no code from the files and leaves the process as it was. DCP keeps 
 by PyTorch's weights_only unpickler (core/checkpointing/dcp_index.py) and values with
 `torch.load(weights_only=True)`, each pickle first passed by core/checkpointing/pickle_guard.py (as is every item
 DCP reads, tensors included: `SafeReader.read_data`); anything else is refused with a CheckpointError naming the
-file. Every load in this repository goes through `SafeReader` and
-`SafeLoadPlanner` (resume, init_from, predict, conversion).
+file. Every load in this repository goes through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict,
+conversion).
 
 Writing records a CRC-32 of every file as its bytes go to disk (no second read): each rank leaves
 `__<rank>_checksums.json` beside its shards, which the completion marker collects (layout.write_marker).
