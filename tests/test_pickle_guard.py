@@ -203,6 +203,27 @@ def test_a_weights_file_whose_pickle_allocates_is_refused_unbuilt(trained, tmp_p
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
 
 
+@pytest.mark.slow
+def test_a_weights_file_whose_tensor_claims_more_than_its_storage_is_refused_uncopied(tmp_path):
+    """A 1.5 KB pytorch_model.bin whose extra bfloat16 tensor is one element broadcast to 2**15 x 2**15 (stride 0):
+    from-hf makes every float tensor fp32 before it compares names and shapes, 4 GiB for this one."""
+    weights = torch.load(io.BytesIO(_llama_weights()), weights_only=True)
+    crafted = {**weights, "junk": torch.zeros(1, dtype=torch.bfloat16).expand(2**15, 2**15)}
+    runs = {}
+    for name, state in (("clean", weights), ("crafted", crafted)):
+        (tmp_path / name).mkdir()
+        folder = _hf_folder(tmp_path / name / "hf", torch_saved(state))
+        runs[name] = run_capped(tmp_path / f"{name}.json", "checkpoint.py", "from-hf", str(folder),
+                                str(tmp_path / name / "out.safetensors"))
+    assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
+    proc, peak = runs["crafted"]
+    line = error_line(proc)
+    assert proc.returncode == 1 and line == (f"error: {folder / 'pytorch_model.bin'}: refusing to load it: 'junk' is a "
+                                             "view of 1,073,741,824 elements over a storage of 1; nothing was imported"), line
+    print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
+    assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
+
+
 def _claiming(archive: bytes, numel: int) -> bytes:
     """A torch.save archive of {"w": torch.zeros(2)} whose storage claims `numel` elements."""
     pickled = zipfile.ZipFile(io.BytesIO(archive)).read("archive/data.pkl")

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Callable, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from core.checkpointing.pickle_guard import UnsafeCheckpoint, load_torch_file
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.config.file_shape import problems, shown
 
 
@@ -84,6 +84,9 @@ def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
                 else None)
         if what:
             raise ValueError(f"{file}: not a state dict (tensor names to tensors): {what}; nothing was imported")
+        if beyond_its_storage(value):
+            raise ValueError(f"{file}: refusing to load it: {shown(key)} is {beyond_its_storage(value)}; nothing was "
+                             "imported")
     return weights
 
 

@@ -16,7 +16,8 @@ stack of placeholders, building nothing, and refuses, naming what it found:
 - in a torch file, any storage larger than the data behind it: an archive entry that is compressed or claims
   more bytes than the file holds, a storage whose claimed size is not its record's (zip) or the size stored
   before its data (legacy format), so that no small file makes torch allocate a large storage.
-Then PyTorch's own `weights_only` unpickler loads what passed.
+Then PyTorch's own `weights_only` unpickler loads what passed; readers of weight files also refuse a tensor
+with more elements than its storage holds (`beyond_its_storage`), before anything copies it.
 """
 
 from __future__ import annotations
@@ -455,3 +456,13 @@ def load_torch_file(source: Union[str, Path, bytes], allowed: AllowList = PLAIN_
     with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as file:
         check_torch_file(file, allowed)
         return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def beyond_its_storage(tensor: torch.Tensor) -> Optional[str]:
+    """Why `tensor` has more elements than its storage holds (a broadcast or overlapping view: torch.save keeps the
+    storage, so a few bytes on disk can claim a tensor of any size, which whatever copies it then allocates), or
+    None. A state dict's tensors hold their own elements; tied ones share a storage, each within it."""
+    held = tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
+    if tensor.numel() > held:
+        return f"a view of {tensor.numel():,} elements over a storage of {held:,}"
+    return None

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
                                        empty_like_saved, is_complete, resolve_checkpoint, saved_weights, verify,
                                        verify_plain_dcp)
-from core.checkpointing.pickle_guard import UnsafeCheckpoint, load_torch_file
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
@@ -76,6 +76,8 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
             what = (f"a key that is not a name ({name!r:.60}, type {type(name).__name__})" if not isinstance(name, str)
                     else f"{name!r:.60} holds a value of type {type(value).__name__}, not a tensor")
             raise CheckpointError(f"{path}: {what}; expected a dict of names to tensors (a model state dict)")
+        if beyond_its_storage(value):
+            raise CheckpointError(f"{path}: refusing to load it: {name!r:.60} is {beyond_its_storage(value)}")
     return state
 
 
