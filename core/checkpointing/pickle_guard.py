@@ -351,7 +351,7 @@ def check_pickle(source: Union[bytes, BinaryIO], allowed: AllowList, storages: O
 def check_torch_file(file: BinaryIO, allowed: AllowList, zip_only: bool = False) -> None:
     """Refuse (UnsafeCheckpoint) a torch.save file (`file` open for reading) whose pickle the guard does not
     pass, or whose storages claim more than the data behind them (the module docstring); `zip_only`: refuse
-    the legacy format too. Leaves the file at its start."""
+    the legacy format too. ValueError for a file of neither format. Leaves the file at its start."""
     length = file.seek(0, io.SEEK_END)
     file.seek(0)
     if file.read(4) == b"PK\x03\x04":  # what torch.load takes for its zip format
@@ -416,7 +416,15 @@ def _check_legacy(file: BinaryIO, length: int, allowed: AllowList) -> None:
     count (8 bytes) and its data. torch allocates each storage as the object's pickle claims it, before it
     reads the count: each claim must be the count and data the file holds."""
     file.seek(0)
-    for _ in range(3):
+    try:
+        check_pickle(file, _NO_GLOBALS)
+        file.seek(0)
+        magic = torch._weights_only_unpickler.load(file)
+    except (UnsafeCheckpoint, pickle.UnpicklingError, EOFError):
+        magic = None
+    if magic != torch.serialization.MAGIC_NUMBER:
+        raise ValueError("not a torch.save file (neither a zip archive nor torch's magic number at its start)")
+    for _ in range(2):
         check_pickle(file, _NO_GLOBALS)
     claims: dict[str, tuple[int, int]] = {}
     storages: list[tuple] = []
