@@ -39,7 +39,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
-from core.checkpointing.pickle_guard import AllowList, UnsafeCheckpoint, guarded_opcodes
+from core.checkpointing.pickle_guard import MAX_INDEX_PICKLE, AllowList, UnsafeCheckpoint, guarded_opcodes
 
 
 def _memory_format(code: int) -> dcp_metadata._MEM_FORMAT_ENCODING:
@@ -97,7 +97,7 @@ def to_protocol_2(data: bytes) -> bytes:
         pending.clear()
 
     copy_from = None  # where an opcode to copy as it is starts; it ends where the next one starts
-    for op, arg, position in guarded_opcodes(data, _INDEX_GLOBALS):
+    for op, arg, position in guarded_opcodes(data, _INDEX_GLOBALS, max_length=MAX_INDEX_PICKLE):
         if copy_from is not None:
             out.extend(data[copy_from:position])
             copy_from = None

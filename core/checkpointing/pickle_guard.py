@@ -28,6 +28,7 @@ import pickletools
 import struct
 import warnings
 import zipfile
+from array import array
 from pathlib import Path
 from typing import Any, BinaryIO, Iterator, Optional, Union
 
@@ -77,7 +78,8 @@ PLAIN_DATA_GLOBALS = AllowList(
     | {f"{module}.{name}" for module in ("builtins", "__builtin__") for name in ("set", "frozenset", "complex")},
     "plain data is saved with")
 
-MAX_PICKLE = 64 << 20  # a pickle's bytes (a torch file's tensor data lives beside it)
+MAX_PICKLE = 64 << 20  # a torch file's pickle (its tensor data lives beside it), in bytes
+MAX_INDEX_PICKLE = 1 << 30  # a DCP index (.metadata), in bytes: a million chunks take a few hundred MB
 MAX_DEPTH = 100  # containers inside containers; checkpoints nest a few levels
 SHARING_ALLOWANCE = 4096  # objects a copied-out value may have beyond one per byte of its pickle
 
@@ -105,9 +107,9 @@ class _Walk:
         self.marks: list[list] = []
         self.memo: dict[int, Any] = {}
         self.kinds: list[str] = []  # per container: "list", "dict", "tuple", ... or the global that built it
-        self.holds: list[list[int]] = []
-        self.scalars: list[int] = []
-        self.size: list[int] = []
+        self.holds: list[Optional[list[int]]] = []  # None for a container of scalars only: most of them
+        self.scalars = array("q")
+        self.size = array("q")
         self.values: dict[int, tuple] = {}  # small tuples of scalars, by container: storage ids among them
         self.storages: list[tuple] = []  # the persistent ids (storage claims), as values
         self.handlers = {name: self._scalar for name in _SCALARS} | {
@@ -137,7 +139,7 @@ class _Walk:
     def new(self, kind: str, items: list = ()) -> int:
         number = len(self.kinds)
         self.kinds.append(kind)
-        self.holds.append([])
+        self.holds.append(None)
         self.scalars.append(0)
         self.size.append(1)
         if items:
@@ -147,16 +149,17 @@ class _Walk:
     def add(self, container: Any, items: list) -> None:
         if type(container) is not int:
             raise UnsafeCheckpoint(f"adds items to {_shown(container)}, which is not a container")
-        holds, size, scalars = self.holds[container], self.size, 0
-        grown = 0
+        size, scalars, grown = self.size, 0, 0
         for item in items:
             if type(item) is int:
-                holds.append(item)
+                if self.holds[container] is None:
+                    self.holds[container] = []
+                self.holds[container].append(item)
                 grown += size[item]
             else:
                 scalars += 1
         self.scalars[container] += scalars
-        size[container] += grown + scalars
+        size[container] = min(size[container] + grown + scalars, self.limit + 1)
         if size[container] > self.limit:
             raise UnsafeCheckpoint(self.describe_sharing(container, self.limit))
 
@@ -243,53 +246,51 @@ class _Walk:
         if type(root) is not int:
             return
         limit = length + SHARING_ALLOWANCE
-        _, size, depth = self.postorder(root, limit)
+        size, depth = self.count(root, limit)
         if depth[root] > MAX_DEPTH:
-            raise UnsafeCheckpoint(f"a pickle nested {depth[root]} containers deep (at most {MAX_DEPTH})")
+            raise UnsafeCheckpoint(f"a pickle nested more than {MAX_DEPTH} containers deep")
         if size[root] > limit:
             raise UnsafeCheckpoint(self.describe_sharing(root, limit))
 
-    def postorder(self, root: int, cap: int) -> tuple[list[int], dict[int, int], dict[int, int]]:
-        """The containers reachable from `root`, each after those it holds, with each one's copied-out size
-        (capped at cap + 1) and depth. Each container is visited once: linear in the pickle's size."""
+    def count(self, root: int, cap: int, order: Optional[list] = None) -> tuple[array, bytearray]:
+        """Each container's copied-out size (capped at cap + 1) and depth (capped at MAX_DEPTH + 1), for those
+        reachable from `root`, visited once each (linear in the pickle's size); appended to `order`, each
+        after those it holds. Depth first, each container pushed again to be counted once those it holds are."""
         holds, scalars = self.holds, self.scalars
         state = bytearray(len(self.kinds))  # 0 unseen, 1 on the path from root, 2 counted
-        size: dict[int, int] = {}
-        depth: dict[int, int] = {}
-        order: list[int] = []
+        size, depth = array("q", bytes(8 * len(self.kinds))), bytearray(len(self.kinds))
         pending = [root]
         while pending:
             number = pending.pop()
-            if number >= 0:
-                if state[number]:
-                    continue
+            if state[number] == 0:
                 state[number] = 1
-                pending.append(~number)
-                for child in holds[number]:
+                pending.append(number)
+                for child in holds[number] or ():
                     if state[child] == 1:
                         raise UnsafeCheckpoint(f"a pickle with a {self.kinds[child]} that holds itself")
-                    if not state[child]:
+                    if state[child] == 0:
                         pending.append(child)
-                continue
-            number = ~number
-            state[number] = 2
-            order.append(number)
-            total, deepest = 1 + scalars[number], 0
-            for child in holds[number]:
-                total += size[child]
-                if depth[child] > deepest:
-                    deepest = depth[child]
-            size[number], depth[number] = min(total, cap + 1), deepest + 1
-        return order, size, depth
+            elif state[number] == 1:
+                state[number] = 2
+                total, deepest = 1 + scalars[number], 0
+                for child in holds[number] or ():
+                    total += size[child]
+                    if depth[child] > deepest:
+                        deepest = depth[child]
+                size[number], depth[number] = min(total, cap + 1), min(deepest + 1, MAX_DEPTH + 1)
+                if order is not None:
+                    order.append(number)
+        return size, depth
 
     def describe_sharing(self, root: int, limit: int) -> str:
         """Which container under `root` the pickle shares most, and that copying `root` out would build more than
         `limit` objects."""
-        order, size, _ = self.postorder(root, limit)
+        order: list[int] = []
+        size, _ = self.count(root, limit, order)
         copies = {root: 1}
         for number in reversed(order):  # each container before those it holds
-            for child in self.holds[number]:
-                copies[child] = min(copies.get(child, 0) + copies[number], 1 << 64)
+            for child in self.holds[number] or ():
+                copies[child] = min(copies.get(child, 0) + copies[number], 1 << 62)
         shared = max(copies, key=lambda n: (copies[n], size[n]))
         return (f"a pickle that shares one {self.kinds[shared]} at least {copies[shared]:,} times: copied out, it "
                 f"would be more than {limit:,} objects (one per byte of the pickle, and {SHARING_ALLOWANCE} more)")
@@ -301,19 +302,19 @@ def _shown(item: Any) -> str:
     return "a container"
 
 
-def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList,
-                    storages: Optional[list] = None) -> Iterator[tuple[Any, Any, int]]:
+def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList, storages: Optional[list] = None,
+                    max_length: int = MAX_PICKLE) -> Iterator[tuple[Any, Any, int]]:
     """pickletools.genops(source), refusing (UnsafeCheckpoint) what the module docstring lists as it goes and,
     at its STOP, a value that copying out would make larger than the pickle. Persistent ids (a torch file's
     storages) are refused unless `storages` is a list, to which each storage claimed is appended as a tuple of
-    its values."""
+    its values; a pickle longer than `max_length` bytes is refused."""
     if isinstance(source, bytes):
         start, length = 0, len(source)
     else:
         start = source.tell()
         length = source.seek(0, io.SEEK_END) - start
         source.seek(start)
-    walk = _Walk(allowed, min(length, MAX_PICKLE) + SHARING_ALLOWANCE, persistent_ids=storages is not None)
+    walk = _Walk(allowed, min(length, max_length) + SHARING_ALLOWANCE, persistent_ids=storages is not None)
     ops, handlers = pickletools.genops(source), walk.handlers
     while True:
         try:
@@ -322,8 +323,8 @@ def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList,
             break
         except Exception as e:  # noqa: BLE001  (any parse error means: not a pickle we read)
             raise UnsafeCheckpoint(f"not a readable pickle ({type(e).__name__}: {e})") from None
-        if at - start > MAX_PICKLE:
-            raise UnsafeCheckpoint(f"a pickle of more than {MAX_PICKLE} bytes")
+        if at - start > max_length:
+            raise UnsafeCheckpoint(f"a pickle of more than {max_length:,} bytes")
         if op.name == "STOP":
             walk.finish(at + 1 - start)
             if storages is not None:
