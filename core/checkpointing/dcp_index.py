@@ -9,8 +9,10 @@ attribute setting (BUILD) on anything but an instance of an allowed class that t
 That unpickler reads protocol 2 only, so the index is first rewritten opcode by opcode from the newer
 protocol into protocol 2 (`to_protocol_2`): framing dropped, memo and string opcodes re-encoded, a
 global named by two strings (STACK_GLOBAL) written as the protocol-2 GLOBAL; any opcode without a
-protocol-2 form is refused. The rewrite only changes the encoding: what the result may build is decided
-by PyTorch's unpickler. Last, the unpickled index is checked against the shape DCP's code expects
+protocol-2 form is refused. The rewrite only changes the encoding, and reads the opcodes through the guard every
+pickle of a checkpoint passes (core/checkpointing/pickle_guard.py: globals an index names, no shared containers
+that would make a walk over the index longer than the file): what the result may build is decided by PyTorch's
+unpickler. Last, the unpickled index is checked against the shape DCP's code expects
 (`check_shape`), so nothing downstream meets an object of an unexpected type.
 
 Step folders this tool writes also hold the index as JSON (`index.json`, written beside `.metadata` by
@@ -25,8 +27,6 @@ import io
 import json
 import math
 import pathlib
-import pickle
-import pickletools
 import struct
 import threading
 from typing import Annotated, Any, Literal, Optional, Union
@@ -39,9 +39,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
                                                    StorageMeta, TensorProperties, TensorStorageMetadata)
 
-
-class UnsafeCheckpoint(pickle.UnpicklingError):
-    """A checkpoint file asks to load something other than checkpoint data."""
+from core.checkpointing.pickle_guard import MAX_INDEX_PICKLE, AllowList, UnsafeCheckpoint, guarded_opcodes
 
 
 def _memory_format(code: int) -> dcp_metadata._MEM_FORMAT_ENCODING:
@@ -61,13 +59,14 @@ _ALLOWED: list = [
 # torch's list of allowed globals is process-wide: one index at a time adds ours to it and takes them away.
 _ALLOWED_LOCK = threading.Lock()
 # The globals an index names: ours above and, of PyTorch's defaults, only sizes, dtypes, layouts and
-# OrderedDict. The rewrite refuses any other name before PyTorch's unpickler sees it: its defaults also
+# OrderedDict. The guard refuses any other name before PyTorch's unpickler sees it: its defaults also
 # allow globals an index never needs, some of which allocate what the file asks for (bytearray(2**31),
 # torch.Tensor(2**31)) or import modules (_codecs.encode).
-_INDEX_GLOBALS = ({entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
-                   for entry in _ALLOWED}
-                  | {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
-                  | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)})
+_INDEX_GLOBALS = AllowList(
+    {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}" for entry in _ALLOWED}
+    | {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
+    | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
+    "a DCP index holds")
 
 # Protocol-2 opcodes that PyTorch's unpickler reads and that the rewrite copies as they are.
 _COPIED = {"APPEND", "APPENDS", "BINFLOAT", "BININT", "BININT1", "BININT2", "BUILD", "EMPTY_DICT", "EMPTY_LIST",
@@ -78,11 +77,10 @@ _PUTS = {"MEMOIZE", "BINPUT", "LONG_BINPUT"}
 _GETS = {"BINGET", "LONG_BINGET"}
 
 
-def to_protocol_2(data: bytes, allowed_globals: frozenset[str] | set[str] = _INDEX_GLOBALS,
-                  also_copied: frozenset[str] = frozenset()) -> bytes:
+def to_protocol_2(data: bytes) -> bytes:
     """The same pickle in the opcodes of protocol 2 (see the module docstring); UnsafeCheckpoint for an opcode
-    that has no protocol-2 form (or is not in `also_copied`), a global not in `allowed_globals` (default: those
-    a DCP index names) or a stream that does not parse.
+    that has no protocol-2 form, or for what core/checkpointing/pickle_guard.py refuses (a global an index does
+    not name, shared containers that a walk over the index would visit more often than it has bytes, ...).
 
     Strings are held back until an opcode uses them, because STACK_GLOBAL takes its module and name from the
     stack, where protocol 2 has no way to remove them: a string that STACK_GLOBAL consumes is never written,
@@ -99,14 +97,7 @@ def to_protocol_2(data: bytes, allowed_globals: frozenset[str] | set[str] = _IND
         pending.clear()
 
     copy_from = None  # where an opcode to copy as it is starts; it ends where the next one starts
-    ops = pickletools.genops(data)
-    while True:
-        try:
-            op, arg, position = next(ops)
-        except StopIteration:
-            break
-        except Exception as e:  # noqa: BLE001  (any parse error means: not a pickle we read)
-            raise UnsafeCheckpoint(f"not a readable pickle ({type(e).__name__}: {e})") from None
+    for op, arg, position in guarded_opcodes(data, _INDEX_GLOBALS, max_length=MAX_INDEX_PICKLE):
         if copy_from is not None:
             out.extend(data[copy_from:position])
             copy_from = None
@@ -136,15 +127,13 @@ def to_protocol_2(data: bytes, allowed_globals: frozenset[str] | set[str] = _IND
             if len(pending) < 2:
                 raise UnsafeCheckpoint(f"opcode STACK_GLOBAL at byte {position} names a global by computed values")
             global_name, module = pending.pop(), pending.pop()
-            _check_global(module, global_name, position, allowed_globals)
             flush()
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
         elif name == "GLOBAL":
             module, _, global_name = arg.partition(" ")
-            _check_global(module, global_name, position, allowed_globals)
             flush()
             out.extend(b"c" + f"{module}\n{global_name}\n".encode("utf-8", "surrogatepass"))
-        elif name in _COPIED or name in also_copied:
+        elif name in _COPIED:
             flush()
             copy_from = position
         elif name == "STOP":
@@ -153,12 +142,6 @@ def to_protocol_2(data: bytes, allowed_globals: frozenset[str] | set[str] = _IND
         else:
             raise UnsafeCheckpoint(f"opcode {name} at byte {position} is not plain data")
     return bytes(out)
-
-
-def _check_global(module: str, name: str, position: int, allowed: frozenset[str] | set[str]) -> None:
-    if f"{module}.{name}" not in allowed:
-        what = "a DCP index holds" if allowed is _INDEX_GLOBALS else "plain data is saved with"
-        raise UnsafeCheckpoint(f"global {module}.{name} at byte {position} is not one {what}")
 
 
 def load_index(data: bytes) -> Metadata:
@@ -231,6 +214,7 @@ def check_shape(index: Any) -> None:
     _expect(type(index) is Metadata and _has_fields_only(index), f"holds a {type(index).__name__}, not DCP metadata")
     entries = index.state_dict_metadata
     _expect(type(entries) is dict, "state_dict_metadata is not a dict")
+    checked: set[tuple[int, tuple]] = set()  # (chunk list, size) pairs already checked: each list is read once
     for key, entry in entries.items():
         _expect(isinstance(key, str), f"a state dict key of type {type(key).__name__}")
         if type(entry) is BytesStorageMetadata:
@@ -243,6 +227,9 @@ def check_shape(index: Any) -> None:
                 and isinstance(props.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
         _expect(_is_size(entry.size), f"{key!r} has a malformed size")
         _expect(type(entry.chunks) is list, f"{key!r} has malformed chunks")
+        if (id(entry.chunks), entry.size) in checked:
+            continue
+        checked.add((id(entry.chunks), entry.size))
         for chunk in entry.chunks:
             _expect(type(chunk) is ChunkStorageMetadata and _has_fields_only(chunk) and _is_size(chunk.offsets)
                     and _is_size(chunk.sizes)

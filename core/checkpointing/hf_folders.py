@@ -13,6 +13,7 @@ from typing import Annotated, Any, Callable, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.config.file_shape import problems, shown
 
 
@@ -67,8 +68,10 @@ def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
     """A state dict saved by torch.save; ValueError naming the file if it holds anything else (a list, a dict of
     numbers or of dicts), which the import would otherwise meet as an AttributeError. (safetensors files always
     hold a dict of tensor names to tensors.)"""
-    try:  # weights_only: loading runs no code from the file
-        weights = torch.load(file, map_location="cpu", weights_only=True)
+    try:  # weights_only, after the guard every checkpoint pickle passes: loading runs no code from the file
+        weights = load_torch_file(file)
+    except UnsafeCheckpoint as e:
+        raise ValueError(f"{file}: refusing to load it: {e}; nothing was imported") from None
     except Exception as e:  # noqa: BLE001
         raise ValueError(f"{file}: cannot read as torch weights ({type(e).__name__}: {e}); nothing was "
                          "imported") from None
@@ -81,6 +84,9 @@ def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
                 else None)
         if what:
             raise ValueError(f"{file}: not a state dict (tensor names to tensors): {what}; nothing was imported")
+        if beyond_its_storage(value):
+            raise ValueError(f"{file}: refusing to load it: {shown(key)} is {beyond_its_storage(value)}; nothing was "
+                             "imported")
     return weights
 
 

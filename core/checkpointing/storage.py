@@ -4,8 +4,10 @@ Reading runs no code from the files and leaves the process as it was. DCP keeps 
 (`.metadata`) as a pickle and loads non-tensor values (optimizer hyperparameters and the like) with
 `torch.load(weights_only=False)`; a crafted folder could run anything through either. Here the index is read
 by PyTorch's weights_only unpickler (core/checkpointing/dcp_index.py) and values with
-`torch.load(weights_only=True)`; anything else is refused with a CheckpointError naming the file. Every load
-in this repository goes through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict, conversion).
+`torch.load(weights_only=True)`, each pickle first passed by core/checkpointing/pickle_guard.py (as is every item
+DCP reads, tensors included: `SafeReader.read_data`); anything else is refused with a CheckpointError naming the
+file. Every load in this repository goes through `SafeReader` and `SafeLoadPlanner` (resume, init_from, predict,
+conversion).
 
 Writing records a CRC-32 of every file as its bytes go to disk (no second read): each rank leaves
 `__<rank>_checksums.json` beside its shards, which the completion marker collects (layout.write_marker).
@@ -29,15 +31,19 @@ import torch
 from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, FileSystem
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadItemType
 
-from core.checkpointing.dcp_index import INDEX_FILE, UnsafeCheckpoint, index_to_json, load_index, to_protocol_2
+from core.checkpointing.dcp_index import INDEX_FILE, index_to_json, load_index
+from core.checkpointing.pickle_guard import (PLAIN_DATA_GLOBALS, TENSOR_GLOBALS, UnsafeCheckpoint, check_torch_file,
+                                             load_torch_file)
 
 CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file reader with the index read by PyTorch's weights_only unpickler. Given `metadata` (the index
-    as `layout.verify` read and checked it), it hands DCP that instead of reading the file again."""
+    """DCP's file reader with the index read by PyTorch's weights_only unpickler, and each item it reads passed by
+    the pickle guard first. Given `metadata` (the index as `layout.verify` read and checked it), it hands DCP that
+    instead of reading the file again."""
 
     def __init__(self, path: str | os.PathLike, metadata: Optional[Metadata] = None):
         super().__init__(path)
@@ -52,6 +58,25 @@ class SafeReader(FileSystemReader):
         if metadata.storage_meta is not None:
             metadata.storage_meta.load_id = self.load_id
         return metadata
+
+    def read_data(self, plan, planner):
+        """DCP's reading, once every item it is to read has passed the pickle guard (check_item): DCP unpickles
+        each one with torch.load, tensors included, which would build whatever the item's pickle asks for."""
+        tensors: dict[Any, bool] = {}  # each storage item to read: whether it holds a tensor
+        for item in plan.items:
+            tensors.setdefault(item.storage_index, item.type != LoadItemType.BYTE_IO)
+        by_file: dict[str, list] = {}
+        for index, is_tensor in tensors.items():
+            stored = self.storage_data[index]
+            by_file.setdefault(stored.relative_path, []).append((index.fqn, stored, is_tensor))
+        for name, items in by_file.items():
+            with self.fs.create_stream(self.fs.concat_path(self.path, name), "rb") as shard:
+                for fqn, stored, is_tensor in items:
+                    problem = check_item(shard, stored.offset, stored.length, is_tensor)
+                    if problem:
+                        raise UnsafeCheckpoint(f"refusing to load the {'tensor' if is_tensor else 'value'} {fqn!r} "
+                                               f"({name} at byte {stored.offset}): {problem}")
+        return super().read_data(plan, planner)
 
 
 class SafeLoadPlanner(DefaultLoadPlanner):
@@ -70,18 +95,21 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         return super().create_local_plan()
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        stored = self.metadata.storage_data.get(read_item.storage_index)
+        what = f"the value {read_item.dest_index.fqn!r}" + (f" ({stored.relative_path} at byte {stored.offset})"
+                                                             if stored is not None else "")
         try:
-            check_value_pickle(value.getvalue())
-            loaded = torch.load(value, weights_only=True)
+            loaded = load_torch_file(value.getvalue(), PLAIN_DATA_GLOBALS)
+        except UnsafeCheckpoint as e:
+            raise UnsafeCheckpoint(f"refusing to load {what}: {e}") from None
         except Exception as e:  # noqa: BLE001  (a refusal is an UnpicklingError; a malformed file anything)
             reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
                           f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
-            raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: it is not plain data "
-                                   f"({reason})") from None
+            raise UnsafeCheckpoint(f"refusing to load {what}: it is not plain data ({reason})") from None
         try:
             loaded = plain_copy(loaded)
         except (TypeError, RecursionError) as e:
-            raise UnsafeCheckpoint(f"refusing to load the value {read_item.dest_index.fqn!r}: {e}") from None
+            raise UnsafeCheckpoint(f"refusing to load {what}: {e}") from None
         # Hand DCP the value as a pickle of our own making, so that it places it as it always does.
         buffer = io.BytesIO()
         torch.save(loaded, buffer)
@@ -91,37 +119,6 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
 _SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
             torch.memory_format)
-
-# The globals torch.save names for the values plain_copy keeps: tensors (rebuilt from typed storages), sizes,
-# dtypes, devices, layouts, OrderedDict, sets, complex numbers, and bytes (protocol 2 writes them as
-# _codecs.encode of a string). PyTorch's weights_only defaults also allow globals that allocate what the file
-# asks for before anything is checked (builtins.bytearray(2**32), torch.Tensor(2**32)): a value naming one
-# is refused unread.
-_VALUE_GLOBALS = frozenset(
-    {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_parameter", "collections.OrderedDict",
-     "_codecs.encode", "torch.Size", "torch.device", "torch.serialization._get_layout"}
-    | {f"{module}.{name}" for module in ("builtins", "__builtin__") for name in ("set", "frozenset", "complex")}
-    | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)}
-    | {f"torch.{name}" for name in dir(torch) if name.endswith("Storage") and isinstance(getattr(torch, name), type)})
-
-
-def check_value_pickle(data: bytes) -> None:
-    """UnsafeCheckpoint unless `data` is a torch.save archive whose pickle names only _VALUE_GLOBALS."""
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as archive:
-            pickles = [name for name in archive.namelist() if name.endswith("/data.pkl") or name == "data.pkl"]
-            if len(pickles) != 1:
-                raise UnsafeCheckpoint(f"{len(pickles)} pickles in the value's archive, where torch.save writes one")
-            if archive.getinfo(pickles[0]).file_size > MAX_VALUE_PICKLE:
-                raise UnsafeCheckpoint(f"its pickle is {archive.getinfo(pickles[0]).file_size} bytes")
-            pickled = archive.read(pickles[0])
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError) as e:
-        raise UnsafeCheckpoint(f"not a torch.save archive ({type(e).__name__}: {e})") from None
-    to_protocol_2(pickled, _VALUE_GLOBALS, also_copied=frozenset({"BINPERSID"}))
-
-
-MAX_VALUE_PICKLE = 64 << 20  # a value's pickle (tensor data lives in records beside it)
-
 
 def plain_copy(value: Any) -> Any:
     """`value`, as the weights_only unpickler built it, rebuilt from plain types: fresh containers (no instance
@@ -184,6 +181,19 @@ def stored_plainly(file: io.BufferedReader, offset: int, length: int) -> Optiona
         return f"{packed[0]} is compressed"
     if sum(e.file_size for e in entries) > length:
         return "its entries claim more bytes than it holds"
+    return None
+
+
+def check_item(file: io.BufferedReader, offset: int, length: int, is_tensor: bool) -> Optional[str]:
+    """What keeps the item at [offset, offset + length) of a shard from being read, or None. DCP stores each item
+    as a torch.save archive and reads it with torch.load, tensors included, so each passes the guard every pickle
+    of a checkpoint passes (core/checkpointing/pickle_guard.py): entries stored uncompressed, storages no larger
+    than their records, a pickle naming only what a tensor (or, for a value, plain data) is saved with."""
+    try:
+        check_torch_file(_Slice(file, offset, length), TENSOR_GLOBALS if is_tensor else PLAIN_DATA_GLOBALS,
+                         zip_only=True)
+    except UnsafeCheckpoint as e:
+        return str(e)
     return None
 
 

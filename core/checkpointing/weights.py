@@ -15,6 +15,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
                                        empty_like_saved, is_complete, resolve_checkpoint, saved_weights, verify,
                                        verify_plain_dcp)
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
 
@@ -60,7 +61,9 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
         except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
             raise CheckpointError(f"{path}: cannot read as safetensors ({type(e).__name__}: {e})") from None
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = load_torch_file(path)
+    except UnsafeCheckpoint as e:
+        raise CheckpointError(f"{path}: refusing to load it: {e}") from None
     except Exception as e:  # noqa: BLE001
         raise CheckpointError(f"{path}: cannot read as a torch file ({type(e).__name__}: {e})") from None
     if isinstance(state, dict) and isinstance(state.get("model"), dict):
@@ -73,6 +76,8 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
             what = (f"a key that is not a name ({name!r:.60}, type {type(name).__name__})" if not isinstance(name, str)
                     else f"{name!r:.60} holds a value of type {type(value).__name__}, not a tensor")
             raise CheckpointError(f"{path}: {what}; expected a dict of names to tensors (a model state dict)")
+        if beyond_its_storage(value):
+            raise CheckpointError(f"{path}: refusing to load it: {name!r:.60} is {beyond_its_storage(value)}")
     return state
 
 
