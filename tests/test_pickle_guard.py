@@ -193,7 +193,8 @@ def test_a_weights_file_whose_pickle_allocates_is_refused_unbuilt(trained, tmp_p
         runs[name] = run_capped(tmp_path / f"{name}.json", *WEIGHT_READERS[reader](tmp, source))
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
-    assert proc.returncode == (3 if reader == "init_from" else 1), proc.stderr[-3000:]
+    # A checkpoint to fix: 3 (train.py, checkpoint.py from-torch); a Hugging Face folder is another input: 2.
+    assert proc.returncode == (2 if reader == "from-hf" else 3), proc.stderr[-3000:]
     line = error_line(proc)
     assert str(file) in line and "global builtins.bytearray at byte 2 is not one plain data is saved with" in line, line
     if reader != "init_from":
@@ -218,7 +219,7 @@ def test_a_weights_file_whose_tensor_claims_more_than_its_storage_is_refused_unc
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     line = error_line(proc)
-    assert proc.returncode == 1 and line == (f"error: {folder / 'pytorch_model.bin'}: refusing to load it: 'junk' is a "
+    assert proc.returncode == 2 and line == (f"error: {folder / 'pytorch_model.bin'}: refusing to load it: 'junk' is a "
                                              "view of 1,073,741,824 elements over a storage of 1; nothing was imported"), line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
@@ -364,7 +365,7 @@ def test_a_tensor_item_of_a_shard_whose_pickle_allocates_is_refused_before_dcp_r
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     line = error_line(proc)
-    assert proc.returncode == 1 and line.startswith(f"error: {crafted}: loading failed "), line
+    assert proc.returncode == 3 and line.startswith(f"error: {crafted}: loading failed "), line
     assert (f"refusing to load the tensor {where.fqn!r} ({info.relative_path} at byte {info.offset}): global "
             "builtins.bytearray at byte 2 is not one a saved tensor is built with") in line, line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
