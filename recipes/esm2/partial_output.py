@@ -2,11 +2,12 @@
 to `<out>` when complete, so `<out>` appears whole or not at all.
 
 Two runs to one `<out>` (a second terminal, a job array): the later one refuses, naming the writer, before it
-writes anything; each run only ever removes its own partial folder. A partial folder whose writer is provably
-gone (this host, the same PID namespace and boot, and no such process; or this host rebooted since) is removed by
-the next run, which says so. One whose writer cannot be judged (another host sharing the filesystem, another
-container) counts as live: the message says to remove it by hand once that run has ended. Only the files this
-tool writes are removed, and the folder only when nothing else is left in it.
+writes anything; each run only ever removes its own partial folder, on an error, Ctrl-C, SIGTERM or SIGHUP. A
+partial folder whose writer provably ended (core/data/partial_outputs.py: this host, the same PID namespace and
+boot, and no such process; or this host rebooted since) is removed by the next run, which says so. One whose
+writer cannot be judged (another host sharing the filesystem, another container) counts as live: the message says
+to remove it by hand once that run has ended. Only the files this tool writes are removed, and the folder only
+when nothing else is left in it.
 
 Each partial folder holds `writer.json` (host, pid, PID namespace, boot id, start time) from right after it is
 created; of two runs that start together and see each other, the later start refuses.
@@ -16,64 +17,40 @@ from __future__ import annotations
 
 import glob
 import os
-import socket
 import time
 from pathlib import Path
 from typing import Annotated, Callable, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
 from core.config.errors import DataError
 from core.config.file_shape import read_small_file
+from core.data.partial_outputs import RaisingStopSignals, Writer, this_writer, writer_is_gone
 
 WRITER_FILE = "writer.json"
 
 
-class WriterRecord(BaseModel):
-    """writer.json: the process writing a partial folder."""
-    model_config = ConfigDict(strict=True, frozen=True)
+class WriterRecord(Writer):
+    """writer.json: the process writing a partial folder (every field recorded; null: unreadable), and since
+    when."""
     host: str
-    pid: Annotated[int, Field(ge=1, le=2**31 - 1)]
-    pidns: Optional[str]  # where a pid means a process: the PID namespace and the boot (null: unreadable)
+    pidns: Optional[str]
     boot: Optional[str]
     since_ns: Annotated[int, Field(ge=0)]
 
 
-def _read_proc(path: str, stat_inode: bool = False) -> Optional[str]:
-    try:
-        return str(os.stat(path).st_ino) if stat_inode else Path(path).read_text().strip() or None
-    except OSError:
-        return None
-
-
-def this_writer() -> WriterRecord:
-    return WriterRecord(host=socket.gethostname(), pid=os.getpid(), pidns=_read_proc("/proc/self/ns/pid", True),
-                        boot=_read_proc("/proc/sys/kernel/random/boot_id"), since_ns=time.time_ns())
-
-
-def is_gone(writer: WriterRecord, me: WriterRecord) -> bool:
-    """Whether `writer`'s process has provably ended (False where this process cannot tell)."""
-    if writer.host != me.host or writer.pidns != me.pidns:
-        return False
-    if writer.boot != me.boot:
-        return writer.boot is not None and me.boot is not None  # this host rebooted since
-    try:
-        os.kill(writer.pid, 0)
-    except ProcessLookupError:
-        return True
-    except PermissionError:  # another user's live process
-        return False
-    return False
+def this_record() -> WriterRecord:
+    return WriterRecord(**this_writer().model_dump(), since_ns=time.time_ns())
 
 
 class PartialFolder:
     """with PartialFolder(out, files, "--out", say) as folder: write `files` into folder.path, then
-    folder.publish(). Leaving the block without publishing (an error, Ctrl-C, a stop signal raised as an exception)
+    folder.publish(). Leaving the block without publishing (an error, Ctrl-C, SIGTERM or SIGHUP: `Stopped`)
     removes them. `say` gets the notes about leftovers removed."""
 
     def __init__(self, out: Path, files: tuple[str, ...], option: str, say: Callable[[str], None]):
         self.out, self.files, self.option, self.say = out, files, option, say
-        self.me = this_writer()
+        self.me = this_record()
         self.path = out.with_name(f"{out.name}.partial-{self.me.pid}")
         self.created = self.published = False
 
@@ -82,23 +59,28 @@ class PartialFolder:
             raise DataError(f"{self.option} {self.out} exists: give a new folder (nothing was written)")
         self._refuse_live_writers(())  # before creating anything
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.signals = RaisingStopSignals()
+        try:
+            self._create()
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def _create(self) -> None:
         try:
             self.path.mkdir()
         except FileExistsError:
             raise DataError(f"{self.option} {self.out}: {self.path} exists and was not written by a run of this "
                             "tool: move it away") from None
         self.created = True
-        try:
-            self.me = self.me.model_copy(update={"since_ns": time.time_ns()})  # the start is when others can see it
-            (self.path / WRITER_FILE).write_text(self.me.model_dump_json())
-            self._refuse_live_writers((self.me.since_ns, self.me.host, self.me.pid))
-        except BaseException:
-            remove_partial(self.path, self.files)
-            raise
-        return self
+        self.me = self.me.model_copy(update={"since_ns": time.time_ns()})  # the start is when others can see it
+        (self.path / WRITER_FILE).write_text(self.me.model_dump_json())
+        self._refuse_live_writers((self.me.since_ns, self.me.host, self.me.pid))
 
     def publish(self) -> None:
         """Rename the complete folder to `out` (refused if `out` appeared meanwhile: the partial folder goes)."""
+        self.signals.hold()  # a stop signal now waits for the rename, then goes where it would have gone
         (self.path / WRITER_FILE).unlink()
         try:
             if self.out.exists() or self.out.is_symlink():
@@ -110,14 +92,16 @@ class PartialFolder:
         self.published = True
 
     def __exit__(self, *error) -> None:
+        self.signals.hold()
         if self.created and not self.published:
             remove_partial(self.path, self.files)
+        self.signals.restore()
 
     def _refuse_live_writers(self, mine: tuple) -> None:
         """Remove the partial folders of writers that are gone; refuse if a live one (or one that cannot be
         judged) is writing `out`: any, before this run created its folder, or one that started earlier after."""
         for folder, writer in self._peers():
-            if self._is_predecessor(writer) or is_gone(writer, self.me):
+            if self._is_predecessor(writer) or writer_is_gone(writer, self.me):
                 whole = remove_partial(folder, self.files)
                 self.say(f"removed {folder if whole else 'what this tool wrote in ' + str(folder)}: the partial "
                          f"output of a run (pid {writer.pid} on {writer.host}) that ended before completing it"

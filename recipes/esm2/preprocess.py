@@ -8,8 +8,8 @@ folders and patterns of them), read in order and tokenized (letters outside the 
 empty sequences are left out; both are counted and printed). The output folder (residues.bin, offsets.npy,
 names.txt, index.json) is what `data.path` takes; it appears complete or not at all: it is written into
 `<out>.partial-<pid>` and renamed when complete. An existing `--out`, or one another run is writing, is refused;
-a failure, Ctrl-C, SIGTERM or SIGHUP removes this run's partial folder (after SIGKILL, the next run to the same
-`--out` removes it, saying so). Memory: 8 bytes per sequence.
+a failure, Ctrl-C, SIGTERM or SIGHUP (unless ignored, as under nohup) removes this run's partial folder (after
+SIGKILL, the next run to the same `--out` removes it, saying so). Memory: 8 bytes per sequence.
 
 A bad input or output is one line `error: ...` naming the option and the file, exit code 2.
 """
@@ -18,29 +18,16 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import signal
 import sys
 from pathlib import Path
 from typing import Optional
 
 from core.config.errors import ConfigError
+from core.data.partial_outputs import Stopped, stop_signal
 from recipes.esm2.sequences import write_store
 from recipes.esm2.sources import SourceKeys, records
 
 KEYS = SourceKeys(path="--input", column="--column", split="--split")
-
-
-class Stopped(BaseException):
-    """A stop signal, raised where the run is (like KeyboardInterrupt), so the partial output is removed on the
-    way out."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"stopped by {signal.Signals(signum).name}; nothing was written")
-        self.exit_code = 128 + signum
-
-
-def _stop(signum, frame) -> None:
-    raise Stopped(signum)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -51,7 +38,6 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--name-column", default="id", help="... and their names' (missing: row numbers)")
     parser.add_argument("--split", default="train", help="a datasets DatasetDict folder: the split")
     args = parser.parse_args(argv)
-    previous = {s: signal.signal(s, _stop) for s in (signal.SIGTERM, signal.SIGHUP)}
     try:
         named = itertools.chain.from_iterable(records(p, args.column, args.name_column, args.split, KEYS)
                                               for p in args.input)
@@ -61,15 +47,13 @@ def main(argv: Optional[list[str]] = None) -> None:
     except ConfigError as e:  # DataError included: a file or option the user can fix
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
-    except (OSError, Stopped) as e:  # disk full, permissions, a signal
+    except OSError as e:  # disk full, permissions
         print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(getattr(e, "exit_code", 1)) from None
-    except KeyboardInterrupt:
-        print("error: interrupted; nothing was written", file=sys.stderr)
-        raise SystemExit(130) from None
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        raise SystemExit(1) from None
+    except (Stopped, KeyboardInterrupt) as e:  # SIGTERM, SIGHUP (unless ignored, as under nohup), Ctrl-C
+        signum = stop_signal(e)
+        print(f"error: stopped by {signum.name}; nothing was written", file=sys.stderr)
+        raise SystemExit(128 + signum) from None  # the shell's code for an end by this signal
     print(f"wrote {index['sequences']} sequences, {index['residues']} residues to {args.out} "
           f"(train with data.path={args.out})")
     if index["notes"]:

@@ -24,6 +24,7 @@ from torch.utils.data import Dataset
 
 from core.config.errors import ConfigError, DataError
 from core.config.file_shape import read_small_file
+from core.data.partial_outputs import Stopped
 from recipes.gpt.config import GPTDataConfig
 from recipes.gpt.options import DATA_CONFIG
 from recipes.gpt.tokenizer import build_tokenizer
@@ -80,7 +81,6 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
 
     The prefix is named by a hash of the files (path, size, modification time), the tokenizer and the
     document rule, so a change re-tokenizes. One process tokenizes under a file lock; the others wait."""
-    from recipes.gpt.partial_outputs import Interrupted
     from recipes.gpt.preprocess import preprocess
 
     if not data.text_files:
@@ -102,7 +102,7 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
             try:
                 preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token,
                            replace=True, options=DATA_CONFIG)
-            except Interrupted as e:  # its partial files removed: the signal does now what it would have done
+            except Stopped as e:  # its partial files removed: the signal does now what it would have done
                 signal.raise_signal(e.signum)
                 raise SystemExit(128 + e.signum) from None
     return str(prefix)

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import signal
 import sys
 from collections import Counter
 from itertools import islice
@@ -28,8 +27,9 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from core.config.errors import ConfigError, DataError
+from core.data.partial_outputs import Stopped, stop_signal
 from recipes.gpt.options import COMMAND_LINE, Options, given
-from recipes.gpt.partial_outputs import Interrupted, partial_outputs, remove_leftovers, temporary_prefix
+from recipes.gpt.partial_outputs import partial_outputs, remove_leftovers, temporary_prefix
 from recipes.gpt.text_documents import TEXT_DOCUMENTS, read_text_documents
 from recipes.gpt.tokenizer import build_tokenizer, lone_surrogate
 
@@ -152,7 +152,7 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
                options: Options = COMMAND_LINE) -> dict:
     """Write <output_prefix>.bin/.idx/.json; return the summary that goes into the .json. Existing outputs are
     refused unless `replace` (the tokenize-on-first-use cache, which owns its prefix). `options` name the command
-    line's options or the config's settings in errors. SIGTERM or SIGHUP meanwhile raise Interrupted, and leave
+    line's options or the config's settings in errors. SIGTERM or SIGHUP meanwhile raise Stopped, and leave
     no partial outputs (recipes/gpt/partial_outputs.py)."""
     tokenizer = build_tokenizer(tokenizer_spec, eod_token, options)
     check_inputs(inputs, output_prefix, replace, options)
@@ -234,10 +234,10 @@ def main(argv: Optional[list[str]] = None) -> None:
     except (OSError, ValueError, ImportError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
-    except (Interrupted, KeyboardInterrupt) as e:
-        signum = e.signum if isinstance(e, Interrupted) else signal.SIGINT
+    except (Stopped, KeyboardInterrupt) as e:
+        signum = stop_signal(e)
         written = "" if args.decode else f"; nothing was written to {args.output_prefix}"
-        print(f"error: stopped by {signal.Signals(signum).name}{written}", file=sys.stderr)
+        print(f"error: stopped by {signum.name}{written}", file=sys.stderr)
         raise SystemExit(128 + signum) from None  # the shell's code for an end by this signal
     print(f"wrote {summary['documents']} documents, {summary['tokens']} tokens to {args.output_prefix}.bin/.idx")
 

@@ -2,10 +2,10 @@
 on first use.
 
 Safe with many ranks and nodes: one process extracts under a file lock (`<root>.lock`) into its own folder
-`<root>.extracting-<host>-<pid>/` and renames it into place, so nobody ever sees a half-extracted root. A failed
-extraction removes its folder and is one DataError naming the archive. A process killed while extracting cannot
-clean up: the next one to take the lock removes the folders of processes of its host that are gone (never one
-whose process still runs, nor another host's).
+`<root>.extracting-<tag>/` (`<tag>`: the process, core/data/partial_outputs.py) and renames it into place, so
+nobody ever sees a half-extracted root. A failed extraction removes its folder and is one DataError naming the
+archive. A process killed while extracting cannot clean up: the next one to take the lock removes the folders of
+processes that provably ended (never one whose process still runs, nor another host's or container's).
 """
 
 from __future__ import annotations
@@ -13,14 +13,13 @@ from __future__ import annotations
 import fcntl
 import logging
 import os
-import re
 import shutil
-import socket
 import tarfile
 import zlib
 from pathlib import Path
 
 from core.config.errors import DataError, MissingDataError
+from core.data.partial_outputs import ended_leftovers, tagged_name
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +50,7 @@ def extract_beside(root: str) -> Path:
 
 
 def _extract(archive: Path, path: Path) -> None:
-    tmp = path.with_name(f"{path.name}{EXTRACTING}{_host()}-{os.getpid()}")
+    tmp = tagged_name(path, EXTRACTING)
     log.info("extracting %s -> %s", archive, path)
     try:
         with tarfile.open(archive) as tar:
@@ -70,26 +69,7 @@ def _extract(archive: Path, path: Path) -> None:
 
 
 def remove_leftovers(path: Path) -> None:
-    """Remove the extraction folders beside `path` of processes of this host that no longer run."""
-    prefix, host = path.name + EXTRACTING, _host()
-    for entry in path.parent.iterdir():
-        if not entry.name.startswith(prefix):
-            continue
-        owner, _, pid = entry.name[len(prefix):].rpartition("-")  # "<host>-<pid>", or "<pid>" of older versions
-        if owner in (host, "") and re.fullmatch(r"[0-9]{1,9}", pid) and not _running(int(pid)):
-            log.info("removing %s: left by an extraction whose process (%s) is gone", entry, pid)
-            shutil.rmtree(entry, ignore_errors=True)  # a link is not followed, nor removed
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def _host() -> str:
-    return re.sub(r"[^A-Za-z0-9_.-]", "_", socket.gethostname()) or "host"
+    """Remove the extraction folders beside `path` of processes that provably ended."""
+    for entry, writer in ended_leftovers(path, EXTRACTING):
+        log.info("removing %s: left by an extraction whose process (%s) is gone", entry, writer.pid)
+        shutil.rmtree(entry, ignore_errors=True)  # a link is not followed, nor removed
