@@ -186,6 +186,8 @@ def held_open(*args, **kwargs):
 
 
 preprocess.read_documents = held_open
+for sig in (signal.SIGTERM, signal.SIGHUP):  # as a shell starts it, whatever the test runner's were (nohup pytest)
+    signal.signal(sig, signal.SIG_DFL)
 if "--nohup" in sys.argv:
     sys.argv.remove("--nohup")
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
