@@ -21,24 +21,32 @@ def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProces
 @pytest.mark.parametrize("override,code,message", [
     # unknown key: our check, with the closest key
     ("optim.lrr=1", 2, "config error: unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
-    # wrong type: Hydra's merge into the schema, naming the full key
-    ("training.steps=abc", 1, "could not be converted to Integer\n    full_key: training.steps"),
-    ("model.hidden_size=big", 1, "could not be converted to Integer\n    full_key: model.hidden_size"),
+    # wrong type: Hydra's merge into the schema, its error shown as one line naming the override (it was Hydra's
+    # message over several lines, exit code 1)
+    ("training.steps=abc", 2, "config error: training.steps=abc: Value 'abc' of type 'str' could not be converted "
+                              "to Integer\n"),
+    ("model.hidden_size=big", 2, "config error: model.hidden_size=big: Value 'big' of type 'str' could not be "
+                                 "converted to Integer\n"),
+    # an option a group lacks: the options it has
+    ("distributed=nonexistent", 2, "config error: distributed=nonexistent: no such option of distributed; choose one "
+                                   "of auto, ddp, fsdp2, mfsdp\n"),
     # forced new keys (+key=...) pass Hydra's merge: caught by our validation
     ("+optim.foo=1", 2, "config error: unknown key 'optim.foo'"),
     ("+model.dropout=0.1", 2, "config error: unknown key 'model.dropout'; did you mean 'model.hidden_dropout'?"),
-    ("distributed.mfsdp.zero_dp_strategy=x", 1,
-     "Invalid value 'x', expected one of [no_shard, optim, optim_grads, optim_grads_params]\n"
-     "    full_key: distributed.mfsdp.zero_dp_strategy"),
+    ("distributed.mfsdp.zero_dp_strategy=x", 2,
+     "config error: distributed.mfsdp.zero_dp_strategy=x: Invalid value 'x', expected one of [no_shard, optim, "
+     "optim_grads, optim_grads_params]\n"),
 ])
 def test_cli_rejects_bad_key_or_type(override, code, message, tmp_path):
-    """Each bad override stops train.py with its own message and exit code (2: our config check; 1: Hydra's
-    merge), never a traceback, before anything runs."""
+    """Each bad override stops train.py with one line naming it and exit code 2 (our config check, or Hydra's merge
+    into the schema), never a traceback, before anything runs."""
     proc = run_train(override, f"hydra.run.dir={tmp_path}")
     output = proc.stderr + proc.stdout
     assert message in output, output[-2000:]
     assert proc.returncode == code, output[-2000:]
-    assert "Traceback" not in output
+    assert "Traceback" not in output and "HYDRA_FULL_ERROR" not in output, output[-2000:]
+    said = [line for line in proc.stderr.splitlines() if "Warning" not in line and "warnings.warn" not in line]
+    assert len(said) <= 1, proc.stderr[-2000:]  # one line (or none: a check after composing logs it on stdout)
     assert not (tmp_path / "metrics.jsonl").exists()  # nothing ran
 
 

@@ -168,3 +168,27 @@ def usage(script: str, from_checkpoint: bool, config: Optional[str] = None) -> s
               "core/config/schema.py and the recipes' config.py. A config with its values:",
               f"python {script} --config-name {config or '<name>'} --cfg job. Hydra's own options: --hydra-help."]
     return "\n".join(lines)
+
+
+def composition_error(error: BaseException) -> Optional[str]:
+    """One line for an error Hydra meets while composing the config from the command line (a value of the wrong
+    type, an option a group lacks, an override it cannot parse), which it would print over several lines with
+    exit code 1; None for any other error."""
+    from hydra.errors import ConfigCompositionException, MissingConfigException, OverrideParseException
+    from omegaconf.errors import OmegaConfBaseException
+
+    if isinstance(error, MissingConfigException):
+        missing = str(error.missing_cfg_file or "")
+        group, _, option = missing.rpartition("/")
+        named = f"{group}={option}: no such option of {group}" if group else f"{missing}: no such config"
+        options = sorted(o for o in (error.options or []) if not o.endswith("_schema"))
+        return named + (f"; choose one of {', '.join(options)}" if options else "")
+    if isinstance(error, OverrideParseException):
+        return f"{error.override}: {str(error).strip().splitlines()[-1]}"
+    if isinstance(error, ConfigCompositionException):
+        cause = error.__cause__
+        first = str(error).strip().splitlines()[0].removeprefix("Error merging override ")
+        if isinstance(cause, OmegaConfBaseException):
+            return f"{first}: {str(getattr(cause, 'msg', cause)).strip().splitlines()[0]}"
+        return " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip())
+    return None

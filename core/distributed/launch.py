@@ -407,8 +407,15 @@ def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = 
     prepare_argv()
     exit_with_launcher()
     export_to_jobs()
-    from core.distributed.failed_jobs import finish
+    from core.config.errors import DEBUG_ENV
+    from core.distributed.failed_jobs import JobFailed, finish
 
+    # Hydra prints an error of its own (composing the config, a failed multirun job) and exits 1, unless asked to
+    # raise it: then it is shown here as one line, exit 2. RECIPES_DEBUG=1 or the user's HYDRA_FULL_ERROR=1: the
+    # traceback, as Hydra shows it.
+    one_line = not os.environ.get("HYDRA_FULL_ERROR") and not os.environ.get(DEBUG_ENV)
+    if one_line:
+        os.environ["HYDRA_FULL_ERROR"] = "1"
     try:
         hydra_main()
     except SystemExit as e:
@@ -416,9 +423,15 @@ def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = 
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
         exit_process(finish(code))
-    except BaseException:  # noqa: BLE001  (anything Hydra did not report: print it, then end)
+    except BaseException as e:  # noqa: BLE001  (anything Hydra did not report: print it, then end)
         import traceback
 
+        line = command_line.composition_error(e) if one_line else None
+        if line is not None:
+            print(f"config error: {line}", file=sys.stderr)
+            exit_process(finish(2))
+        if isinstance(e, JobFailed) and one_line:  # its line was logged when the job failed
+            exit_process(finish(1))
         traceback.print_exc()
         exit_process(finish(1))
     exit_process(finish(0))  # a multirun's failed jobs are named, and end it with an error code
