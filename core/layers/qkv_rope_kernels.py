@@ -72,7 +72,7 @@ def copy(source, target, mask, HALF: tl.constexpr):
 
 @triton.jit
 def ends(packed, separate, BACKWARD: tl.constexpr):
-    """(source, target) of one head's slice: the packed row's into the separate tensor's forward, back."""
+    """(source, target) of one head's slice: from the packed row into its own tensor, or back (BACKWARD)."""
     if BACKWARD:
         source, target = separate, packed
     else:
