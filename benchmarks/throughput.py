@@ -46,7 +46,7 @@ def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phase
     return rows[-1]  # the timed interval (after the warm-up interval)
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="vit_base_patch16_224")
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
@@ -63,6 +63,11 @@ def main() -> None:
     p.add_argument("--concurrent", type=int, default=1, help="with --nproc 1: variants run at once, one per GPU")
     p.add_argument("--timeout", type=float, default=900, help="seconds per variant run before it counts as failed")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    return p
+
+
+def main() -> None:
+    p = _parser()
     args = p.parse_args()
     if args.concurrent > 1 and args.nproc != 1:
         p.error("--concurrent needs --nproc 1")
@@ -98,7 +103,11 @@ def main() -> None:
     with ThreadPoolExecutor(args.concurrent) as pool:
         jobs = [pool.submit(measure, name, overrides, mb) for name, overrides in variants for mb in args.micro_batch]
         results = [job.result() for job in jobs]
+    _print_table(args, results, device)
+    _write(args, results, device)
 
+
+def _print_table(args: argparse.Namespace, results: list[dict], device: str) -> None:
     tokens = any(r.get("tokens_per_sec_per_gpu", 0) > r.get("samples_per_sec_per_gpu", 0) for r in results)
     unit = "tokens/s/gpu" if tokens else "img/s/gpu"
     header = f"{'variant':<22}{'mb':>5}{unit:>13}{'mfu':>7}{'step s':>9}{'data s':>8}{'mem GiB':>9}"
@@ -118,6 +127,8 @@ def main() -> None:
             line += "".join(f"{r.get('time_' + ph, float('nan')):>14.4f}" for ph in PHASES)
         print(line)
 
+
+def _write(args: argparse.Namespace, results: list[dict], device: str) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")

@@ -49,11 +49,6 @@ def to_device(batch, device: torch.device):
 PREFETCH_DEPTH = 2
 
 
-class _Failed:
-    def __init__(self, error: BaseException):
-        self.error = error
-
-
 def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None, threads: int = 1,
                        depth: int = PREFETCH_DEPTH) -> Iterator:
     """The first `count` batches of `batches`, in order, on `device` (moved by `move(batch, device)`, to_device
@@ -64,77 +59,17 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
     On CUDA each thread queues its work on its own stream, and a batch is handed out with the current stream
     made to wait for that work (pinned host memory: asynchronous copies). An error in a thread is raised here,
     at the batch it happened on, after the batches before it."""
-    move = move or to_device
-    source = enumerate(itertools.islice(batches, count))
-    taking = threading.Lock()  # one thread at a time takes the next batch from the source
-    changed = threading.Condition()
-    done: dict[int, object] = {}  # batch number -> (batch, CUDA event) or _Failed
-    state = {"taken": 0, "handed": 0, "end": None, "stop": False}
+    handover = _Handover(batches, count, ahead=threads + depth)
     index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
-
-    def take():
-        """The next (number, batch), or None at the end or when the consumer stopped."""
-        with changed:
-            while not state["stop"] and state["taken"] - state["handed"] >= threads + depth:
-                changed.wait(0.1)
-            if state["stop"]:
-                return None
-        with taking:
-            try:
-                item = next(source, None)
-            except BaseException as e:  # noqa: BLE001 - e.g. a loader worker's error: handed to the consumer
-                with changed:
-                    done[state["taken"]] = _Failed(e)
-                    state["taken"] += 1
-                    changed.notify_all()
-                return None
-            with changed:
-                if item is None:
-                    state["end"] = state["taken"] if state["end"] is None else state["end"]
-                    changed.notify_all()
-                else:
-                    state["taken"] += 1
-            return item
-
-    def produce() -> None:
-        side = None
-        if device.type == "cuda":
-            torch.cuda.set_device(index)  # the current device is per thread
-            side = torch.cuda.Stream(index)
-        with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
-            while (item := take()) is not None:
-                number, batch = item
-                try:
-                    moved = move(batch, device)
-                    event = None
-                    if side is not None:
-                        event = torch.cuda.Event()
-                        event.record(side)
-                    result = (moved, event)
-                except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
-                    result = _Failed(e)
-                with changed:
-                    done[number] = result
-                    changed.notify_all()
-                if isinstance(result, _Failed):
-                    return
-
-    workers = [threading.Thread(target=produce, name=f"prefetch_to_device_{i}", daemon=True) for i in range(threads)]
+    workers = [threading.Thread(target=_move_batches, args=(handover, move or to_device, device, index),
+                                name=f"prefetch_to_device_{i}", daemon=True) for i in range(threads)]
     for worker in workers:
         worker.start()
     try:
         for number in itertools.count():
-            with changed:
-                while number not in done and state["end"] != number:
-                    if not any(worker.is_alive() for worker in workers):
-                        raise RuntimeError("prefetch_to_device: every thread ended before batch "
-                                           f"{number}")  # not expected: a failure is handed over first
-                    changed.wait(0.1)
-                if number not in done:
-                    return  # the end
-                result = done.pop(number)
-                state["handed"] += 1
-                changed.notify_all()
+            result = handover.result(number, workers)
+            if result is None:
+                return  # the end
             if isinstance(result, _Failed):
                 raise result.error
             batch, event = result
@@ -144,11 +79,109 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
                 _record_stream(batch, compute_stream)  # its memory was allocated on a side stream
             yield batch
     finally:
-        with changed:
-            state["stop"] = True
-            changed.notify_all()
+        handover.stop()
         for worker in workers:
             worker.join(timeout=60)
+
+
+class _Failed:
+    """A batch's place taken by the error that came instead of it (from the source or from the move)."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+class _Handover:
+    """What the moving threads and the consumer share: the source, taken from by one thread at a time, and
+    the results by batch number, which the consumer takes in order whatever order the threads finish in."""
+
+    def __init__(self, batches: Iterator, count: int, ahead: int):
+        self._source = enumerate(itertools.islice(batches, count))
+        self._ahead = ahead  # batches taken and not yet handed out, at most
+        self._taking = threading.Lock()  # one thread at a time takes the next batch from the source
+        self._changed = threading.Condition()
+        self._done: dict[int, object] = {}  # batch number -> (batch, CUDA event) or _Failed
+        self._taken = self._handed = 0
+        self._end: int | None = None
+        self._stopped = False
+
+    def take(self):
+        """The next (number, batch), or None at the end, when the consumer stopped or the source failed."""
+        with self._changed:
+            while not self._stopped and self._taken - self._handed >= self._ahead:
+                self._changed.wait(0.1)
+            if self._stopped:
+                return None
+        with self._taking:
+            try:
+                item = next(self._source, None)
+            except BaseException as e:  # noqa: BLE001 - e.g. a loader worker's error: handed to the consumer
+                with self._changed:
+                    self._done[self._taken] = _Failed(e)
+                    self._taken += 1
+                    self._changed.notify_all()
+                return None
+            with self._changed:
+                if item is None:
+                    self._end = self._taken if self._end is None else self._end
+                    self._changed.notify_all()
+                else:
+                    self._taken += 1
+            return item
+
+    def put(self, number: int, result) -> None:
+        with self._changed:
+            self._done[number] = result
+            self._changed.notify_all()
+
+    def result(self, number: int, workers: list[threading.Thread]):
+        """Batch `number`'s result once a thread has put it, or None at the end."""
+        with self._changed:
+            while number not in self._done and self._end != number:
+                if not any(worker.is_alive() for worker in workers):
+                    raise RuntimeError("prefetch_to_device: every thread ended before batch "
+                                       f"{number}")  # not expected: a failure is handed over first
+                self._changed.wait(0.1)
+            if number not in self._done:
+                return None
+            self._handed += 1
+            self._changed.notify_all()
+            return self._done.pop(number)
+
+    def stop(self) -> None:
+        """The consumer is done (the end, an error, closed early): threads waiting for room end."""
+        with self._changed:
+            self._stopped = True
+            self._changed.notify_all()
+
+
+def _move_batches(handover: _Handover, move, device: torch.device, index: int | None) -> None:
+    """One thread's work: take a batch, move it, put the result; until the end, a stop or a failure. On CUDA
+    the thread queues its work on a stream of its own."""
+    side = None
+    if device.type == "cuda":
+        torch.cuda.set_device(index)  # the current device is per thread
+        side = torch.cuda.Stream(index)
+    with torch.cuda.stream(side) if side is not None else contextlib.nullcontext():
+        while (item := handover.take()) is not None:
+            number, batch = item
+            result = _moved(move, batch, device, side)
+            handover.put(number, result)
+            if isinstance(result, _Failed):
+                return
+
+
+def _moved(move, batch, device: torch.device, side):
+    """(the moved batch, a CUDA event recorded after its work on the side stream, or None), or _Failed."""
+    try:
+        moved = move(batch, device)
+        event = None
+        if side is not None:
+            event = torch.cuda.Event()
+            event.record(side)
+        return moved, event
+    except BaseException as e:  # noqa: BLE001 - handed to the consumer, which raises it
+        return _Failed(e)
 
 
 def _record_stream(batch, stream) -> None:

@@ -27,10 +27,6 @@ import torch
 BLOCK_ROWS, NUM_WARPS = 4, 2
 
 
-def _launch(kernel, n_rows: int, *args, **constants):
-    kernel[((n_rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)](*args, **constants, BLOCK_ROWS=BLOCK_ROWS, num_warps=NUM_WARPS)
-
-
 LAYOUTS = {"sbhd": 0, "bshd": 1, "thd": 2}  # the kernels' LAYOUT
 
 
@@ -42,18 +38,29 @@ def _rows(shape: torch.Size, layout: str) -> tuple[int, int, int]:
     return shape[0] * shape[1], seq_len, batch
 
 
+def _launch(backward: bool, qkv, query, key, value, q_freqs, k_freqs, per_group: int, layout: str, cu_seqlens):
+    """The kernel one way: qkv split into query, key and value, or (backward, each the gradient) joined back.
+    Outside thd the kernel takes no cu_seqlens (None: a compile-time constant, never read), so a launch
+    allocates nothing besides its outputs (CUDA graphs capture it as it is)."""
+    from core.layers.qkv_rope_kernels import split_rotate
+
+    rows, seq_len, batch = _rows(qkv.shape, layout)
+    groups, head_dim = qkv.shape[-2], qkv.shape[-1] // (per_group + 2)
+    sequences = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    positions = min(q_freqs.shape[0], k_freqs.shape[0])
+    split_rotate[((rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)](
+        qkv, query, key, value, q_freqs, k_freqs, rows, seq_len, batch, cu_seqlens, sequences, positions,
+        BACKWARD=backward, GROUPS=groups, PER_GROUP=per_group, HALF=head_dim // 2, LAYOUT=LAYOUTS[layout],
+        SEARCH_STEPS=_search_steps(cu_seqlens), BLOCK_ROWS=BLOCK_ROWS, num_warps=NUM_WARPS)
+
+
 class _SplitRotate(torch.autograd.Function):
     @staticmethod
     def forward(ctx, qkv, q_freqs, k_freqs, per_group: int, layout: str, cu_seqlens):
-        rows, seq_len, batch = _rows(qkv.shape, layout)
         groups, head_dim = qkv.shape[-2], qkv.shape[-1] // (per_group + 2)
         query = qkv.new_empty(*qkv.shape[:-2], groups * per_group, head_dim)
         key, value = (qkv.new_empty(*qkv.shape[:-2], groups, head_dim) for _ in "kv")
-        from core.layers.qkv_rope_kernels import forward
-
-        _launch(forward, rows, qkv, q_freqs, k_freqs, query, key, value, rows, seq_len, batch,
-                *_sequences(cu_seqlens, q_freqs, k_freqs, qkv.device), GROUPS=groups, PER_GROUP=per_group,
-                HALF=head_dim // 2, LAYOUT=LAYOUTS[layout], SEARCH_STEPS=_search_steps(cu_seqlens))
+        _launch(False, qkv, query, key, value, q_freqs, k_freqs, per_group, layout, cu_seqlens)
         ctx.save_for_backward(q_freqs, k_freqs, cu_seqlens)
         ctx.per_group, ctx.layout, ctx.qkv_shape = per_group, layout, qkv.shape
         return query, key, value
@@ -61,31 +68,10 @@ class _SplitRotate(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_query, grad_key, grad_value):
         q_freqs, k_freqs, cu_seqlens = ctx.saved_tensors
-        shape, per_group = ctx.qkv_shape, ctx.per_group
-        rows, seq_len, batch = _rows(shape, ctx.layout)
-        groups, head_dim = shape[-2], shape[-1] // (per_group + 2)
-        grad_qkv = grad_query.new_empty(shape)
-        from core.layers.qkv_rope_kernels import backward
-
-        _launch(backward, rows, grad_query.contiguous(), grad_key.contiguous(), grad_value.contiguous(),
-                q_freqs, k_freqs, grad_qkv, rows, seq_len, batch,
-                *_sequences(cu_seqlens, q_freqs, k_freqs, grad_qkv.device), GROUPS=groups, PER_GROUP=per_group,
-                HALF=head_dim // 2, LAYOUT=LAYOUTS[ctx.layout], SEARCH_STEPS=_search_steps(cu_seqlens))
+        grad_qkv = grad_query.new_empty(ctx.qkv_shape)
+        _launch(True, grad_qkv, grad_query.contiguous(), grad_key.contiguous(), grad_value.contiguous(),
+                q_freqs, k_freqs, ctx.per_group, ctx.layout, cu_seqlens)
         return grad_qkv, None, None, None, None, None
-
-
-def _sequences(cu_seqlens, q_freqs, k_freqs, device) -> tuple:
-    """The kernels' (cu_seqlens, sequences, positions with angles) arguments; unused outside thd."""
-    positions = min(q_freqs.shape[0], k_freqs.shape[0])
-    if cu_seqlens is None:
-        return _no_sequences(device), 0, positions
-    return cu_seqlens, cu_seqlens.shape[0] - 1, positions
-
-
-@functools.cache
-def _no_sequences(device: torch.device) -> torch.Tensor:
-    """The cu_seqlens argument outside thd (never read there): one per device, not one per launch."""
-    return torch.zeros(1, dtype=torch.int32, device=device)
 
 
 def _search_steps(cu_seqlens) -> int:
