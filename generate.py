@@ -48,9 +48,9 @@ from core.distributed.signals import StopSignals
 from core.training.nonfinite import NonFiniteError
 from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
 from recipes.gpt.generations_file import Appender, continue_output, prompts_identity
-from recipes.gpt.recipe import GPTRecipe
 from recipes.gpt.tokenizer import lone_surrogate
-from recipes.registry import PREDICT_CONFIGS, config_keys, get_recipe, register_configs
+from recipes.base import GENERATION
+from recipes.registry import check_supports, config_keys, get_recipe, predict_configs, register_configs
 
 log = logging.getLogger("generate")
 
@@ -88,6 +88,7 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
     prompts = [gen.prompt] if gen.prompt is not None else read_prompts(Path(gen.prompt_file))
     register_configs()  # as in train.run: for a caller from Python, which never ran __main__
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
+    check_supports(cfg, GENERATION, "generate.py")  # a language model's: GPT's
     stop = StopSignals(STOP_SIGNALS)  # from the start: a signal while the model loads stops before the first prompt
     try:
         with session.start(whole_weights(cfg), run_dir, get_recipe) as sess:
@@ -95,9 +96,6 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
             if sess.env.world_size != 1:
                 raise ConfigError(f"generate.py runs in one process (started with {sess.env.world_size}): use "
                                   "python, not torchrun")
-            # The class, not hasattr(recipe, "tokenizer"): hasattr would call the property and swallow its error.
-            if not isinstance(sess.recipe, GPTRecipe):
-                raise ConfigError(f"generate.py needs a language model; the {sess.cfg.recipe} recipe is not one")
             parallel, _ = session.build_model(sess, training=False)
             ckpt = sess.cfg.checkpoint
             load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, True,
@@ -227,4 +225,4 @@ def read_prompts(path: Path) -> list[str]:
 
 if __name__ == "__main__":
     register_configs()
-    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, PREDICT_CONFIGS))
+    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, predict_configs()))

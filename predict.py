@@ -36,7 +36,8 @@ from core.config.errors import ConfigError
 from core.data.loading import make_loader
 from core.data.sampling import EvalBatchSampler, PaddedEval
 from core.distributed import launch
-from recipes.registry import PREDICT_CONFIGS, config_keys, get_recipe, register_configs
+from recipes.base import PREDICTION
+from recipes.registry import check_supports, config_keys, get_recipe, predict_configs, register_configs
 
 log = logging.getLogger("predict")
 
@@ -65,6 +66,7 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
     # that never ran __main__: a job hydra-submitit-launcher starts (it unpickles main) and a caller from Python.
     register_configs()
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
+    check_supports(cfg, PREDICTION, "predict.py")
     with session.start(cfg, run_dir, get_recipe) as sess:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(sess, training=False)
@@ -161,4 +163,4 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
 
 if __name__ == "__main__":
     register_configs()  # the schemas, into Hydra's ConfigStore
-    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, PREDICT_CONFIGS))
+    launch.run_hydra(main, config_keys, lambda argv: session.config_of_init_from(argv, predict_configs()))

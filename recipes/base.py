@@ -1,21 +1,35 @@
 """What a recipe gives the training loop: a model, its data, and the task (loss and metrics).
 
-The loop in train.py calls only these methods, so a new recipe is a new subclass plus config files;
-the loop itself does not change.
+A recipe is a subclass of `Recipe` in recipes/<name>/recipe.py, exposed as `RECIPE`; the registry finds it there.
+It must give four things (abstract below): `build_model`, `unit_modules`, `build_datasets` and `forward`.
+Everything else has a default, or is an opt-in protocol that the tool needing it checks before any work:
+
+    prediction (predict.py)        split + predict                  (PREDICTION)
+    generation (generate.py)       tokenizer + vocab_size           (GENERATION)
+    MFU and tokens/s in the log    tokens_per_sample, flops_per_sample, work (None: not reported)
+    validation metrics             validation_metrics + summarize_validation (default: the loss)
+    Hugging Face conversion        recipes/<name>/hf.py with export_to_hf, import_from_hf and HF_MODEL_TYPES
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
 from torch.utils.data import Dataset
 
 from core.config.errors import ConfigError
+from core.config.schema import DataConfig, ModelConfig
 from core.data.loading import to_device
 from core.layers.namespace import Layers
+
+# The opt-in protocols: the methods (or properties) a recipe defines to support a tool. The tool checks them with
+# `require` before any work; their contracts are documented where the Recipe below lists them.
+PREDICTION = ("split", "predict")
+GENERATION = ("tokenizer", "vocab_size")
 
 
 @dataclass
@@ -24,15 +38,24 @@ class Datasets:
     val: Optional[Dataset]
 
 
-class Recipe:
+class Recipe(ABC):
     """Instantiated once per run with the validated config (`self.cfg`)."""
 
-    name: str = ""
-    model_schema: type = object  # dataclass for the `model` config group
-    data_schema: type = object  # dataclass for the `data` config group
+    name: ClassVar[str] = ""  # `recipe: <name>` in a config; the folder recipes/<name>/
+    # The schemas of the `model` and `data` config groups (recipes/<name>/config.py): dataclasses extending these,
+    # with an optional RANGES table and `check` (core/config/ranges.py). The defaults: no settings of its own.
+    model_schema: ClassVar[type] = ModelConfig
+    data_schema: ClassVar[type] = DataConfig
     # The `data` settings a trained model depends on (what turns an input into what it saw in training):
     # predict.py and generate.py take them, with the model's, from a step folder's config.yaml.
-    model_data_keys: tuple[str, ...] = ()
+    model_data_keys: ClassVar[tuple[str, ...]] = ()
+    # The config (configs/<config>.yaml) predict.py and generate.py compose for a checkpoint of this recipe when
+    # neither the command line nor the checkpoint names one; "": configs/<name>.yaml.
+    predict_config: ClassVar[str] = ""
+    # For the tests that sweep every recipe (tests/test_monitored_metrics.py, tests/test_config.py): {case: (config,
+    # overrides)} that build a model in a moment and read data shipped in the repository ("{tmp}" in an override:
+    # a temporary folder). The default: configs/<name>.yaml as it is.
+    tiny_configs: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
 
     def __init__(self, cfg: Any):
         self.cfg = cfg
@@ -44,22 +67,32 @@ class Recipe:
         of the config and the files it names: it keeps nothing (is_main: whether to log what it found)."""
         return cfg
 
-    # --- model -------------------------------------------------------------------------------
-    def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
-        """Build the full (unsharded) model on `device`, weights initialised deterministically
-        from cfg.seed (the same values on every rank and with either layer backend)."""
-        raise NotImplementedError
+    @classmethod
+    def test_configs(cls) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """`tiny_configs`, or {name: (name, ())}: the cases the all-recipe tests run, named "<recipe>[ <case>]"."""
+        cases = cls.tiny_configs or {"": (cls.name, ())}
+        return {f"{cls.name} {case}".strip(): (config, tuple(overrides)) for case, (config, overrides) in cases.items()}
 
+    # --- model (required) ----------------------------------------------------------------------
+    @abstractmethod
+    def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
+        """Build the full (unsharded) model on `device` from the `layers` namespace (TransformerEngine's layers or
+        their torch twins: core/layers/namespace.py; plain torch.nn modules work too), weights initialised
+        deterministically from cfg.seed (core.layers.weight_init.init_parameters: the same values on every rank
+        and with either layer backend)."""
+
+    @abstractmethod
     def unit_modules(self, layers: Layers) -> list[type]:
-        """Module classes that FSDP shards, gathers and frees as one unit (the transformer block)."""
-        raise NotImplementedError
+        """Module classes that FSDP shards, gathers and frees as one unit (the transformer block; for a small
+        model, its linear layers)."""
 
     def no_weight_decay(self, model: nn.Module) -> set[str]:
         """Names of matrix-shaped parameters that take no weight decay (biases and norm weights,
         i.e. every parameter with fewer than 2 dimensions, never take it)."""
         return set()
 
-    # --- data --------------------------------------------------------------------------------
+    # --- data (required: build_datasets) ---------------------------------------------------------
+    @abstractmethod
     def build_datasets(self) -> Datasets:
         """Map-style datasets whose samples are dicts (the loop adds a "valid" flag in validation).
 
@@ -67,21 +100,6 @@ class Recipe:
         MultiEpochDatasetResampler); draw random effects from sample_generator(seed, epoch, idx), never
         from the global RNGs. The validation set is indexed with ints. Both must pass
         core.data.checks.assert_dataset_deterministic."""
-        raise NotImplementedError
-
-    def default_split(self) -> str:
-        """The split predict.py predicts on when predict.split is not given: "test" where the data has one, else
-        "val" (recipes whose data may lack a test split say which it has)."""
-        return "test"
-
-    def split(self, name: str) -> Dataset:
-        """One named split (e.g. "test") for predict.py, indexed with ints; it carries what finish_predictions
-        needs to name its rows (the recipe keeps nothing between the calls)."""
-        raise ConfigError(f"the {self.name} recipe has no split {name!r} for prediction")
-
-    def unlabeled(self, folder: str) -> Dataset:
-        """predict.folder: every input under `folder`, without labels, indexed with ints."""
-        raise ConfigError(f"the {self.name} recipe does not predict on a folder (predict.folder)")
 
     def collate_fn(self):
         return None  # torch's default_collate
@@ -96,16 +114,18 @@ class Recipe:
         """How many training batches to_device works on at once (threads)."""
         return 1
 
-    # --- task --------------------------------------------------------------------------------
-    def loss_count(self, batch: dict) -> torch.Tensor:
-        """Number of loss terms in a micro-batch (samples, or unmasked tokens), as a 0-d tensor.
-        The loop sums it over the global batch first, so the loss is a true mean over it."""
-        raise NotImplementedError
-
+    # --- task (required: forward) ----------------------------------------------------------------
+    @abstractmethod
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per-sample values: "loss" (sum of the sample's loss terms) and "count" (their number);
         in evaluation, further metrics to be summed (e.g. "top1": 1.0 where correct)."""
-        raise NotImplementedError
+
+    def loss_count(self, batch: dict) -> torch.Tensor:
+        """Number of loss terms in a micro-batch, as a 0-d tensor on the batch's device: the sum of forward's
+        "count", known before the forward. The loop sums it over the global batch first, so the loss is a true
+        mean over it. The default: one term per sample (recipes with token losses count unmasked tokens)."""
+        first = next(value for value in batch.values() if isinstance(value, torch.Tensor))
+        return torch.full((), float(len(first)), device=first.device)  # no host-to-device copy
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         """Turn per-term means of the validation sums into the reported metrics."""
@@ -117,11 +137,19 @@ class Recipe:
         a recipe with further metrics names them all."""
         return ("loss",)
 
-    # --- prediction (predict.py) -----------------------------------------------------------
-    def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
-        """Per-sample output columns, each [B] or [B, k] (k columns named <name>_0 .. <name>_{k-1});
-        an "idx" column, when given, orders the output file."""
-        raise NotImplementedError(f"the {self.name} recipe does not support predict.py")
+    # --- prediction (predict.py): opt in with split() and predict() --------------------------------
+    # split(self, name: str) -> Dataset: one named split (e.g. "test") for predict.py, indexed with ints; it
+    #     carries what finish_predictions needs to name its rows (the recipe keeps nothing between the calls).
+    # predict(self, model, batch) -> dict[str, Tensor]: per-sample output columns, each [B] or [B, k] (k columns
+    #     named <name>_0 .. <name>_{k-1}); an "idx" column, when given, orders the output file.
+    def default_split(self) -> str:
+        """The split predict.py predicts on when predict.split is not given: "test" where the data has one, else
+        "val" (recipes whose data may lack a test split say which it has)."""
+        return "test"
+
+    def unlabeled(self, folder: str) -> Dataset:
+        """predict.folder: every input under `folder`, without labels, indexed with ints."""
+        raise ConfigError(f"the {self.name} recipe does not predict on a folder (predict.folder)")
 
     def finish_predictions(self, dataset: Dataset,
                            columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
@@ -134,9 +162,18 @@ class Recipe:
         """Whole-split metrics from the finished rows (e.g. accuracy)."""
         return {}
 
-    # --- accounting --------------------------------------------------------------------------
-    def tokens_per_sample(self) -> int:
-        raise NotImplementedError
+    # --- generation (generate.py): opt in with `tokenizer` and `vocab_size` ------------------------
+    # tokenizer: encode(text) -> ids, decode(ids) -> text, eod; vocab_size: the model's vocabulary; the model takes
+    # (ids, inference_params=...) as recipes/gpt/generation.py:continue_prompt calls it.
+
+    # --- accounting (the throughput log): optional -------------------------------------------------
+    def tokens_per_sample(self) -> Optional[int]:
+        """Tokens of one sample, for tokens/s in the log; None: not reported."""
+        return None
+
+    def flops_per_sample(self) -> Optional[float]:
+        """Training FLOPs (forward + backward) for one sample, for MFU; None: no MFU reported."""
+        return None
 
     def work(self, batch: dict) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
         """(real tokens, training FLOPs) of a training micro-batch, as 0-d device tensors, for recipes whose samples
@@ -144,6 +181,15 @@ class Recipe:
         flops_per_sample FLOPs."""
         return None
 
-    def flops_per_sample(self) -> float:
-        """Training FLOPs (forward + backward) for one sample, for MFU."""
-        raise NotImplementedError
+
+def lacking(recipe: type[Recipe], protocol: tuple[str, ...]) -> list[str]:
+    """The names of `protocol` (PREDICTION, GENERATION) the recipe class does not define."""
+    return [name for name in protocol if getattr(recipe, name, None) is None]
+
+
+def require(recipe: type[Recipe], protocol: tuple[str, ...], tool: str) -> None:
+    """ConfigError, before any work, when the recipe does not support `tool` (it lacks part of `protocol`)."""
+    missing = lacking(recipe, protocol)
+    if missing:
+        raise ConfigError(f"{tool} needs a recipe with {' and '.join(protocol)}; the {recipe.name} recipe has no "
+                          f"{' and no '.join(missing)} (recipes/base.py)")

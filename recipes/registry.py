@@ -1,4 +1,5 @@
-"""Recipe registry: `recipe: <name>` in a config selects the class `recipes/<name>/recipe.py:RECIPE`.
+"""Recipe registry: `recipe: <name>` in a config selects the class `recipes/<name>/recipe.py:RECIPE`; every folder
+with a recipe.py is a recipe (no list to add it to).
 
 The entry points call `register_configs()` once before Hydra composes: it stores the schemas (the core's
 and each recipe's model and data schemas) in Hydra's ConfigStore. Nothing is registered on import.
@@ -14,26 +15,46 @@ from typing import Optional
 
 from core.config.errors import ConfigError
 from core.config.validation import register_schemas
-from recipes.base import Recipe
+from recipes.base import Recipe, require
 
-KNOWN_RECIPES = ("vit", "mnist", "gpt", "esm2")
-# The config predict.py and generate.py compose for a checkpoint of the recipe when neither the command line nor the
-# checkpoint names one (its step folder names the config it was trained with since this tool records it).
-PREDICT_CONFIGS = {"vit": "vit_predict", "mnist": "mnist_predict", "gpt": "gpt_sanity", "esm2": "esm2_sanity"}
-CONFIGS_DIR = Path(__file__).resolve().parents[1] / "configs"
+RECIPES_DIR = Path(__file__).resolve().parent
+CONFIGS_DIR = RECIPES_DIR.parent / "configs"
+
+
+def recipe_names() -> tuple[str, ...]:
+    """Every recipe: the folders recipes/<name>/ that hold a recipe.py, sorted."""
+    return tuple(sorted(p.parent.name for p in RECIPES_DIR.glob("*/recipe.py")))
 
 
 def get_recipe(name: str) -> type[Recipe]:
-    if name not in KNOWN_RECIPES:
-        raise ConfigError(f"recipe: unknown recipe {name!r}; known: {', '.join(KNOWN_RECIPES)}")
-    return importlib.import_module(f"recipes.{name}.recipe").RECIPE
+    """The class `recipe: <name>` selects (recipes/<name>/recipe.py:RECIPE)."""
+    known = recipe_names()
+    if name not in known:
+        raise ConfigError(f"recipe: unknown recipe {name!r}; known: {', '.join(known)}")
+    module = importlib.import_module(f"recipes.{name}.recipe")
+    recipe = getattr(module, "RECIPE", None)
+    if not (isinstance(recipe, type) and issubclass(recipe, Recipe)) or recipe.name != name:
+        raise ConfigError(f"recipe: recipes/{name}/recipe.py must end with RECIPE = <its Recipe subclass>, whose "
+                          f"name is {name!r} (found {recipe!r})")
+    return recipe
+
+
+def all_recipes() -> list[type[Recipe]]:
+    return [get_recipe(name) for name in recipe_names()]
+
+
+def predict_configs() -> dict[str, str]:
+    """The config predict.py and generate.py compose for a checkpoint of each recipe when neither the command line nor
+    the checkpoint names one (its step folder names the config it was trained with since this tool records it): the
+    recipe's `predict_config`, else configs/<name>.yaml."""
+    return {recipe.name: recipe.predict_config or recipe.name for recipe in all_recipes()}
 
 
 def hf_conversions() -> dict[str, ModuleType]:
     """The recipes with a Hugging Face conversion (recipes/<name>/hf.py, with export_to_hf and import_from_hf), by
     name: what `checkpoint.py to-hf` and `from-hf` take."""
     found = {}
-    for name in KNOWN_RECIPES:
+    for name in recipe_names():
         if importlib.util.find_spec(f"recipes.{name}.hf") is not None:
             module = importlib.import_module(f"recipes.{name}.hf")
             if hasattr(module, "export_to_hf") and hasattr(module, "import_from_hf"):
@@ -50,7 +71,7 @@ def config_keys(argv: Optional[list[str]] = None) -> set[str]:
 
     keys = schema_keys(TrainConfig)
     selected = recipe_on_command_line(argv) if argv is not None else None
-    for name in (selected,) if selected in KNOWN_RECIPES else KNOWN_RECIPES:
+    for name in (selected,) if selected in recipe_names() else recipe_names():
         recipe = get_recipe(name)
         keys |= schema_keys(recipe.model_schema, "model.") | schema_keys(recipe.data_schema, "data.")
     return keys
@@ -82,4 +103,14 @@ def recipe_on_command_line(argv: list[str]) -> Optional[str]:
 
 def register_configs() -> None:
     """Register every schema with Hydra (idempotent)."""
-    register_schemas(get_recipe(name) for name in KNOWN_RECIPES)
+    register_schemas(all_recipes())
+
+
+def check_supports(cfg, protocol: tuple[str, ...], tool: str) -> None:
+    """For predict.py and generate.py, before any work: ConfigError when the config's recipe lacks the opt-in
+    `protocol` (recipes/base.py: PREDICTION, GENERATION). A config without a known recipe is left to validation."""
+    from omegaconf import OmegaConf
+
+    name = None if OmegaConf.is_missing(cfg, "recipe") else cfg.get("recipe")
+    if isinstance(name, str) and name in recipe_names():
+        require(get_recipe(name), protocol, tool)

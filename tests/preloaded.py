@@ -13,8 +13,7 @@ if torch.cuda.device_count() == 0:
     import train  # noqa: F401  (the loop, the session, checkpointing, the parallel backends)
     from recipes.gpt import preprocess  # noqa: F401
     from recipes.gpt.data import megatron_datasets
-    from recipes.registry import KNOWN_RECIPES, get_recipe
+    from recipes.registry import all_recipes
 
-    for _name in KNOWN_RECIPES:
-        get_recipe(_name)
+    all_recipes()
     megatron_datasets()

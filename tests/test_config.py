@@ -6,6 +6,7 @@ import itertools
 import subprocess
 
 import pytest
+import torch
 
 from core.config.errors import ConfigError
 from core.config.validation import validate
@@ -113,3 +114,75 @@ def test_vit_base_runs_as_typed_on_1_to_8_gpus(gpus):
     assert accumulation == 8 // gpus
 
 
+
+
+# --- the recipe contract (recipes/base.py) and the registry (recipes/registry.py) --------------------------------
+
+
+def test_recipes_are_the_folders_with_a_recipe_py_and_an_unknown_one_lists_them():
+    from recipes.registry import get_recipe, predict_configs, recipe_names
+
+    names = recipe_names()
+    assert {"esm2", "gpt", "mnist", "vit"} <= set(names) and list(names) == sorted(names)
+    assert all(get_recipe(name).name == name for name in names)
+    assert {name: predict_configs()[name] for name in ("vit", "mnist", "gpt", "esm2")} == {
+        "vit": "vit_predict", "mnist": "mnist_predict", "gpt": "gpt_sanity", "esm2": "esm2_sanity"}
+    with pytest.raises(ConfigError, match=rf"^recipe: unknown recipe 'plm'; known: {', '.join(names)}$"):
+        get_recipe("plm")
+
+
+def _minimal_recipe(name: str = "tiny"):
+    """A recipe with the four required hooks and nothing else."""
+    from recipes.base import Datasets, Recipe
+
+    class Tiny(Recipe):
+        def build_model(self, layers, device):
+            return torch.nn.Linear(2, 1)
+
+        def unit_modules(self, layers):
+            return [torch.nn.Linear]
+
+        def build_datasets(self):
+            return Datasets([{"x": torch.zeros(2)}], None)
+
+        def forward(self, model, batch, training):
+            loss = model(batch["x"])[:, 0].square()
+            return {"loss": loss, "count": torch.ones_like(loss)}
+
+    Tiny.name = name
+    return Tiny
+
+
+def test_a_recipe_needs_four_hooks_and_has_defaults_for_the_rest():
+    from recipes.base import Recipe
+
+    class Half(Recipe):
+        name = "half"
+
+        def build_model(self, layers, device):
+            return torch.nn.Linear(2, 1)
+
+    with pytest.raises(TypeError) as error:
+        Half(None)
+    assert all(hook in str(error.value) for hook in ("unit_modules", "build_datasets", "forward"))
+    recipe = _minimal_recipe()(None)
+    batch = {"x": torch.zeros(5, 2), "y": torch.zeros(5)}
+    assert recipe.loss_count(batch).item() == 5.0 and recipe.loss_count(batch).dim() == 0  # one term per sample
+    assert recipe.tokens_per_sample() is None and recipe.flops_per_sample() is None and recipe.work(batch) is None
+    assert recipe.validation_metrics() == ("loss",) and recipe.test_configs() == {"tiny": ("tiny", ())}
+    assert recipe.model_schema.__name__ == "ModelConfig" and recipe.data_schema.__name__ == "DataConfig"
+
+
+def test_a_tool_names_the_opt_in_protocol_a_recipe_lacks():
+    from recipes.base import GENERATION, PREDICTION, require
+    from recipes.registry import get_recipe
+
+    with pytest.raises(ConfigError, match=r"^predict.py needs a recipe with split and predict; the tiny recipe has no "
+                                          r"split and no predict \(recipes/base.py\)$"):
+        require(_minimal_recipe(), PREDICTION, "predict.py")
+    for name in ("vit", "mnist", "gpt", "esm2"):
+        require(get_recipe(name), PREDICTION, "predict.py")
+    require(get_recipe("gpt"), GENERATION, "generate.py")
+    with pytest.raises(ConfigError, match="^generate.py needs a recipe with tokenizer and vocab_size; the esm2 recipe "
+                                          "has no tokenizer and no vocab_size"):
+        require(get_recipe("esm2"), GENERATION, "generate.py")

@@ -25,3 +25,18 @@ def test_counted_work_replaces_the_per_sample_figures(monkeypatch):
     second = meter.record()
     assert second["tokens_per_sec_per_gpu"] == 400.0 and second["mfu"] == 800 * 2e6 / 2 / 1e12
     assert second["samples_per_sec_per_gpu"] == 2.0  # rows still count as samples
+
+
+def test_a_recipe_without_accounting_reports_no_tokens_and_no_mfu(monkeypatch):
+    """tokens_per_sample and flops_per_sample are optional for a recipe (None): the record then has neither
+    tokens/s nor MFU, where it used to fail multiplying None."""
+    clock = iter([100.0, 104.0, 200.0])
+    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: next(clock))
+    meter = ThroughputMeter(torch.device("cpu"), global_batch_size=8, world_size=2, tokens_per_sample=None,
+                            flops_per_sample=None)
+    meter.peak_flops = 1e12
+    meter.add_work([None])
+    meter.step_done()
+    record = meter.record()
+    assert record["samples_per_sec_per_gpu"] == 1.0
+    assert "tokens_per_sec_per_gpu" not in record and "mfu" not in record

@@ -9,19 +9,30 @@ import os
 import pytest
 import torch
 
+from recipes.base import PREDICTION, lacking
+from recipes.registry import get_recipe
 from tests.helpers import REPO, compose_config, run_python, train_run, validated_config
 
-TINY = {  # a tiny model of each kind of checkpoint, trained for one step on the config's data
+# A tiny model of each kind of checkpoint, trained for one step on the config's data: each recipe's tiny configs
+# (recipes/base.py: tiny_configs), here on the shipped data they predict on where those train on generated data.
+ON_SHIPPED_DATA = {
     "vit": ("vit_sanity", ["model.hidden_size=32", "model.depth=1", "model.num_heads=2"]),
-    "mnist autoencoder": ("mnist_pretrain", []),
-    "mnist classifier": ("mnist_finetune", []),
     "gpt": ("gpt_sanity", ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
                            "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
     "gpt mock": ("gpt_1b", ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
                             "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
-    "esm2": ("esm2_sanity", ["model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
-                             "model.ffn_hidden_size=64", "model.max_seq_length=64", "data.tokens_per_pack=256"]),
 }
+
+
+def _tiny() -> dict[str, tuple[str, list[str]]]:
+    from recipes.registry import all_recipes
+
+    declared = {case: (config, list(overrides)) for recipe in all_recipes()
+                for case, (config, overrides) in recipe.test_configs().items()}
+    return {**declared, **ON_SHIPPED_DATA}
+
+
+TINY = _tiny()
 SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "train_defaults")
 
 
@@ -43,7 +54,7 @@ def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path)
         for kind, (config, model) in TINY.items():
             cache = [f"data.cache_dir={tmp_path}/cache"] if kind.startswith("gpt") else []
             train_run(validated_config(config, [
-                *model, *cache, "training.steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
+                *(o.format(tmp=tmp_path) for o in model), *cache, "training.steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
                 "training.val_every_n_steps=0", "training.val_at_end=false", "data.num_workers=0",
                 "logger.progress_bar=never", f"checkpoint.path={tmp_path}/{kind}"]), tmp_path / f"train {kind}")
     finally:
@@ -56,7 +67,11 @@ def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path)
         proc = run_python(REPO / "predict.py", "--config-name", name, f"checkpoint.init_from={tmp_path}/{kind}/step_1",
                           cwd=tmp_path / "cwd", env={**os.environ, "OMP_NUM_THREADS": "1"})
         out = proc.stdout + proc.stderr
-        if kind == "gpt mock":
+        recipe = compose_config(name, ["checkpoint.path=unused"]).recipe
+        if lacking(get_recipe(recipe), PREDICTION):  # a recipe that does not opt into prediction: one line says so
+            ok = proc.returncode == 2 and f"config error: predict.py needs a recipe with split and predict; the " \
+                                          f"{recipe} recipe has no" in out
+        elif kind == "gpt mock":
             ok = proc.returncode == 2 and "config error: predict.py scores documents, and data.format=mock" in out
         else:
             expected = given or {"esm2": "val", "vit": "val"}.get(kind, "test")  # data/digits has train and val only

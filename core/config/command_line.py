@@ -23,6 +23,19 @@ HELP_FLAGS = ("--help", "-h")
 SCHEMA_SUFFIX = "_schema"  # the recipes' schemas, stored in the model and data groups (core/config/validation.py)
 
 
+def schema_name(recipe: str, group: str) -> str:
+    """The one place that names a recipe's `group` (model | data) schema: how core/config/validation.py stores it in
+    Hydra's ConfigStore, and what a group option's `defaults:` list names to build on it (`gpt_data_schema`)."""
+    return f"{recipe}_{group}{SCHEMA_SUFFIX}"
+
+
+def recipe_of_schema_name(group: str, name: str) -> Optional[str]:
+    """The recipe of a `group` schema's stored name (schema_name's inverse; a .yaml suffix allowed), or None."""
+    suffix = schema_name("", group)
+    name = name.removesuffix(".yaml")
+    return name.removesuffix(suffix) if name.endswith(suffix) and name != suffix else None
+
+
 def config_name(argv: list[str]) -> Optional[str]:
     """The config a command line names with --config-name (or -cn), the last one winning; None if none."""
     name = None
@@ -64,7 +77,7 @@ def schema_of_option(group: str, option: str) -> Optional[str]:
 def options_for(group: str, recipe: str) -> list[str]:
     """The options of `group` made for `recipe` (built on its schema, `<recipe>_<group>_schema`)."""
     return [option for option in group_options().get(group, [])
-            if schema_of_option(group, option) == f"{recipe}_{group}{SCHEMA_SUFFIX}"]
+            if schema_of_option(group, option) == schema_name(recipe, group)]
 
 
 @functools.lru_cache(maxsize=None)
@@ -104,7 +117,7 @@ def check_group_choices(argv: list[str]) -> None:
     for group in ("model", "data"):
         option = override_value(argv, group)
         schema = schema_of_option(group, option) if option else None
-        owner = schema.removesuffix(f"_{group}{SCHEMA_SUFFIX}") if schema else None
+        owner = recipe_of_schema_name(group, schema) if schema else None
         if owner is not None and owner != recipe:
             raise ConfigError(other_recipes_option(group, f"{group}={option}", owner, recipe))
 

@@ -541,7 +541,7 @@ class DataConfig:
 
 @dataclass
 class TrainConfig:
-    recipe: str = MISSING  # recipes/registry.py: vit | mnist | gpt | esm2
+    recipe: str = MISSING  # the name of a recipe: a folder recipes/<name>/ with a recipe.py (recipes/registry.py)
     seed: int = 1234
     training: TrainingConfig = field(default_factory=TrainingConfig)
     # Recipe-specific: validated against the recipe's own schemas.

@@ -1,7 +1,7 @@
 """Strict validation of a composed config, and the explicit registration of the schemas with Hydra.
 
-`register_schemas` stores `TrainConfig` as `base_train` and each recipe's model/data schemas as
-`<recipe>_model_schema` / `<recipe>_data_schema` in the `model` / `data` groups; the entry points call it
+`register_schemas` stores `TrainConfig` as `base_train` and each recipe's model/data schemas in the `model` / `data`
+groups, named by `command_line.schema_name` (`<recipe>_model_schema` / `<recipe>_data_schema`); the entry points call it
 (through `recipes.registry.register_configs`) before Hydra composes. `validate` then checks a composed
 config again, strictly, against the same schemas (a `+key=value` override bypasses Hydra's struct checks)
 and runs the schemas' value checks (their RANGES tables, then their `check` methods), before any work.
@@ -19,7 +19,7 @@ from hydra.plugins.config_source import ConfigLoadError
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from core.config.command_line import other_recipes_option, schema_of_option
+from core.config.command_line import other_recipes_option, recipe_of_schema_name, schema_name, schema_of_option
 from core.config.errors import ConfigError
 from core.config.ranges import rules_of
 from core.config.schema import TrainConfig
@@ -33,26 +33,26 @@ def register_schemas(recipes: Iterable[Any]) -> None:
     cs = ConfigStore.instance()
     cs.store(name="base_train", node=TrainConfig)
     for recipe in recipes:
-        cs.store(group="model", name=f"{recipe.name}_model_schema", node=recipe.model_schema)
-        cs.store(group="data", name=f"{recipe.name}_data_schema", node=recipe.data_schema)
+        for group, schema in (("model", recipe.model_schema), ("data", recipe.data_schema)):
+            cs.store(group=group, name=schema_name(recipe.name, group), node=schema)
 
 
 def _recipe_schema(group: str, recipe: str) -> DictConfig:
     cs = ConfigStore.instance()
     try:
-        return cs.load(f"{group}/{recipe}_{group}_schema.yaml").node
+        return cs.load(f"{group}/{schema_name(recipe, group)}.yaml").node
     except ConfigLoadError:
-        known = sorted(n.removesuffix("_model_schema.yaml") for n in cs.list("model") if n.endswith("_model_schema.yaml"))
+        known = sorted(filter(None, (recipe_of_schema_name("model", n) for n in cs.list("model"))))
         raise ConfigError(f"recipe: unknown recipe {recipe!r}; known: {', '.join(known) or 'none registered'}") from None
 
 
 def _recipe_of_schema(group: str, schema: type) -> Optional[str]:
     """The recipe whose `group` schema (as stored by register_schemas) is `schema`, or None."""
     cs = ConfigStore.instance()
-    suffix = f"_{group}_schema.yaml"
     for name in cs.list(group):
-        if name.endswith(suffix) and OmegaConf.get_type(cs.load(f"{group}/{name}").node) is schema:
-            return name.removesuffix(suffix)
+        owner = recipe_of_schema_name(group, name)
+        if owner is not None and OmegaConf.get_type(cs.load(f"{group}/{name}").node) is schema:
+            return owner
     return None
 
 
@@ -76,7 +76,7 @@ def check_recipe_groups(cfg: DictConfig, recipe: str) -> None:
         if owner is None or owner == recipe:
             continue
         chosen = _chosen(group)
-        given = f"{group}={chosen}" if chosen and schema_of_option(group, chosen) == f"{owner}_{group}_schema" else group
+        given = f"{group}={chosen}" if chosen and schema_of_option(group, chosen) == schema_name(owner, group) else group
         raise ConfigError(other_recipes_option(group, given, owner, recipe))
 
 

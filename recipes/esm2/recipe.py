@@ -31,6 +31,10 @@ class ESM2Recipe(Recipe):
     name = "esm2"
     model_schema = ESM2ModelConfig
     data_schema = ESM2DataConfig
+    predict_config = "esm2_sanity"
+    tiny_configs = {"": ("esm2_sanity", ("model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
+                                         "model.ffn_hidden_size=64", "model.max_seq_length=64",
+                                         "data.tokens_per_pack=256"))}
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model = ESM2(self.cfg.model, layers, device=device)

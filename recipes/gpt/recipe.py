@@ -28,6 +28,9 @@ class GPTRecipe(Recipe):
     model_schema = GPTModelConfig
     data_schema = GPTDataConfig
     model_data_keys = ("tokenizer", "eod_token")  # the token ids
+    predict_config = "gpt_sanity"
+    tiny_configs = {"": ("gpt_sanity", ("data=gpt_mock", "data.cache_dir={tmp}", "model.vocab_size=64",
+                                        "model.seq_length=8", "model.num_layers=1"))}
 
     @functools.cached_property
     def vocab_size(self) -> int:

@@ -25,6 +25,8 @@ class MNISTRecipe(Recipe):
     name = "mnist"
     model_schema = MNISTModelConfig
     data_schema = MNISTDataConfig
+    predict_config = "mnist_predict"
+    tiny_configs = {"autoencoder": ("mnist_pretrain", ()), "classifier": ("mnist_finetune", ())}
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model = MNISTModel(self.cfg.model, layers, device=device)
@@ -41,9 +43,6 @@ class MNISTRecipe(Recipe):
 
     def split(self, name: str) -> Dataset:
         return build_mnist_split(self.cfg.data, name, self.cfg.model.image_size)
-
-    def loss_count(self, batch: dict) -> torch.Tensor:
-        return torch.full((), float(len(batch["label"])), device=batch["label"].device)  # no host-to-device copy
 
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sample: the autoencoder's mean squared error over the pixels, or the classifier's

@@ -31,6 +31,9 @@ class ViTRecipe(Recipe):
     model_schema = ViTModelConfig
     model_data_keys = ("num_classes", "val_crop_fraction", "mean", "std")  # the head, the crop, the normalization
     data_schema = ImageDataConfig
+    predict_config = "vit_predict"
+    tiny_configs = {"": ("vit_sanity", ("data=synthetic", "data.num_classes=10", "data.synthetic_val_size=4",
+                                        "model.hidden_size=32", "model.depth=1", "model.num_heads=2"))}
     @classmethod
     def resolve_config(cls, cfg, is_main: bool = True):
         """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
