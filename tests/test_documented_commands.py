@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -210,13 +212,14 @@ class Reader:
         for entry in REPO.iterdir():
             if entry.name not in {"outputs", "multirun", "ckpts", "ckpt", ".git", ".venv"}:
                 (work / entry.name).symlink_to(entry)
-        (work / "tmp").mkdir()
+        # The docs' /tmp/ as a folder of its own, with a short name: a run's folder name holds its data.root
+        self.tmp = Path(tempfile.mkdtemp(prefix="docs", dir="/tmp"))
         self.skipped: list[str] = []
 
     def fill(self, token: str) -> str:
-        """Placeholders and paths the docs name as a reader would have them: /tmp/ under the work folder,
+        """Placeholders and paths the docs name as a reader would have them: /tmp/ a folder of this test's,
         `<date_time>` the newest training run's directory, a step folder of a run the test shortened its newest step."""
-        token = token.replace("/tmp/", f"{self.work}/tmp/")
+        token = token.replace("/tmp/", f"{self.tmp}/")
         if "<date_time>" in token:
             parent = self.work / token.split("<date_time>")[0]
             runs = [p for p in parent.iterdir() if (p / "metrics.jsonl").is_file()]  # training's, not predict's
@@ -224,8 +227,10 @@ class Reader:
         step = re.search(r"(?:^|=)([^=]*?/)step_\d+", token)
         if step and not (self.work / token.split("=")[-1].split("/config.yaml")[0]).exists():
             folder = self.work / step.group(1)
-            newest = max(complete_checkpoints(folder), key=lambda p: int(p.name.split("_")[1]))
-            token = re.sub(r"step_\d+", newest.name, token)
+            steps = complete_checkpoints(folder) if folder.is_dir() else []  # none: a folder the command writes
+            if steps:
+                newest = max(steps, key=lambda p: int(p.name.split("_")[1]))
+                token = re.sub(r"step_\d+", newest.name, token)
         return token
 
     def run(self, command: str, shows: list[str], where: str) -> None:
@@ -241,7 +246,7 @@ class Reader:
             output = self._execute(argv, where)
             lines = output.splitlines()
             for text in shows:
-                text = text.replace("%2Ftmp%2F", quote(f"{self.work}/tmp/", safe="")).replace("/tmp/", f"{self.work}/tmp/")
+                text = text.replace("%2Ftmp%2F", quote(f"{self.tmp}/", safe="")).replace("/tmp/", f"{self.tmp}/")
                 pattern = expected_line(text, numbers_exact=not shortened)
                 at = next((i for i, line in enumerate(lines) if pattern.search(line)), None)
                 assert at is not None, f"{where}: `{command}` printed no line like\n  {text}\nit printed:\n{output[-4000:]}"
@@ -321,12 +326,15 @@ def test_every_cpu_shell_block_of_the_docs_runs_in_order_and_prints_what_they_sh
     """README.md, then docs/*.md: each block not marked `not run` runs, its commands exit 0, print the lines the
     block shows after them, warn of no CUDA_HOME/Apex/TransformerEngine and give each note once."""
     reader = Reader(tmp_path)
-    for page in PAGES:
-        for block in shell_blocks(page):
-            where = f"{page.relative_to(REPO)}:{block.line}"
-            if block.not_run:
-                reader.skipped.append(f"{where} ({block.not_run})")
-                continue
-            for command, shows in commands(block):
-                reader.run(command, shows, where)
+    try:
+        for page in PAGES:
+            for block in shell_blocks(page):
+                where = f"{page.relative_to(REPO)}:{block.line}"
+                if block.not_run:
+                    reader.skipped.append(f"{where} ({block.not_run})")
+                    continue
+                for command, shows in commands(block):
+                    reader.run(command, shows, where)
+    finally:
+        shutil.rmtree(reader.tmp, ignore_errors=True)
     print("not run:\n" + "\n".join(reader.skipped))
