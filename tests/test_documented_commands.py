@@ -6,8 +6,14 @@ what a run trains nor which checkpoint folder it uses."""
 from __future__ import annotations
 
 import json
+import re
+import shlex
+import shutil
 import subprocess
+import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from urllib.parse import quote
 
 import pytest
 
@@ -124,3 +130,211 @@ def test_another_recipes_data_and_an_unresolvable_value_are_one_line_config_erro
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert lines[-1].endswith("config error: invalid config at 'checkpoint.path': KeyError raised while resolving "
                               "interpolation: \"Environment variable 'NO_SUCH_VARIABLE' not found\"")
+
+
+# --- Every shell block of README.md and docs/*.md, run in order as a newcomer reads them ---------------------------
+
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # README first: the pages build on its runs
+NOT_RUN = re.compile(r"<!-- not run by tests/test_documented_commands\.py: (.+?) -->")
+SHELL_FENCE = re.compile(r"```(bash|sh|shell)\s*$")
+# Parts of a command the test does not run, and why (the suite runs in the environment they make).
+SETUP = {("python3", "-m", "venv"): "the environment is installed", (".",): "the environment is installed",
+         ("pip", "install"): "the environment is installed (network)", ("python", "-m", "pytest"): "the suite itself"}
+NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
+QUIET = ("CUDA_HOME", "Apex", "Transformer Engine and Apex", "TransformerEngine is not installed")
+
+
+@dataclass
+class Block:
+    page: Path
+    line: int
+    lines: list[str]
+    not_run: str | None  # the reason the page gives, or None
+
+
+def shell_blocks(page: Path) -> list[Block]:
+    blocks, lines = [], page.read_text().splitlines()
+    i = 0
+    while i < len(lines):
+        if SHELL_FENCE.match(lines[i]):
+            end = lines.index("```", i + 1)
+            before = next((x for x in reversed(lines[:i]) if x.strip()), "")
+            reason = NOT_RUN.fullmatch(before.strip())
+            blocks.append(Block(page, i + 1, lines[i + 1:end], reason.group(1) if reason else None))
+            i = end
+        i += 1
+    return blocks
+
+
+def commands(block: Block) -> list[tuple[str, list[str]]]:
+    """(command, the output lines the block shows after it): `\\` continuations joined, `# ...` lines after a
+    command are its output."""
+    joined: list[str] = []
+    for line in block.lines:
+        if joined and joined[-1].endswith("\\"):
+            joined[-1] = joined[-1][:-1] + " " + line.strip()
+        else:
+            joined.append(line)
+    found: list[tuple[str, list[str]]] = []
+    for line in joined:
+        if line.startswith("#"):
+            if found:
+                found[-1][1].append(line[1:].strip())
+        elif line.strip():
+            found.append((line, []))
+    return found
+
+
+def expected_line(text: str, numbers_exact: bool) -> re.Pattern:
+    """A line the docs show, as a pattern: `...` and `<placeholder>` stand for anything, a decimal number for any
+    number (metrics and timings differ from run to run), a whole number for itself unless the test shortened the
+    run (then for any number)."""
+    out = []
+    for piece in re.split(r"(\.\.\.|<[^<>]+>)", text):
+        if piece == "..." or (piece.startswith("<") and piece.endswith(">")):
+            out.append(".*?")
+            continue
+        pos = 0
+        for m in re.finditer(NUMBER, piece):
+            out.append(re.escape(piece[pos:m.start()]))
+            whole = re.fullmatch(r"\d[\d,]*", m.group())
+            out.append(re.escape(m.group()) if whole and numbers_exact else NUMBER)
+            pos = m.end()
+        out.append(re.escape(piece[pos:]))
+    return re.compile("".join(out))
+
+
+class Reader:
+    """Runs the pages' commands in one folder (the repository's files linked into it), in order."""
+
+    def __init__(self, work: Path):
+        self.work = work
+        for entry in REPO.iterdir():
+            if entry.name not in {"outputs", "multirun", "ckpts", "ckpt", ".git", ".venv"}:
+                (work / entry.name).symlink_to(entry)
+        # The docs' /tmp/ as a folder of its own, with a short name: a run's folder name holds its data.root
+        self.tmp = Path(tempfile.mkdtemp(prefix="docs", dir="/tmp"))
+        self.skipped: list[str] = []
+
+    def fill(self, token: str) -> str:
+        """Placeholders and paths the docs name as a reader would have them: /tmp/ a folder of this test's,
+        `<date_time>` the newest training run's directory, a step folder of a run the test shortened its newest step."""
+        token = token.replace("/tmp/", f"{self.tmp}/")
+        if "<date_time>" in token:
+            parent = self.work / token.split("<date_time>")[0]
+            runs = [p for p in parent.iterdir() if (p / "metrics.jsonl").is_file()]  # training's, not predict's
+            token = str(max(runs, key=lambda p: p.name))
+        step = re.search(r"(?:^|=)([^=]*?/)step_\d+", token)
+        if step and not (self.work / token.split("=")[-1].split("/config.yaml")[0]).exists():
+            folder = self.work / step.group(1)
+            steps = complete_checkpoints(folder) if folder.is_dir() else []  # none: a folder the command writes
+            if steps:
+                newest = max(steps, key=lambda p: int(p.name.split("_")[1]))
+                token = re.sub(r"step_\d+", newest.name, token)
+        return token
+
+    def run(self, command: str, shows: list[str], where: str) -> None:
+        for part in _split_and(shlex.split(command, comments=True)):
+            reason = next((why for start, why in SETUP.items() if tuple(part[:len(start)]) == start), None)
+            if reason:
+                self.skipped.append(f"{where}: `{' '.join(part)}` ({reason})")
+                continue
+            argv = [self.fill(t) for t in part]
+            shortened = "train.py" in argv and not any(a.startswith("training.steps=") for a in argv)
+            if shortened:
+                argv.append("training.steps=2")
+            output = self._execute(argv, where)
+            lines = output.splitlines()
+            for text in shows:
+                text = text.replace("%2Ftmp%2F", quote(f"{self.tmp}/", safe="")).replace("/tmp/", f"{self.tmp}/")
+                pattern = expected_line(text, numbers_exact=not shortened)
+                at = next((i for i, line in enumerate(lines) if pattern.search(line)), None)
+                assert at is not None, f"{where}: `{command}` printed no line like\n  {text}\nit printed:\n{output[-4000:]}"
+                lines = lines[at + 1:]
+            noisy = [line for line in output.splitlines() if any(q in line for q in QUIET)]
+            assert not noisy, f"{where}: `{command}` warned on a CPU: {noisy}"
+            notes = [line.split(" - ", 1)[-1] for line in output.splitlines() if " - note: " in line]
+            assert len(notes) == len(set(notes)), f"{where}: `{command}` repeated a note: {notes}"
+
+    def _execute(self, argv: list[str], where: str) -> str:
+        if argv[0] == "torchrun":
+            nproc = int(argv[argv.index("--nproc-per-node") + 1])
+            script_at = argv.index("--nproc-per-node") + 2
+            proc = subprocess.run(torchrun(nproc, argv[script_at], *argv[script_at + 1:]), cwd=self.work,
+                                  capture_output=True, text=True, timeout=600)
+        elif argv[0] in ("python", "python3"):
+            args = argv[1:] if argv[1] == "-m" else [str((self.work / argv[1]).resolve()), *argv[2:]]
+            proc = run_python(*args, cwd=self.work)
+        else:
+            raise AssertionError(f"{where}: `{' '.join(argv)}`: the test runs python and torchrun commands only; "
+                                 "mark the block with the reason it is not run")
+        output = proc.stdout + proc.stderr
+        assert proc.returncode == 0, f"{where}: `{' '.join(argv)}` exited {proc.returncode}:\n{output[-4000:]}"
+        return output
+
+
+def _split_and(tokens: list[str]) -> list[list[str]]:
+    parts: list[list[str]] = [[]]
+    for token in tokens:
+        parts.append([]) if token == "&&" else parts[-1].append(token)
+    return [p for p in parts if p]
+
+
+def test_every_shell_block_says_whether_it_runs_on_a_cpu_and_why_not():
+    blocks = [b for page in PAGES for b in shell_blocks(page)]
+    assert len(blocks) > 20
+    for block in blocks:
+        if block.not_run is None:
+            for command, _ in commands(block):
+                for part in _split_and(shlex.split(command, comments=True)):
+                    assert part[0] in {"python", "python3", "torchrun", ".", "pip"}, \
+                        f"{block.page.name}:{block.line}: `{command}`: not a command the test runs; mark the block"
+
+
+def test_intra_doc_links_and_anchors_resolve():
+    """Every relative link of README.md and docs/*.md names a file that exists, and an anchor a heading of it."""
+    def anchors(page: Path) -> set[str]:
+        heads = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
+        return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
+
+    dead = []
+    for page in PAGES:
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                dead.append(f"{page.name}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                dead.append(f"{page.name}: {target}")
+    assert not dead, dead
+
+
+def test_the_config_group_table_lists_every_option():
+    """configuration.md's table of groups names every YAML file of configs/<group>/."""
+    table = (REPO / "docs" / "configuration.md").read_text()
+    for group in ("model", "data", "distributed", "optim", "scheduler", "precision", "logger", "checkpoint"):
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{group}` |"))
+        missing = [p.stem for p in (REPO / "configs" / group).glob("*.yaml") if f"`{p.stem}`" not in row]
+        assert not missing, f"configuration.md's {group} row lacks {missing}"
+
+
+@pytest.mark.slow
+def test_every_cpu_shell_block_of_the_docs_runs_in_order_and_prints_what_they_show(tmp_path):
+    """README.md, then docs/*.md: each block not marked `not run` runs, its commands exit 0, print the lines the
+    block shows after them, warn of no CUDA_HOME/Apex/TransformerEngine and give each note once."""
+    reader = Reader(tmp_path)
+    try:
+        for page in PAGES:
+            for block in shell_blocks(page):
+                where = f"{page.relative_to(REPO)}:{block.line}"
+                if block.not_run:
+                    reader.skipped.append(f"{where} ({block.not_run})")
+                    continue
+                for command, shows in commands(block):
+                    reader.run(command, shows, where)
+    finally:
+        shutil.rmtree(reader.tmp, ignore_errors=True)
+    print("not run:\n" + "\n".join(reader.skipped))

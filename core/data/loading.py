@@ -5,12 +5,16 @@ from __future__ import annotations
 import contextlib
 import functools
 import itertools
+import logging
+import os
 import signal
 import threading
 from typing import Iterator
 
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
+
+log = logging.getLogger(__name__)
 
 
 def _ignore_signals(signals: tuple[signal.Signals, ...], worker_id: int) -> None:
@@ -20,8 +24,28 @@ def _ignore_signals(signals: tuple[signal.Signals, ...], worker_id: int) -> None
         signal.signal(sig, signal.SIG_IGN)
 
 
+def usable_workers(num_workers: int) -> int:
+    """`data.num_workers`, at most this rank's share of the CPU cores the process may run on (the local ranks share
+    them): more worker processes than cores only take turns. Said once per process, by the first rank."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = max(int(os.environ.get("LOCAL_WORLD_SIZE", "1")), 1)
+    share = cores // local_ranks
+    if num_workers <= share:
+        return num_workers
+    _note_fewer_workers(num_workers, cores, local_ranks, share)
+    return share
+
+
+@functools.cache
+def _note_fewer_workers(num_workers: int, cores: int, local_ranks: int, share: int) -> None:
+    if os.environ.get("RANK", "0") == "0":
+        log.info("note: data.num_workers=%d is more than this rank's share of the CPU cores (%d cores, %d local "
+                 "ranks): %d loader workers per rank", num_workers, cores, local_ranks, share)
+
+
 def make_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, pin_memory: bool, seed: int,
                 collate_fn=None, ignore_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
+    num_workers = usable_workers(num_workers)
     return DataLoader(
         dataset,
         batch_sampler=batch_sampler,

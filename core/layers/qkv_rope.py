@@ -3,8 +3,8 @@ each way: what TE's `apply_fused_qkv_rotary_pos_emb` computes, in the same layou
 float operations in the same order, so the results are TE's bit for bit (GPU test).
 
 TE's kernels give each token its own thread block and move one 2-byte element per thread and load; these
-move a few tokens' head-wide rows per program and compute each token's cos and sin once, which takes about
-half the time (docs/performance.md). Whatever they do not cover (interleaved or partial rotary dimensions, a head size
+move a few tokens' head-wide rows per program and compute each token's cos and sin once, which is faster
+(docs/performance.md). Whatever they do not cover (interleaved or partial rotary dimensions, a head size
 that is not a power of two, start positions, context parallelism) goes to TE's functions.
 
 Layouts (sbhd, or bshd with batch and sequence swapped; thd without the batch dimension: packed sequences,

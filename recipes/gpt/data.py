@@ -26,6 +26,7 @@ from core.config.errors import ConfigError, DataError
 from core.config.file_shape import read_small_file
 from core.data.partial_outputs import Stopped
 from recipes.gpt.config import GPTDataConfig
+from recipes.gpt.megatron_core import import_quietly
 from recipes.gpt.options import DATA_CONFIG
 from recipes.gpt.tokenizer import build_tokenizer
 
@@ -33,16 +34,13 @@ log = logging.getLogger(__name__)
 
 
 def megatron_datasets():
-    """Megatron-Core's dataset modules (quietly: without TE/Apex it warns about its optimizers), and ours over
-    them (recipes/gpt/token_ids.py)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
-        logging.getLogger("torch.utils.cpp_extension").setLevel(logging.ERROR)
-        logging.getLogger("megatron.core").setLevel(logging.WARNING)  # index building: a screenful per split
-        from megatron.core.datasets import gpt_dataset
-        from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    """Megatron-Core's dataset modules (imported quietly: recipes/gpt/megatron_core.py), and ours over them
+    (recipes/gpt/token_ids.py)."""
+    import_quietly()
+    from megatron.core.datasets import gpt_dataset
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
-        from recipes.gpt import token_ids
+    from recipes.gpt import token_ids
     return gpt_dataset, BlendedMegatronDatasetBuilder, token_ids
 
 
@@ -113,6 +111,7 @@ def check_prefix(prefix: str, tokenizer) -> None:
     and, where our preprocess's <prefix>.json says how the pair was made, an .idx whose token type or count differs
     from it or a data.tokenizer other than the one it was made with: each would be read as other tokens, or fail
     mid-run without naming the file. Files from elsewhere (no .json) get the size check only."""
+    import_quietly()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
     try:

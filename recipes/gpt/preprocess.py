@@ -28,6 +28,7 @@ import numpy as np
 
 from core.config.errors import ConfigError, DataError
 from core.data.partial_outputs import Stopped, stop_signal
+from recipes.gpt.megatron_core import import_quietly
 from recipes.gpt.options import COMMAND_LINE, Options, given
 from recipes.gpt.partial_outputs import partial_outputs, remove_leftovers, temporary_prefix
 from recipes.gpt.text_documents import TEXT_DOCUMENTS, read_text_documents
@@ -156,6 +157,7 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
     no partial outputs (recipes/gpt/partial_outputs.py)."""
     tokenizer = build_tokenizer(tokenizer_spec, eod_token, options)
     check_inputs(inputs, output_prefix, replace, options)
+    import_quietly()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDatasetBuilder
 
     output_prefix.parent.mkdir(parents=True, exist_ok=True)
@@ -179,6 +181,7 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
 
 def decode_document(prefix: Path, index: int, tokenizer_spec: Optional[str] = None) -> str:
     """Document `index` of an indexed dataset, as text (the tokenizer recorded in <prefix>.json by default)."""
+    import_quietly()
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     named = given("--decode", prefix)

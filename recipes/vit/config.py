@@ -25,8 +25,8 @@ class ImageFormat(StrEnum):
 
 class DecodeOn(StrEnum):
     # PIL in the loader workers, then the crop and flip there; uint8 images normalized on the device. The
-    # default: with 14 workers it fed the shipped ViT-B as fast as synthetic images on a 16-core H100
-    # machine, where decoding on the GPU did not (docs/performance.md, "Real JPEGs while training").
+    # default: with a core per worker it fed the shipped ViT-B as fast as synthetic images, where decoding on
+    # the GPU did not (docs/performance.md, "Real JPEGs while training").
     workers = "workers"
     # The workers only read the bytes and draw the crop/flip; the training device decodes (nvImageCodec:
     # recipes/vit/jpeg.py) and crops, resizes and normalizes, on a thread a step ahead (core/data/loading.py):
