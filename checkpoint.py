@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import errno
-import json
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -65,26 +64,38 @@ def run_recipe(source: Path, config: Optional[str]) -> Optional[str]:
 
 
 def exporter(source: Path, config: Optional[str]) -> ModuleType:
-    """The Hugging Face conversion of the run `source` belongs to (recipes/registry.py:hf_conversions); the GPT's
-    when neither the step folder nor --config says (its export then names what is missing)."""
+    """The Hugging Face conversion of the run `source` belongs to (recipes/registry.py:hf_conversions)."""
     from recipes.registry import hf_conversions
 
     conversions, recipe = hf_conversions(), run_recipe(source, config)
     if recipe is not None and recipe not in conversions:
-        names = sorted(conversions)
-        listed = " and ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
-        raise CheckpointError(f"{source}: a checkpoint of the {recipe} recipe; to-hf exports those of the {listed} "
-                              f"recipe{'s' if len(names) > 1 else ''}")
-    return conversions.get(recipe, conversions["gpt"])
+        raise CheckpointError(f"{source}: a checkpoint of the {recipe} recipe; to-hf exports those of the "
+                              f"{listed(sorted(conversions))} recipe{'s' if len(conversions) > 1 else ''}")
+    # With no recipe to be read, any export refuses the run first, naming what is missing (core/checkpointing/
+    # hf_folders.py:read_run); a sorted pick keeps that message the same from run to run.
+    return conversions[recipe] if recipe is not None else conversions[min(conversions)]
 
 
-def folder_model_type(folder: Path) -> Optional[str]:
-    """config.json's model_type of a Hugging Face folder (None when it cannot be read: the import says why)."""
-    try:
-        model_type = json.loads((folder / "config.json").read_text()).get("model_type")
-    except (OSError, ValueError, AttributeError, RecursionError):  # RecursionError: nested too deeply for json
-        return None
-    return model_type if isinstance(model_type, str) else None
+def importer(hf_dir: str, out: str) -> ModuleType:
+    """The Hugging Face conversion (recipes/registry.py:hf_conversions) whose HF_MODEL_TYPES holds the folder's
+    config.json model_type; the folder, the output path and config.json are checked first, as the import does."""
+    from core.checkpointing.hf_folders import read_hf_config
+    from recipes.registry import hf_conversions
+
+    folder, _, config = read_hf_config(hf_dir, out)
+    readers = {model_type: (name, module) for name, module in hf_conversions().items()
+               for model_type in module.HF_MODEL_TYPES}
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in readers:
+        supported = [f"{t!r} (the {name} recipe)" for t, (name, _) in sorted(readers.items())]
+        raise ValueError(f"{folder / 'config.json'}: model_type={model_type!r}; from-hf reads model_type "
+                         f"{listed(supported, 'or')}")
+    return readers[model_type][1]
+
+
+def listed(names: list[str], conjunction: str = "and") -> str:
+    """`a`, `a and b`, `a, b and c`."""
+    return f" {conjunction} ".join([", ".join(names[:-1]), names[-1]] if len(names) > 1 else names)
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -126,14 +137,8 @@ def main(argv: Optional[list[str]] = None) -> None:
             exporter(Path(args.step_dir), args.config).export_to_hf(
                 args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
                 config=args.config)
-        elif folder_model_type(Path(args.hf_dir)) == "esm":
-            from recipes.esm2.hf import import_from_hf
-
-            import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
         else:
-            from recipes.gpt.hf import import_from_hf
-
-            import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
+            importer(args.hf_dir, args.out).import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
     except (CheckpointError, ValueError, OSError) as e:  # OSError: an output that cannot be written, a missing input
         raise CommandFailed(f"error: {e}", 3 if isinstance(e, CheckpointError) else 2) from None
 

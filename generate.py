@@ -1,4 +1,4 @@
-"""Continue text prompts with a trained GPT.
+"""Continue text prompts with a trained language model (a recipe with the generation protocol: the GPT's).
 
     python generate.py --config-name gpt_sanity checkpoint.init_from=<step dir | .pt | .safetensors> \
         generate.prompt="Call me Ishmael."                                  # sampled (temperature 1)
@@ -13,18 +13,17 @@ Top to bottom:
                 (distributed.backend=ddp); weights from checkpoint.init_from, strictly
   2. prompts  - generate.prompt or generate.prompt_file, tokenized with data.tokenizer (the one the
                 training data was made with)
-  3. decode   - token by token with a KV cache (recipes/gpt/generation.py): greedy, or sampled with
+  3. decode   - token by token with a KV cache (core/generation/decoding.py): greedy, or sampled with
                 temperature, top-k and top-p from generate.seed; until generate.max_new_tokens or the
                 end-of-document token
   4. write    - each prompt and its continuation printed, and appended to generate.output (default
-                <run dir>/generations.jsonl) as it is done (recipes/gpt/generations_file.py): SIGTERM, SIGINT or
+                <run dir>/generations.jsonl) as it is done (core/generation/generations_file.py): SIGTERM, SIGINT or
                 SIGHUP stops the run after the continuation in progress, and the same command with the same
                 generate.output continues after the last one written
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 from dataclasses import dataclass
@@ -46,9 +45,9 @@ from core.config.validation import to_plain
 from core.distributed import launch
 from core.distributed.signals import StopSignals
 from core.training.nonfinite import NonFiniteError
-from recipes.gpt.generation import Sampling, banned_tokens, continue_prompt, sample_generator
-from recipes.gpt.generations_file import Appender, continue_output, prompts_identity
-from recipes.gpt.tokenizer import lone_surrogate
+from core.generation.decoding import Sampling, banned_tokens, continue_prompt, sample_generator
+from core.generation.generations_file import Appender, continue_output, prompts_identity
+from core.generation.prompts import read_prompts
 from recipes.base import GENERATION
 from recipes.registry import check_supports, config_keys, get_recipe, predict_configs, register_configs
 
@@ -118,9 +117,10 @@ def decode(sess: session.Session, model: torch.nn.Module, prompts: list[str], sa
            out: Appender, stop: StopSignals) -> list[Generation]:
     """Continuation k = sample k % samples of prompt k // samples, for k from `start` on, each appended to `out`;
     until all are done or a stop signal arrived."""
-    tokenizer, gen = sess.recipe.tokenizer, sess.cfg.generate
+    recipe, gen = sess.recipe, sess.cfg.generate
+    tokenizer = recipe.tokenizer
     sampling = Sampling(gen.greedy, gen.temperature, gen.top_k, gen.top_p)
-    banned = banned_tokens(sess.recipe.vocab_size, tokenizer)
+    banned = banned_tokens(recipe.vocab_size, tokenizer)
     kv_dtype = (sess.runtime.autocast_dtype or torch.float32) if gen.kv_cache else None
     results = []
     for k in range(start, len(prompts) * samples):
@@ -132,8 +132,8 @@ def decode(sess: session.Session, model: torch.nn.Module, prompts: list[str], sa
             raise ConfigError(f"prompt {i + 1} is empty")
         sample = f", sample {j + 1}" if samples > 1 else ""
         try:
-            continuation = continue_prompt(model, ids, gen.max_new_tokens, sess.cfg.model.seq_length, sampling,
-                                           None if gen.greedy else sample_generator(gen.seed, i, j), banned,
+            continuation = continue_prompt(recipe, model, ids, gen.max_new_tokens, sess.cfg.model.seq_length,
+                                           sampling, None if gen.greedy else sample_generator(gen.seed, i, j), banned,
                                            tokenizer.eod if gen.stop_at_eod else None, sess.env.device, sess.autocast,
                                            kv_dtype)
         except NonFiniteError as e:
@@ -189,38 +189,6 @@ def whole_weights(cfg: DictConfig) -> DictConfig:
         cfg.precision.param_dtype = "fp32"
         cfg.precision.fp8.enabled = False
     return cfg
-
-
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per non-empty line, or a "prompt" field per line of a .jsonl file."""
-    if not path.is_file():
-        raise DataError(f"generate.prompt_file={path}: no such file")
-    try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no prompt text
-    except OSError as e:
-        raise DataError(f"generate.prompt_file={path}: unreadable ({e.strerror or e})") from None
-    except UnicodeDecodeError as e:
-        raise DataError(f"generate.prompt_file={path}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    lines = [line for line in text.splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
-        prompts = lines
-    else:
-        prompts = []
-        for n, line in enumerate(lines, 1):
-            try:
-                prompt = json.loads(line)["prompt"]
-            except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
-                prompt = None
-            if not isinstance(prompt, str):
-                raise DataError(f"generate.prompt_file={path}:{n}: expected a JSON object with a \"prompt\" string")
-            prompts.append(prompt)
-    for n, prompt in enumerate(prompts, 1):
-        if lone_surrogate(prompt):
-            raise DataError(f"generate.prompt_file={path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
-                            "not text")
-    if not prompts:
-        raise DataError(f"generate.prompt_file={path} holds no prompt")
-    return prompts
 
 
 if __name__ == "__main__":

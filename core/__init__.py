@@ -8,6 +8,7 @@
   training/       optimizer and schedule, precision, the non-finite policy, evaluation, the train state
   checkpointing/  DCP checkpoints: layout, state parts, staging, retention, manager, conversion
   metrics/        logger, throughput meter, profiler
+  generation/     generate.py's decoding (KV cache, sampling), prompts and output file, for any recipe
   runtime.py      every device and backend decision, made once
   session.py      the setup every entry point (train, predict) shares
 """

@@ -5,7 +5,7 @@ It must give four things (abstract below): `build_model`, `unit_modules`, `build
 Everything else has a default, or is an opt-in protocol that the tool needing it checks before any work:
 
     prediction (predict.py)        split + predict                  (PREDICTION)
-    generation (generate.py)       tokenizer + vocab_size           (GENERATION)
+    generation (generate.py)       tokenizer + vocab_size + new_kv_cache + next_logits (GENERATION)
     MFU and tokens/s in the log    tokens_per_sample, flops_per_sample, work (None: not reported)
     validation metrics             validation_metrics + summarize_validation (default: the loss)
     Hugging Face conversion        recipes/<name>/hf.py with export_to_hf, import_from_hf and HF_MODEL_TYPES
@@ -29,7 +29,7 @@ from core.layers.namespace import Layers
 # The opt-in protocols: the methods (or properties) a recipe defines to support a tool. The tool checks them with
 # `require` before any work; their contracts are documented where the Recipe below lists them.
 PREDICTION = ("split", "predict")
-GENERATION = ("tokenizer", "vocab_size")
+GENERATION = ("tokenizer", "vocab_size", "new_kv_cache", "next_logits")
 
 
 @dataclass
@@ -162,9 +162,12 @@ class Recipe(ABC):
         """Whole-split metrics from the finished rows (e.g. accuracy)."""
         return {}
 
-    # --- generation (generate.py): opt in with `tokenizer` and `vocab_size` ------------------------
-    # tokenizer: encode(text) -> ids, decode(ids) -> text, eod; vocab_size: the model's vocabulary; the model takes
-    # (ids, inference_params=...) as recipes/gpt/generation.py:continue_prompt calls it.
+    # --- generation (generate.py): opt in with tokenizer, vocab_size, new_kv_cache and next_logits ----
+    # tokenizer: encode(text) -> ids, decode(ids) -> text, eod, vocab_size (its ids), pad (optional; never generated);
+    # vocab_size: the model's vocabulary (its rows past the tokenizer's are never generated);
+    # new_kv_cache(self, model, max_length, dtype): an empty key/value cache for one sequence of up to max_length
+    #     tokens; next_logits(self, model, tokens, kv_cache) -> logits: tokens [1, n] -> logits [1, n, vocab], with a
+    #     cache continuing the tokens it holds (None: the whole window). core/generation/decoding.py does the rest.
 
     # --- accounting (the throughput log): optional -------------------------------------------------
     def tokens_per_sample(self) -> Optional[int]:

@@ -51,13 +51,14 @@ def predict_configs() -> dict[str, str]:
 
 
 def hf_conversions() -> dict[str, ModuleType]:
-    """The recipes with a Hugging Face conversion (recipes/<name>/hf.py, with export_to_hf and import_from_hf), by
-    name: what `checkpoint.py to-hf` and `from-hf` take."""
+    """The recipes with a Hugging Face conversion (recipes/<name>/hf.py, with export_to_hf, import_from_hf and
+    HF_MODEL_TYPES: the config.json model_type values it imports), by name: what `checkpoint.py to-hf` and `from-hf`
+    take."""
     found = {}
     for name in recipe_names():
         if importlib.util.find_spec(f"recipes.{name}.hf") is not None:
             module = importlib.import_module(f"recipes.{name}.hf")
-            if hasattr(module, "export_to_hf") and hasattr(module, "import_from_hf"):
+            if all(hasattr(module, attr) for attr in ("export_to_hf", "import_from_hf", "HF_MODEL_TYPES")):
                 found[name] = module
     return found
 

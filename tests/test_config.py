@@ -183,6 +183,7 @@ def test_a_tool_names_the_opt_in_protocol_a_recipe_lacks():
     for name in ("vit", "mnist", "gpt", "esm2"):
         require(get_recipe(name), PREDICTION, "predict.py")
     require(get_recipe("gpt"), GENERATION, "generate.py")
-    with pytest.raises(ConfigError, match="^generate.py needs a recipe with tokenizer and vocab_size; the esm2 recipe "
-                                          "has no tokenizer and no vocab_size"):
+    with pytest.raises(ConfigError, match="^generate.py needs a recipe with tokenizer and vocab_size and new_kv_cache "
+                                          "and next_logits; the esm2 recipe has no tokenizer and no vocab_size and no "
+                                          "new_kv_cache and no next_logits"):
         require(get_recipe("esm2"), GENERATION, "generate.py")

@@ -1,4 +1,4 @@
-"""generate.py's output file (recipes/gpt/generations_file.py): continued only when it was made the same way, a
+"""generate.py's output file (core/generation/generations_file.py): continued only when it was made the same way, a
 torn last line dropped, anything else refused by name with nothing overwritten."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from core.config.errors import ConfigError, DataError
-from recipes.gpt.generations_file import Appender, continue_output, prompts_identity, settings_file
+from core.generation.generations_file import Appender, continue_output, prompts_identity, settings_file
 
 PROMPTS = ["Call me Ishmael.", "The whale", "Queequeg"]
 

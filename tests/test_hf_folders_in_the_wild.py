@@ -121,6 +121,19 @@ def test_outputs_that_exist_are_refused_and_an_hf_folder_is_not_called_a_broken_
         checkpoint.main(["from-torch", str(tmp_path / "cut.safetensors"), str(tmp_path / "step_x")])
 
 
+@pytest.mark.parametrize("model_type", ["bert", None, ["llama"]])
+def test_from_hf_picks_the_recipe_by_model_type_and_lists_those_it_reads(tmp_path, capsys, model_type):
+    """from-hf chooses the recipe whose hf.py declares the folder's model_type (HF_MODEL_TYPES); another one is one
+    line naming every model_type a recipe reads, and nothing is written."""
+    config = ESM | ({"model_type": model_type} if model_type is not None else {})
+    write_folder(tmp_path / "hf", {}, config)
+    with pytest.raises(SystemExit) as refused:
+        checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")])
+    assert refused.value.code == 2 and not (tmp_path / "w.safetensors").exists()
+    assert capsys.readouterr().err == (f"error: {tmp_path / 'hf' / 'config.json'}: model_type={model_type!r}; from-hf "
+                                       "reads model_type 'esm' (the esm2 recipe) or 'llama' (the gpt recipe)\n")
+
+
 def test_gpt_to_hf_checks_a_weights_file_against_the_config_it_is_given():
     from recipes.gpt.hf import from_llama, llama_shapes, to_llama_checked
 

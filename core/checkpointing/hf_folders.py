@@ -137,9 +137,9 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool, recipe
     return saved, weights
 
 
-def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], dict[str, torch.Tensor]]:
-    """An import's inputs: (the folder, the target path, its config.json, its weights in fp32: our master
-    weights' dtype); refuses a folder without config.json and a target that exists."""
+def read_hf_config(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any]]:
+    """An import's settings: (the folder, the target path, its config.json); refuses a folder without config.json,
+    a target that exists and a quantized model."""
     folder, target = Path(hf_dir), Path(out)
     if not (folder / "config.json").is_file():
         raise FileNotFoundError(f"{folder}: no config.json (a Hugging Face model folder holds one)")
@@ -149,6 +149,12 @@ def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], d
     if config.get("quantization_config") is not None:
         raise ValueError(f"{folder / 'config.json'}: a quantized model (quantization_config "
                          f"{shown(config['quantization_config'])}); import the unquantized weights; nothing was imported")
+    return folder, target, config
+
+
+def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], dict[str, torch.Tensor]]:
+    """An import's inputs: read_hf_config's, and the folder's weights in fp32 (our master weights' dtype)."""
+    folder, target, config = read_hf_config(hf_dir, out)
     weights = read_hf_weights(folder)  # floats in fp32; anything else is kept as it is, for the check to name
     return folder, target, config, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 

@@ -19,6 +19,8 @@ from core.checkpointing.hf_folders import layer_count, override, weight_mismatch
 from recipes.esm2.model import TABLE_ROWS, VOCAB_SIZE
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, VOCABULARY
 
+# The config.json model_type values import_from_hf reads (checkpoint.py from-hf picks the recipe by them).
+HF_MODEL_TYPES = ("esm",)
 HF_PREFIX = "esm."
 
 

@@ -38,6 +38,8 @@ from core.checkpointing.hf_folders import (layer_count, override, read_hf_folder
 from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
+# The config.json model_type values import_from_hf reads (checkpoint.py from-hf picks the recipe by them).
+HF_MODEL_TYPES = ("llama",)
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")

@@ -28,11 +28,12 @@ import numpy as np
 
 from core.config.errors import ConfigError, DataError
 from core.data.partial_outputs import Stopped, stop_signal
+from core.generation.prompts import lone_surrogate
 from recipes.gpt.megatron_core import import_quietly
 from recipes.gpt.options import COMMAND_LINE, Options, given
 from recipes.gpt.partial_outputs import partial_outputs, remove_leftovers, temporary_prefix
 from recipes.gpt.text_documents import TEXT_DOCUMENTS, read_text_documents
-from recipes.gpt.tokenizer import build_tokenizer, lone_surrogate
+from recipes.gpt.tokenizer import build_tokenizer
 
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 BATCH_CHARACTERS = 1 << 20  # text tokenized at a time (the tokenizer's batch encoding), at most

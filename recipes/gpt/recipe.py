@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -57,6 +58,18 @@ class GPTRecipe(Recipe):
             raise ConfigError("data.format=mock has no tokenizer: give the data config the model was trained "
                               "with (data.tokenizer)")
         return build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token)
+
+    # generate.py (core/generation/decoding.py) runs the model through these two.
+    def new_kv_cache(self, model: nn.Module, max_length: int, dtype: torch.dtype):
+        """An empty key/value cache for one sequence (TE's InferenceParams, or the twin's)."""
+        return model.new_kv_cache(1, max_length, dtype)
+
+    def next_logits(self, model: nn.Module, tokens: torch.Tensor, kv_cache) -> torch.Tensor:
+        """tokens [1, n] -> logits [1, n, vocab]; with a `kv_cache`, the n tokens continue the cached ones."""
+        if kv_cache is None:
+            return model(tokens)
+        kv_cache.pre_step(OrderedDict({0: tokens.shape[1]}))  # TE's API: the new tokens of each sequence
+        return model(tokens, kv_cache=kv_cache)
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model_cfg = self.cfg.model

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -19,14 +18,6 @@ import numpy as np
 from core.config.errors import DataError
 from core.config.file_shape import shown
 from recipes.gpt.options import DATA_CONFIG, Options, given
-
-
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def lone_surrogate(text: str) -> bool:
-    """Whether `text` holds a lone UTF-16 surrogate (JSON's "\\ud800" escapes give them): no tokenizer encodes it."""
-    return not text.isascii() and _LONE_SURROGATE.search(text) is not None
 
 
 class ByteTokenizer:

@@ -1,22 +1,32 @@
-"""Autoregressive decoding for the GPT: one prompt at a time, token by token, greedy or sampled.
+"""Autoregressive decoding for generate.py: one prompt at a time, token by token, greedy or sampled.
 
 With a KV cache (the default) the prompt runs once and every later step feeds only the newest token; the
-layers keep the keys and values of the earlier positions (TE's InferenceParams on GPUs, the twin's on
-other devices). Without it each step runs the whole sequence again: slower, and the reference the cache
-is tested against (greedy output must be the same token for token).
+model keeps the keys and values of the earlier positions (for the GPT: TE's InferenceParams on GPUs, the
+twin's on other devices). Without it each step runs the whole sequence again: slower, and the reference the
+cache is tested against (greedy output must be the same token for token). The model is run through the
+recipe's generation protocol (recipes/base.py: GENERATION), the `Decoder` below.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Callable, ContextManager, Optional
+from typing import Any, Callable, ContextManager, Optional, Protocol
 
 import torch
 from torch import nn
 
 from core.data.datasets import mix_seed
 from core.training.nonfinite import NonFiniteError
+
+
+class Decoder(Protocol):
+    """What decoding needs of a recipe (recipes/base.py: GENERATION) to run its model on token ids."""
+
+    def new_kv_cache(self, model: nn.Module, max_length: int, dtype: torch.dtype) -> Any:
+        """An empty key/value cache for one sequence of up to `max_length` tokens."""
+
+    def next_logits(self, model: nn.Module, tokens: torch.Tensor, kv_cache: Any) -> torch.Tensor:
+        """tokens [1, n] -> logits [1, n, vocab]; with a `kv_cache`, the tokens continue the cached ones."""
 
 
 @dataclass(frozen=True)
@@ -56,13 +66,13 @@ class Continuation:
 
 
 @torch.no_grad()
-def continue_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int, context: int, sampling: Sampling,
-                    generator: Optional[torch.Generator], banned: list[int], eod: Optional[int],
+def continue_prompt(decoder: Decoder, model: nn.Module, prompt: list[int], max_new_tokens: int, context: int,
+                    sampling: Sampling, generator: Optional[torch.Generator], banned: list[int], eod: Optional[int],
                     device: torch.device, autocast: Callable[[], ContextManager], kv_cache_dtype: Optional[torch.dtype]
                     ) -> Continuation:
-    """Up to `max_new_tokens` tokens after `prompt`; stop early at `eod` (if given). `banned` token ids
-    (the vocabulary's padding rows, the tokenizer's padding id) are never chosen. `kv_cache_dtype`:
-    the dtype of the cached keys and values (that of the attention inputs), or None for no cache.
+    """Up to `max_new_tokens` tokens after `prompt`, `model` run by `decoder` (the recipe); stop early at `eod` (if
+    given). `banned` token ids (the vocabulary's padding rows, the tokenizer's padding id) are never chosen.
+    `kv_cache_dtype`: the dtype of the cached keys and values (that of the attention inputs), or None for no cache.
 
     The model sees at most `context` tokens (its training sequence length): when the text outgrows that,
     the window restarts on its last context // 2 tokens (with a cache: a new cache, filled with them).
@@ -76,13 +86,12 @@ def continue_prompt(model: nn.Module, prompt: list[int], max_new_tokens: int, co
             start, cache = len(text) - context // 2, None
         with autocast():
             if kv_cache_dtype is None:
-                logits = model(torch.tensor([text[start:]], device=device))
+                logits = decoder.next_logits(model, torch.tensor([text[start:]], device=device), None)
             else:
                 if cache is None:
-                    cache, cached = model.new_kv_cache(1, context, kv_cache_dtype), 0
+                    cache, cached = decoder.new_kv_cache(model, context, kv_cache_dtype), 0
                 new = text[start + cached:]
-                cache.pre_step(OrderedDict({0: len(new)}))
-                logits = model(torch.tensor([new], device=device), kv_cache=cache)
+                logits = decoder.next_logits(model, torch.tensor([new], device=device), cache)
                 cached += len(new)
         last = logits[0, -1].float().cpu()
         if not bool(torch.isfinite(last).all()):  # else sampling fails on them, or argmax picks a NaN's token
