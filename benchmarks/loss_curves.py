@@ -63,7 +63,7 @@ def plot(curves: dict[str, list[float]], window: int, title: str, png: Path) -> 
     print(f"wrote {png}")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="vit_base_patch16_224")
     p.add_argument("--nproc", type=int, default=1)
@@ -76,6 +76,52 @@ def main() -> None:
     p.add_argument("--replot", type=Path, help="a JSON this script wrote: only draw its PNG (to --png)")
     p.add_argument("--png", type=Path, help="with --replot: where the PNG goes")
     p.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
+    return p
+
+
+def compare(name: str, losses: list[float], ref_name: str, ref_losses: list[float], window: int) -> dict:
+    """How far `losses` is from the reference's: step by step (bits and relative difference) and between the
+    `window`-step means; printed, and returned as the summary's entry."""
+    ref, other = smooth(ref_losses, window), smooth(losses, window)
+    gaps = [abs(a - b) for a, b in zip(other, ref)]
+    rel = [g / abs(r) for g, r in zip(gaps, ref)]
+    worst = max(range(len(gaps)), key=gaps.__getitem__)
+    worst_rel = max(range(len(rel)), key=rel.__getitem__)
+    # Step by step, unsmoothed: how many losses are the same bits, and the largest relative difference.
+    raw = list(zip(losses, ref_losses))
+    identical = sum(a == b for a, b in raw)
+    step_rel = max(abs(a - b) / abs(b) for a, b in raw)
+    print(f"{name} vs {ref_name}: {identical} of {len(raw)} step losses identical; largest relative "
+          f"difference of one step's loss {step_rel:.2e}")
+    print(f"{name} vs {ref_name}: largest gap of the {window}-step means {gaps[worst]:.4f} at step "
+          f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
+          f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}")
+    return {"max_abs_gap": gaps[worst], "at_step": worst + 1, "rel_gap_at_max_abs": rel[worst],
+            "max_rel_gap": rel[worst_rel], "max_rel_at_step": worst_rel + 1,
+            "final_smoothed": other[-1], "reference_final_smoothed": ref[-1],
+            "identical_steps": identical, "steps_compared": len(raw), "max_step_rel_diff": step_rel}
+
+
+def save(args: argparse.Namespace, curves: dict[str, list[float]], summary: dict) -> None:
+    """The curves and their comparison as JSON in --out (and the PNG with --plot)."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    path = out / f"loss_curves-{args.config}-{stamp}.json"
+    path.write_text(json.dumps({"config": args.config, "nproc": args.nproc, "date": stamp, "window": args.window,
+                                "command": " ".join(shlex.quote(a) for a in sys.argv), "curves": curves,
+                                "summary": summary}, indent=1))
+    print(f"wrote {path}")
+    if args.plot:
+        plot(curves, args.window, f"{args.config}, {args.nproc} process(es)", path.with_suffix(".png"))
+    if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
+        for f in (path, path.with_suffix(".png")):
+            if f.exists():
+                (Path(os.environ["OUT"]) / f.name).write_bytes(f.read_bytes())
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     if args.replot:
         if not args.png:
@@ -96,42 +142,8 @@ def main() -> None:
               flush=True)
 
     names = list(curves)
-    ref = smooth(curves[names[0]], args.window)
-    summary = {}
-    for name in names[1:]:
-        other = smooth(curves[name], args.window)
-        gaps = [abs(a - b) for a, b in zip(other, ref)]
-        rel = [g / abs(r) for g, r in zip(gaps, ref)]
-        worst = max(range(len(gaps)), key=gaps.__getitem__)
-        worst_rel = max(range(len(rel)), key=rel.__getitem__)
-        # Step by step, unsmoothed: how many losses are the same bits, and the largest relative difference.
-        raw = list(zip(curves[name], curves[names[0]]))
-        identical = sum(a == b for a, b in raw)
-        step_rel = max(abs(a - b) / abs(b) for a, b in raw)
-        summary[name] = {"max_abs_gap": gaps[worst], "at_step": worst + 1, "rel_gap_at_max_abs": rel[worst],
-                         "max_rel_gap": rel[worst_rel], "max_rel_at_step": worst_rel + 1,
-                         "final_smoothed": other[-1], "reference_final_smoothed": ref[-1],
-                         "identical_steps": identical, "steps_compared": len(raw), "max_step_rel_diff": step_rel}
-        print(f"{name} vs {names[0]}: {identical} of {len(raw)} step losses identical; largest relative "
-              f"difference of one step's loss {step_rel:.2e}")
-        print(f"{name} vs {names[0]}: largest gap of the {args.window}-step means {gaps[worst]:.4f} at step "
-              f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
-              f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}")
-
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    path = out / f"loss_curves-{args.config}-{stamp}.json"
-    path.write_text(json.dumps({"config": args.config, "nproc": args.nproc, "date": stamp, "window": args.window,
-                                "command": " ".join(shlex.quote(a) for a in sys.argv), "curves": curves,
-                                "summary": summary}, indent=1))
-    print(f"wrote {path}")
-    if args.plot:
-        plot(curves, args.window, f"{args.config}, {args.nproc} process(es)", path.with_suffix(".png"))
-    if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
-        for f in (path, path.with_suffix(".png")):
-            if f.exists():
-                (Path(os.environ["OUT"]) / f.name).write_bytes(f.read_bytes())
+    summary = {name: compare(name, curves[name], names[0], curves[names[0]], args.window) for name in names[1:]}
+    save(args, curves, summary)
 
 
 if __name__ == "__main__":

@@ -212,7 +212,13 @@ def _has_fields_only(obj: Any) -> bool:
 def check_shape(index: Any) -> None:
     """Raise UnsafeCheckpoint unless `index` is a Metadata whose every part has the type DCP expects."""
     _expect(type(index) is Metadata and _has_fields_only(index), f"holds a {type(index).__name__}, not DCP metadata")
-    entries = index.state_dict_metadata
+    _check_entries(index.state_dict_metadata)
+    _check_storage(index.storage_data)
+    _check_run_fields(index)
+
+
+def _check_entries(entries: Any) -> None:
+    """Each state dict entry: bytes, or a tensor with plain properties, a size and chunks inside that size."""
     _expect(type(entries) is dict, "state_dict_metadata is not a dict")
     checked: set[tuple[int, tuple]] = set()  # (chunk list, size) pairs already checked: each list is read once
     for key, entry in entries.items():
@@ -236,7 +242,10 @@ def check_shape(index: Any) -> None:
                     and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
                     and all(o + n <= full for o, n, full in zip(chunk.offsets, chunk.sizes, entry.size)),
                     f"{key!r} has a chunk outside its size")
-    storage = index.storage_data
+
+
+def _check_storage(storage: Any) -> None:
+    """Each stored item: a key naming a tensor (and chunk offsets) mapped to a plain file of the folder."""
     _expect(type(storage) is dict, "storage_data is not a dict")
     for where, info in storage.items():
         _expect(type(where) is MetadataIndex and _has_fields_only(where) and isinstance(where.fqn, str)
@@ -247,6 +256,10 @@ def check_shape(index: Any) -> None:
         # Compressed storage would make what is built larger than what is stored: this tool writes none.
         _expect(not getattr(info, "transform_descriptors", None),
                 f"storage of {where.fqn!r} is compressed (transform descriptors), which this tool does not read")
+
+
+def _check_run_fields(index: Metadata) -> None:
+    """The fields that describe the save (storage_meta, version, planner_data): absent or of plain types."""
     meta = index.storage_meta
     _expect(meta is None or (type(meta) is StorageMeta and _has_fields_only(meta) and type(meta.modules) is list
                              and all(isinstance(m, str) for m in meta.modules)

@@ -187,26 +187,32 @@ def te_multihead_attention_class():
             # (TransformerLayer passes everything after hidden_states by keyword)
             if args or not self._fused_qkv_rope_applies(kwargs):
                 return super().forward(hidden_states, *args, **kwargs)
-            rotary_pos_emb = kwargs.pop("rotary_pos_emb")
-            is_first_microbatch = kwargs.pop("is_first_microbatch", None)
-            softcap = kwargs.pop("softcap", None)
-            for unused in ("inference_params", "encoder_output"):  # both None here
-                kwargs.pop(unused, None)
-            # What TE's forward sets when neither Q/K/V nor the attention output are FP8 (always so here).
-            self._update_output_quantizer_roles(False, False, False)
-            groups, head_dim = self.num_gqa_groups_per_partition, self.hidden_size_per_attention_head
-            per_group = self.num_attention_heads_per_partition // groups
-            qkv = self.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
-            qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
-            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim, self.qkv_format,
-                                                      self.rotary_pos_interleaved, kwargs.get("cu_seqlens_q"))
-            context = self.core_attention(query, key, value, qkv_format=self.qkv_format,
-                                          softcap=self.softcap if softcap is None else softcap, **kwargs)
-            # (output, bias) when return_bias, as TE's forward returns them
-            return self.proj(context, is_first_microbatch=is_first_microbatch)
+            return _fused_qkv_rope_forward(self, hidden_states, kwargs)
 
     return MultiheadAttention
+
+
+def _fused_qkv_rope_forward(attention, hidden_states, kwargs: dict):
+    """TE MultiheadAttention's forward for self-attention with RoPE, its Q/K/V split and rotation in one kernel
+    (`qkv_rope.split_rotate`); what the module computes is TE's (see 2.)."""
+    rotary_pos_emb = kwargs.pop("rotary_pos_emb")
+    is_first_microbatch = kwargs.pop("is_first_microbatch", None)
+    softcap = kwargs.pop("softcap", None)
+    for unused in ("inference_params", "encoder_output"):  # both None here
+        kwargs.pop(unused, None)
+    # What TE's forward sets when neither Q/K/V nor the attention output are FP8 (always so here).
+    attention._update_output_quantizer_roles(False, False, False)
+    groups, head_dim = attention.num_gqa_groups_per_partition, attention.hidden_size_per_attention_head
+    per_group = attention.num_attention_heads_per_partition // groups
+    qkv = attention.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
+    qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
+    q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+    query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim, attention.qkv_format,
+                                              attention.rotary_pos_interleaved, kwargs.get("cu_seqlens_q"))
+    context = attention.core_attention(query, key, value, qkv_format=attention.qkv_format,
+                                       softcap=attention.softcap if softcap is None else softcap, **kwargs)
+    # (output, bias) when return_bias, as TE's forward returns them
+    return attention.proj(context, is_first_microbatch=is_first_microbatch)
 
 
 @functools.cache

@@ -420,6 +420,24 @@ class InferenceParams:
         return keys[:b, :end], values[:b, :end]
 
 
+def _check_attention_options(qkv_format: str, attn_mask_type: str, fuse_qkv_params: bool,
+                             qkv_weight_interleaved: bool, num_heads: int, num_groups: int) -> None:
+    """Fail on a mask, token layout, QKV weight layout or head grouping the twin does not implement (or TE
+    rejects)."""
+    packed_masks = ("padding", "padding_causal")
+    if qkv_format == "thd" and attn_mask_type not in packed_masks:
+        raise ValueError(f"qkv_format='thd' needs attn_mask_type in {packed_masks} (as TE), got {attn_mask_type!r}")
+    if qkv_format != "thd" and attn_mask_type not in ("no_mask", "causal"):
+        raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal "
+                                  "(padding masks: packed sequences, qkv_format='thd')")
+    if qkv_format not in ("sbhd", "bshd", "thd"):
+        raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd, bshd and thd")
+    if fuse_qkv_params and not qkv_weight_interleaved:
+        raise NotImplementedError("fuse_qkv_params without qkv_weight_interleaved")
+    if num_heads % num_groups:
+        raise ValueError(f"num_attention_heads={num_heads} is not divisible by num_gqa_groups={num_groups}")
+
+
 class MultiheadAttention(nn.Module):
     """te.MultiheadAttention (self-attention, input layernorm): `layernorm_qkv.*` and `proj.*`.
 
@@ -440,20 +458,10 @@ class MultiheadAttention(nn.Module):
         super().__init__()
         _reject("MultiheadAttention", sequence_parallel=sequence_parallel)
         self.layer_number = layer_number  # names this layer's KV cache
-        packed_masks = ("padding", "padding_causal")
-        if qkv_format == "thd" and attn_mask_type not in packed_masks:
-            raise ValueError(f"qkv_format='thd' needs attn_mask_type in {packed_masks} (as TE), got {attn_mask_type!r}")
-        if qkv_format != "thd" and attn_mask_type not in ("no_mask", "causal"):
-            raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal "
-                                      "(padding masks: packed sequences, qkv_format='thd')")
-        if qkv_format not in ("sbhd", "bshd", "thd"):
-            raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd, bshd and thd")
-        if fuse_qkv_params and not qkv_weight_interleaved:
-            raise NotImplementedError("fuse_qkv_params without qkv_weight_interleaved")
         self.num_heads = num_attention_heads
         self.num_groups = num_gqa_groups or num_attention_heads
-        if self.num_heads % self.num_groups:
-            raise ValueError(f"num_attention_heads={self.num_heads} is not divisible by num_gqa_groups={self.num_groups}")
+        _check_attention_options(qkv_format, attn_mask_type, fuse_qkv_params, qkv_weight_interleaved,
+                                 self.num_heads, self.num_groups)
         self.head_dim = kv_channels or hidden_size // num_attention_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
         tp_size = _tp_size(tp_size, tp_group, "MultiheadAttention") if set_parallel_mode else 1
