@@ -233,6 +233,15 @@ class Reader:
                 token = re.sub(r"step_\d+", newest.name, token)
         return token
 
+    def prepare(self, argv: list[str]) -> None:
+        """What the docs tell the reader to have: vit.md's `predict.folder=new` is 5 digits of data/digits/val and an
+        empty (unreadable) image file."""
+        if "predict.folder=new" in argv and not (self.work / "new").exists():
+            (self.work / "new").mkdir()
+            for source in sorted((REPO / "data" / "digits" / "val").glob("*/*.png"))[:5]:
+                shutil.copy(source, self.work / "new" / source.name)
+            (self.work / "new" / "empty.png").touch()
+
     def run(self, command: str, shows: list[str], where: str) -> None:
         for part in _split_and(shlex.split(command, comments=True)):
             reason = next((why for start, why in SETUP.items() if tuple(part[:len(start)]) == start), None)
@@ -243,6 +252,7 @@ class Reader:
             shortened = "train.py" in argv and not any(a.startswith("training.steps=") for a in argv)
             if shortened:
                 argv.append("training.steps=2")
+            self.prepare(argv)
             output = self._execute(argv, where)
             lines = output.splitlines()
             for text in shows:
