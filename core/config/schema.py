@@ -194,6 +194,9 @@ class TrainingConfig:
     # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # Observers of the run, called at each step's end, validation and save (docs/callbacks.md): import paths of
+    # core.training.callbacks.Callback classes, or mappings {_target_: <import path>, <argument>: <value>, ...}.
+    callbacks: list[Any] = field(default_factory=list)
 
     RANGES: ClassVar[dict[str, Rule]] = {
         "steps": Int(1, INT32_MAX),
@@ -212,6 +215,9 @@ class TrainingConfig:
                 f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
                 f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
         require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
+        from core.training.callbacks import check_callbacks  # imports the classes named: here, not at import time
+
+        check_callbacks(c.callbacks, f"{key}.callbacks")
 
 
 @dataclass
