@@ -19,11 +19,9 @@ EARLY_STOPPING = "core.training.early_stopping.EarlyStopping"
 @pytest.mark.parametrize("entry,message", [
     ("nowhere.Thing", "training.callbacks[0]=nowhere.Thing: cannot import nowhere (No module named 'nowhere')"),
     ("core.training.callbacks.Nothing",
-     "training.callbacks[0]=core.training.callbacks.Nothing: core.training.callbacks.Nothing is nothing, expected a "
-     "subclass of core.training.callbacks.Callback"),
-    ("core.training.callbacks.build_callbacks", "is a function, expected a subclass of"),
-    ("Thing", "training.callbacks[0]=Thing: expected an import path package.module.Class"),
-    ("{monitor:val/loss}", "training.callbacks[0]: a mapping needs _target_: <package.module.Class> (it has: monitor)"),
+     "training.callbacks[0]=core.training.callbacks.Nothing: core.training.callbacks has no Nothing"),
+    ("Thing", "training.callbacks[0]=Thing: expected an import path package.module.Name"),
+    ("{monitor:val/loss}", "training.callbacks[0]: a mapping needs _target_: <package.module.Name> (it has: monitor)"),
 ])
 def test_a_callback_that_cannot_be_imported_is_one_line_naming_the_key(entry, message):
     with pytest.raises(ConfigError) as error:
@@ -37,6 +35,9 @@ def test_callbacks_are_made_from_import_paths_and_mappings():
     plain, configured = build_callbacks(cfg.training.callbacks)
     assert (plain.monitor, plain.patience, plain.mode) == ("val/loss", 3, "min")
     assert (configured.monitor, configured.patience, configured.mode) == ("val/top1", 2, "max")
+    with pytest.raises(ConfigError, match=r"training.callbacks\[0\]=core.training.callbacks.build_callbacks: a "
+                                          r"function, expected a subclass of core.training.callbacks.Callback"):
+        build_callbacks(["core.training.callbacks.build_callbacks"])
     with pytest.raises(ConfigError, match=r"training.callbacks\[0\]: core.training.early_stopping.EarlyStopping\("
                                           r"patience\): patience=0: expected a whole number >= 1"):
         build_callbacks([{"_target_": EARLY_STOPPING, "patience": 0}])

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, ClassVar, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from core.config.errors import require
+from core.config.import_path import split_target
 from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
 
 
@@ -215,9 +216,8 @@ class TrainingConfig:
                 f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
                 f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
         require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
-        from core.training.callbacks import check_callbacks  # imports the classes named: here, not at import time
-
-        check_callbacks(c.callbacks, f"{key}.callbacks")
+        for i, entry in enumerate(OmegaConf.to_container(c.callbacks, resolve=True)):  # each can be imported
+            split_target(entry, f"{key}.callbacks[{i}]")
 
 
 @dataclass

@@ -18,12 +18,12 @@ callbacks; users add theirs with `training.callbacks` (docs/callbacks.md), tests
 
 from __future__ import annotations
 
-import importlib
 from typing import Any, Iterable
 
 from omegaconf import OmegaConf
 
 from core.config.errors import ConfigError
+from core.config.import_path import split_target
 
 
 class Callback:
@@ -75,46 +75,23 @@ class Callbacks(Callback):
 # ---- training.callbacks: the user's callbacks, by import path
 
 
-def _import(path: Any, key: str) -> type:
-    """The class `path` ("package.module.Class") names; ConfigError naming `key` when it names none."""
-    module_name, _, name = str(path).rpartition(".")
-    if not module_name:
-        raise ConfigError(f"{key}={path}: expected an import path package.module.Class")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(f"{key}={path}: cannot import {module_name} ({e})") from None
-    cls = getattr(module, name, None)
-    if not (isinstance(cls, type) and issubclass(cls, Callback)):
-        what = "nothing" if cls is None else f"a {type(cls).__name__}"
-        raise ConfigError(f"{key}={path}: {module_name}.{name} is {what}, expected a subclass of "
-                          "core.training.callbacks.Callback")
-    return cls
-
-
 def _split(entry: Any, key: str) -> tuple[type, dict]:
-    """An entry of training.callbacks: an import path, or a mapping {_target_: <import path>, argument: value...}."""
-    if isinstance(entry, dict):
-        if "_target_" not in entry:
-            raise ConfigError(f"{key}: a mapping needs _target_: <package.module.Class> (it has: "
-                              f"{', '.join(map(str, entry)) or 'nothing'})")
-        arguments = {k: v for k, v in entry.items() if k != "_target_"}
-        return _import(entry["_target_"], f"{key}._target_"), arguments
-    return _import(entry, key), {}
+    """An entry of training.callbacks: the Callback class it names, and its arguments."""
+    cls, arguments = split_target(entry, key)
+    if not (isinstance(cls, type) and issubclass(cls, Callback)):
+        path = entry["_target_"] if isinstance(entry, dict) else entry
+        raise ConfigError(f"{key}={path}: a {type(cls).__name__}, expected a subclass of "
+                          "core.training.callbacks.Callback")
+    return cls, arguments
 
 
 def _plain(entries: Any) -> list:
     return OmegaConf.to_container(entries, resolve=True) if OmegaConf.is_config(entries) else list(entries)
 
 
-def check_callbacks(entries: Any, key: str = "training.callbacks") -> None:
-    """Each entry names a Callback class that can be imported (checked with the config, before any work)."""
-    for i, entry in enumerate(_plain(entries)):
-        _split(entry, f"{key}[{i}]")
-
-
 def build_callbacks(entries: Any, key: str = "training.callbacks") -> list[Callback]:
-    """The callbacks training.callbacks lists (import paths or {_target_, arguments}), made."""
+    """The callbacks training.callbacks lists (import paths or {_target_, arguments}), made (the config's check
+    found each import path; here each must name a Callback class that takes the arguments)."""
     made = []
     for i, entry in enumerate(_plain(entries)):
         cls, arguments = _split(entry, f"{key}[{i}]")
