@@ -216,8 +216,8 @@ def train(run: Run) -> RunResult:
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))
-    run.callbacks.on_train_start(run)  # the progress bar; the meter times from here (not setup and restore)
     try:
+        run.callbacks.on_train_start(run)  # the progress bar; the meter times from here (not setup and restore)
         for step in range(start_step + 1, steps + 1):
             with run.meter.waiting_for_data():
                 micro_batches = [next(batches) for _ in range(run.data.accumulation)]

@@ -67,6 +67,8 @@ def test_early_stopping_counts_validations_without_improvement():
     with pytest.raises(ConfigError, match="monitor='val/los' is not a validation metric of this run; there are: "
                                           "val/loss"):
         _stops(EarlyStopping("val/los"), [1.0])
+    with pytest.raises(ConfigError, match="EarlyStopping watches val/loss, but this run does not validate"):
+        EarlyStopping().on_train_start(SimpleNamespace(data=SimpleNamespace(val_loader=None)))
 
 
 @pytest.mark.slow
