@@ -7,9 +7,11 @@ Read top to bottom:
   setup()       everything a run holds, refused before any work if it cannot run: the shared session
                 (config, runtime, processes, device mesh), the model built and parallelized, optimizer and
                 schedule, data, logger, then the newest checkpoint restored (or init_from's weights)
-  train()       the loop: micro-batches -> train_step() -> log, validate, save, stop on a signal
+  train()       the loop: micro-batches -> train_step() -> log, validate, maybe save, stop on a signal (or when a
+                callback asks); the run's callbacks (the logger, the meter, training.callbacks) observe each step
   train_step()  forward and backward over one optimizer step's micro-batches, clip, step
-docs/architecture.md follows one step through the files.
+The loop talks to the checkpointer in three calls: restore, maybe_save and close (core/checkpointing/manager.py).
+docs/architecture.md follows one step through the files; docs/callbacks.md shows how to observe a run.
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core import session
-from core.checkpointing.manager import Checkpointer
-from core.checkpointing.parts import FP8Part, ModelPart, OptimizerPart, RNGPart, StatefulPart, TrainStatePart
+from core.checkpointing.manager import Checkpointer, open_checkpointer
+from core.checkpointing.parts import training_parts
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
 from core.config.validation import check_monitored_metrics, to_plain
@@ -43,6 +45,7 @@ from core.metrics.meter import ThroughputMeter
 from core.metrics.profiling import StepProfiler
 from core.parallel.base import Parallel
 from core.training import cuda_graphs, optim
+from core.training.callbacks import Callback, Callbacks, build_callbacks
 from core.training.evaluation import evaluate
 from core.training.forward_backward import ForwardBackward
 from core.training.nonfinite import NonFiniteGuard
@@ -70,8 +73,14 @@ class Run:
     guard: NonFiniteGuard
     length: RunLength  # optimizer steps (training.steps, or worked out from training.epochs) and epoch ends
     schedule: StepSchedule  # which steps log, validate and save
+    callbacks: Callbacks  # what observes the run: the logger, the meter, training.callbacks (core/training/callbacks.py)
     state: TrainState = field(default_factory=TrainState)
     resumed_from: Optional[Path] = None
+    stop_reason: Optional[str] = None  # a callback asked the run to stop (request_stop)
+
+    def request_stop(self, reason: str) -> None:
+        """Stop as on a stop signal: at the end of the next step every rank agrees, saves that step and leaves."""
+        self.stop_reason = self.stop_reason or reason
 
 
 @dataclass
@@ -81,7 +90,7 @@ class RunResult:
     val: dict = field(default_factory=dict)  # last validation metrics
     start_step: int = 0  # the step resumed from (0: a fresh start)
     resumed_from: Optional[str] = None  # the checkpoint resumed from
-    stopped_by: Optional[str] = None  # the signal that stopped the run early (after saving)
+    stopped_by: Optional[str] = None  # the signal (or a callback's reason) that stopped the run early, after saving
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss (training.on_nonfinite=skip)
 
 
@@ -112,17 +121,19 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         return train(setup(sess, objective_required=launch.optimising_sweep()))
 
 
-def setup(sess: session.Session, objective_required: bool = False) -> Run:
+def setup(sess: session.Session, objective_required: bool = False, callbacks: tuple[Callback, ...] = ()) -> Run:
     """Everything a run holds, in the order it is needed; what can be refused is refused before the work.
-    `objective_required`: a sweeper optimises training.objective.metric, so the run must record it."""
+    `objective_required`: a sweeper optimises training.objective.metric, so the run must record it.
+    `callbacks`: observers of the run besides the logger, the meter and training.callbacks' (a caller from Python)."""
     cfg, env, training = sess.cfg, sess.env, sess.cfg.training
     with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
         # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
-        #    a resumed run must keep its result-changing settings), the global batch's split.
-        checkpointer = Checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg, config_name=launch.config_name())
+        #    a resumed run must keep its result-changing settings), the global batch's split, the user's callbacks.
+        checkpointer = open_checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg,
+                                         config_name=launch.config_name())
         on_failure.callback(checkpointer.close)
-        checkpointer.prepare()
         accumulation = accumulation_steps(training.global_batch_size, training.micro_batch_size, env.dp_size)
+        user_callbacks = build_callbacks(training.callbacks)
         # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
         for seed in (torch.manual_seed, random.seed, np.random.seed):
             seed(cfg.seed + env.dp_rank)
@@ -148,12 +159,12 @@ def setup(sess: session.Session, objective_required: bool = False) -> Run:
         meter = ThroughputMeter(env.device, training.global_batch_size, env.world_size, sess.recipe.tokens_per_sample(),
                                 sess.recipe.flops_per_sample(), training.time_phases)
         run = Run(sess, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
-                  NonFiniteGuard(training.on_nonfinite, env.device), data.length, schedule)
+                  NonFiniteGuard(training.on_nonfinite, env.device), data.length, schedule,
+                  Callbacks([logger, *user_callbacks, *callbacks, meter]))  # the meter last: it starts timing
         # 7. Resume, last: the restored RNG state must meet the first step untouched. A step folder the run would
         #    save over but may not replace stops it here. The run's history (run dir, metrics.jsonl, W&B,
         #    TensorBoard) continues from the step resumed from.
         run.resumed_from = restore(run)
-        checkpointer.check_save_targets(run.state.step + 1, run.length.steps, schedule.saves)
         logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
@@ -166,21 +177,13 @@ def setup(sess: session.Session, objective_required: bool = False) -> Run:
     return run
 
 
-def checkpoint_parts(run: Run) -> dict:
-    """What a checkpoint holds, by top-level key (core/checkpointing/parts.py)."""
-    env = run.session.env
-    return {"model": ModelPart(run.parallel), "optim": OptimizerPart(run.parallel, run.optimizer, env.is_main),
-            "scheduler": StatefulPart(run.scheduler), "train_state": TrainStatePart(run.state),
-            "rng": RNGPart(env.rank, env.world_size, env.device, env.is_main),
-            "fp8": FP8Part(run.parallel.model, run.session.runtime.fp8_recipe)}
-
-
 def restore(run: Run) -> Optional[Path]:
     """The newest complete checkpoint under checkpoint.path (or checkpoint.resume=<dir>) gives weights,
     optimizer, schedule, the position in the data and the RNG states; else init_from gives weights only;
-    else the run starts from the fresh init."""
+    else the run starts from the fresh init. The checkpointer keeps the parts: every save writes them."""
     ckpt, env, state = run.session.cfg.checkpoint, run.session.env, run.state
-    path = run.checkpointer.restore(checkpoint_parts(run))
+    parts = training_parts(run.parallel, run.optimizer, run.scheduler, state, env, run.session.runtime.fp8_recipe)
+    path = run.checkpointer.restore(parts, state, run.length.steps, run.schedule.saves)
     if path is not None:  # the learning rate and optimizer settings in effect are the config's; the schedule's length
         cfg = run.session.cfg
         for note in optim.resume_schedule(run.optimizer, run.scheduler, cfg.optim, cfg.scheduler, state, run.length.steps):
@@ -213,17 +216,17 @@ def train(run: Run) -> RunResult:
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))
-    run.logger.start_progress(start_step, steps)
-    run.meter.start_interval()  # setup and restore do not count as step time
     try:
+        run.callbacks.on_train_start(run)  # the progress bar; the meter times from here (not setup and restore)
         for step in range(start_step + 1, steps + 1):
             with run.meter.waiting_for_data():
                 micro_batches = [next(batches) for _ in range(run.data.accumulation)]
             out = train_step(run, step, micro_batches)
             state.step, state.consumed_samples = step, state.consumed_samples + training.global_batch_size
-            run.logger.advance()
+            state.epoch = state.consumed_samples // len(run.data.train)
             run.meter.step_done()
-            stop = signals.stop_requested()  # on every rank if any rank got the signal
+            # On every rank if any rank got a signal, or a callback asked to stop (at an earlier step).
+            stop = signals.stop_requested(asked=run.stop_reason is not None)
             saving = run.schedule.saves(step) or stop
             logging_step = run.schedule.logs(step)
             figures = {}
@@ -231,29 +234,34 @@ def train(run: Run) -> RunResult:
                 run.guard.check()  # never log on, or save, a NaN model
                 figures = step_figures(run, out)
             if logging_step:
-                log_step(run, step, figures)
                 last_train = figures
+            # The logger writes the step's record (at logging steps); other callbacks see the step too.
+            run.callbacks.on_step_end(run, step, micro_batches, log_record(run, figures) if logging_step else {})
             with run.meter.outside_steps():  # validation and saving do not count as step time
                 step_val = validate(run, step)
                 last_val = step_val or last_val
-                run.checkpointer.poll()  # completes a finished async save
-                if saving:
-                    save(run, step, {"train": figures, "val": step_val}, force_sync=stop)
+                # Every step: a finished async save is completed; at save steps step_<N> is saved with the
+                # step's figures (checkpoint.monitor ranks checkpoints by one of them), synchronously when stopping.
+                stall = run.checkpointer.maybe_save(step, {"train": figures if saving else {}, "val": step_val},
+                                                    save=saving, sync=stop)
+                if stall is not None:
+                    run.callbacks.on_save(run, step, stall)
             profiler.step()
             if stop:
-                stopped_by = signals.received or "a signal on another rank"
+                stopped_by = signals.received or run.stop_reason or "a signal on another rank"
                 if sess.is_main:
                     log.warning("stopping after step %d on %s; checkpoint saved: run the same command to resume",
                                 step, stopped_by)
                 break
-        run.checkpointer.wait()  # an async save still in flight
     finally:
         profiler.close()
         signals.close()
         run.logger.close()
         run.checkpointer.close()
-    return RunResult(steps, last_train, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
-                     stopped_by, state.skipped_steps)
+    result = RunResult(steps, last_train, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
+                       stopped_by, state.skipped_steps)
+    run.callbacks.on_train_end(run, result)
+    return result
 
 
 def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
@@ -295,12 +303,12 @@ def step_figures(run: Run, out: StepOutput) -> dict[str, float]:
     return {"loss": (out.loss_sum / out.count).item(), "lr": out.lr, "grad_norm": out.grad_norm.item()}
 
 
-def log_step(run: Run, step: int, figures: dict[str, float]) -> None:
-    """Log the step's figures and the meter's (throughput, memory)."""
-    record = {"step": step, **figures, **run.meter.record()}
+def log_record(run: Run, figures: dict[str, float]) -> dict[str, float]:
+    """What a logging step logs: its figures and the meter's (throughput, memory) since the last record."""
+    record = {**figures, **run.meter.record()}
     if run.state.skipped_steps:
         record["skipped_steps"] = run.state.skipped_steps
-    run.logger.log(record)
+    return record
 
 
 def validate(run: Run, step: int) -> dict[str, float]:
@@ -310,8 +318,7 @@ def validate(run: Run, step: int) -> dict[str, float]:
         return {}
     metrics = evaluate(sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device,
                        sess.env.dp_group)
-    run.logger.log({"step": step, **metrics}, prefix="val")
-    run.checkpointer.check_monitor({f"val/{k}": v for k, v in metrics.items()})
+    run.callbacks.on_validation_end(run, step, metrics)  # the logger writes them; early stopping may ask to stop
     return metrics
 
 
@@ -326,16 +333,6 @@ def objective(result: RunResult, metric: str, required: bool = True) -> Optional
         raise ConfigError(f"training.objective.metric={metric}: the run recorded no such value (it has: "
                           f"{', '.join(f'{split}/{k}' for k in values) or 'none: ' + split + ' never ran'})")
     return values[name]
-
-
-def save(run: Run, step: int, figures: dict[str, dict[str, float]], force_sync: bool) -> None:
-    """Save step_<step> (synchronously when stopping), with the step's figures ({"train": ..., "val": ...}) as
-    train/<name> and val/<name>: checkpoint.monitor ranks checkpoints by one of them."""
-    run.state.epoch = run.state.consumed_samples // len(run.data.train)
-    metrics = {f"{split}/{name}": value for split, values in figures.items() for name, value in values.items()}
-    run.checkpointer.check_monitor(metrics)
-    stall = run.checkpointer.save(step, checkpoint_parts(run), metrics, force_sync=force_sync)
-    run.logger.log({"step": step, "stall_s": stall}, prefix="checkpoint")
 
 
 if __name__ == "__main__":

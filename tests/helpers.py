@@ -54,15 +54,16 @@ def validated_config(name: str, overrides: list[str]):
     return validate(compose_config(name, overrides))
 
 
-def train_run(cfg, run_dir, full_state: bool = False) -> dict:
+def train_run(cfg, run_dir, full_state: bool = False, callbacks: tuple = ()) -> dict:
     """train.py's run, from its parts, in this process: {"result": RunResult, "state": the full weights
-    (full_state=True), "param_groups": [(name, tensors, weight decay)] as optimized}."""
+    (full_state=True), "param_groups": [(name, tensors, weight decay)] as optimized}. `callbacks`: observers of
+    the run (core/training/callbacks.py)."""
     import train
     from core import session
     from recipes.registry import get_recipe
 
     with session.start(cfg, Path(run_dir), get_recipe) as sess:
-        run = train.setup(sess)
+        run = train.setup(sess, callbacks=tuple(callbacks))
         result = train.train(run)
         state = full_state_dict(run.parallel) if full_state else None  # a collective: before teardown
         groups = [(g["name"], len(g["params"]), g["weight_decay"]) for g in run.optimizer.param_groups]

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint import format_utils
 from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
 from core.checkpointing.retention import checkpoints_to_keep
 from core.distributed.launch import run_name
+from core.training.callbacks import Callback
 from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
 from tests.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
 
@@ -113,18 +114,19 @@ def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
 
 
 def _slow_marker(phases: list[dict], sentinel: str, slow_step: int) -> None:
-    """Stall rank 0 between the DCP writes and the COMPLETE marker of step `slow_step`."""
-    from core.checkpointing.manager import Checkpointer
+    """Stall rank 0 between the DCP writes and the COMPLETE marker of step `slow_step`: after DCP's writer wrote
+    its index (.metadata), which it does once every rank's data is on disk."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    finish = Checkpointer._finish
+    finish = FileSystemWriter.finish
 
-    def slow(self, save):
-        if save.step == slow_step and self.is_main:
+    def slow(self, metadata, results):
+        finish(self, metadata, results)
+        if str(self.path).endswith(f"step_{slow_step}"):
             Path(sentinel).write_text("writing the marker")
             time.sleep(600)
-        finish(self, save)
 
-    Checkpointer._finish = slow
+    FileSystemWriter.finish = slow
     run_phases(phases)
 
 
@@ -221,25 +223,24 @@ def test_a_failing_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
     verify(ckpt / "step_2")
 
 
-def _nan_at_step(phases: list[dict], bad_step: int, micro_batches_per_step: int) -> list[dict]:
-    from recipes.vit.recipe import ViTRecipe
+class _NaNAtStep(Callback):
+    """The model's output (so the loss) of every training micro-batch of optimizer step `bad_step` made NaN, by a
+    forward hook on the run's model."""
 
-    forward, calls = ViTRecipe.forward, {"n": 0}
+    def __init__(self, bad_step: int):
+        self.bad_step = bad_step
 
-    def poisoned(self, model, batch, training):
-        out = forward(self, model, batch, training)
-        if training:
-            calls["n"] += 1
-            if (calls["n"] - 1) // micro_batches_per_step + 1 == bad_step:
-                out["loss"] = out["loss"] * float("nan")
-        return out
+    def on_train_start(self, run) -> None:
+        def poison(model, inputs, output):
+            if model.training and run.state.step + 1 == self.bad_step:  # run.state.step: the steps completed
+                return output * float("nan")
+            return output
 
-    ViTRecipe.forward = poisoned
-    results = []
-    for p in phases:
-        calls["n"] = 0
-        results += run_phases([p])
-    return results
+        run.parallel.model.register_forward_hook(poison)
+
+
+def _nan_at_step(phases: list[dict], bad_step: int) -> list[dict]:
+    return run_phases(phases, callbacks=(_NaNAtStep(bad_step),))
 
 
 @pytest.mark.slow
@@ -249,7 +250,7 @@ def test_nonfinite_loss_stops_or_skips_and_is_never_saved(tmp_path):
     stop, skip = run_workers(1, _nan_at_step, [
         phase(tmp_path, "stop", "ckpt_stop", common, expect_error=True),
         phase(tmp_path, "skip", "ckpt_skip", common + ["training.on_nonfinite=skip"], state=True),
-    ], 3, 4)[0]
+    ], 3)[0]
     assert "NonFiniteError" in stop["error"] and "at step 3" in stop["error"]
     assert [p.name for p in step_dirs(tmp_path / "ckpt_stop")] == ["step_2"]  # step 4 was never saved
     assert skip["skipped_steps"] == 1

@@ -231,25 +231,21 @@ def _amax_histories(model) -> dict[str, torch.Tensor]:
 
 
 def _capture_amax(phases: list[dict]) -> list[dict]:
-    from core.checkpointing.manager import Checkpointer
+    from core.training.callbacks import Callback
     from tests.checkpoint_harness import run_phases
 
     seen = {}
-    save, restore = Checkpointer.save, Checkpointer.restore
 
-    def capturing_save(self, step, parts, *args, **kwargs):
-        seen["saved"] = _amax_histories(parts["model"].parallel.model)
-        return save(self, step, parts, *args, **kwargs)
+    class Capture(Callback):
+        def on_train_start(self, run):  # right after setup restored the checkpoint
+            seen["restored"] = _amax_histories(run.parallel.model)
 
-    def capturing_restore(self, parts):
-        result = restore(self, parts)
-        seen["restored"] = _amax_histories(parts["model"].parallel.model)
-        return result
+        def on_save(self, run, step, stall_s):  # the model as the save took it: no step runs in between
+            seen["saved"] = _amax_histories(run.parallel.model)
 
-    Checkpointer.save, Checkpointer.restore = capturing_save, capturing_restore
-    run_phases(phases[:1])
+    run_phases(phases[:1], callbacks=(Capture(),))
     saved = seen.pop("saved")  # at the first run's final save
-    run_phases(phases[1:])
+    run_phases(phases[1:], callbacks=(Capture(),))
     return [saved, seen["restored"]]  # right after the second run loaded that checkpoint
 
 
@@ -259,8 +255,7 @@ def test_fp8_amax_history_survives_resume(tmp_path):
               "training.micro_batch_size=16", "training.global_batch_size=16", "training.val_at_end=false",
               "training.val_every_n_steps=0", "logger.progress_bar=never", "precision=fp8_delayed",
               "distributed=mfsdp", "model.backend=te", f"checkpoint.path={tmp_path}/ckpt",
-              # The harness reads each batch's indices on the host, which a CUDA graph capture cannot do; FP8
-              # state across a graphed resume: tests/test_gpu_cuda_graphs.py.
+              # Eager micro-batches; FP8 state across a graphed resume: tests/test_gpu_cuda_graphs.py.
               "training.cuda_graphs=none"]
     saved, restored = run_workers(1, _capture_amax, [
         {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=6"], "run_dir": f"{tmp_path}/a"},
@@ -398,7 +393,7 @@ PACKED_LENGTHS = [1, 97, 0, 256, 30, 2, 126]
 @pytest.mark.gpu_smoke
 @pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True), (ESM2_BLOCK, False)],
                          ids=["vit", "gpt", "gpt-fp8", "esm2-thd"])
-def test_tuned_transformer_layer_matches_te(block, fp8, monkeypatch):
+def test_tuned_transformer_layer_matches_te(block, fp8):
     """Our TransformerLayer (copy-free packed-QKV gradient, fused QKV split + RoPE, bias+GELU in the GEMM
     epilogues) computes exactly what te.TransformerLayer does in its epilogue mode, and within bf16
     rounding of its default."""
@@ -408,17 +403,6 @@ def test_tuned_transformer_layer_matches_te(block, fp8, monkeypatch):
     from core.layers import qkv_rope
     from core.layers.namespace import get_layers, te_autocast
 
-    split_rotate = qkv_rope._SplitRotate
-
-    class CountedSplitRotate(split_rotate):  # our fused QKV-RoPE kernels, counted
-        calls = 0
-
-        @staticmethod
-        def forward(ctx, *args):
-            CountedSplitRotate.calls += 1
-            return split_rotate.forward(ctx, *args)
-
-    monkeypatch.setattr(qkv_rope, "_SplitRotate", CountedSplitRotate)
     kwargs = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd", fuse_qkv_params=True,
                   params_dtype=torch.bfloat16, device="cuda") | block
     ours, stock, default = get_layers("te").TransformerLayer(**kwargs), *(te.TransformerLayer(**kwargs) for _ in "ab")
@@ -437,20 +421,35 @@ def test_tuned_transformer_layer_matches_te(block, fp8, monkeypatch):
         rope = te.RotaryPositionEmbedding(256 // 4)(max(PACKED_LENGTHS)).cuda()
         packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(PACKED_LENGTHS),
                       max_seqlen_kv=max(PACKED_LENGTHS))
-    results = []
+    results, fused = [], []
     for layer in (ours, stock, default):
         inp = x.clone().requires_grad_()
         with te_autocast(enabled=fp8, recipe=te_recipe.DelayedScaling() if fp8 else None):
             out = layer(inp, rotary_pos_emb=rope, **packed)
+        fused.append(_autograd_nodes(out, qkv_rope._SplitRotate.__name__ + "Backward"))
         out.float().square().mean().backward()
         results.append([out, inp.grad] + [p.grad for p in layer.parameters()])
     # our layer ran the fused kernels where there is RoPE (FP8 GEMMs too; only FP8 attention keeps TE's path)
-    assert CountedSplitRotate.calls == (1 if rope is not None else 0)
+    assert fused == [1 if rope is not None else 0, 0, 0]
     for a, b in zip(results[0], results[1]):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     names = ["output", "input gradient"] + [f"{n} gradient" for n, _ in ours.named_parameters()]
     for name, a, b in zip(names, results[0], results[2]):
         assert _relative_difference(a, b) < 2e-2, (name, a.float().norm().item(), b.float().norm().item())
+
+
+def _autograd_nodes(output: torch.Tensor, name: str) -> int:
+    """How many nodes of `output`'s autograd graph are named `name` (a torch.autograd.Function's backward node is
+    named after the Function: <Function>Backward)."""
+    seen, todo, count = set(), [output.grad_fn], 0
+    while todo:
+        node = todo.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        count += type(node).__name__ == name
+        todo.extend(next_node for next_node, _ in node.next_functions)
+    return count
 
 
 @pytest.mark.gpu_smoke

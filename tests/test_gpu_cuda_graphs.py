@@ -44,26 +44,14 @@ PADDING_FORM = {"gpt-te-seq200"}
 
 def _phases(phases: list[dict]) -> list[dict]:
     """Worker body: train each phase {"config", "overrides", "run_dir", "signal_at"} in turn (SIGTERM after the
-    logged step `signal_at`); report its losses and how it ended."""
-    import os
-    import signal
-
-    from core.metrics.logger import MetricsLogger
+    logged step `signal_at`, from the harness's callback); report its losses and how it ended."""
+    from tests.checkpoint_harness import Recorder
     from tests.helpers import compose_config, train_run
 
-    original = MetricsLogger.log
     out = []
     for phase in phases:
-        def log(self, record, prefix="", signal_at=phase.get("signal_at")):
-            original(self, record, prefix)
-            if self.enabled and not prefix and record.get("step") == signal_at:
-                os.kill(os.getpid(), signal.SIGTERM)
-
-        MetricsLogger.log = log
-        try:
-            result = train_run(compose_config(phase["config"], phase["overrides"]), phase["run_dir"])["result"]
-        finally:
-            MetricsLogger.log = original
+        result = train_run(compose_config(phase["config"], phase["overrides"]), phase["run_dir"],
+                           callbacks=(Recorder(phase.get("signal_at")),))["result"]
         out.append({"losses": train_losses(phase["run_dir"]), "stopped_by": result.stopped_by,
                     "start_step": result.start_step})
     return out

@@ -176,14 +176,13 @@ def test_training_on_shards_equals_the_folder_and_resumes_exactly(digit_shards, 
         assert loss == pytest.approx(shards["losses"][step], rel=1e-5)
 
 
-def test_open_shards_are_bounded_and_a_linked_folder_reads_the_same(digit_shards, tmp_path, monkeypatch):
+def test_open_shards_are_bounded_and_a_linked_folder_reads_the_same(digit_shards, tmp_path):
     linked = tmp_path / "linked"
     linked.mkdir()
     for path in digit_shards.iterdir():  # a dataset linked together from elsewhere (cp -rs, git-annex, DVC)
         (linked / path.name).symlink_to(path)
     split = read_index(linked)[1]["train"]
-    monkeypatch.setattr(ShardReader, "MAX_OPEN", 2)
-    reader, direct = ShardReader(split), ShardReader(read_index(digit_shards)[1]["train"])
+    reader, direct = ShardReader(split, max_open=2), ShardReader(read_index(digit_shards)[1]["train"])
     for position in (0, 600, 1200, 1, 601, 1437):  # across the 3 shards, back and forth
         assert reader(position) == direct(position)
         assert len(reader._files) <= 2

@@ -1,13 +1,16 @@
-"""The Checkpointer: everything the training loop does with checkpoints.
+"""The Checkpointer: everything the training loop does with checkpoints, in three calls after it is opened.
 
-    checkpointer = Checkpointer(cfg.checkpoint, rank, device, config=cfg)   # no I/O
-    checkpointer.prepare()              # the path's lock; where to resume from, decided before any work
-    checkpointer.restore(parts)         # the newest usable checkpoint into the parts, or None
-    checkpointer.save(step, parts, ...) # step_<N>/ (async or not); COMPLETE once every rank is done
-    checkpointer.close()                # an async save finished or abandoned; the lock released
+    checkpointer = open_checkpointer(cfg.checkpoint, rank, device, config=cfg)  # before any work: the path's
+                                        # lock; where to resume from; a resume that changes the result refused
+    checkpointer.restore(parts, state, last_step, saves_at)  # the newest usable checkpoint into the parts (or
+                                        # None); a step folder the run would save over but may not replace refused
+    checkpointer.maybe_save(step, metrics, save, sync)  # every step: completes a finished async save, checks
+                                        # checkpoint.monitor; when `save`, step_<N>/ (COMPLETE once every rank is
+                                        # done); at the run's last step, waits for the save in flight
+    checkpointer.close()                # the lock released (an async save in flight after an error is abandoned)
 
-`parts` maps the checkpoint's top-level keys to stateful parts (core/checkpointing/parts.py); the
-Checkpointer never reaches into them. Methods are collectives (call them on every rank) unless noted.
+`parts` maps the checkpoint's top-level keys to stateful parts (core/checkpointing/parts.py: `training_parts`);
+the Checkpointer never reaches into them. Methods are collectives (call them on every rank) unless noted.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ from core.checkpointing.storage import ChecksummingWriter, SafeLoadPlanner, Safe
 from core.config.errors import ConfigError
 from core.config.schema import CheckpointConfig
 from core.config.validation import save_config
+from core.training.state import TrainState
 
 log = logging.getLogger("checkpoint")
 
@@ -69,6 +73,8 @@ class Checkpointer:
         self.pending: Optional[PendingSave] = None
         self.protected: set[int] = set()  # steps retention must keep (the one resumed from)
         self.resumed_from: Optional[Path] = None  # kept by retention too, also when it is a set-aside folder
+        self.parts: Mapping[str, CheckpointPart] = {}  # what every save writes (given to `restore`)
+        self.last_step = 0  # the run's last step: its save is waited for (given to `restore`)
         self._async_group = None
         self._stager = HostStager()
         self._lock = PathLock(self.path)
@@ -76,7 +82,7 @@ class Checkpointer:
 
     # ---- where to resume from
 
-    def prepare(self) -> None:
+    def _prepare(self) -> None:
         """Before any work (a collective): take the path's lock (which also proves it writable), then
         decide which checkpoints `restore` tries, newest first: an explicit folder must be complete;
         resume=false refuses existing checkpoints unless overwrite=true, which deletes them. A resumed run
@@ -118,7 +124,7 @@ class Checkpointer:
         if self.candidates:
             self._check_config_changes(self.candidates[0])
 
-    def check_save_targets(self, first_step: int, last_step: int, saves_at: Callable[[int], bool]) -> None:
+    def _check_save_targets(self, first_step: int, last_step: int, saves_at: Callable[[int], bool]) -> None:
         """Before any training (a collective): a step folder this run will save (steps first_step..last_step for which
         `saves_at` is true) that exists and is not a checkpoint this tool may replace stops the run now, not when the
         run gets there. (A save on a signal is refused at that moment.)"""
@@ -174,10 +180,18 @@ class Checkpointer:
 
     # ---- loading
 
-    def restore(self, parts: Mapping[str, CheckpointPart]) -> Optional[Path]:
-        """Load the newest usable checkpoint into `parts`; its path, or None to start fresh.
+    def restore(self, parts: Mapping[str, CheckpointPart], state: TrainState, last_step: int,
+                saves_at: Callable[[int], bool]) -> Optional[Path]:
+        """Load the newest usable checkpoint into `parts` (which every later save writes; `state` is the loop's
+        counters, among them); its path, or None to start fresh. Automatic resume skips a corrupt checkpoint with
+        a warning and uses the one before it. Then a step folder this run will save (the steps after `state.step`
+        up to `last_step` for which `saves_at` is true) that it may not replace stops the run, before any training."""
+        self.parts, self.last_step = parts, last_step
+        path = self._load_newest(parts)
+        self._check_save_targets(state.step + 1, last_step, saves_at)
+        return path
 
-        Automatic resume skips a corrupt checkpoint with a warning and uses the one before it."""
+    def _load_newest(self, parts: Mapping[str, CheckpointPart]) -> Optional[Path]:
         for i, path in enumerate(self.candidates):
             try:
                 self._load(path, parts)
@@ -227,10 +241,25 @@ class Checkpointer:
 
     # ---- saving
 
-    def save(self, step: int, parts: Mapping[str, CheckpointPart], metrics: dict, force_sync: bool = False) -> float:
+    def maybe_save(self, step: int, metrics: dict[str, dict[str, float]], save: bool, sync: bool = False
+                   ) -> Optional[float]:
+        """After every optimizer step: complete an async save whose writes are done; check checkpoint.monitor
+        against the step's metrics ({"train": {...}, "val": {...}}, either empty when the step has none); when
+        `save`, save step_<step> with them as train/<name> and val/<name> (synchronously when `sync`: the run
+        stops) and return the seconds the loop was held up (None: no save). At the run's last step, wait
+        for the save in flight."""
+        flat = {f"{split}/{name}": value for split, values in metrics.items() for name, value in values.items()}
+        self._check_monitor(flat)
+        self._poll()
+        stall = self._save(step, self.parts, flat, force_sync=sync) if save else None
+        if step >= self.last_step:
+            self._wait()
+        return stall
+
+    def _save(self, step: int, parts: Mapping[str, CheckpointPart], metrics: dict, force_sync: bool = False) -> float:
         """Save step_<step>; return the seconds the training loop was held up."""
         start = time.perf_counter()
-        self.wait()  # at most one save in flight
+        self._wait()  # at most one save in flight
         target = self.path / f"step_{step}"
         error = [None]
         if self.is_main:
@@ -272,12 +301,12 @@ class Checkpointer:
             self._finish(PendingSave(None, target, step, metrics, start))
         return time.perf_counter() - start
 
-    def poll(self) -> None:
+    def _poll(self) -> None:
         """Complete an async save if its writes are done (not a collective; cheap)."""
         if self.pending is not None and self.pending.future.done():
-            self.wait()
+            self._wait()
 
-    def wait(self) -> None:
+    def _wait(self) -> None:
         """Block until the save in flight (if any) is written, and complete it."""
         if self.pending is None:
             return
@@ -342,7 +371,7 @@ class Checkpointer:
             log.info("deleting %s (%s)", p.name, "set aside" if is_complete(p) else "an interrupted save")
             shutil.rmtree(p, ignore_errors=True)
 
-    def check_monitor(self, metrics: dict) -> None:
+    def _check_monitor(self, metrics: dict) -> None:
         """checkpoint.monitor must name a metric the run records, train/<name> (loss, lr, grad_norm) or val/<name>;
         checked whenever metrics of its kind arrive (not a collective)."""
         monitor = self.cfg.monitor
@@ -353,3 +382,16 @@ class Checkpointer:
         if same_kind and monitor not in metrics:
             raise ConfigError(f"checkpoint.monitor={monitor!r} is not a metric of this run; there are: "
                               f"{', '.join(same_kind)}")
+
+
+def open_checkpointer(cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None,
+                      config_name: Optional[str] = None) -> Checkpointer:
+    """A Checkpointer that holds checkpoint.path's lock and has decided where to resume from (a collective, before
+    any work: Checkpointer._prepare); the lock is released again when that refuses the run."""
+    checkpointer = Checkpointer(cfg, rank, device, config=config, config_name=config_name)
+    try:
+        checkpointer._prepare()
+    except BaseException:
+        checkpointer.close()
+        raise
+    return checkpointer

@@ -1,5 +1,5 @@
-"""The stateful parts of a checkpoint. The loop hands the manager a mapping {key: part}; each part says
-what it saves, what it loads into (given what the checkpoint holds under its key) and how it takes the
+"""The stateful parts of a checkpoint. The loop hands the manager a mapping {key: part} (`training_parts`); each
+part says what it saves, what it loads into (given what the checkpoint holds under its key) and how it takes the
 loaded state back. Adding state to checkpoints is adding a part: save and restore do not change.
 
     parts = {"model": ModelPart(parallel), "optim": OptimizerPart(parallel, optimizer),
@@ -189,3 +189,14 @@ class FP8Part:
 
     def load_state_dict(self, state: dict) -> None:
         set_fp8_states(self.model, state, self.fp8_recipe)
+
+
+def training_parts(parallel, optimizer: torch.optim.Optimizer, scheduler: Any, state: Any, env: Any,
+                   fp8_recipe: Any) -> dict[str, CheckpointPart]:
+    """What a training checkpoint holds, by top-level key: the (sharded) model, the optimizer, the learning-rate
+    schedule, the loop's counters (core/training/state.py), each rank's RNG states and TE's FP8 scaling state.
+    `env`: the run's ranks and device (core/distributed/env.py)."""
+    return {"model": ModelPart(parallel), "optim": OptimizerPart(parallel, optimizer, env.is_main),
+            "scheduler": StatefulPart(scheduler), "train_state": TrainStatePart(state),
+            "rng": RNGPart(env.rank, env.world_size, env.device, env.is_main),
+            "fp8": FP8Part(parallel.model, fp8_recipe)}

@@ -25,7 +25,7 @@ class HostStager:
     flat buffers, some freed). We copy each local shard instead and keep the sharding description,
     including the hooks by which Megatron-FSDP tells DCP the offsets of its uneven shards.
     From a GPU the copies go into pinned buffers kept from one save to the next (the previous save has
-    finished writing them: Checkpointer.save waits for it first) and run without a sync per tensor, so
+    finished writing them: Checkpointer._save waits for it first) and run without a sync per tensor, so
     the loop waits for one transfer at full PCIe speed rather than for many pageable copies; the cost is
     one checkpoint shard of pinned host memory per rank."""
 

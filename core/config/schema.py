@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 from enum import IntEnum, StrEnum
 from typing import Any, ClassVar, Optional
 
-from omegaconf import MISSING
+from omegaconf import MISSING, OmegaConf
 
 from core.config.errors import require
+from core.config.import_path import split_target
 from core.config.ranges import EPSILON_MIN, INT32_MAX, Int, Numbers, Real, Rule
 
 
@@ -194,6 +195,9 @@ class TrainingConfig:
     # A NaN/Inf loss or gradient norm: stop the run, or skip that optimizer step.
     on_nonfinite: NonFinitePolicy = NonFinitePolicy.stop
     objective: ObjectiveConfig = field(default_factory=ObjectiveConfig)
+    # Observers of the run, called at each step's end, validation and save (docs/callbacks.md): import paths of
+    # core.training.callbacks.Callback classes, or mappings {_target_: <import path>, <argument>: <value>, ...}.
+    callbacks: list[Any] = field(default_factory=list)
 
     RANGES: ClassVar[dict[str, Rule]] = {
         "steps": Int(1, INT32_MAX),
@@ -212,6 +216,8 @@ class TrainingConfig:
                 f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
                 f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
         require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
+        for i, entry in enumerate(OmegaConf.to_container(c.callbacks, resolve=True)):  # each can be imported
+            split_target(entry, f"{key}.callbacks[{i}]")
 
 
 @dataclass

@@ -33,6 +33,7 @@ class TrainingData:
         # training.epochs -> steps
         self.length = run_length(training.steps, training.epochs, training.global_batch_size, len(self.train))
         self.val_loader = None
+        self.sampler = None  # the training loader's (micro_batches): this rank's stream positions, in order
         if self.val is not None and training.limit_val_batches != 0:
             sampler = EvalBatchSampler(len(self.val), training.micro_batch_size, env.dp_size, env.dp_rank,
                                        training.limit_val_batches)
@@ -53,8 +54,8 @@ class TrainingData:
         """This rank's next `count` micro-batches from stream position `consumed_samples`, on the device; the
         next ones' host-to-device copies (or decoding) overlap the current step (core/data/loading.py)."""
         env = self.env
-        sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size, env.dp_rank,
-                                     consumed_samples)
+        sampler = self.sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size,
+                                                    env.dp_rank, consumed_samples)
         # The stream reaches from `consumed_samples` to the last sample these micro-batches take, whatever the
         # position: a run resumed with another global batch (checkpoint.allow_config_changes) stands at a count
         # that is no multiple of this one, and may be past training.steps x this batch.

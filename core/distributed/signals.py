@@ -44,9 +44,10 @@ class StopSignals:
             return
         self.received = name
 
-    def stop_requested(self) -> bool:
-        """True on every rank if any rank received a signal (a collective: call it on all ranks)."""
-        flag = torch.tensor([1 if self.received else 0], dtype=torch.int32)
+    def stop_requested(self, asked: bool = False) -> bool:
+        """True on every rank if any rank received a signal, or was `asked` to stop otherwise (a training
+        callback: core/training/callbacks.py); a collective: call it on all ranks."""
+        flag = torch.tensor([1 if self.received or asked else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
 

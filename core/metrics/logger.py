@@ -1,6 +1,7 @@
 """Where metrics go: stdout, `<run dir>/metrics.jsonl`, Weights & Biases, TensorBoard, and a progress bar.
 
-Only rank 0 writes; the loop hands it plain floats (already reduced over ranks). `open(start_step, ...)`,
+Only rank 0 writes; the loop hands it plain floats (already reduced over ranks), as one of the run's callbacks
+(core/training/callbacks.py): a step's record, validation metrics, a save's stall. `open(start_step, ...)`,
 once the run knows where it starts, continues the run's history: metrics.jsonl keeps the steps up to the
 one resumed from (core/metrics/history.py), W&B continues the run id kept in the checkpoint folder
 (core/config/run_record.py) and TensorBoard drops the events after that step.
@@ -17,6 +18,7 @@ from typing import Any
 from core.config.run_record import RUN_FILE, new_wandb_id, read_run_record, write_run_record
 from core.config.schema import LoggerConfig, ProgressBar
 from core.metrics.history import SUPERSEDED, keep_history_up_to, open_for_append, refuse_links
+from core.training.callbacks import Callback
 
 log = logging.getLogger("train")
 
@@ -31,7 +33,7 @@ def _format(key: str, value: Any) -> str:
     return f"{key} {value}"
 
 
-class MetricsLogger:
+class MetricsLogger(Callback):
     """Writes on rank 0 (`enabled`); a no-op elsewhere. Nothing is opened before `open`."""
 
     def __init__(self, run_dir: Path, cfg: LoggerConfig, enabled: bool, config: dict, checkpoint_path: str):
@@ -120,6 +122,22 @@ class MetricsLogger:
         if self.tensorboard is not None:
             for name, value in scalars.items():
                 self.tensorboard.add_scalar(name, value, record["step"])
+
+    # ---- as a callback of the run
+
+    def on_train_start(self, run) -> None:
+        self.start_progress(run.state.step, run.length.steps)
+
+    def on_step_end(self, run, step: int, micro_batches: list[dict], record: dict[str, float]) -> None:
+        self.advance()
+        if record:
+            self.log({"step": step, **record})
+
+    def on_validation_end(self, run, step: int, metrics: dict[str, float]) -> None:
+        self.log({"step": step, **metrics}, prefix="val")
+
+    def on_save(self, run, step: int, stall_s: float) -> None:
+        self.log({"step": step, "stall_s": stall_s}, prefix="checkpoint")
 
     def start_progress(self, first_step: int, total_steps: int) -> None:
         """Show a progress bar from `first_step` (logger.progress_bar: auto shows it in a terminal)."""

@@ -10,9 +10,10 @@ from typing import Iterator, Optional
 import torch
 
 from core.metrics.hardware import peak_bf16_flops, peak_memory_gib
+from core.training.callbacks import Callback
 
 
-class ThroughputMeter:
+class ThroughputMeter(Callback):
     """Times training steps between two records. What the loop does outside its steps (validation,
     saving) is excluded; `phase` also times parts of a step when `time_phases` is on, synchronising the
     device at each boundary (a little slower: for benchmarks)."""
@@ -24,6 +25,9 @@ class ThroughputMeter:
         self.tokens_per_sample, self.flops_per_sample, self.time_phases = tokens_per_sample, flops_per_sample, time_phases
         self.peak_flops = peak_bf16_flops(device)
         self.start_interval()
+
+    def on_train_start(self, run) -> None:
+        self.start_interval()  # setup and restore do not count as step time
 
     def start_interval(self) -> None:
         """Start timing from now (the loop calls it right before its first step)."""

@@ -204,16 +204,16 @@ def _expect_regular(path: Path, size: Optional[int]) -> None:
 
 class ShardReader:
     """The image bytes of a split's samples by position: one positioned read of the member's header and data.
-    Picklable for loader workers; each process opens the shards itself, keeping at most MAX_OPEN open."""
+    Picklable for loader workers; each process opens the shards itself, keeping at most `max_open` open."""
 
     MAX_OPEN = 64  # thousands of shards would otherwise use up the process's file descriptors
 
-    def __init__(self, split: ShardSplit):
-        self.split = split
+    def __init__(self, split: ShardSplit, max_open: int = MAX_OPEN):
+        self.split, self.max_open = split, max_open
         self._pid, self._files = None, collections.OrderedDict()
 
     def __getstate__(self) -> dict:
-        return {"split": self.split, "_pid": None, "_files": collections.OrderedDict()}
+        return {"split": self.split, "max_open": self.max_open, "_pid": None, "_files": collections.OrderedDict()}
 
     def _fd(self, shard: int) -> int:
         if self._pid != os.getpid():  # a forked worker: the parent's descriptors are not ours to share offsets
@@ -227,7 +227,7 @@ class ShardReader:
             os.close(fd)
             raise DataError(f"{path}: not a regular file")
         self._files[shard] = fd
-        if len(self._files) > self.MAX_OPEN:
+        if len(self._files) > self.max_open:
             os.close(self._files.popitem(last=False)[1])
         return fd
 
