@@ -21,8 +21,8 @@ from torch.distributed.checkpoint import format_utils
 from core.checkpointing.layout import complete_checkpoints, step_dirs, verify
 from core.checkpointing.retention import checkpoints_to_keep
 from core.distributed.launch import run_name
-from tests.checkpoint_harness import TINY, phase, run_phases, train_losses
-from tests.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
+from tests.support.checkpoint_harness import TINY, phase, run_phases, train_losses
+from tests.support.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
 
 
 
@@ -400,7 +400,7 @@ def _export(step_dir: str, out_dir: str) -> None:
 def _unsharded_vit():
     from core.layers.namespace import get_layers
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("vit_sanity", TINY + ["checkpoint.path=unused"])
     return ViTRecipe(cfg).build_model(get_layers("torch"), torch.device("cpu"))

@@ -13,7 +13,7 @@ import pytest
 
 from core.checkpointing.layout import complete_checkpoints
 from core.distributed.launch import run_name
-from tests.helpers import REPO, read_records, run_python, torchrun
+from tests.support.helpers import REPO, read_records, run_python, torchrun
 
 SHORT = ["logger.progress_bar=never", "data.num_workers=0", "training.val_at_end=false"]
 

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.checkpoint_harness import TINY
-from tests.helpers import torchrun
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import torchrun
 
 BOUND_S = 90  # every failing run must have ended by then (each takes ~20 s to start and fail on 2 cores)
 WORKERS = ["data.num_workers=2"]
@@ -46,7 +46,7 @@ def _kill(pids: list[int]) -> None:
 
 def _start(tmp_path: Path, overrides: list[str], fault: dict, tag: str) -> subprocess.Popen:
     env = {**os.environ, "FAULT_TEST_TAG": tag, **fault}
-    return subprocess.Popen(torchrun(2, "tests/fault_run.py", "--config-name", "vit_sanity", *overrides,
+    return subprocess.Popen(torchrun(2, "tests/support/fault_run.py", "--config-name", "vit_sanity", *overrides,
                                         f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run"),
                             cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import compose_config, run_workers
+from tests.support.helpers import compose_config, run_workers
 
 STEPS, GLOBAL, MICRO, LR, WD, CLIP, EPS = 4, 16, 4, 3e-3, 0.1, 0.5, 1e-5
 COMMON = [
@@ -29,7 +29,7 @@ COMMON = [
 
 def _train_worker(overrides: list[str], run_dir: str, shim: bool, graphed_step: bool = False) -> dict:
     if shim:
-        from tests.mfsdp_cpu_shim import install
+        from tests.support.mfsdp_cpu_shim import install
 
         install()
     if graphed_step:  # the graphed micro-batch step, which never gets past its eager warm-up on CPU
@@ -37,7 +37,7 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool, graphed_step: 
 
         cuda_graphs.forward_backward = lambda parallel, recipe, autocast, graphs, te_layers: (
             cuda_graphs.GraphedForwardBackward(parallel, recipe, autocast, warmup=10**9))
-    from tests.helpers import train_run
+    from tests.support.helpers import train_run
 
     cfg = compose_config("vit_sanity", overrides + [f"checkpoint.path={run_dir}/ckpt"])
     trained = train_run(cfg, run_dir, full_state=True)
@@ -58,7 +58,7 @@ def reference_run(device: torch.device = torch.device("cpu"), layers: str = "tor
     from core.layers.namespace import get_layers
     from core.training.optim import lr_multiplier
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("vit_sanity", COMMON + ["checkpoint.path=unused"])
     recipe = ViTRecipe(cfg)
@@ -128,7 +128,7 @@ def test_two_ranks_match_single_process_reference(overrides, shim, reference, tm
 def test_gradients_reduced_after_the_last_micro_batch_match_the_reference(zero, reference, tmp_path):
     """How a graphed step reduces on several ranks (core/training/cuda_graphs.py): every micro-batch runs as one
     that does not reduce, then Parallel.reduce_gradients after the step's last. Here on Megatron-FSDP (CPU shim),
-    2 ranks x 2 accumulated micro-batches, eagerly (the graphs themselves: tests/test_gpu_cuda_graphs.py)."""
+    2 ranks x 2 accumulated micro-batches, eagerly (the graphs themselves: tests/gpu/test_cuda_graphs.py)."""
     overrides = ["distributed=mfsdp", f"distributed.mfsdp.zero_dp_strategy={zero}"]
     results = run_workers(2, _train_worker, COMMON + overrides, str(tmp_path), True, True)
     assert_matches(results[0], reference)

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from tests.helpers import REPO, compose_config, run_python, train_run, validated_config
+from tests.support.helpers import REPO, compose_config, run_python, train_run, validated_config
 
 TINY = {  # a tiny model of each kind of checkpoint, trained for one step on the config's data
     "vit": ("vit_sanity", ["model.hidden_size=32", "model.depth=1", "model.num_heads=2"]),

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 # About 40 s of training on one CPU thread: longer than the 30 s before the first warning, so the job is stopped
 # at least once, even on a faster machine; a slower one is requeued more often (up to max_num_timeout).

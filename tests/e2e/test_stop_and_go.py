@@ -7,8 +7,8 @@ from collections import Counter
 
 import pytest
 
-from tests.checkpoint_harness import phase, run_phases
-from tests.helpers import run_workers
+from tests.support.checkpoint_harness import phase, run_phases
+from tests.support.helpers import run_workers
 
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # so the RNG state matters too
 
@@ -92,16 +92,16 @@ def test_checkpoints_move_between_mfsdp_and_fsdp2(tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_written_by_the_previous_code_resumes_exactly(tmp_path):
-    """tests/fixtures/previous_main: step_4 of a 2-rank fsdp2 run with dropout, saved by the code before the
+    """tests/support/fixtures/previous_main: step_4 of a 2-rank fsdp2 run with dropout, saved by the code before the
     checkpointing package (commit 18e2495), and that code's losses for the uninterrupted 8 steps. This code
     resumes it and continues with those losses (bit for bit on the machine that wrote them; 1e-6 leaves room
     for another CPU's kernels)."""
     import json
     import shutil
 
-    from tests.helpers import REPO
+    from tests.support.helpers import REPO
 
-    fixture = REPO / "tests" / "fixtures" / "previous_main"
+    fixture = REPO / "tests" / "support" / "fixtures" / "previous_main"
     shutil.copytree(fixture / "step_4", tmp_path / "ckpt" / "step_4")
     expected = {int(k): v for k, v in json.loads((fixture / "losses.json").read_text())["losses"].items()}
     resumed = run_workers(2, run_phases, [phase(tmp_path, "resumed", "ckpt", DROPOUT + ["distributed=fsdp2"])])[0][0]

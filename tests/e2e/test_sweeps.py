@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from core.distributed.launch import configuration_name
-from tests.helpers import REPO, read_records, run_python
+from tests.support.helpers import REPO, read_records, run_python
 
 TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
         "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",

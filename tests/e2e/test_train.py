@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, read_records, torchrun
+from tests.support.helpers import REPO, read_records, torchrun
 
 QUICK = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "data.num_workers=0",
          "logger.progress_bar=never"]

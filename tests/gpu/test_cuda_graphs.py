@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checkpoint_harness import train_losses
-from tests.helpers import case_result, each_case, run_workers, selected_cases
+from tests.support.checkpoint_harness import train_losses
+from tests.support.helpers import case_result, each_case, run_workers, selected_cases
 
 pytestmark = pytest.mark.gpu
 
@@ -49,7 +49,7 @@ def _phases(phases: list[dict]) -> list[dict]:
     import signal
 
     from core.metrics.logger import MetricsLogger
-    from tests.helpers import compose_config, train_run
+    from tests.support.helpers import compose_config, train_run
 
     original = MetricsLogger.log
     out = []
@@ -129,16 +129,16 @@ TWO_RANK_RESUMED = {"vit-te-2ranks"}  # also stopped by SIGTERM and resumed
 
 
 def _torchrun_losses(tmp_path, case: str, name: str, *overrides: str, fault: dict | None = None) -> dict:
-    """A 2-process torchrun of train.py (tests/fault_run.py with `fault`: its FAULT* variables); its logged losses
+    """A 2-process torchrun of train.py (tests/support/fault_run.py with `fault`: its FAULT* variables); its logged losses
     by step, and its output."""
     import os
     import subprocess
 
-    from tests.helpers import REPO, torchrun
+    from tests.support.helpers import REPO, torchrun
 
     config, common = TWO_RANKS[case]
     run = tmp_path / case / name
-    cmd = torchrun(2, "tests/fault_run.py" if fault else "train.py", "--config-name", config,
+    cmd = torchrun(2, "tests/support/fault_run.py" if fault else "train.py", "--config-name", config,
                    f"hydra.run.dir={run}/run", f"checkpoint.path={tmp_path / case / name.split('_')[0]}/ckpt",
                    "training.steps=12", *common, *overrides)
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,

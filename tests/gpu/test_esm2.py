@@ -10,13 +10,13 @@ import torch
 
 pytestmark = pytest.mark.gpu
 
-SAMPLE = Path(__file__).resolve().parents[1] / "data" / "uniref90_sample" / "uniref90_1000.parquet"
+SAMPLE = Path(__file__).resolve().parents[2] / "data" / "uniref90_sample" / "uniref90_1000.parquet"
 
 
 def build_esm2(backend: str, overrides: list[str]):
     from core.layers.namespace import get_layers
     from recipes.esm2.recipe import ESM2Recipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("esm2_8m", ["checkpoint.path=unused", f"data.path={SAMPLE}", *overrides])
     return cfg, ESM2Recipe(cfg).build_model(get_layers(backend), torch.device("cuda"))

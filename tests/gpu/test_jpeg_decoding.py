@@ -17,7 +17,7 @@ from core.data.datasets import EpochIndex
 from recipes.vit.config import IMAGENET_STD, ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
 from scripts.make_jpeg_imagefolder import write_image
-from tests.helpers import REPO, read_records
+from tests.support.helpers import REPO, read_records
 
 pytestmark = pytest.mark.gpu
 # GPU and CPU JPEG decoders round the inverse DCT and the chroma upsampling differently: a few levels of 255

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checkpoint_harness import run_phases, train_losses
-from tests.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
-from tests.test_parity import COMMON, _train_worker, assert_matches, reference_run
+from tests.support.checkpoint_harness import run_phases, train_losses
+from tests.support.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
+from tests.e2e.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
 pytestmark = pytest.mark.gpu
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -20,7 +20,7 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GP
 def build_vit(backend: str, overrides: list[str]):
     from core.layers.namespace import get_layers
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("vit_base_patch16_224", ["checkpoint.path=unused", "data=synthetic", *overrides])
     return ViTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))
@@ -232,7 +232,7 @@ def _amax_histories(model) -> dict[str, torch.Tensor]:
 
 def _capture_amax(phases: list[dict]) -> list[dict]:
     from core.checkpointing.manager import Checkpointer
-    from tests.checkpoint_harness import run_phases
+    from tests.support.checkpoint_harness import run_phases
 
     seen = {}
     save, restore = Checkpointer.save, Checkpointer.restore
@@ -260,7 +260,7 @@ def test_fp8_amax_history_survives_resume(tmp_path):
               "training.val_every_n_steps=0", "logger.progress_bar=never", "precision=fp8_delayed",
               "distributed=mfsdp", "model.backend=te", f"checkpoint.path={tmp_path}/ckpt",
               # The harness reads each batch's indices on the host, which a CUDA graph capture cannot do; FP8
-              # state across a graphed resume: tests/test_gpu_cuda_graphs.py.
+              # state across a graphed resume: tests/gpu/test_cuda_graphs.py.
               "training.cuda_graphs=none"]
     saved, restored = run_workers(1, _capture_amax, [
         {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=6"], "run_dir": f"{tmp_path}/a"},
@@ -280,7 +280,7 @@ def mnist_workflow(root: str, overrides: list[str], pretrain_steps: int = 1000) 
     through train.py's and predict.py's functions, in this process; the fine-tune's last validation and the
     prediction's rows and metrics."""
     import predict
-    from tests.helpers import compose_config, train_run
+    from tests.support.helpers import compose_config, train_run
 
     train_run(compose_config("mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre",
                                                 f"training.steps={pretrain_steps}"]), f"{root}/pre")
@@ -295,7 +295,7 @@ def mnist_workflow(root: str, overrides: list[str], pretrain_steps: int = 1000) 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
 def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
     """mnist_pretrain -> mnist_finetune -> predict with the GPU defaults (mfsdp + TE layers), bf16, in one group
-    of worker processes (the command lines: tests/test_mnist.py on CPUs)."""
+    of worker processes (the command lines: tests/recipes/mnist/test_mnist.py on CPUs)."""
     gpu = ["distributed=mfsdp", "model.backend=te", "precision=bf16", "logger.progress_bar=never"]
     out = run_workers(nproc, mnist_workflow, str(tmp_path), gpu)[0]
     accuracy = out["metrics"]["accuracy"]
@@ -310,7 +310,7 @@ def test_mnist_workflow_with_megatron_fsdp_and_te(nproc, tmp_path):
 def build_gpt(backend: str, overrides: list[str]):
     from core.layers.namespace import get_layers
     from recipes.gpt.recipe import GPTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("gpt_125m", ["checkpoint.path=unused", *overrides])
     return GPTRecipe(cfg).build_model(get_layers(backend), torch.device("cuda"))

@@ -7,7 +7,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from tests.helpers import compose_config, train_run, validated_config
+from tests.support.helpers import compose_config, train_run, validated_config
 
 pytestmark = pytest.mark.gpu
 

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 DOC = REPO / "docs" / "architecture.md"
 

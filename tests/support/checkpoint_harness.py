@@ -41,7 +41,7 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     micro-batches replay as CUDA graphs calls the forward only to record the graph, so it reports neither
     "samples" nor "idx" (None)."""
     if shim:
-        from tests.mfsdp_cpu_shim import install
+        from tests.support.mfsdp_cpu_shim import install
 
         install()
     import torch
@@ -49,7 +49,7 @@ def run_phases(phases: list[dict], shim: bool = False) -> list[dict]:
     from core.data.sampling import GlobalBatchSampler
     from core.metrics.logger import MetricsLogger
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import compose_config, train_run
+    from tests.support.helpers import compose_config, train_run
 
     current: dict = {}
     original_log, original_iter, original_forward = MetricsLogger.log, GlobalBatchSampler.__iter__, ViTRecipe.forward

@@ -1,4 +1,4 @@
-"""train.py with one fault injected (tests/test_failures.py): FAULT=<name> on rank FAULT_RANK at step FAULT_STEP.
+"""train.py with one fault injected (tests/e2e/test_failing_jobs.py): FAULT=<name> on rank FAULT_RANK at step FAULT_STEP.
 
   crash       the rank's process dies (os._exit) in the middle of a step, as a crashed peer does
   log_error   an exception while logging a step, on that rank only
@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import hydra  # noqa: E402
 

@@ -17,7 +17,7 @@ import torch
 import torch.multiprocessing as mp
 from hydra import compose, initialize_config_dir
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CONFIGS = REPO / "configs"
 
 
@@ -135,8 +135,8 @@ def free_port() -> int:
 
 # Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
 # per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds. On machines
-# without GPUs tests/preloaded.py adds the training stack and the recipes.
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.helpers", "tests.preloaded"]
+# without GPUs tests/support/preloaded.py adds the training stack and the recipes.
+FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.support.helpers", "tests.support.preloaded"]
 
 
 def _fork_server():

@@ -1,5 +1,5 @@
 """Run a script as `python <script> <args>` would, with a ceiling on the memory it can take, and record its peak:
-`python tests/memory_capped.py <report.json> <MiB> <script> <args>...`.
+`python tests/support/memory_capped.py <report.json> <MiB> <script> <args>...`.
 
 The ceiling is an address-space limit (RLIMIT_AS) of what the process has mapped when it starts plus <MiB>, so a
 load that asks for gigabytes fails at once (MemoryError) instead of taking a machine shared with others. The

@@ -1,4 +1,4 @@
-"""What the test fork server imports once (tests/helpers.py: run_workers), so that each worker forked from it
+"""What the test fork server imports once (tests/support/helpers.py: run_workers), so that each worker forked from it
 starts with the training stack in memory instead of importing it anew: seconds per process, and GPT workers pay
 several more for Megatron-Core's package. None of it starts a thread or a process.
 

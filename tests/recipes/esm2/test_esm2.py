@@ -26,7 +26,7 @@ from recipes.esm2.sequences import build_store, read_store, write_store
 from recipes.esm2.sources import records
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, SPECIAL, VOCABULARY, decode, encode_residues
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 SAMPLE = REPO / "data" / "uniref90_sample" / "uniref90_1000.parquet"
 
 
@@ -286,7 +286,7 @@ def test_packed_and_padded_batches_give_the_same_loss():
 
 def test_work_counts_real_tokens_and_each_sequences_attention():
     from recipes.esm2.recipe import ESM2Recipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("esm2_sanity", ["checkpoint.path=unused", "model.max_seq_length=40"])
     recipe = ESM2Recipe(cfg)
@@ -403,8 +403,8 @@ def test_esm2_sanity_learns_more_than_residue_frequencies_on_two_processes(tmp_p
     """esm2_sanity on 2 processes: validation runs and reports its perplexities, and on the held-out sequences'
     masked residues the model's loss is below what the training residues' frequencies give, by more than 3
     standard errors of the paired difference (a model that learned only the frequencies scores equal)."""
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import read_records, run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import read_records, run_workers
 
     overrides = ["training.steps=200", "training.val_every_n_steps=100", "logger.progress_bar=never",
                  f"checkpoint.path={tmp_path}/ckpt"]
@@ -435,8 +435,8 @@ def test_a_packed_run_stopped_by_sigterm_resumes_bit_for_bit_and_on_another_rank
     and started again: its losses equal an uninterrupted run's bit for bit. Without dropout (whose masks depend
     on the rank), a 2-process checkpoint resumed on one process continues the same global stream of packs:
     the 2-process run's losses, within float summation order."""
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import run_workers
 
     def phase(name, ckpt, extra=(), **kw):
         return {"config": "esm2_sanity", "run_dir": str(tmp_path / name),
@@ -462,8 +462,8 @@ def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
     from transformers import EsmForMaskedLM, EsmTokenizer
 
     from core.checkpointing.weights import load_weights_file, read_model_weights
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import run_workers
 
     overrides = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
                  "model.activation=gelu_erf", f"checkpoint.path={tmp_path}/ckpt"]
@@ -503,7 +503,7 @@ def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
 
 def _predict_worker(overrides: list[str], run_dir: str) -> str:
     import predict
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     return str(predict.predict(validated_config("esm2_sanity", overrides), Path(run_dir)).output)
 
@@ -517,8 +517,8 @@ def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_pat
     from omegaconf import OmegaConf
 
     from core.checkpointing.weights import read_model_weights
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import run_workers
 
     train = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
              f"checkpoint.path={tmp_path}/ckpt"]
@@ -557,7 +557,7 @@ def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_pat
 ])
 def test_fp8_refuses_rows_that_are_not_a_multiple_of_16_tokens(overrides, key, suggested):
     from recipes.esm2.recipe import ESM2Recipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     fp8 = ["checkpoint.path=unused", "precision=fp8_delayed"]
     with pytest.raises(ConfigError, match=f"{key} with precision.fp8.enabled=true: .* multiple of 16 .*{suggested}"):

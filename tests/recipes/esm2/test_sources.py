@@ -163,7 +163,7 @@ def test_preprocess_says_what_tokenizing_left_out(tmp_path, capsys):
 def test_errors_name_the_setting_that_gave_the_path(tmp_path, capsys):
     """data.val_path, predict.folder and preprocess's --input / --column name themselves, not data.path."""
     from recipes.esm2.recipe import ESM2Recipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     missing = tmp_path / "missing.fasta"
     recipe = ESM2Recipe(validated_config("esm2_sanity", [f"data.val_path={missing}", "checkpoint.path=unused"]))
@@ -225,7 +225,7 @@ def test_a_folder_with_link_loops_reads_each_file_once(tmp_path):
     import subprocess
     import sys
 
-    from tests.helpers import REPO
+    from tests.support.helpers import REPO
 
     data, other = tmp_path / "data", tmp_path / "other"
     (data / "a").mkdir(parents=True)

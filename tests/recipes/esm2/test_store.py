@@ -22,7 +22,7 @@ from recipes.esm2 import preprocess
 from recipes.esm2.masking import Masking
 from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import read_store, write_store
-from tests.helpers import REPO, run_python
+from tests.support.helpers import REPO, run_python
 
 NAMED = [(f"P{i}", "MKTAYIAKQRQISFVKSHFSRQ"[: 5 + i % 17] * (1 + i % 3)) for i in range(40)]
 

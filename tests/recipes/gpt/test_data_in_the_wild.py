@@ -29,7 +29,7 @@ from recipes.gpt import preprocess as gpt_preprocess
 from recipes.gpt.data import build_gpt_datasets
 from recipes.gpt.preprocess import decode_document, preprocess, read_documents
 from recipes.gpt.tokenizer import build_tokenizer
-from tests.helpers import run_python
+from tests.support.helpers import run_python
 
 
 def corpus(n: int) -> str:
@@ -196,7 +196,7 @@ preprocess.main(sys.argv[1:])
 
 
 def start_preprocess_held_open(folder: Path, *options: str):
-    from tests.helpers import start_python
+    from tests.support.helpers import start_python
 
     (folder / "READY").unlink(missing_ok=True)
     (folder / "GO").unlink(missing_ok=True)

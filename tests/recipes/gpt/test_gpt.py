@@ -12,7 +12,7 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
-from tests.helpers import REPO, read_records, run_python, torchrun
+from tests.support.helpers import REPO, read_records, run_python, torchrun
 
 DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
 
@@ -81,7 +81,7 @@ def test_a_local_hugging_face_tokenizer_works_too(tmp_path):
 
 def gpt_recipe(overrides: list[str] = ()):
     from recipes.gpt.recipe import GPTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     return GPTRecipe(validated_config("gpt_sanity", ["checkpoint.path=unused", *overrides]))
 
@@ -175,8 +175,8 @@ def test_tensor_and_data_parallel_match_one_process(tmp_path):
     micro-batches), 2 at DP=2 (1 micro-batch each), 4 at DP=2 x TP=2 (2-D shards), 2 at TP=2 with activation
     checkpointing (blocks recomputed in the backward pass) and 1 process (2 micro-batches) give the same
     losses and gradient norms."""
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import run_workers
 
     runs = {}
     for label, nproc, extra in (("1 process", 1, []), ("DP=2", 2, []), ("TP=2", 2, ["distributed.tp=2"]),
@@ -204,8 +204,8 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
     process, continuing with the TP=2 run's own losses; its to-torch export is the TP=1 layout of the
     weights, equal to what the resumed runs end with."""
     from core.checkpointing.weights import read_model_weights
-    from tests.checkpoint_harness import run_phases
-    from tests.helpers import run_workers
+    from tests.support.checkpoint_harness import run_phases
+    from tests.support.helpers import run_workers
 
     common = STEPS4 + [f"data.cache_dir={tmp_path}/cache", "checkpoint.save_every_n_steps=2"]
     written = run_workers(2, run_phases, [{"config": "gpt_sanity", "run_dir": f"{tmp_path}/tp2", "state": True,
@@ -297,7 +297,7 @@ def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     from torch.distributed.checkpoint import FileSystemReader
 
     from core.checkpointing.layout import empty_like_saved
-    from tests.helpers import run_workers
+    from tests.support.helpers import run_workers
     import torch.distributed.checkpoint as dcp
 
     run_workers(1, _glu_layer_step, str(tmp_path), 1)

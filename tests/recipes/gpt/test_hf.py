@@ -19,7 +19,7 @@ from core.checkpointing.weights import load_weights, read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
 from recipes.registry import get_recipe
-from tests.helpers import full_state_dict, torchrun, train_run, validated_config
+from tests.support.helpers import full_state_dict, torchrun, train_run, validated_config
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=96", "model.seq_length=32", "training.micro_batch_size=4",

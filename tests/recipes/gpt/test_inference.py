@@ -20,7 +20,7 @@ import generate
 from core.checkpointing.weights import read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
-from tests.helpers import REPO, compose_config, run_python, torchrun, train_run, validated_config
+from tests.support.helpers import REPO, compose_config, run_python, torchrun, train_run, validated_config
 
 # A tiny GPT of gpt_sanity's byte tokenizer: for tests of how generate.py runs, not of its text.
 TINY_GPT = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2",

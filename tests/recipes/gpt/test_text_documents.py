@@ -18,7 +18,7 @@ from recipes.gpt import text_documents
 from recipes.gpt.preprocess import preprocess, read_documents
 from recipes.gpt.text_documents import TEXT_DOCUMENTS
 from recipes.gpt.tokenizer import ByteTokenizer, build_tokenizer
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 MOBY_DICK = REPO / "data" / "moby_dick" / "moby_dick.txt"
 

@@ -15,8 +15,8 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import MultiEpochDatasetResampler
-from tests.checkpoint_harness import run_phases
-from tests.helpers import REPO, run_python, run_workers, torchrun
+from tests.support.checkpoint_harness import run_phases
+from tests.support.helpers import REPO, run_python, run_workers, torchrun
 
 RAW = REPO / "data" / "mnist_5k" / "MNIST" / "raw"
 QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num_workers=0"]
@@ -24,7 +24,7 @@ QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num
 
 def mnist_recipe(config: str = "mnist_pretrain", overrides: list[str] = ()):
     from recipes.mnist.recipe import MNISTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     return MNISTRecipe(validated_config(config, ["checkpoint.path=unused", *overrides]))
 

@@ -18,7 +18,7 @@ from core.config.errors import ConfigError, DataError, MissingDataError, message
 from recipes.vit.config import ImageDataConfig, ImageFormat, ViTModelConfig
 from recipes.vit.data import ImageSamples, Transform, image_classes, prediction_samples, split_samples
 from recipes.vit.shards import write_shards
-from tests.helpers import REPO, run_python, validated_config
+from tests.support.helpers import REPO, run_python, validated_config
 
 DIGITS = REPO / "data" / "digits"
 
@@ -191,7 +191,7 @@ def test_a_damaged_mnist_gzip_names_the_file(tmp_path):
 
 
 def test_shard_images_names_the_root_in_one_error_line(tmp_path, monkeypatch, capsys):
-    from tests.test_scripts import run_script
+    from tests.unit.scripts.test_data_scripts import run_script
 
     (tmp_path / "flat" / "train").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "train" / "0.png")

@@ -1,7 +1,7 @@
 """data.decode_on=device: the loader workers read JPEG bytes and draw the augmentation; the training device
 decodes (nvImageCodec: recipes/vit/jpeg.py) and transforms. Same crops, flips and labels as decoding in the
 workers (here the "device" is the CPU: nvImageCodec's libjpeg-turbo decoder, as PIL's; the GPU decoders are
-checked in tests/test_gpu_jpeg.py)."""
+checked in tests/gpu/test_jpeg_decoding.py)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from core.data.datasets import EpochIndex
 from recipes.vit.config import IMAGENET_STD, ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
 from recipes.vit.jpeg import JpegDecoder, ends_whole
-from tests.helpers import REPO, compose_config, read_records
+from tests.support.helpers import REPO, compose_config, read_records
 
 SIZES = [(40, 56), (64, 48), (33, 33), (80, 120), (50, 70), (45, 90)]
 

@@ -12,7 +12,7 @@ from PIL import Image
 from core.config.errors import ConfigError
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import image_classes, prediction_samples, split_files
-from tests.helpers import read_records, train_run, validated_config
+from tests.support.helpers import read_records, train_run, validated_config
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40), (160, 50, 200)]
 

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from core.config.errors import ConfigError
-from tests.helpers import torchrun, train_run, validated_config
-from tests.test_image_folders import _image, make_quirky_imagefolder
+from tests.support.helpers import torchrun, train_run, validated_config
+from tests.recipes.vit.test_image_folders import _image, make_quirky_imagefolder
 
 
 @pytest.fixture(scope="module")

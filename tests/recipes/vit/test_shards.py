@@ -18,8 +18,8 @@ from recipes.vit.config import ImageDataConfig, ImageFormat
 from recipes.vit.data import ImageSamples, Transform, split_samples
 from recipes.vit.folders import imagefolder_classes, imagefolder_files
 from recipes.vit.shards import BLOCK, ShardReader, read_index, write_shards
-from tests.checkpoint_harness import TINY, run_phases
-from tests.helpers import REPO, run_workers
+from tests.support.checkpoint_harness import TINY, run_phases
+from tests.support.helpers import REPO, run_workers
 
 DIGITS = REPO / "data" / "digits"
 

@@ -25,8 +25,8 @@ from core.config.errors import ConfigError
 from core.distributed.launch import configuration_name, run_name
 from core.checkpointing.layout import CheckpointError
 from core.training.optim import lr_multiplier
-from tests.checkpoint_harness import TINY
-from tests.helpers import REPO, read_records, run_python, train_run, validated_config
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import REPO, read_records, run_python, train_run, validated_config
 
 
 def _train(tmp_path: Path, name: str, overrides: list[str]) -> dict:
@@ -73,7 +73,7 @@ def _with_payload_in_metadata(source: Path, target: Path, marker: Path) -> Path:
 def _with_build_on_a_class_in_metadata(source: Path, target: Path, marker: Path) -> Path:
     """The index with a pickle BUILD that patches `PosixPath.is_file` (allowed names only): a plain or allow-list
     unpickler would change the process and carry on."""
-    from tests.test_pickle_tricks import _crafted_metadata, tricks
+    from tests.unit.checkpointing.test_restricted_unpickling import _crafted_metadata, tricks
 
     shutil.copytree(source, target)
     (target / ".metadata").write_bytes(_crafted_metadata(source, tricks(marker)["BUILD on a class"]))

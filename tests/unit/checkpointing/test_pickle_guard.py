@@ -6,7 +6,7 @@ lists share references through the pickle memo (on resume), a .pt under 1 KB who
 (checkpoint.init_from, `checkpoint.py from-torch`, `from-hf` of a folder with `pytorch_model.bin`), a `.metadata`
 whose entries share one list of chunks (init_from and resume: quadratic time), and torch files whose storages
 claim more than the file holds (a compressed record, the legacy format's sizes, a tensor item of a shard). Each
-load of a crafted file runs in a process with a memory ceiling (tests/memory_capped.py: 2 GiB above what it has
+load of a crafted file runs in a process with a memory ceiling (tests/support/memory_capped.py: 2 GiB above what it has
 mapped at its start), so that code which allocates what the file asks for fails fast instead of taking the
 machine; its peak resident size is compared with that of the same command on a clean file."""
 
@@ -32,10 +32,10 @@ from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadat
 
 from core.checkpointing.layout import write_marker
 from core.checkpointing.storage import ChecksummingWriter
-from tests.checkpoint_harness import TINY
-from tests.helpers import run_python, train_run, validated_config
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import run_python, train_run, validated_config
 
-CEILING_MIB = 2048  # what a child may map beyond its start (tests/memory_capped.py)
+CEILING_MIB = 2048  # what a child may map beyond its start (tests/support/memory_capped.py)
 MARGIN_KIB = 300 * 1024  # a refused load's peak may exceed the clean command's by this much at most
 BYTEARRAY_4GIB = b"\x80\x02cbuiltins\nbytearray\n\x8a\x05\x00\x00\x00\x00\x01\x85R."  # bytearray(2**32)
 
@@ -71,7 +71,7 @@ def bytearray_pt() -> bytes:
 
 def run_capped(report: Path, *argv: str, timeout: float = 600):
     """`python <argv>` under the memory ceiling: (the finished process, its peak resident KiB)."""
-    proc = run_python("tests/memory_capped.py", str(report), str(CEILING_MIB), *argv, timeout=timeout)
+    proc = run_python("tests/support/memory_capped.py", str(report), str(CEILING_MIB), *argv, timeout=timeout)
     assert report.exists(), f"exit code {proc.returncode}: {(proc.stdout + proc.stderr)[-3000:]}"
     return proc, json.loads(report.read_text())["peak_kib"]
 
@@ -148,7 +148,7 @@ def test_a_value_of_shared_lists_is_refused_on_resume_before_it_is_copied(traine
 
 def _hf_folder(folder: Path, weights: bytes) -> Path:
     from recipes.gpt.hf import llama_config
-    from tests.test_read_back_files import SETTINGS
+    from tests.unit.config.test_file_shape import SETTINGS
 
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps(llama_config(SETTINGS, SETTINGS["vocab_size"], {}, "float32")))
@@ -158,7 +158,7 @@ def _hf_folder(folder: Path, weights: bytes) -> Path:
 
 def _llama_weights() -> bytes:
     from recipes.gpt.hf import llama_shapes
-    from tests.test_read_back_files import SETTINGS
+    from tests.unit.config.test_file_shape import SETTINGS
 
     return torch_saved({name: torch.zeros(shape) for name, shape in llama_shapes(SETTINGS).items()})
 

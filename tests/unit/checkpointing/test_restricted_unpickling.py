@@ -3,7 +3,7 @@ process as it was: DCP's index (`.metadata`, read by verify for our step folders
 DCP folders from elsewhere), non-tensor values in `.distcp` shards, torch weight files (init_from, predict,
 from-torch, to-hf --config) and Hugging Face `pytorch_model.bin` (from-hf). A control runs each trick through
 plain `pickle.loads` in another process, to show that the trick really does harm where it is not refused.
-The entry points reach these readers on every path: tests/test_checkpoint_safety.py runs them end to end."""
+The entry points reach these readers on every path: tests/unit/checkpointing/test_checkpoint_safety.py runs them end to end."""
 
 from __future__ import annotations
 
@@ -279,7 +279,7 @@ VALUE_ALLOCATING = {
 _PEAK_RSS = """
 import resource, sys
 sys.path.insert(0, sys.argv[1])
-from tests.test_pickle_tricks import VALUE_ALLOCATING, _load_a_value_from_a_shard
+from tests.unit.checkpointing.test_restricted_unpickling import VALUE_ALLOCATING, _load_a_value_from_a_shard
 from pathlib import Path
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # the imports' peak, whatever this machine makes it
 try:
@@ -292,7 +292,7 @@ print("peak_rise_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - befo
 
 @pytest.mark.parametrize("name", list(VALUE_ALLOCATING))
 def test_a_value_names_only_the_globals_plain_data_is_saved_with(tmp_path, name):
-    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(pathlib.Path(__file__).parents[1]), str(tmp_path),
+    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(pathlib.Path(__file__).parents[3]), str(tmp_path),
                            name], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()

@@ -25,7 +25,7 @@ from core.config.validation import save_config
 from core.data.datasets import MultiEpochDatasetResampler, epoch_index
 from core.data.pipeline import TrainingData
 from recipes.base import Datasets
-from tests.helpers import compose_config, validated_config
+from tests.support.helpers import compose_config, validated_config
 
 VIT = ["data=synthetic", "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "training.steps=4",
        "training.global_batch_size=16", "training.micro_batch_size=4"]
@@ -173,7 +173,7 @@ def test_an_output_that_cannot_be_written_is_an_error_line(tmp_path, command):
 def test_the_checkpoint_command_exits_3_for_a_checkpoint_and_2_for_other_inputs(tmp_path):
     """`python checkpoint.py ...` ends with its one line and an exit code a script can tell apart: 3 for a
     checkpoint to fix, 2 for another input or output (it was 1 for everything)."""
-    from tests.helpers import REPO, run_python
+    from tests.support.helpers import REPO, run_python
 
     (tmp_path / "step_5").mkdir()  # a save that never completed
     torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")

@@ -25,8 +25,8 @@ from core.checkpointing.layout import CheckpointError
 from core.checkpointing.saved_config import adopt_saved_model
 from core.config.errors import ConfigError
 from recipes.registry import get_recipe
-from tests.helpers import REPO, compose_config, run_python, train_run, validated_config
-from tests.test_image_folders import make_quirky_imagefolder
+from tests.support.helpers import REPO, compose_config, run_python, train_run, validated_config
+from tests.recipes.vit.test_image_folders import make_quirky_imagefolder
 
 # Model sizes and preprocessing that differ from vit_predict's (ViT-B/16 at 224 px, ImageNet normalization,
 # the 0.875 validation crop).

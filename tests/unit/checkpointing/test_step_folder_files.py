@@ -22,8 +22,8 @@ from core.checkpointing.dcp_index import index_from_json, load_index
 from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter
 from core.config.errors import ConfigError
-from tests.checkpoint_harness import TINY
-from tests.helpers import read_records, train_run, validated_config
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import read_records, train_run, validated_config
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from checkpoint import main as checkpoint_cli
-from tests.helpers import train_run, validated_config
+from tests.support.helpers import train_run, validated_config
 
 TINY = {
     "gpt": ("gpt_sanity", ["data.cache_dir={tmp}/cache", "model.hidden_size=32", "model.num_layers=1",

@@ -8,7 +8,7 @@ import pytest
 from core.config import command_line
 from core.config.errors import ConfigError
 from core.config.validation import validate
-from tests.helpers import compose_config
+from tests.support.helpers import compose_config
 
 
 def test_the_config_a_command_line_names():

@@ -15,8 +15,8 @@ from core.config.errors import ConfigError
 from core.config.validation import TRAIN_METRICS, check_monitored_metrics
 from core.training.length import RunLength
 from core.training.schedule import StepSchedule
-from tests.checkpoint_harness import TINY
-from tests.helpers import train_run, validated_config
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import train_run, validated_config
 
 # One config per recipe and task, shrunk to a model that builds in a moment.
 RECIPE_CONFIGS = {

@@ -13,7 +13,7 @@ import pytest
 
 from core.config.errors import ConfigError
 from core.config.ranges import Int, Numbers, Real, rules_of
-from tests.helpers import CONFIGS, REPO, run_python, validated_config
+from tests.support.helpers import CONFIGS, REPO, run_python, validated_config
 
 INT32 = "2**31 - 1"
 

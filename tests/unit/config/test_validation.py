@@ -11,7 +11,7 @@ from core.config.errors import ConfigError
 from core.config.validation import validate
 from core.data.sampling import GlobalBatchSampler, accumulation_steps
 from core.distributed.env import mesh_shape
-from tests.helpers import REPO, compose_config, run_python
+from tests.support.helpers import REPO, compose_config, run_python
 
 
 def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProcess:

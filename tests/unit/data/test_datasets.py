@@ -14,7 +14,7 @@ from core.data.datasets import (EpochIndex, IdentityMultiEpochDatasetWrapper, Mu
                            PRNGResampleDataset, sample_generator)
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 class Recorder(Dataset):

@@ -15,7 +15,7 @@ from pathlib import Path
 from PIL import Image
 
 from recipes.vit.folders import imagefolder_classes, imagefolder_files
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 def _images(folder: Path, names: list[str]) -> None:

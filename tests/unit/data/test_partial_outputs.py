@@ -1,7 +1,7 @@
 """core/data/partial_outputs.py: which writer of a temporary output has provably ended, the tags its names carry,
 and the stop signals raised while an output is written. The recipes' use of it (which files, what the final
-rename is, what is said) is tested with each: tests/test_esm2_store.py, tests/test_gpt_data_in_the_wild.py,
-tests/test_data.py."""
+rename is, what is said) is tested with each: tests/recipes/esm2/test_store.py, tests/recipes/gpt/test_data_in_the_wild.py,
+tests/unit/data/test_samplers_and_image_datasets.py."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from core.data.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatas
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted
 from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 def step_indices(n, mb, gb, dp, steps, seed=7, consumed=0) -> list[list[int]]:
@@ -221,7 +221,7 @@ def test_worker_images_are_normalized_where_the_batch_trains():
     from torch.utils.data import default_collate
 
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     digits = ["data=imagefolder", f"data.root={REPO / 'data' / 'digits'}", "data.num_classes=10", "data.num_workers=0"]
     recipe = ViTRecipe(validated_config("vit_sanity", digits + ["checkpoint.path=unused"]))

@@ -10,7 +10,7 @@ import sys
 import pytest
 from hydra import compose, initialize_config_dir
 
-from tests.helpers import CONFIGS, REPO, run_python
+from tests.support.helpers import CONFIGS, REPO, run_python
 
 SLURM_RANK_3_OF_4 = {
     "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
@@ -57,7 +57,7 @@ def test_the_slurm_launcher_asks_slurm_for_the_job_the_readme_describes(tmp_path
     from hydra.types import HydraContext
     from hydra.utils import instantiate
 
-    from tests.helpers import register
+    from tests.support.helpers import register
 
     class Submitted(Exception):
         pass
@@ -130,7 +130,7 @@ class _Mesh:
 def test_only_a_processs_first_nccl_world_is_bound_to_its_device(monkeypatch):
     """A later job in the same processes (a multirun's next) starts its NCCL world without device_id: torch's NCCL
     crashed (SIGSEGV) splitting a device-bound world that was not the process's first into the mesh's groups
-    (benchmarks/results/2026-11-27-two-gpus-suite-h200x2/; on GPUs: tests/test_gpu.py's 2-GPU multirun)."""
+    (benchmarks/results/2026-11-27-two-gpus-suite-h200x2/; on GPUs: tests/gpu/test_te_and_megatron_fsdp.py's 2-GPU multirun)."""
     import torch
 
     from core.distributed import env

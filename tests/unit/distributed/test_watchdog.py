@@ -1,5 +1,5 @@
 """core/distributed/watchdog.py: a rank started by torchrun ends when torchrun is gone (as an orphan it would go on
-training and writing checkpoints); the end-to-end case (torchrun killed) is tests/test_failures.py."""
+training and writing checkpoints); the end-to-end case (torchrun killed) is tests/e2e/test_failing_jobs.py."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 RANK = """
 import os, sys, time

@@ -1,5 +1,5 @@
 """The plain-torch twins: TE's parameter names and shapes, and TE's math (checked against explicit
-formulas in float64). Against TE itself they are compared on the GPU (tests/test_gpu.py)."""
+formulas in float64). Against TE itself they are compared on the GPU (tests/gpu/test_te_and_megatron_fsdp.py)."""
 
 from __future__ import annotations
 

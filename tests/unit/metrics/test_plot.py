@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from core.metrics import plot
-from tests.helpers import REPO, run_python
+from tests.support.helpers import REPO, run_python
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -11,8 +11,8 @@ import pytest
 
 from core.distributed.launch import run_name
 from core.metrics.history import keep_history_up_to
-from tests.checkpoint_harness import phase, run_phases
-from tests.helpers import REPO, run_python, run_workers
+from tests.support.checkpoint_harness import phase, run_phases
+from tests.support.helpers import REPO, run_python, run_workers
 
 LOGGERS = ["logger.wandb.enabled=true", "logger.wandb.mode=offline", "logger.tensorboard.enabled=true",
            "training.val_every_n_steps=2", "checkpoint.save_every_n_steps=2"]

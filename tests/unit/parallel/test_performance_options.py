@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.helpers import REPO, run_workers
-from tests.test_parity import COMMON, MICRO, _train_worker
+from tests.support.helpers import REPO, run_workers
+from tests.e2e.test_parity import COMMON, MICRO, _train_worker
 
 
 @pytest.mark.slow
@@ -35,7 +35,7 @@ def test_compile_replaces_each_block_forward_and_runs_compiled():
     from core.layers.namespace import TORCH_LAYERS
     from core.parallel import compilation
     from recipes.vit.recipe import ViTRecipe
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     recipe = ViTRecipe(validated_config("vit_sanity", COMMON + ["checkpoint.path=unused"]))
     model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tests.helpers import REPO
+from tests.support.helpers import REPO
 
 
 def run_script(name: str, monkeypatch, *argv: str) -> None:

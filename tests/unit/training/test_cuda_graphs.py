@@ -1,5 +1,5 @@
 """training.cuda_graphs on CPU: what it refuses, before any work, with the key named (the graphs themselves
-run on GPUs: tests/test_gpu_cuda_graphs.py)."""
+run on GPUs: tests/gpu/test_cuda_graphs.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 
 from core.config.errors import ConfigError
 from core.runtime import Machine, resolve
-from tests.helpers import REPO, run_python, validated_config
+from tests.support.helpers import REPO, run_python, validated_config
 
 GPU = Machine(cuda=True, te=True)
 GRAPHS = ["training.cuda_graphs=forward_backward", "checkpoint.path=unused"]

@@ -7,8 +7,8 @@ from collections import Counter
 import pytest
 
 from core.training.length import run_length
-from tests.checkpoint_harness import phase, run_phases
-from tests.helpers import read_records, run_workers
+from tests.support.checkpoint_harness import phase, run_phases
+from tests.support.helpers import read_records, run_workers
 
 # TINY: 48 training samples, global batch 16, so an epoch is 3 steps.
 BY_EPOCHS = ["training.steps=null", "training.epochs=2", "training.val_every_n_epochs=1",

@@ -13,8 +13,8 @@ from omegaconf import OmegaConf
 from core.config.schema import OptimConfig, SchedulerConfig
 from core.training import optim
 from core.training.state import TrainState
-from tests.checkpoint_harness import TINY
-from tests.helpers import read_records, train_run, validated_config
+from tests.support.checkpoint_harness import TINY
+from tests.support.helpers import read_records, train_run, validated_config
 
 LR = 2e-3
 

@@ -65,7 +65,7 @@ def test_the_config_checks_answer_about_validation_agrees_with_the_loop(steps, g
 
 
 def test_from_config_reads_the_training_and_checkpoint_keys():
-    from tests.helpers import validated_config
+    from tests.support.helpers import validated_config
 
     cfg = validated_config("vit_sanity", ["checkpoint.path=unused", "training.log_every_n_steps=3",
                                           "training.val_every_n_steps=4", "training.val_every_n_epochs=2",
