@@ -47,11 +47,13 @@ def test_vit_sanity_on_two_processes_learns(tmp_path):
 
 
 @pytest.mark.slow
-def test_plain_python_single_process(tmp_path):
-    run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "training.steps=2",
-         f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path)
+def test_plain_python_single_process_with_wandb_offline(tmp_path):
+    run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "logger=wandb", "training.steps=2",
+         f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path, env={"WANDB_MODE": "offline"})
     rows = [(r["step"], r.get("split")) for r in records(tmp_path / "run")]
     assert rows == [(1, None), (2, None), (2, "val"), (2, "checkpoint")]  # two steps, validation, the save
+    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))
 
 
 @pytest.mark.slow
@@ -63,11 +65,3 @@ def test_multirun_sweep_on_two_processes(tmp_path):
         assert (sweep / "checkpoints" / f"optim.lr={lr}" / "step_3" / "COMPLETE").exists()
         assert len([r for r in records(sweep / job) if "split" not in r]) == 3
         assert f"lr: {float(lr)}" in (sweep / job / "resolved_config.yaml").read_text()
-
-
-@pytest.mark.slow
-def test_wandb_offline(tmp_path):
-    run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "logger=wandb", "training.steps=2",
-         f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path, env={"WANDB_MODE": "offline"})
-    runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].glob("*.wandb"))

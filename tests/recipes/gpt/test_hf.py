@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from core.checkpointing.weights import load_weights, read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
 from recipes.registry import get_recipe
-from tests.support.helpers import full_state_dict, torchrun, train_run, validated_config
+from tests.support.helpers import full_state_dict, run_workers, train_run, validated_config
 
 SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
          "model.ffn_hidden_size=96", "model.seq_length=32", "training.micro_batch_size=4",
@@ -88,13 +87,14 @@ def test_a_weights_file_exports_with_its_runs_config(cache, tmp_path):
     assert a.keys() == b.keys() and all(torch.equal(a[k].bfloat16(), b[k]) for k in a)
 
 
+def _train_a_rank(overrides: list[str], run_dir: str) -> None:
+    train_run(validated_config("gpt_sanity", overrides), run_dir)
+
+
 @pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_the_same_way(cache, tmp_path):
-    cmd = torchrun(2, "train.py",
-           "--config-name", "gpt_sanity", *SMALL, "distributed.tp=2", f"data.cache_dir={cache}",
-           f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run")
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_workers(2, _train_a_rank, [*SMALL, "distributed.tp=2", f"data.cache_dir={cache}",
+                                   f"checkpoint.path={tmp_path}/ckpt"], str(tmp_path / "run"))
     cfg = validated_config("gpt_sanity", [*SMALL, "checkpoint.path=unused"])
     _assert_llama_parity(tmp_path / "ckpt" / "step_3", cfg, tmp_path / "hf")
 

@@ -157,7 +157,7 @@ def test_per_document_perplexity_on_two_processes(trained, tmp_path):
 
 @pytest.mark.slow
 def test_a_stopped_generation_keeps_what_it_finished_and_the_same_command_continues_it(tmp_path):
-    """SIGTERM to generate.py over 1000 prompts: it stops after the continuation in progress, its output holds
+    """SIGTERM to generate.py over 300 prompts: it stops after the continuation in progress, its output holds
     the uninterrupted run's first lines byte for byte, and it says how to continue; a torn last line (a kill -9
     while writing) is dropped, and the same command completes the file to the uninterrupted run's."""
     train_run(validated_config("gpt_sanity", [
@@ -165,7 +165,7 @@ def test_a_stopped_generation_keeps_what_it_finished_and_the_same_command_contin
         "training.val_every_n_steps=0", "training.val_at_end=false", "data.num_workers=0", "logger.progress_bar=never",
         f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={tmp_path}/ckpt"]), tmp_path / "train")
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("".join(f"Prompt {i}: {'call me Ishmael ' * (i % 3)}\n" for i in range(1000)))
+    prompts.write_text("".join(f"Prompt {i}: {'call me Ishmael ' * (i % 3)}\n" for i in range(300)))
     settings = [f"checkpoint.init_from={tmp_path}/ckpt/step_2", f"generate.prompt_file={prompts}",
                 "generate.max_new_tokens=3", "generate.samples_per_prompt=2", "generate.temperature=0.8",
                 f"checkpoint.path={tmp_path}/unused"]
@@ -177,7 +177,7 @@ def test_a_stopped_generation_keeps_what_it_finished_and_the_same_command_contin
     finally:
         torch.set_num_threads(threads)
     reference = (tmp_path / "ref.jsonl").read_bytes().splitlines(keepends=True)
-    assert len(reference) == 2000
+    assert len(reference) == 600
 
     output = tmp_path / "out.jsonl"
     command = [sys.executable, str(REPO / "generate.py"), "--config-name", "gpt_sanity", *settings,
@@ -199,14 +199,14 @@ def test_a_stopped_generation_keeps_what_it_finished_and_the_same_command_contin
     code, log = run("stopped.log", stop_after_lines=20)
     lines = output.read_bytes().splitlines(keepends=True)
     assert code == 128 + signal.SIGTERM, log[-3000:]
-    assert 20 <= len(lines) < 2000 and lines == reference[:len(lines)]
-    assert (f"stopped by SIGTERM: {len(lines) // 2} of 1000 prompts done ({len(lines)} continuations in {output}); "
+    assert 20 <= len(lines) < 600 and lines == reference[:len(lines)]
+    assert (f"stopped by SIGTERM: {len(lines) // 2} of 300 prompts done ({len(lines)} continuations in {output}); "
             "to continue after them, run the same command again") in log
     with output.open("ab") as f:  # a process killed while writing the next line
         f.write(reference[len(lines)][:30])
     code, log = run("continued.log")
     assert code == 0, log[-3000:]
-    assert f"holds {len(lines)} of 2000 continuations already: continuing after them" in log
+    assert f"holds {len(lines)} of 600 continuations already: continuing after them" in log
     assert output.read_bytes() == b"".join(reference)
 
 
