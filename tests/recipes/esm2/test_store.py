@@ -163,6 +163,7 @@ def test_a_loader_worker_refuses_a_store_written_again_in_one_line(tmp_path):
 
 
 # --- preprocess runs that meet at one --out --------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_run_to_the_same_out_is_refused_while_the_first_writes(tmp_path):
     """The second run (another process, started while the first is writing) refuses in one line naming the first;
     the first completes, and nothing of either is left behind."""

@@ -20,7 +20,7 @@ import generate
 from core.checkpointing.weights import read_model_weights
 from core.layers.namespace import TORCH_LAYERS
 from recipes.gpt.model import GPT
-from tests.support.helpers import REPO, compose_config, run_python, torchrun, train_run, validated_config
+from tests.support.helpers import REPO, compose_config, run_python, run_python_ranks, train_run, validated_config
 
 # A tiny GPT of gpt_sanity's byte tokenizer: for tests of how generate.py runs, not of its text.
 TINY_GPT = ["model.hidden_size=32", "model.num_layers=2", "model.num_attention_heads=2", "model.num_query_groups=2",
@@ -134,11 +134,10 @@ def test_generate_command_prints_a_continuation_and_refuses_bad_input(trained, t
 
 @pytest.mark.slow
 def test_per_document_perplexity_on_two_processes(trained, tmp_path):
-    cmd = torchrun(2, "predict.py",
+    proc = run_python_ranks(2, REPO / "predict.py",
            "--config-name", "gpt_sanity", f"checkpoint.init_from={trained}/ckpt/step_{STEPS}", "predict.split=val",
            "predict.micro_batch_size=64", f"data.cache_dir={trained}/cache", f"hydra.run.dir={tmp_path}/run",
-           "predict.output=perplexity.csv")
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+           "predict.output=perplexity.csv", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(tmp_path / "perplexity.csv") as f:
         rows = list(csv.DictReader(f))

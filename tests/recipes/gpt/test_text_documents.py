@@ -51,6 +51,7 @@ def random_text(rng: random.Random) -> bytes:
     return (b"\xef\xbb\xbf" if rng.random() < 0.3 else b"") + text.encode("utf-8")
 
 
+@pytest.mark.slow
 def test_reading_a_block_at_a_time_gives_the_documents_of_the_whole_text(tmp_path, monkeypatch):
     rng = random.Random(49)
     texts = [e.encode() for e in EDGES] + [b"\xef\xbb\xbf" + e.encode() for e in EDGES]

@@ -1,5 +1,5 @@
 """The MNIST recipe: datasets, weights carried from pretraining to fine-tuning, and the three-command
-workflow (pretrain -> fine-tune -> predict) through torchrun."""
+workflow (pretrain -> fine-tune -> predict) on 2 and 3 processes."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import csv
 import gzip
 import json
 import re
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -16,7 +15,7 @@ import torch
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import MultiEpochDatasetResampler
 from tests.support.checkpoint_harness import run_phases
-from tests.support.helpers import REPO, run_python, run_workers, torchrun
+from tests.support.helpers import REPO, run_python, run_python_ranks, run_workers
 
 RAW = REPO / "data" / "mnist_5k" / "MNIST" / "raw"
 QUICK = ["logger.progress_bar=never", "training.log_every_n_steps=10", "data.num_workers=0"]
@@ -100,11 +99,10 @@ def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
     assert "unexpected in the checkpoint: ['decoder.fc1.bias', 'decoder.fc1.weight'" in strict["error"]
 
 
-def _torchrun(nproc: int, script: str, config: str, cwd: Path, *overrides: str) -> str:
-    cmd = torchrun(nproc, script,
-           "--config-name", config, *overrides)
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"{cmd}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+def _on_ranks(nproc: int, script: str, config: str, cwd: Path, *overrides: str) -> str:
+    """The command on `nproc` processes, as torchrun runs it (torchrun itself: tests/e2e/)."""
+    proc = run_python_ranks(nproc, REPO / script, "--config-name", config, *overrides, cwd=cwd)
+    assert proc.returncode == 0, f"{script} {config} {overrides}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc.stdout + proc.stderr
 
 
@@ -113,15 +111,15 @@ def test_pretrain_finetune_predict_commands(tmp_path):
     """docs/mnist.md's three commands on the shipped digits: pretrain and fine-tune on 2 processes, predict
     on 3 (1,000 test samples do not divide by 3): one row per test sample, accuracy well above chance;
     the same fine-tune command again finds its checkpoint and has nothing left to do."""
-    _torchrun(2, "train.py", "mnist_pretrain", tmp_path, "checkpoint.path=ckpt/pre", "training.steps=200",
+    _on_ranks(2, "train.py", "mnist_pretrain", tmp_path, "checkpoint.path=ckpt/pre", "training.steps=200",
               "scheduler.warmup_steps=40", *QUICK)
     finetune = ["checkpoint.init_from=ckpt/pre/step_200", "checkpoint.path=ckpt/ft", "training.steps=150", *QUICK]
-    out = _torchrun(2, "train.py", "mnist_finetune", tmp_path, *finetune)
+    out = _on_ranks(2, "train.py", "mnist_finetune", tmp_path, *finetune)
     assert "kept the fresh init of ['digit_classifier.bias', 'digit_classifier.weight']" in out
-    again = _torchrun(2, "train.py", "mnist_finetune", tmp_path, *finetune)
+    again = _on_ranks(2, "train.py", "mnist_finetune", tmp_path, *finetune)
     assert "resumed from ckpt/ft/step_150" in again and "nothing left to do" in again
 
-    out = _torchrun(3, "predict.py", "mnist_predict", tmp_path, "checkpoint.init_from=ckpt/ft/step_150",
+    out = _on_ranks(3, "predict.py", "mnist_predict", tmp_path, "checkpoint.init_from=ckpt/ft/step_150",
                     "predict.output=predictions.csv", "predict.micro_batch_size=64")
     with open(tmp_path / "predictions.csv") as f:
         rows = list(csv.DictReader(f))

@@ -153,6 +153,7 @@ for train in (True, False):
 """
 
 
+@pytest.mark.slow
 def test_the_gpu_crop_kernel_gives_the_torch_paths_pixels():
     """The Triton kernel that crops, resizes (antialiased), flips and normalizes a GPU batch, run by Triton's
     interpreter on the CPU against torch's image-by-image path: the same pixels but for a rare level of 255

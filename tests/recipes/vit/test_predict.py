@@ -6,14 +6,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
-import subprocess
 
 import numpy as np
 import pytest
 import torch
 
 from core.config.errors import ConfigError
-from tests.support.helpers import torchrun, train_run, validated_config
+from tests.support.helpers import REPO, run_python_ranks, train_run, validated_config
 from tests.recipes.vit.test_image_folders import _image, make_quirky_imagefolder
 
 
@@ -29,11 +28,10 @@ def trained(tmp_path_factory):
 
 
 def _predict(tmp, root, out, *overrides):
-    cmd = torchrun(2, "predict.py",
+    proc = run_python_ranks(2, REPO / "predict.py",
            "--config-name", "vit_predict", "data=imagefolder", f"data.root={root}",  # the model: its config.yaml
            "precision=fp32", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
-           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides)
-    proc = subprocess.run(cmd, cwd=out, capture_output=True, text=True, timeout=300)
+           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides, cwd=out)
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "predictions.csv") as f:
         return list(csv.DictReader(f)), json.loads((out / "prediction_metrics.json").read_text())

@@ -632,6 +632,7 @@ def test_a_config_json_that_is_not_a_json_object_is_refused(content, named, llam
     assert error.startswith(f"error: {llama / 'config.json'}: ") and named in error
 
 
+@pytest.mark.slow
 def test_a_step_folders_config_nested_too_deeply_is_one_line_for_to_hf(tmp_path):
     """to-hf reads the recipe of a step folder's config.yaml before anything else (it was a RecursionError there)."""
     step = tmp_path / "step_1"

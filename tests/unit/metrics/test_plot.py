@@ -99,6 +99,7 @@ def test_plots_a_short_training_run(tmp_path):
     assert train.steps == [1, 2, 3, 4, 5, 6] and val.steps == [3, 6]
 
 
+@pytest.mark.slow
 def test_training_never_imports_matplotlib():
     code = "import sys, train, core.metrics.plot; assert 'matplotlib' not in sys.modules"
     proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)

@@ -76,6 +76,7 @@ def test_a_finished_cosine_extended_from_300_to_600_steps_rises_again_and_says_s
     assert "scheduler.on_extend=hold" in notes[0] and "scheduler=wsd" in notes[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["cosine", "wsd"])
 def test_hold_keeps_the_finished_decay(name):
     rates, notes = _rates(SchedulerConfig(name=name, warmup_steps=30, on_extend="hold", min_lr_ratio=0.1), 300, 300,
