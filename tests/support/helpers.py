@@ -152,6 +152,8 @@ def _take_callers_context(environ: dict, cwd: str) -> None:
     os.environ.clear()
     os.environ.update(environ)
     os.chdir(cwd)
+    if environ.get("OMP_NUM_THREADS", "").isdigit():  # read by a fresh process at its start, not by torch imported
+        torch.set_num_threads(max(1, int(environ["OMP_NUM_THREADS"])))
     # The child's default start method is its parent's, so its data loader's workers would start through a fork
     # server or as fresh interpreters (importing torch, TE, ... for every loader) instead of forks as under
     # torchrun or a plain `python`.
@@ -198,10 +200,16 @@ def run_workers(world_size: int, fn: Callable, *args) -> list:
         return out
 
 
-def _run_as_main(argv: list[str]) -> int:
-    """`python <argv>` in this process: the script (or "-m", module) run as __main__; its exit code."""
+def _script_worker(argv: list[str], cwd: str, environ: dict, out_path: str, err_path: str) -> None:
+    import atexit
     import runpy
 
+    _take_callers_context(environ, cwd)
+    for fd, path in ((1, out_path), (2, err_path)):  # as a subprocess with captured output
+        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+        os.dup2(opened, fd)
+        os.close(opened)
+    code = 0
     try:
         if argv[0] == "-m":
             sys.argv = [argv[1], *argv[2:]]
@@ -211,24 +219,13 @@ def _run_as_main(argv: list[str]) -> int:
             runpy.run_path(argv[0], run_name="__main__")
     except SystemExit as stop:  # an interpreter's meaning of the exit value
         if stop.code is None or isinstance(stop.code, int):
-            return stop.code or 0
-        print(stop.code, file=sys.stderr)
-        return 1
+            code = stop.code or 0
+        else:
+            print(stop.code, file=sys.stderr)
+            code = 1
     except BaseException:
         traceback.print_exc()
-        return 1
-    return 0
-
-
-def _script_worker(argv: list[str], cwd: str, environ: dict, out_path: str, err_path: str) -> None:
-    import atexit
-
-    _take_callers_context(environ, cwd)
-    for fd, path in ((1, out_path), (2, err_path)):  # as a subprocess with captured output
-        opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(opened, fd)
-        os.close(opened)
-    code = _run_as_main(argv)
+        code = 1
     atexit._run_exitfuncs()  # what the interpreter would run at its exit
     sys.stdout.flush()
     sys.stderr.flush()
@@ -279,37 +276,21 @@ def start_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None) ->
     return StartedPython([str(a) for a in argv], cwd, env)
 
 
-def _script_rank(argv: list[str], cwd: str, environ: dict, folder: str) -> int:
-    """Worker body of run_python_ranks: this rank's run of the script, its output in <folder>/<rank>.out|err."""
-    os.chdir(cwd)
-    os.environ.update(environ)
-    for fd, kind in ((1, "out"), (2, "err")):
-        opened = os.open(f"{folder}/{os.environ['RANK']}.{kind}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-        os.dup2(opened, fd)
-        os.close(opened)
-    code = _run_as_main(argv)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    return code
-
-
-def run_python_ranks(world_size: int, *argv: str, cwd: Path | str = REPO) -> subprocess.CompletedProcess:
-    """`torchrun --nproc-per-node <world_size> <argv>` with the ranks forked from the test fork server (run_workers:
-    RANK, WORLD_SIZE, LOCAL_RANK and MASTER_ADDR/PORT set as torchrun sets them, one run id for all): seconds less
-    than torchrun's fresh interpreters. For tests of what a script does on several processes, not of torchrun.
-    The highest exit code, and the ranks' output one after another, as subprocess.run(..., text=True) gives them."""
-    import shutil
-    import tempfile
+def run_python_ranks(world_size: int, *argv: str, cwd: Path | str = REPO,
+                     timeout: float = 600) -> subprocess.CompletedProcess:
+    """`torchrun --nproc-per-node <world_size> <argv>` with each rank a run_python process (RANK, WORLD_SIZE,
+    LOCAL_RANK, MASTER_ADDR/PORT and one thread per core share as torchrun gives them, and one run id for all):
+    seconds less than torchrun's fresh interpreters. For tests of what a script does on several processes, not of
+    torchrun. The first non-zero exit code, and the ranks' output one after another."""
     import time
 
     from core.distributed.launch import RUN_ID_ENV
 
-    folder = tempfile.mkdtemp(prefix="run_python_ranks-")
-    try:
-        run = {RUN_ID_ENV: time.strftime("%Y-%m-%d_%H-%M-%S")}
-        codes = run_workers(world_size, _script_rank, [str(a) for a in argv], str(cwd), run, folder)
-        out, err = ("".join(Path(f"{folder}/{r}.{kind}").read_text(errors="replace") for r in range(world_size))
-                    for kind in ("out", "err"))
-        return subprocess.CompletedProcess(["python", *argv], max(codes), out, err)
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    common = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
+              RUN_ID_ENV: time.strftime("%Y-%m-%d_%H-%M-%S"),
+              "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
+    ranks = [start_python(*argv, cwd=cwd, env={**common, "RANK": str(r), "LOCAL_RANK": str(r)})
+             for r in range(world_size)]
+    done = [rank.finish(timeout) for rank in ranks]
+    return subprocess.CompletedProcess(["python", *argv], next((d.returncode for d in done if d.returncode), 0),
+                                       "".join(d.stdout for d in done), "".join(d.stderr for d in done))
