@@ -53,15 +53,15 @@ if [[ $what == tests || $what == all ]]; then
   gpu_tests gpu "${@:2}"
 fi
 # tests_2gpus 1|2|3: the whole GPU suite on 2 GPUs in three parts, each within one 10-minute call (times in
-# docs/testing.md): test_gpu.py but its two longest tests; those two, then every GPU test outside test_gpu.py and
-# test_gpu_cuda_graphs.py; test_gpu_cuda_graphs.py.
+# docs/testing.md): gpu/test_te_and_megatron_fsdp.py but its two longest tests; those two, then every GPU test outside that file and
+# gpu/test_cuda_graphs.py; gpu/test_cuda_graphs.py.
 if [[ $what == tests_2gpus ]]; then
   longest="tensor_parallel_gpt_125m or fp8_checkpoint_resumes_on_2"
   case ${2:-} in
-    1) gpu_tests gpu tests/test_gpu.py -k "not ($longest)" ;;
-    2) gpu_tests gpu tests/test_gpu.py -k "$longest"
-       gpu_tests gpu tests/ --ignore=tests/test_gpu.py --ignore=tests/test_gpu_cuda_graphs.py ;;
-    3) gpu_tests gpu tests/test_gpu_cuda_graphs.py ;;
+    1) gpu_tests gpu tests/gpu/test_te_and_megatron_fsdp.py -k "not ($longest)" ;;
+    2) gpu_tests gpu tests/gpu/test_te_and_megatron_fsdp.py -k "$longest"
+       gpu_tests gpu tests/ --ignore=tests/gpu/test_te_and_megatron_fsdp.py --ignore=tests/gpu/test_cuda_graphs.py ;;
+    3) gpu_tests gpu tests/gpu/test_cuda_graphs.py ;;
     *) echo "tests_2gpus takes the part: 1, 2 or 3" >&2; exit 2 ;;
   esac
 fi

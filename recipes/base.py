@@ -52,7 +52,7 @@ class Recipe(ABC):
     # The config (configs/<config>.yaml) predict.py and generate.py compose for a checkpoint of this recipe when
     # neither the command line nor the checkpoint names one; "": configs/<name>.yaml.
     predict_config: ClassVar[str] = ""
-    # For the tests that sweep every recipe (tests/test_monitored_metrics.py, tests/test_config.py): {case: (config,
+    # For the tests that sweep every recipe (tests/unit/config/test_monitored_metrics.py, tests/unit/config/test_validation.py): {case: (config,
     # overrides)} that build a model in a moment and read data shipped in the repository ("{tmp}" in an override:
     # a temporary folder). The default: configs/<name>.yaml as it is.
     tiny_configs: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}

@@ -3,7 +3,7 @@
 A schema's types refuse text where a number belongs, but not the numbers nothing downstream can use: NaN,
 infinities, a probability above 1, a size of 0, or a typo like 1e300 that overflows far from the config.
 So every numeric field of a schema has a rule in the schema's `RANGES` table, with a lower and an upper
-bound (tests/test_config_ranges.py fails for a field without one), and `validation.validate` applies the
+bound (tests/unit/config/test_ranges.py fails for a field without one), and `validation.validate` applies the
 tables before any work, naming the key, the value and what was expected. A table is inherited: a recipe's `data` schema also applies `DataConfig`'s rules.
 """
 

@@ -2,8 +2,8 @@
 import os, sys, time, tempfile
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[3]))
 import torch.multiprocessing as mp
-import tests.helpers as h
-import tests.test_gpu_cuda_graphs as g
+import tests.support.helpers as h
+import tests.gpu.test_cuda_graphs as g
 
 CPU = ["data=gpt_mock", "model.vocab_size=512", "distributed=fsdp2", "model.backend=torch", "training.micro_batch_size=8",
        "training.global_batch_size=16", *g.EVERY_STEP, "data.num_workers=2"]

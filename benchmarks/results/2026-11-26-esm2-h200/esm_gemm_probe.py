@@ -7,7 +7,7 @@ from recipes.esm2.recipe import ESM2Recipe
 from recipes.esm2.masking import Masking
 from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import read_store
-from tests.helpers import validated_config
+from tests.support.helpers import validated_config
 import numpy as np
 S = "data/uniref90_sample/uniref90_1000.parquet"
 cfg = validated_config("esm2_650m", ["checkpoint.path=unused", f"data.path={S}"])

@@ -13,7 +13,7 @@ import torch
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
 from recipes.points.recipe import PointsRecipe
-from tests.helpers import REPO, read_records, run_python, torchrun, validated_config
+from tests.support.helpers import REPO, read_records, run_python, torchrun, validated_config
 
 
 def test_a_sample_is_the_same_every_time_and_its_noise_new_every_epoch():
