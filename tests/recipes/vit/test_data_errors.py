@@ -118,7 +118,7 @@ def test_an_image_that_cannot_be_decoded_names_the_file_and_the_setting(tmp_path
         samples[1]
 
 
-@pytest.mark.parametrize("kind", ["missing", "empty", "unreadable"])
+@pytest.mark.parametrize("kind", ["missing", "empty", pytest.param("unreadable", marks=pytest.mark.slow)])
 def test_a_predict_folder_that_cannot_be_used_is_named(tmp_path, kind):
     folder = tmp_path / "incoming"
     if kind != "missing":

@@ -54,6 +54,7 @@ def test_another_host_or_pid_namespace_is_never_judged(ended_pid):
         assert not writer_is_gone(me.model_copy(update={"pid": ended_pid} | other), me), other
 
 
+@pytest.mark.slow
 def test_a_reboot_since_ends_every_writer_of_before_unless_a_boot_id_is_unreadable(live_pid):
     me = this_writer()
     assert me.boot is not None and me.pidns is not None, "this test needs /proc"
