@@ -11,10 +11,10 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama or ESM folder -> GPT or ESM-2 weights
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's index is read from index.json, or
-from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as plain data and checked against the
-recipe's schemas: core/checkpointing/saved_config.py) and checks every file against the CRC-32 recorded when
-it was written (`--skip-checksums` to read a damaged checkpoint anyway). to-hf takes the model settings from
-the step folder's config.yaml; a `--config` whose model settings differ from it is refused.
+from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as
+plain data and checked against the recipe's schemas: core/checkpointing/saved_config.py) and checks every file against
+the CRC-32 recorded when it was written (`--skip-checksums` to read a damaged checkpoint anyway). to-hf takes the model
+settings from the step folder's config.yaml; a `--config` whose model settings differ from it is refused.
 """
 
 from __future__ import annotations
@@ -69,8 +69,10 @@ def exporter(source: Path, config: Optional[str]) -> ModuleType:
 
     conversions, recipe = hf_conversions(), run_recipe(source, config)
     if recipe is not None and recipe not in conversions:
-        raise CheckpointError(f"{source}: a checkpoint of the {recipe} recipe; to-hf exports those of the "
-                              f"{listed(sorted(conversions))} recipe{'s' if len(conversions) > 1 else ''}")
+        raise CheckpointError(
+            f"{source}: a checkpoint of the {recipe} recipe; to-hf exports those of the "
+            f"{listed(sorted(conversions))} recipe{'s' if len(conversions) > 1 else ''}"
+        )
     # With no recipe to be read, any export refuses the run first, naming what is missing (core/checkpointing/
     # hf_folders.py:read_run); a sorted pick keeps that message the same from run to run.
     return conversions[recipe] if recipe is not None else conversions[min(conversions)]
@@ -83,13 +85,15 @@ def importer(hf_dir: str, out: str) -> ModuleType:
     from recipes.registry import hf_conversions
 
     folder, _, config = read_hf_config(hf_dir, out)
-    readers = {model_type: (name, module) for name, module in hf_conversions().items()
-               for model_type in module.HF_MODEL_TYPES}
+    readers = {
+        model_type: (name, module) for name, module in hf_conversions().items() for model_type in module.HF_MODEL_TYPES
+    }
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in readers:
         supported = [f"{t!r} (the {name} recipe)" for t, (name, _) in sorted(readers.items())]
-        raise ValueError(f"{folder / 'config.json'}: model_type={model_type!r}; from-hf reads model_type "
-                         f"{listed(supported, 'or')}")
+        raise ValueError(
+            f"{folder / 'config.json'}: model_type={model_type!r}; from-hf reads model_type {listed(supported, 'or')}"
+        )
     return readers[model_type][1]
 
 
@@ -101,27 +105,40 @@ def listed(names: list[str], conjunction: str = "and") -> str:
 def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description="Convert checkpoints of this repository's training runs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name, help in (("to-torch", "step folder -> one torch.save file of the full model weights"),
-                       ("to-safetensors", "step folder -> one .safetensors file of the full model weights")):
+    for name, help in (
+        ("to-torch", "step folder -> one torch.save file of the full model weights"),
+        ("to-safetensors", "step folder -> one .safetensors file of the full model weights"),
+    ):
         command = sub.add_parser(name, help=help)
         command.add_argument("step_dir")
         command.add_argument("out")
-        command.add_argument("--skip-checksums", action="store_true",
-                       help="do not check the files against the checksums recorded when they were written")
+        command.add_argument(
+            "--skip-checksums",
+            action="store_true",
+            help="do not check the files against the checksums recorded when they were written",
+        )
     command = sub.add_parser("from-torch", help=".pt/.safetensors model weights -> a step folder")
     command.add_argument("source")
     command.add_argument("step_dir")
-    command = sub.add_parser("to-hf", help="a GPT or ESM-2 step folder -> a Hugging Face LlamaForCausalLM or "
-                                           "EsmForMaskedLM folder")
+    command = sub.add_parser(
+        "to-hf", help="a GPT or ESM-2 step folder -> a Hugging Face LlamaForCausalLM or EsmForMaskedLM folder"
+    )
     command.add_argument("step_dir", help="a step folder, or a .pt/.safetensors file of to-torch/to-safetensors")
     command.add_argument("out_dir")
-    command.add_argument("--config", help="the run's config.yaml: needed for a weights file; a step folder's own is the "
-                   "default, and a --config whose model settings differ from it is refused")
+    command.add_argument(
+        "--config",
+        help="the run's config.yaml: needed for a weights file; a step folder's own is the "
+        "default, and a --config whose model settings differ from it is refused",
+    )
     command.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="of the written weights")
-    command.add_argument("--skip-checksums", action="store_true",
-                   help="do not check the files against the checksums recorded when they were written")
-    command = sub.add_parser("from-hf", help="a Hugging Face Llama or ESM folder -> GPT or ESM-2 weights for "
-                                             "checkpoint.init_from")
+    command.add_argument(
+        "--skip-checksums",
+        action="store_true",
+        help="do not check the files against the checksums recorded when they were written",
+    )
+    command = sub.add_parser(
+        "from-hf", help="a Hugging Face Llama or ESM folder -> GPT or ESM-2 weights for checkpoint.init_from"
+    )
     command.add_argument("hf_dir")
     command.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
     command.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
@@ -135,8 +152,12 @@ def main(argv: Optional[list[str]] = None) -> None:
             from_torch(args.source, args.step_dir)
         elif args.command == "to-hf":
             exporter(Path(args.step_dir), args.config).export_to_hf(
-                args.step_dir, args.out_dir, verify_checksums=not args.skip_checksums, dtype=args.dtype,
-                config=args.config)
+                args.step_dir,
+                args.out_dir,
+                verify_checksums=not args.skip_checksums,
+                dtype=args.dtype,
+                config=args.config,
+            )
         else:
             importer(args.hf_dir, args.out).import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
     except (CheckpointError, ValueError, OSError) as e:  # OSError: an output that cannot be written, a missing input

@@ -39,15 +39,15 @@ from core import session
 from core.checkpointing.layout import resolve_checkpoint
 from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
-from core.config.errors import ConfigError, DataError
+from core.config.errors import ConfigError
 from core.config.file_shape import shown
 from core.config.validation import to_plain
 from core.distributed import launch
 from core.distributed.signals import StopSignals
-from core.training.nonfinite import NonFiniteError
 from core.generation.decoding import Sampling, banned_tokens, continue_prompt, sample_generator
 from core.generation.generations_file import Appender, continue_output, prompts_identity
 from core.generation.prompts import read_prompts
+from core.training.nonfinite import NonFiniteError
 from recipes.base import GENERATION
 from recipes.registry import check_supports, config_keys, get_recipe, predict_configs, register_configs
 
@@ -83,7 +83,7 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
     if not cfg.checkpoint.init_from:
         raise ConfigError("generate.py needs checkpoint.init_from=<step folder | file.pt | file.safetensors>")
     if (gen.prompt is None) == (gen.prompt_file is None):
-        raise ConfigError("generate.py needs one of generate.prompt=\"...\" or generate.prompt_file=<file>")
+        raise ConfigError('generate.py needs one of generate.prompt="..." or generate.prompt_file=<file>')
     prompts = [gen.prompt] if gen.prompt is not None else read_prompts(Path(gen.prompt_file))
     register_configs()  # as in train.run: for a caller from Python, which never ran __main__
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
@@ -93,12 +93,19 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
         with session.start(whole_weights(cfg), run_dir, get_recipe) as sess:
             # 1. The model in one process, its weights from checkpoint.init_from.
             if sess.env.world_size != 1:
-                raise ConfigError(f"generate.py runs in one process (started with {sess.env.world_size}): use "
-                                  "python, not torchrun")
+                raise ConfigError(
+                    f"generate.py runs in one process (started with {sess.env.world_size}): use python, not torchrun"
+                )
             parallel, _ = session.build_model(sess, training=False)
             ckpt = sess.cfg.checkpoint
-            load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, True,
-                         ckpt.verify_checksums)
+            load_weights(
+                parallel,
+                ckpt.init_from,
+                list(ckpt.init_skip_prefixes),
+                ckpt.init_ignore_unexpected,
+                True,
+                ckpt.verify_checksums,
+            )
             # 2. The output: new, or continued after the continuations it holds.
             gen = sess.cfg.generate
             output = Path(gen.output) if gen.output else run_dir / "generations.jsonl"
@@ -113,8 +120,15 @@ def generate(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> l
         stop.close()
 
 
-def decode(sess: session.Session, model: torch.nn.Module, prompts: list[str], samples: int, start: int,
-           out: Appender, stop: StopSignals) -> list[Generation]:
+def decode(
+    sess: session.Session,
+    model: torch.nn.Module,
+    prompts: list[str],
+    samples: int,
+    start: int,
+    out: Appender,
+    stop: StopSignals,
+) -> list[Generation]:
     """Continuation k = sample k % samples of prompt k // samples, for k from `start` on, each appended to `out`;
     until all are done or a stop signal arrived."""
     recipe, gen = sess.recipe, sess.cfg.generate
@@ -132,19 +146,35 @@ def decode(sess: session.Session, model: torch.nn.Module, prompts: list[str], sa
             raise ConfigError(f"prompt {i + 1} is empty")
         sample = f", sample {j + 1}" if samples > 1 else ""
         try:
-            continuation = continue_prompt(recipe, model, ids, gen.max_new_tokens, sess.cfg.model.seq_length,
-                                           sampling, None if gen.greedy else sample_generator(gen.seed, i, j), banned,
-                                           tokenizer.eod if gen.stop_at_eod else None, sess.env.device, sess.autocast,
-                                           kv_dtype)
+            continuation = continue_prompt(
+                recipe,
+                model,
+                ids,
+                gen.max_new_tokens,
+                sess.cfg.model.seq_length,
+                sampling,
+                None if gen.greedy else sample_generator(gen.seed, i, j),
+                banned,
+                tokenizer.eod if gen.stop_at_eod else None,
+                sess.env.device,
+                sess.autocast,
+                kv_dtype,
+            )
         except NonFiniteError as e:
-            raise NonFiniteError(f"prompt {i + 1}{sample} ({shown(prompt)}): {e}; the weights of "
-                                 f"checkpoint.init_from={sess.cfg.checkpoint.init_from} hold NaN/Inf or their values "
-                                 f"overflow ({k} continuations before it are in {out.path})") from None
-        results.append(Generation(prompt, j, tokenizer.decode(continuation.tokens), len(continuation.tokens),
-                                  continuation.stop))
+            raise NonFiniteError(
+                f"prompt {i + 1}{sample} ({shown(prompt)}): {e}; the weights of "
+                f"checkpoint.init_from={sess.cfg.checkpoint.init_from} hold NaN/Inf or their values "
+                f"overflow ({k} continuations before it are in {out.path})"
+            ) from None
+        results.append(
+            Generation(prompt, j, tokenizer.decode(continuation.tokens), len(continuation.tokens), continuation.stop)
+        )
         out.append(vars(results[-1]))
-        print(f"--- prompt {i + 1}{sample} ({continuation.stop}, {len(continuation.tokens)} tokens)\n"
-              f"{prompt}{results[-1].text}", flush=True)
+        print(
+            f"--- prompt {i + 1}{sample} ({continuation.stop}, {len(continuation.tokens)} tokens)\n"
+            f"{prompt}{results[-1].text}",
+            flush=True,
+        )
     return results
 
 
@@ -154,8 +184,15 @@ def report(output: Path, done: int, prompts: int, samples: int, stopped_by: Opti
         log.info("wrote %d continuations of %d prompts to %s", done, prompts, output)
         return
     how = "run the same command again" if explicit else f"run the same command with generate.output={output}"
-    log.warning("stopped by %s: %d of %d prompts done (%d continuations in %s); to continue after them, %s",
-                stopped_by, done // samples, prompts, done, output, how)
+    log.warning(
+        "stopped by %s: %d of %d prompts done (%d continuations in %s); to continue after them, %s",
+        stopped_by,
+        done // samples,
+        prompts,
+        done,
+        output,
+        how,
+    )
     raise SystemExit(128 + signal.Signals[stopped_by].value)
 
 
@@ -163,11 +200,14 @@ def run_settings(cfg: DictConfig, prompts: list[str]) -> dict:
     """What the continuations depend on, for the output's settings file: the checkpoint (a root or `last` named as
     the step folder it stands for), the prompts, the decoding, model, tokenizer and precision settings."""
     plain = to_plain(cfg)
-    return {"checkpoint": checkpoint_identity(resolve_checkpoint(cfg.checkpoint.init_from)),
-            "prompts": prompts_identity(prompts),
-            "generate": {k: v for k, v in plain["generate"].items() if k not in ("output", "prompt", "prompt_file")},
-            "model": plain["model"], "precision": plain["precision"],
-            "data": {k: plain["data"].get(k) for k in ("tokenizer", "eod_token")}}
+    return {
+        "checkpoint": checkpoint_identity(resolve_checkpoint(cfg.checkpoint.init_from)),
+        "prompts": prompts_identity(prompts),
+        "generate": {k: v for k, v in plain["generate"].items() if k not in ("output", "prompt", "prompt_file")},
+        "model": plain["model"],
+        "precision": plain["precision"],
+        "data": {k: plain["data"].get(k) for k in ("tokenizer", "eod_token")},
+    }
 
 
 def checkpoint_identity(path: Path) -> dict:

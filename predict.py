@@ -1,6 +1,7 @@
 """Run a trained model over one data split and write one row per sample (per document for the GPT).
 
-    torchrun --nproc-per-node N predict.py --config-name mnist_predict checkpoint.init_from=<step dir | .pt | .safetensors>
+    torchrun --nproc-per-node N predict.py --config-name mnist_predict \
+        checkpoint.init_from=<step dir | .pt | .safetensors>
     python predict.py --config-name mnist_predict checkpoint.init_from=...          # one process
     torchrun --nproc-per-node N predict.py --config-name gpt_sanity checkpoint.init_from=... predict.split=val
 
@@ -71,23 +72,38 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(sess, training=False)
         ckpt = sess.cfg.checkpoint
-        load_weights(parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected, sess.is_main,
-                     ckpt.verify_checksums)
+        load_weights(
+            parallel,
+            ckpt.init_from,
+            list(ckpt.init_skip_prefixes),
+            ckpt.init_ignore_unexpected,
+            sess.is_main,
+            ckpt.verify_checksums,
+        )
         # 2. Data: rank r takes samples r, r + dp, ...; every rank runs the same number of batches (the
         #    sharded model's collectives need that), shorter shares padded with samples marked invalid.
         pred = sess.cfg.predict
         split = pred.split or sess.recipe.default_split()
         if sess.is_main and not pred.folder and not pred.split:
-            log.info("predict.split is not given: predicting on the %s split (the data's test split where it has one, "
-                     "else val)", split)
+            log.info(
+                "predict.split is not given: predicting on the %s split (the data's test split where it has one, "
+                "else val)",
+                split,
+            )
         dataset = sess.recipe.unlabeled(pred.folder) if pred.folder else sess.recipe.split(split)
         sampler = EvalBatchSampler(len(dataset), sess.cfg.predict.micro_batch_size, sess.env.dp_size, sess.env.dp_rank)
-        loader = make_loader(PaddedEval(dataset), sampler, sess.cfg.data.num_workers,
-                             sess.env.device.type == "cuda" and sess.cfg.data.pin_memory, sess.cfg.seed,
-                             sess.recipe.collate_fn())
+        loader = make_loader(
+            PaddedEval(dataset),
+            sampler,
+            sess.cfg.data.num_workers,
+            sess.env.device.type == "cuda" and sess.cfg.data.pin_memory,
+            sess.cfg.seed,
+            sess.recipe.collate_fn(),
+        )
         if sess.is_main:
-            log.info("predicting %d samples of %s with %s", len(dataset), pred.folder or f"the {split} split",
-                     ckpt.init_from)
+            log.info(
+                "predicting %d samples of %s with %s", len(dataset), pred.folder or f"the {split} split", ckpt.init_from
+            )
         # 3. Predict, gather on rank 0, write.
         local = predict_rows(sess, parallel.wrapped, loader)
         output = Path(sess.cfg.predict.output) if sess.cfg.predict.output else run_dir / "predictions.csv"
@@ -109,8 +125,7 @@ def predict_rows(sess: session.Session, model: torch.nn.Module, loader) -> dict[
     return local if sess.env.tp_rank == 0 else {}  # tensor-parallel peers computed the same rows
 
 
-def write_predictions(sess: session.Session, local: dict[str, torch.Tensor], output: Path,
-                      dataset) -> PredictResult:
+def write_predictions(sess: session.Session, local: dict[str, torch.Tensor], output: Path, dataset) -> PredictResult:
     """Gather every rank's rows on rank 0, order them by "idx", write the CSV and the split's metrics."""
     gathered = [None] * sess.env.world_size if sess.is_main else None
     dist.gather_object(local, gathered, dst=0)

@@ -48,8 +48,8 @@ from core.training import cuda_graphs, optim
 from core.training.callbacks import Callback, Callbacks, build_callbacks
 from core.training.evaluation import evaluate
 from core.training.forward_backward import ForwardBackward
-from core.training.nonfinite import NonFiniteGuard
 from core.training.length import RunLength
+from core.training.nonfinite import NonFiniteGuard
 from core.training.schedule import StepSchedule
 from core.training.state import TrainState
 from recipes.registry import config_keys, get_recipe, register_configs
@@ -73,7 +73,9 @@ class Run:
     guard: NonFiniteGuard
     length: RunLength  # optimizer steps (training.steps, or worked out from training.epochs) and epoch ends
     schedule: StepSchedule  # which steps log, validate and save
-    callbacks: Callbacks  # what observes the run: the logger, the meter, training.callbacks (core/training/callbacks.py)
+    callbacks: (
+        Callbacks  # what observes the run: the logger, the meter, training.callbacks (core/training/callbacks.py)
+    )
     state: TrainState = field(default_factory=TrainState)
     resumed_from: Optional[Path] = None
     stop_reason: Optional[str] = None  # a callback asked the run to stop (request_stop)
@@ -129,8 +131,9 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
     with contextlib.ExitStack() as on_failure:  # what setup opened, closed again if a later step fails
         # 1. Checks: checkpoint.path's lock and where to resume from (an explicit checkpoint must be complete,
         #    a resumed run must keep its result-changing settings), the global batch's split, the user's callbacks.
-        checkpointer = open_checkpointer(cfg.checkpoint, env.rank, env.device, config=cfg,
-                                         config_name=launch.config_name())
+        checkpointer = open_checkpointer(
+            cfg.checkpoint, env.rank, env.device, config=cfg, config_name=launch.config_name()
+        )
         on_failure.callback(checkpointer.close)
         accumulation = accumulation_steps(training.global_batch_size, training.micro_batch_size, env.dp_size)
         user_callbacks = build_callbacks(training.callbacks)
@@ -143,24 +146,45 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
         #    checkpoint.monitor and training.objective.metric must name metrics the run records.
         data = TrainingData(sess.recipe, cfg, env, accumulation, parse_signals(cfg.checkpoint.save_on_signals))
         schedule = StepSchedule.from_config(cfg, data.length)
-        check_monitored_metrics(cfg, sess.recipe.validation_metrics(), data.val_loader is not None, schedule,
-                                objective_required)
+        check_monitored_metrics(
+            cfg, sess.recipe.validation_metrics(), data.val_loader is not None, schedule, objective_required
+        )
         # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
-        groups = optim.param_groups(parallel.named_parameters(), cfg.optim.weight_decay,
-                                    sess.recipe.no_weight_decay(parallel.model))
+        groups = optim.param_groups(
+            parallel.named_parameters(), cfg.optim.weight_decay, sess.recipe.no_weight_decay(parallel.model)
+        )
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
         # 6. The micro-batch step, replayed as a CUDA graph with training.cuda_graphs; logging, throughput, the NaN
         #    policy.
-        forward_backward = cuda_graphs.forward_backward(parallel, sess.recipe, sess.autocast, sess.runtime.cuda_graphs,
-                                                        sess.runtime.layers == "te")
+        forward_backward = cuda_graphs.forward_backward(
+            parallel, sess.recipe, sess.autocast, sess.runtime.cuda_graphs, sess.runtime.layers == "te"
+        )
         logger = MetricsLogger(sess.run_dir, cfg.logger, env.is_main, to_plain(cfg), cfg.checkpoint.path)
         on_failure.callback(logger.close)  # a run that never started leaves no open W&B run
-        meter = ThroughputMeter(env.device, training.global_batch_size, env.world_size, sess.recipe.tokens_per_sample(),
-                                sess.recipe.flops_per_sample(), training.time_phases)
-        run = Run(sess, parallel, forward_backward, optimizer, scheduler, data, checkpointer, logger, meter,
-                  NonFiniteGuard(training.on_nonfinite, env.device), data.length, schedule,
-                  Callbacks([logger, *user_callbacks, *callbacks, meter]))  # the meter last: it starts timing
+        meter = ThroughputMeter(
+            env.device,
+            training.global_batch_size,
+            env.world_size,
+            sess.recipe.tokens_per_sample(),
+            sess.recipe.flops_per_sample(),
+            training.time_phases,
+        )
+        run = Run(
+            sess,
+            parallel,
+            forward_backward,
+            optimizer,
+            scheduler,
+            data,
+            checkpointer,
+            logger,
+            meter,
+            NonFiniteGuard(training.on_nonfinite, env.device),
+            data.length,
+            schedule,
+            Callbacks([logger, *user_callbacks, *callbacks, meter]),
+        )  # the meter last: it starts timing
         # 7. Resume, last: the restored RNG state must meet the first step untouched. A step folder the run would
         #    save over but may not replace stops it here. The run's history (run dir, metrics.jsonl, W&B,
         #    TensorBoard) continues from the step resumed from.
@@ -168,13 +192,30 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
         logger.open(run.state.step, resumed=run.resumed_from is not None)
         on_failure.pop_all()  # the run holds them now; train() closes them
     if env.is_main:
-        log.info("model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
-                 "%d accumulation steps | %s | AdamW groups %s", num_params / 1e6, len(data.train),
-                 len(data.val) if data.val is not None else "none", training.global_batch_size,
-                 training.micro_batch_size, env.dp_size, accumulation, run.length.describe(training.epochs),
-                 ", ".join(f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']}"
-                           for g in optimizer.param_groups))
+        log_setup(run, num_params, accumulation)
     return run
+
+
+def log_setup(run: Run, num_params: int, accumulation: int) -> None:
+    """One line on what the run trains: the model's size, the data, how the global batch is split, the run's length
+    and the optimizer's parameter groups."""
+    training, data = run.session.cfg.training, run.data
+    log.info(
+        "model %.2fM parameters | train %d samples, val %s | global batch %d = micro-batch %d x %d ranks x "
+        "%d accumulation steps | %s | AdamW groups %s",
+        num_params / 1e6,
+        len(data.train),
+        len(data.val) if data.val is not None else "none",
+        training.global_batch_size,
+        training.micro_batch_size,
+        run.session.env.dp_size,
+        accumulation,
+        run.length.describe(training.epochs),
+        ", ".join(
+            f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']}"
+            for g in run.optimizer.param_groups
+        ),
+    )
 
 
 def restore(run: Run) -> Optional[Path]:
@@ -186,21 +227,33 @@ def restore(run: Run) -> Optional[Path]:
     path = run.checkpointer.restore(parts, state, run.length.steps, run.schedule.saves)
     if path is not None:  # the learning rate and optimizer settings in effect are the config's; the schedule's length
         cfg = run.session.cfg
-        for note in optim.resume_schedule(run.optimizer, run.scheduler, cfg.optim, cfg.scheduler, state, run.length.steps):
+        for note in optim.resume_schedule(
+            run.optimizer, run.scheduler, cfg.optim, cfg.scheduler, state, run.length.steps
+        ):
             if env.is_main:
                 log.warning("%s", note)
     else:
         state.schedule_steps = run.length.steps
     if path is None and ckpt.init_from:
-        load_weights(run.parallel, ckpt.init_from, list(ckpt.init_skip_prefixes), ckpt.init_ignore_unexpected,
-                     env.is_main, ckpt.verify_checksums)
+        load_weights(
+            run.parallel,
+            ckpt.init_from,
+            list(ckpt.init_skip_prefixes),
+            ckpt.init_ignore_unexpected,
+            env.is_main,
+            ckpt.verify_checksums,
+        )
     elif path is not None and env.is_main:
         log.info("resumed from %s (step %d, %d samples consumed)", path, state.step, state.consumed_samples)
         if ckpt.init_from:
             log.info("checkpoint.init_from is not used: this run continues from its own checkpoint")
         if state.dataset_len not in (0, len(run.data.train)):
-            log.warning("the training set has %d samples, the checkpoint's had %d: the sample order differs from "
-                        "the interrupted run's", len(run.data.train), state.dataset_len)
+            log.warning(
+                "the training set has %d samples, the checkpoint's had %d: the sample order differs from "
+                "the interrupted run's",
+                len(run.data.train),
+                state.dataset_len,
+            )
     state.dataset_len, state.world_size = len(run.data.train), env.world_size
     return path
 
@@ -210,9 +263,15 @@ def train(run: Run) -> RunResult:
     sess, training, state, steps = run.session, run.session.cfg.training, run.state, run.length.steps
     start_step, last_train, last_val, stopped_by = state.step, {}, {}, None
     if start_step >= steps and sess.is_main:
-        log.info("the checkpoint %s is at step %d of %d: nothing left to do. To train this run longer, raise "
-                 "training.steps (it continues from step %d); to train a new run, give it a folder of its own: "
-                 "checkpoint.path=<a new folder>", run.resumed_from, start_step, steps, start_step)
+        log.info(
+            "the checkpoint %s is at step %d of %d: nothing left to do. To train this run longer, raise "
+            "training.steps (it continues from step %d); to train a new run, give it a folder of its own: "
+            "checkpoint.path=<a new folder>",
+            run.resumed_from,
+            start_step,
+            steps,
+            start_step,
+        )
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))
@@ -242,24 +301,35 @@ def train(run: Run) -> RunResult:
                 last_val = step_val or last_val
                 # Every step: a finished async save is completed; at save steps step_<N> is saved with the
                 # step's figures (checkpoint.monitor ranks checkpoints by one of them), synchronously when stopping.
-                stall = run.checkpointer.maybe_save(step, {"train": figures if saving else {}, "val": step_val},
-                                                    save=saving, sync=stop)
+                stall = run.checkpointer.maybe_save(
+                    step, {"train": figures if saving else {}, "val": step_val}, save=saving, sync=stop
+                )
                 if stall is not None:
                     run.callbacks.on_save(run, step, stall)
             profiler.step()
             if stop:
                 stopped_by = signals.received or run.stop_reason or "a signal on another rank"
                 if sess.is_main:
-                    log.warning("stopping after step %d on %s; checkpoint saved: run the same command to resume",
-                                step, stopped_by)
+                    log.warning(
+                        "stopping after step %d on %s; checkpoint saved: run the same command to resume",
+                        step,
+                        stopped_by,
+                    )
                 break
     finally:
         profiler.close()
         signals.close()
         run.logger.close()
         run.checkpointer.close()
-    result = RunResult(steps, last_train, last_val, start_step, str(run.resumed_from) if run.resumed_from else None,
-                       stopped_by, state.skipped_steps)
+    result = RunResult(
+        steps,
+        last_train,
+        last_val,
+        start_step,
+        str(run.resumed_from) if run.resumed_from else None,
+        stopped_by,
+        state.skipped_steps,
+    )
     run.callbacks.on_train_end(run, result)
     return result
 
@@ -316,8 +386,9 @@ def validate(run: Run, step: int) -> dict[str, float]:
     sess = run.session
     if run.data.val_loader is None or not run.schedule.validates(step):
         return {}
-    metrics = evaluate(sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device,
-                       sess.env.dp_group)
+    metrics = evaluate(
+        sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device, sess.env.dp_group
+    )
     run.callbacks.on_validation_end(run, step, metrics)  # the logger writes them; early stopping may ask to stop
     return metrics
 
@@ -330,8 +401,10 @@ def objective(result: RunResult, metric: str, required: bool = True) -> Optional
     if name not in values and not required:
         return None
     if name not in values:
-        raise ConfigError(f"training.objective.metric={metric}: the run recorded no such value (it has: "
-                          f"{', '.join(f'{split}/{k}' for k in values) or 'none: ' + split + ' never ran'})")
+        raise ConfigError(
+            f"training.objective.metric={metric}: the run recorded no such value (it has: "
+            f"{', '.join(f'{split}/{k}' for k in values) or 'none: ' + split + ' never ran'})"
+        )
     return values[name]
 
 

@@ -39,20 +39,33 @@ def flops(batch: int, heads: int, head_dim: int, seq: int, causal: bool) -> floa
 def sdpa(backend: SDPBackend):
     def run(q, k, v, causal):  # q/k/v [b, s, h, d] -> [b, s, h, d]
         with sdpa_kernel([backend]):
-            out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                                 is_causal=causal, enable_gqa=k.shape[2] != q.shape[2])
+            out = F.scaled_dot_product_attention(
+                q.transpose(1, 2),
+                k.transpose(1, 2),
+                v.transpose(1, 2),
+                is_causal=causal,
+                enable_gqa=k.shape[2] != q.shape[2],
+            )
         return out.transpose(1, 2)
+
     return run
 
 
 def te_attention(heads: int, kv_heads: int, head_dim: int, causal: bool):
     import transformer_engine.pytorch as te
 
-    attention = te.DotProductAttention(heads, head_dim, num_gqa_groups=kv_heads, attention_dropout=0.0,
-                                       qkv_format="bshd", attn_mask_type="causal" if causal else "no_mask")
+    attention = te.DotProductAttention(
+        heads,
+        head_dim,
+        num_gqa_groups=kv_heads,
+        attention_dropout=0.0,
+        qkv_format="bshd",
+        attn_mask_type="causal" if causal else "no_mask",
+    )
 
     def run(q, k, v, _causal):
         return attention(q, k, v).view(q.shape)
+
     return run
 
 
@@ -99,19 +112,25 @@ def main() -> None:
         heads, kv_heads, head_dim, seq, causal, layers = SHAPES[shape]
         batch = getattr(args, f"batch_{shape}")
         gen = torch.Generator("cuda").manual_seed(0)
-        q, k, v = (torch.randn(batch, seq, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
-                   .requires_grad_() for n in (heads, kv_heads, kv_heads))
+        q, k, v = (
+            torch.randn(batch, seq, n, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+            for n in (heads, kv_heads, kv_heads)
+        )
         grad = torch.randn(batch, seq, heads, head_dim, device="cuda", dtype=torch.bfloat16, generator=gen)
         ref_out, *ref_inputs = reference(q[:2], k[:2], v[:2], causal)  # two sequences are enough to compare
         ref_out.backward(grad[:2].float())
         work = flops(batch, heads, head_dim, seq, causal)
-        print(f"\n{shape}: batch {batch}, seq {seq}, {heads} heads ({kv_heads} key/value), head dim {head_dim}, "
-              f"{'causal' if causal else 'no mask'}; x{layers} layers per model step")
+        print(
+            f"\n{shape}: batch {batch}, seq {seq}, {heads} heads ({kv_heads} key/value), head dim {head_dim}, "
+            f"{'causal' if causal else 'no mask'}; x{layers} layers per model step"
+        )
         print(f"{'backend':<26}{'ms/layer':>10}{'ms/step':>10}{'TFLOP/s':>10}{'out err':>10}{'grad err':>10}")
-        backends = {"TE DotProductAttention": lambda: te_attention(heads, kv_heads, head_dim, causal),
-                    "sdpa flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
-                    "sdpa cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
-                    "sdpa efficient": lambda: sdpa(SDPBackend.EFFICIENT_ATTENTION)}
+        backends = {
+            "TE DotProductAttention": lambda: te_attention(heads, kv_heads, head_dim, causal),
+            "sdpa flash": lambda: sdpa(SDPBackend.FLASH_ATTENTION),
+            "sdpa cudnn": lambda: sdpa(SDPBackend.CUDNN_ATTENTION),
+            "sdpa efficient": lambda: sdpa(SDPBackend.EFFICIENT_ATTENTION),
+        }
         for name, make in backends.items():
             if name.startswith("TE") != (args.only == "te"):
                 continue
@@ -125,6 +144,7 @@ def main() -> None:
 
                 def step():
                     fn(q, k, v, causal).backward(grad)
+
                 ms = time_ms(step, args.repeats)
             except Exception as e:  # a backend that does not support this shape on this device
                 print(f"{name:<26}  not available: {str(e).splitlines()[0][:90]}")

@@ -36,8 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 
 def load_tensors(step_dir: Path) -> dict[str, torch.Tensor]:
     metadata = verify(step_dir)
-    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()
-             if isinstance(m, TensorStorageMetadata)}
+    state = {
+        k: torch.empty(m.size, dtype=m.properties.dtype)
+        for k, m in metadata.state_dict_metadata.items()
+        if isinstance(m, TensorStorageMetadata)
+    }
     dcp.load(state, storage_reader=SafeReader(str(step_dir)), planner=SafeLoadPlanner(), no_dist=True)
     return state
 
@@ -66,7 +69,10 @@ def main() -> None:
         errors = checksum_errors(args.step_dir, threads=threads)
         verify_s[threads] = time.perf_counter() - start
         assert not errors, errors
-        print(f"verify {gb:.2f} GB ({len(list(args.step_dir.glob('*.distcp')))} shard files) with {threads} thread(s): {verify_s[threads]:.2f} s ({gb / verify_s[threads]:.2f} GB/s)")
+        print(
+            f"verify {gb:.2f} GB ({len(list(args.step_dir.glob('*.distcp')))} shard files) with {threads} "
+            f"thread(s): {verify_s[threads]:.2f} s ({gb / verify_s[threads]:.2f} GB/s)"
+        )
     state = load_tensors(args.step_dir)
     tensor_gb = sum(t.numel() * t.element_size() for t in state.values()) / 1e9
     saves: dict[str, list[float]] = {}
@@ -75,8 +81,10 @@ def main() -> None:
             for name, writer in (("plain", dcp.FileSystemWriter), ("checksummed", ChecksummingWriter)):
                 seconds = timed_save(state, args.scratch, writer, threads)  # one folder: one checkpoint's space
                 saves.setdefault(f"{name}, {threads} thread(s)", []).append(seconds)
-                print(f"save {tensor_gb:.2f} GB, {name} writer, {threads} thread(s): {seconds:.2f} s "
-                      f"({tensor_gb / seconds:.2f} GB/s)")
+                print(
+                    f"save {tensor_gb:.2f} GB, {name} writer, {threads} thread(s): {seconds:.2f} s "
+                    f"({tensor_gb / seconds:.2f} GB/s)"
+                )
     if args.threads:  # verification of the multi-file layout the last thread count writes
         timed_save(state, args.scratch, ChecksummingWriter, args.threads[-1])
         from core.checkpointing.layout import write_marker
@@ -90,15 +98,27 @@ def main() -> None:
     best = {name: min(times) for name, times in saves.items()}
     for threads in args.threads:
         plain, summed = best[f"plain, {threads} thread(s)"], best[f"checksummed, {threads} thread(s)"]
-        print(f"{threads} writer thread(s): checksums while writing {100 * (summed / plain - 1):+.1f}% save time "
-              f"(best of {args.repeats}: {plain:.2f} -> {summed:.2f} s)")
+        print(
+            f"{threads} writer thread(s): checksums while writing {100 * (summed / plain - 1):+.1f}% save time "
+            f"(best of {args.repeats}: {plain:.2f} -> {summed:.2f} s)"
+        )
     overhead = {t: best[f"checksummed, {t} thread(s)"] / best[f"plain, {t} thread(s)"] - 1 for t in args.threads}
     out = REPO / "benchmarks" / "results" / f"checkpoint_checksums_{datetime.datetime.now():%Y%m%d_%H%M%S}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"step_dir": str(args.step_dir), "checkpoint_gb": gb, "tensor_gb": tensor_gb,
-                               "verify_s": verify_s, "save_s": saves, "save_overhead": overhead,
-                               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"},
-                              indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "step_dir": str(args.step_dir),
+                "checkpoint_gb": gb,
+                "tensor_gb": tensor_gb,
+                "verify_s": verify_s,
+                "save_s": saves,
+                "save_overhead": overhead,
+                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

@@ -77,22 +77,41 @@ def write_synthetic_store(folder: Path, sequences: int, seed: int = 0) -> None:
     np.save(folder / "offsets.npy", offsets, allow_pickle=False)
     with open(folder / "residues.bin", "wb") as f:
         f.truncate(int(offsets[-1]))
-    index = {"version": 1, "sequences": sequences, "residues": int(offsets[-1]),
-             "offsets_sha256": hashlib.sha256(offsets).hexdigest(), "source": "synthetic"}
+    index = {
+        "version": 1,
+        "sequences": sequences,
+        "residues": int(offsets[-1]),
+        "offsets_sha256": hashlib.sha256(offsets).hexdigest(),
+        "source": "synthetic",
+    }
     (folder / "index.json").write_text(json.dumps(index))
 
 
 def describe(checkout: Path) -> str:
-    result = subprocess.run(["git", "-C", str(checkout), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True)
+    result = subprocess.run(
+        ["git", "-C", str(checkout), "describe", "--always", "--dirty"], capture_output=True, text=True
+    )
     return result.stdout.strip() or str(checkout)
 
 
 def measure(checkout: Path, store: Path, args: argparse.Namespace) -> dict:
     env = {**os.environ, "PYTHONPATH": str(checkout)}
-    result = subprocess.run([sys.executable, "-c", CHILD, str(store), args.method, str(args.budget),
-                             str(args.max_length), str(args.max_sequences)], cwd=checkout, env=env,
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            str(store),
+            args.method,
+            str(args.budget),
+            str(args.max_length),
+            str(args.max_sequences),
+        ],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if result.returncode:
         raise SystemExit(f"error: {checkout}: the probe failed:\n{result.stderr}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -106,7 +125,9 @@ def main() -> None:
     parser.add_argument("--budget", type=int, default=8192, help="tokens per pack (data.tokens_per_pack)")
     parser.add_argument("--max-length", type=int, default=1024, help="model.max_seq_length")
     parser.add_argument("--max-sequences", type=int, default=64, help="data.max_sequences_per_pack")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the synthetic stores go (default: a temp dir)")
+    parser.add_argument(
+        "--workdir", type=Path, default=None, help="where the synthetic stores go (default: a temp dir)"
+    )
     args = parser.parse_args()
     checkouts = [REPO, *(p.resolve() for p in args.other)]
     rows = []
@@ -115,16 +136,22 @@ def main() -> None:
             store = Path(work) / f"store_{n}"
             write_synthetic_store(store, n)
             for checkout in checkouts:
-                row = {"checkout": describe(checkout), "path": str(checkout), "method": args.method,
-                       **measure(checkout, store, args)}
+                row = {
+                    "checkout": describe(checkout),
+                    "path": str(checkout),
+                    "method": args.method,
+                    **measure(checkout, store, args),
+                }
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print(f"\n{'checkout':<28} {'sequences':>11} {'bytes/seq':>10} {'peak MB':>9} {'s':>7} {'packs':>9}  same packs")
     for row in rows:
         first = next(r for r in rows if r["sequences"] == row["sequences"])
         same = "yes" if row["packs_sha256"] == first["packs_sha256"] else "NO"
-        print(f"{row['checkout'][:28]:<28} {row['sequences']:>11,} {row['bytes_per_sequence']:>10} "
-              f"{row['peak_bytes'] / 1e6:>9.1f} {row['seconds']:>7} {row['packs']:>9,}  {same}")
+        print(
+            f"{row['checkout'][:28]:<28} {row['sequences']:>11,} {row['bytes_per_sequence']:>10} "
+            f"{row['peak_bytes'] / 1e6:>9.1f} {row['seconds']:>7} {row['packs']:>9,}  {same}"
+        )
 
 
 if __name__ == "__main__":

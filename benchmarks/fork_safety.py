@@ -24,19 +24,37 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Validation in the middle of training (step 20) and at the end, loader workers on: the moments the old code
 # forked its validation workers while FSDP2's asynchronous all-gathers were in flight.
-OVERRIDES = ["training.steps=40", "training.val_every_n_steps=20", "training.log_every_n_steps=10",
-             "logger.progress_bar=never", "data.num_workers=2"]
+OVERRIDES = [
+    "training.steps=40",
+    "training.val_every_n_steps=20",
+    "training.log_every_n_steps=10",
+    "logger.progress_bar=never",
+    "data.num_workers=2",
+]
 
 
 def one_run(repo: Path, python: str, timeout: float) -> tuple[str, float]:
     """('ok' | 'hung' | 'failed: <last line>', seconds)."""
     with tempfile.TemporaryDirectory(prefix="fork-safety-") as tmp:
-        cmd = [python, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone",
-               str(repo / "train.py"), "--config-name", "gpt_sanity", *OVERRIDES, f"data.cache_dir={tmp}/cache",
-               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt"]
+        cmd = [
+            python,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            "2",
+            "--standalone",
+            str(repo / "train.py"),
+            "--config-name",
+            "gpt_sanity",
+            *OVERRIDES,
+            f"data.cache_dir={tmp}/cache",
+            f"hydra.run.dir={tmp}/run",
+            f"checkpoint.path={tmp}/ckpt",
+        ]
         start = time.perf_counter()
-        proc = subprocess.Popen(cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd, cwd=tmp, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+        )
         try:
             output, _ = proc.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -59,21 +77,32 @@ def main() -> None:
     parser.add_argument("--repo", type=Path, default=REPO, help="the checkout to run (default: this one)")
     parser.add_argument("--python", default=sys.executable, help="the interpreter (with torch) to run it with")
     args = parser.parse_args()
-    version = subprocess.run([args.python, "-c", "import sys, torch; print(sys.version.split()[0], torch.__version__)"],
-                             capture_output=True, text=True, check=True).stdout.strip()
-    commit = subprocess.run(["git", "-C", str(args.repo), "describe", "--always", "--dirty"], capture_output=True,
-                            text=True).stdout.strip()
-    print(f"# {args.runs} runs of 2-rank gpt_sanity ({' '.join(OVERRIDES)}) | checkout {args.repo} at {commit} | "
-          f"Python, torch {version} | {platform.node()}, {os.cpu_count()} cores | "
-          f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}", flush=True)
+    version = subprocess.run(
+        [args.python, "-c", "import sys, torch; print(sys.version.split()[0], torch.__version__)"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(args.repo), "describe", "--always", "--dirty"], capture_output=True, text=True
+    ).stdout.strip()
+    print(
+        f"# {args.runs} runs of 2-rank gpt_sanity ({' '.join(OVERRIDES)}) | checkout {args.repo} at {commit} | "
+        f"Python, torch {version} | {platform.node()}, {os.cpu_count()} cores | "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
+        flush=True,
+    )
     outcomes = []
     for i in range(1, args.runs + 1):
         outcome, seconds = one_run(args.repo.resolve(), args.python, args.timeout)
         outcomes.append(outcome)
         print(f"run {i:2d}: {outcome} in {seconds:.1f} s", flush=True)
     good = outcomes.count("ok")
-    print(f"# {good} of {args.runs} ran to the end; {outcomes.count('hung')} hung; "
-          f"{args.runs - good - outcomes.count('hung')} failed | {time.strftime('%H:%M:%S %Z')}", flush=True)
+    print(
+        f"# {good} of {args.runs} ran to the end; {outcomes.count('hung')} hung; "
+        f"{args.runs - good - outcomes.count('hung')} failed | {time.strftime('%H:%M:%S %Z')}",
+        flush=True,
+    )
     sys.exit(0 if good == args.runs else 1)
 
 

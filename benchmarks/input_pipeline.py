@@ -54,9 +54,12 @@ def main() -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="default: the config's micro-batch size")
     parser.add_argument("--batches", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--device", default=None,
-                        help="also move each batch to this device the way the loop does (with data.decode_on=device: "
-                             "decode and augment there), e.g. cuda")
+    parser.add_argument(
+        "--device",
+        default=None,
+        help="also move each batch to this device the way the loop does (with data.decode_on=device: "
+        "decode and augment there), e.g. cuda",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     parser.add_argument("overrides", nargs="*", help="Hydra overrides of the config")
     args = parser.parse_args()
@@ -94,9 +97,19 @@ def main() -> None:
     Path(args.out).mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     out = Path(args.out) / f"input_pipeline-{args.config}-{stamp}.json"
-    out.write_text(json.dumps({"config": args.config, "overrides": args.overrides, "batch_size": batch_size,
-                               "device": args.device,
-                               "cpus": os.cpu_count(), "rows": rows}, indent=1))
+    out.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "overrides": args.overrides,
+                "batch_size": batch_size,
+                "device": args.device,
+                "cpus": os.cpu_count(),
+                "rows": rows,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {out}")
 
 

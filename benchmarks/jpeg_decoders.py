@@ -30,8 +30,9 @@ sys.path.insert(0, str(REPO))
 
 
 def generated_jpegs(count: int, folder: Path) -> list[bytes]:
-    from scripts.make_jpeg_imagefolder import write_image
     from concurrent.futures import ProcessPoolExecutor
+
+    from scripts.make_jpeg_imagefolder import write_image
 
     paths = [folder / f"{i:06d}.jpg" for i in range(count)]
     with ProcessPoolExecutor(16) as pool:
@@ -63,6 +64,7 @@ def torchvision_decoder():
     def decode(batch: list[bytes], boxes, stream):
         data = [torch.frombuffer(bytearray(b), dtype=torch.uint8) for b in batch]
         return torchvision.io.decode_jpeg(data, mode=torchvision.io.ImageReadMode.RGB, device="cuda")
+
     return decode
 
 
@@ -71,8 +73,11 @@ def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
     import torch
     from nvidia import nvimgcodec
 
-    backend = {"hw": nvimgcodec.BackendKind.HW_GPU_ONLY, "gpu": nvimgcodec.BackendKind.GPU_ONLY,
-               "hybrid": nvimgcodec.BackendKind.HYBRID_CPU_GPU}
+    backend = {
+        "hw": nvimgcodec.BackendKind.HW_GPU_ONLY,
+        "gpu": nvimgcodec.BackendKind.GPU_ONLY,
+        "hybrid": nvimgcodec.BackendKind.HYBRID_CPU_GPU,
+    }
     decoder = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(backend[k]) for k in kinds.split("/")])
     params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB, apply_exif_orientation=False)
     pools, calls = [None] * 3, [0]  # reuse: three batches' output buffers in turn, no allocation once grown
@@ -80,8 +85,10 @@ def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
     def decode(batch: list[bytes], boxes, stream):
         streams = [nvimgcodec.CodeStream(b) for b in batch]
         if roi:
-            streams = [s.get_sub_code_stream(region=nvimgcodec.Region(t, l, t + h, l + w))
-                       for s, (t, l, h, w, _) in zip(streams, boxes)]
+            streams = [
+                s.get_sub_code_stream(region=nvimgcodec.Region(top, left, top + h, left + w))
+                for s, (top, left, h, w, _) in zip(streams, boxes)
+            ]
         slot = calls[0] % 3
         calls[0] += 1
         previous = pools[slot] if reuse and pools[slot] is not None and len(pools[slot]) == len(streams) else None
@@ -92,6 +99,7 @@ def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
             raise RuntimeError(f"{len(missing)} images not decoded (first {missing[0]})")
         tensors = [torch.from_dlpack(image) for image in images]
         return crop_resize(tensors, boxes) if crop else tensors
+
     return decode
 
 
@@ -133,6 +141,7 @@ def busy_step(kind: str = "gemm"):
     def step():
         for _ in range(repeats):
             torch.mm(a, b)
+
     return step
 
 
@@ -150,12 +159,17 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
     transform = Transform(ImageDataConfig(), 224, train=True)
     host = []
     for i in range(0, len(files) - batch + 1, batch):
-        chunk = files[i:i + batch]
-        host.append({"jpeg": torch.from_numpy(np.frombuffer(b"".join(chunk), np.uint8).copy()),
-                     "jpeg_sizes": torch.tensor([len(f) for f in chunk]),
-                     "crop": torch.tensor(boxes[i:i + batch]),
-                     "size": torch.tensor([pil_pixels(f).shape[1:] for f in chunk]),
-                     "path": [f"image{i + j}" for j in range(batch)], "label": torch.zeros(batch, dtype=torch.long)})
+        chunk = files[i : i + batch]
+        host.append(
+            {
+                "jpeg": torch.from_numpy(np.frombuffer(b"".join(chunk), np.uint8).copy()),
+                "jpeg_sizes": torch.tensor([len(f) for f in chunk]),
+                "crop": torch.tensor(boxes[i : i + batch]),
+                "size": torch.tensor([pil_pixels(f).shape[1:] for f in chunk]),
+                "path": [f"image{i + j}" for j in range(batch)],
+                "label": torch.zeros(batch, dtype=torch.long),
+            }
+        )
     step, device = busy_step(args.step), torch.device("cuda")
     sink = torch.zeros((), device=device)
 
@@ -172,9 +186,15 @@ def measure_loop(files, boxes, batch: int, args) -> dict:
 
     run(True, 4)
     alone, beside = run(False, args.steps), run(True, args.steps)
-    return {"decoder": f"loop-{args.backend}", "step": args.step, "threads": args.threads,
-            "step_ms_alone": round(1000 * alone, 1), "step_ms_with_decode": round(1000 * beside, 1),
-            "step_slowdown": round(beside / alone, 3), "img_per_s_with_decode": round(batch / beside)}
+    return {
+        "decoder": f"loop-{args.backend}",
+        "step": args.step,
+        "threads": args.threads,
+        "step_ms_alone": round(1000 * alone, 1),
+        "step_ms_with_decode": round(1000 * beside, 1),
+        "step_slowdown": round(beside / alone, 3),
+        "img_per_s_with_decode": round(batch / beside),
+    }
 
 
 def measure(name, decode, files, boxes, batch, args) -> dict:
@@ -182,7 +202,7 @@ def measure(name, decode, files, boxes, batch, args) -> dict:
     import torch
 
     stream = torch.cuda.Stream()
-    batches = [(files[i:i + batch], boxes[i:i + batch]) for i in range(0, len(files) - batch + 1, batch)]
+    batches = [(files[i : i + batch], boxes[i : i + batch]) for i in range(0, len(files) - batch + 1, batch)]
     with torch.cuda.stream(stream):
         for chunk, box in batches[:2]:  # warm-up: handles, buffers, first allocations
             decode(chunk, box, stream)
@@ -208,8 +228,8 @@ def measure(name, decode, files, boxes, batch, args) -> dict:
         if got.shape[-1] == 3 and got.shape[0] != 3:
             got = got.transpose(2, 0, 1)
         if "roi" in name:
-            t, l, h, w, _ = box
-            ref = ref[:, t:t + h, l:l + w]
+            top, left, h, w, _ = box
+            ref = ref[:, top : top + h, left : left + w]
         if got.shape != ref.shape:
             diffs.append(f"shape {tuple(got.shape)} vs {tuple(ref.shape)}")
             continue
@@ -241,11 +261,18 @@ def measure(name, decode, files, boxes, batch, args) -> dict:
         torch.cuda.synchronize()
         step_beside = (time.perf_counter() - t) / args.steps
     del out
-    return {"decoder": name, "img_per_s_alone": round(alone), "host_ms_per_batch": round(1000 * host / len(batches), 1),
-            "max_abs_diff_vs_pil": max_diff, "mean_abs_diff_vs_pil": mean_diff,
-            "step_ms_alone": round(1000 * step_alone, 1), "step_ms_beside_decode": round(1000 * step_beside, 1),
-            "step_slowdown": round(step_beside / step_alone, 3),
-            "host_ms_per_batch_beside": round(1000 * host_beside / args.steps, 1), "step_stream": args.step_stream}
+    return {
+        "decoder": name,
+        "img_per_s_alone": round(alone),
+        "host_ms_per_batch": round(1000 * host / len(batches), 1),
+        "max_abs_diff_vs_pil": max_diff,
+        "mean_abs_diff_vs_pil": mean_diff,
+        "step_ms_alone": round(1000 * step_alone, 1),
+        "step_ms_beside_decode": round(1000 * step_beside, 1),
+        "step_slowdown": round(step_beside / step_alone, 3),
+        "host_ms_per_batch_beside": round(1000 * host_beside / args.steps, 1),
+        "step_stream": args.step_stream,
+    }
 
 
 def main() -> None:
@@ -253,15 +280,29 @@ def main() -> None:
     parser.add_argument("--images", type=int, default=3072)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--step-stream", choices=["default", "side"], default="default",
-                        help="the stand-in step on PyTorch's default stream (as the training loop) or on another")
-    parser.add_argument("--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)")
+    parser.add_argument(
+        "--step-stream",
+        choices=["default", "side"],
+        default="default",
+        help="the stand-in step on PyTorch's default stream (as the training loop) or on another",
+    )
+    parser.add_argument(
+        "--step", choices=["gemm", "vit", "sleep"], default="gemm", help="the stand-in step (busy_step)"
+    )
     parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
     parser.add_argument("--threads", type=int, default=1, help="loop: data.decode_threads")
-    parser.add_argument("--decoders", nargs="+",
-                        default=["torchvision", "nvimgcodec-hw",
-                                 "nvimgcodec-hw+reuse", "nvimgcodec-hw+reuse+crop", "nvimgcodec-hw/hybrid",
-                                 "nvimgcodec-hybrid"])
+    parser.add_argument(
+        "--decoders",
+        nargs="+",
+        default=[
+            "torchvision",
+            "nvimgcodec-hw",
+            "nvimgcodec-hw+reuse",
+            "nvimgcodec-hw+reuse+crop",
+            "nvimgcodec-hw/hybrid",
+            "nvimgcodec-hybrid",
+        ],
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
     import torch
@@ -286,16 +327,26 @@ def main() -> None:
             traceback.print_exc()
             rows.append({"decoder": name, "error": f"{type(e).__name__}: {e}"})
         print(json.dumps(rows[-1]), flush=True)
-    header = ["decoder", "img_per_s_alone", "host_ms_per_batch", "host_ms_per_batch_beside", "step_slowdown",
-              "max_abs_diff_vs_pil", "mean_abs_diff_vs_pil"]
+    header = [
+        "decoder",
+        "img_per_s_alone",
+        "host_ms_per_batch",
+        "host_ms_per_batch_beside",
+        "step_slowdown",
+        "max_abs_diff_vs_pil",
+        "mean_abs_diff_vs_pil",
+    ]
     print(" | ".join(header))
     for row in rows:
         print(" | ".join(str(row.get(k, "")) for k in header))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
-    (out / f"jpeg_decoders-{stamp}.json").write_text(json.dumps(
-        {"device": torch.cuda.get_device_name(), "images": args.images, "batch": args.batch, "rows": rows}, indent=1))
+    (out / f"jpeg_decoders-{stamp}.json").write_text(
+        json.dumps(
+            {"device": torch.cuda.get_device_name(), "images": args.images, "batch": args.batch, "rows": rows}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

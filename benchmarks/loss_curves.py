@@ -7,8 +7,8 @@ then compare the loss curves (e.g. FP8 against bf16).
 Prints, for every variant after the first, how many of its step losses equal the first variant's bit for bit
 and the largest relative difference of one step's loss, the largest gap between its loss curve and the first
 variant's, both smoothed over --window steps (absolute, and relative to the first variant's loss there),
-the largest relative gap, and the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a PNG with --plot,
-which needs matplotlib). `--replot RESULT.json --png FILE` draws the PNG of an earlier run's JSON.
+the largest relative gap, and the final smoothed losses; writes the curves to JSON in benchmarks/results/ (and a
+PNG with --plot, which needs matplotlib). `--replot RESULT.json --png FILE` draws the PNG of an earlier run's JSON.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ REPO = Path(__file__).resolve().parents[1]
 
 def train_losses(config: str, nproc: int, steps: int, overrides: list[str], timeout: float) -> list[float]:
     try:
-        rows, _ = run_train(config, nproc, [f"training.steps={steps}", "training.log_every_n_steps=1", *overrides],
-                            timeout)
+        rows, _ = run_train(
+            config, nproc, [f"training.steps={steps}", "training.log_every_n_steps=1", *overrides], timeout
+        )
     except TrainRunFailed as e:
         raise SystemExit(str(e)) from None
     return [r["loss"] for r in rows if "split" not in r and "loss" in r]
@@ -52,7 +53,7 @@ def plot(curves: dict[str, list[float]], window: int, title: str, png: Path) -> 
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for name, losses in curves.items():
-        line, = ax.plot(range(1, len(losses) + 1), smooth(losses, window), label=f"{name} ({window}-step mean)")
+        (line,) = ax.plot(range(1, len(losses) + 1), smooth(losses, window), label=f"{name} ({window}-step mean)")
         ax.plot(range(1, len(losses) + 1), losses, alpha=0.2, color=line.get_color())
     ax.set_xlabel("step")
     ax.set_ylabel("training loss")
@@ -91,15 +92,27 @@ def compare(name: str, losses: list[float], ref_name: str, ref_losses: list[floa
     raw = list(zip(losses, ref_losses))
     identical = sum(a == b for a, b in raw)
     step_rel = max(abs(a - b) / abs(b) for a, b in raw)
-    print(f"{name} vs {ref_name}: {identical} of {len(raw)} step losses identical; largest relative "
-          f"difference of one step's loss {step_rel:.2e}")
-    print(f"{name} vs {ref_name}: largest gap of the {window}-step means {gaps[worst]:.4f} at step "
-          f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
-          f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}")
-    return {"max_abs_gap": gaps[worst], "at_step": worst + 1, "rel_gap_at_max_abs": rel[worst],
-            "max_rel_gap": rel[worst_rel], "max_rel_at_step": worst_rel + 1,
-            "final_smoothed": other[-1], "reference_final_smoothed": ref[-1],
-            "identical_steps": identical, "steps_compared": len(raw), "max_step_rel_diff": step_rel}
+    print(
+        f"{name} vs {ref_name}: {identical} of {len(raw)} step losses identical; largest relative "
+        f"difference of one step's loss {step_rel:.2e}"
+    )
+    print(
+        f"{name} vs {ref_name}: largest gap of the {window}-step means {gaps[worst]:.4f} at step "
+        f"{worst + 1} ({100 * rel[worst]:.2f}% of the loss there); largest relative gap "
+        f"{100 * rel[worst_rel]:.2f}% at step {worst_rel + 1}; final {other[-1]:.4f} vs {ref[-1]:.4f}"
+    )
+    return {
+        "max_abs_gap": gaps[worst],
+        "at_step": worst + 1,
+        "rel_gap_at_max_abs": rel[worst],
+        "max_rel_gap": rel[worst_rel],
+        "max_rel_at_step": worst_rel + 1,
+        "final_smoothed": other[-1],
+        "reference_final_smoothed": ref[-1],
+        "identical_steps": identical,
+        "steps_compared": len(raw),
+        "max_step_rel_diff": step_rel,
+    }
 
 
 def save(args: argparse.Namespace, curves: dict[str, list[float]], summary: dict) -> None:
@@ -108,9 +121,20 @@ def save(args: argparse.Namespace, curves: dict[str, list[float]], summary: dict
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = out / f"loss_curves-{args.config}-{stamp}.json"
-    path.write_text(json.dumps({"config": args.config, "nproc": args.nproc, "date": stamp, "window": args.window,
-                                "command": " ".join(shlex.quote(a) for a in sys.argv), "curves": curves,
-                                "summary": summary}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "nproc": args.nproc,
+                "date": stamp,
+                "window": args.window,
+                "command": " ".join(shlex.quote(a) for a in sys.argv),
+                "curves": curves,
+                "summary": summary,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {path}")
     if args.plot:
         plot(curves, args.window, f"{args.config}, {args.nproc} process(es)", path.with_suffix(".png"))
@@ -127,8 +151,12 @@ def main() -> None:
         if not args.png:
             p.error("--replot needs --png")
         saved = json.loads(args.replot.read_text())
-        plot(saved["curves"], saved["window"], f"{saved['config']}, {saved['nproc']} process(es), {saved['date']}",
-             args.png)
+        plot(
+            saved["curves"],
+            saved["window"],
+            f"{saved['config']}, {saved['nproc']} process(es), {saved['date']}",
+            args.png,
+        )
         return
     if len(args.variant) < 2:
         p.error("give at least two --variant")
@@ -136,10 +164,13 @@ def main() -> None:
     curves = {}
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
-        curves[name] = train_losses(args.config, args.nproc, args.steps,
-                                    shlex.split(overrides) + shlex.split(args.extra), args.timeout)
-        print(f"{name}: {len(curves[name])} steps, first loss {curves[name][0]:.4f}, last {curves[name][-1]:.4f}",
-              flush=True)
+        curves[name] = train_losses(
+            args.config, args.nproc, args.steps, shlex.split(overrides) + shlex.split(args.extra), args.timeout
+        )
+        print(
+            f"{name}: {len(curves[name])} steps, first loss {curves[name][0]:.4f}, last {curves[name][-1]:.4f}",
+            flush=True,
+        )
 
     names = list(curves)
     summary = {name: compare(name, curves[name], names[0], curves[names[0]], args.window) for name in names[1:]}

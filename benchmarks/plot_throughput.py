@@ -26,8 +26,13 @@ def main() -> None:
     p.add_argument("--title", default=None)
     p.add_argument("--tokens", action="store_true", help="plot tokens/s instead of samples/s")
     p.add_argument("--rename", action="append", default=[], metavar="VARIANT=LABEL", help="legend label of a variant")
-    p.add_argument("--bars", metavar="BASELINE[=PREFIX]", action="append", default=[],
-                   help="bars, with each row's ratio to a baseline row in the same file (see above)")
+    p.add_argument(
+        "--bars",
+        metavar="BASELINE[=PREFIX]",
+        action="append",
+        default=[],
+        help="bars, with each row's ratio to a baseline row in the same file (see above)",
+    )
     args = p.parse_args()
     try:
         import matplotlib
@@ -35,7 +40,9 @@ def main() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        raise SystemExit("this script needs matplotlib: pip install matplotlib (the version in requirements.txt)") from None
+        raise SystemExit(
+            "this script needs matplotlib: pip install matplotlib (the version in requirements.txt)"
+        ) from None
 
     labels = dict(r.split("=", 1) for r in args.rename)
     if args.bars:

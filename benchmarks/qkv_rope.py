@@ -46,8 +46,11 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--format", choices=("bshd", "sbhd"), default="bshd")
-    parser.add_argument("--sweep", action="store_true", help="also time our kernels at other tokens and warps "
-                        "per program than qkv_rope.BLOCK_ROWS and NUM_WARPS")
+    parser.add_argument(
+        "--sweep",
+        action="store_true",
+        help="also time our kernels at other tokens and warps per program than qkv_rope.BLOCK_ROWS and NUM_WARPS",
+    )
     args = parser.parse_args()
 
     import transformer_engine.pytorch as te
@@ -60,9 +63,11 @@ def main() -> None:
     assert qkv_rope.kernel_applies(qkv, freqs, freqs, per_group, head_dim, args.format, False)
     implementations = {
         "TE apply_fused_qkv_rotary_pos_emb": lambda x: apply_fused_qkv_rotary_pos_emb(
-            x, freqs, freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=args.format),
+            x, freqs, freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=args.format
+        ),
         "ours (qkv_rope.split_rotate)": lambda x: qkv_rope.split_rotate(
-            x, freqs, freqs, per_group, head_dim, args.format),
+            x, freqs, freqs, per_group, head_dim, args.format
+        ),
     }
     moved = 2 * qkv.numel() * qkv.element_size()  # each element read once and written once, each way
     print(f"qkv {tuple(qkv.shape)} {args.format} bf16: {moved / 1e6:.0f} MB moved per call, {args.layers} layers")
@@ -78,8 +83,10 @@ def main() -> None:
         results.setdefault("grads", grads)
         results[name] = [o.detach() for o in outputs] + list(torch.autograd.grad(outputs, x, grads))
         for direction, ms in (("forward", forward_ms), ("backward", backward_ms)):
-            print(f"{name:36s} {direction:8s} {ms:7.3f} ms  {moved / ms / 1e9:6.2f} TB/s  "
-                  f"x{args.layers} layers: {ms * args.layers:6.2f} ms")
+            print(
+                f"{name:36s} {direction:8s} {ms:7.3f} ms  {moved / ms / 1e9:6.2f} TB/s  "
+                f"x{args.layers} layers: {ms * args.layers:6.2f} ms"
+            )
     if args.sweep:
         chosen = qkv_rope.BLOCK_ROWS, qkv_rope.NUM_WARPS
         x = qkv.clone().requires_grad_()
@@ -88,15 +95,19 @@ def main() -> None:
                 outputs = qkv_rope.split_rotate(x, freqs, freqs, per_group, head_dim, args.format)
                 forward_ms = time_ms(lambda: qkv_rope.split_rotate(qkv, freqs, freqs, per_group, head_dim, args.format))
                 backward_ms = time_ms(lambda: torch.autograd.grad(outputs, x, results["grads"], retain_graph=True))
-                print(f"ours, {qkv_rope.BLOCK_ROWS:2d} tokens and {qkv_rope.NUM_WARPS} warps per program: "
-                      f"forward {forward_ms:.3f} ms ({moved / forward_ms / 1e9:.2f} TB/s), "
-                      f"backward {backward_ms:.3f} ms ({moved / backward_ms / 1e9:.2f} TB/s)")
+                print(
+                    f"ours, {qkv_rope.BLOCK_ROWS:2d} tokens and {qkv_rope.NUM_WARPS} warps per program: "
+                    f"forward {forward_ms:.3f} ms ({moved / forward_ms / 1e9:.2f} TB/s), "
+                    f"backward {backward_ms:.3f} ms ({moved / backward_ms / 1e9:.2f} TB/s)"
+                )
         qkv_rope.BLOCK_ROWS, qkv_rope.NUM_WARPS = chosen
     ours, theirs = (results[name] for name in implementations)
     for label, a, b in zip(("query", "key", "value", "qkv gradient"), ours, theirs):
         differing = int((a != b).sum())
-        print(f"{label:13s} {'bitwise equal' if differing == 0 else f'{differing} of {a.numel()} elements differ'}"
-              f" (largest difference {float((a.float() - b.float()).abs().max()):.3g})")
+        print(
+            f"{label:13s} {'bitwise equal' if differing == 0 else f'{differing} of {a.numel()} elements differ'}"
+            f" (largest difference {float((a.float() - b.float()).abs().max()):.3g})"
+        )
 
 
 if __name__ == "__main__":

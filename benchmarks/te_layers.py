@@ -23,10 +23,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def build(cls, triton_gelu: bool):
     torch.manual_seed(0)
-    layers = torch.nn.Sequential(*[
-        cls(hidden_size=768, ffn_hidden_size=3072, num_attention_heads=12, hidden_dropout=0.0,
-            attention_dropout=0.0, self_attn_mask_type="no_mask", attn_input_format="bshd", fuse_qkv_params=True,
-            params_dtype=torch.bfloat16, layer_number=i + 1, device="cuda") for i in range(12)])
+    layers = torch.nn.Sequential(
+        *[
+            cls(
+                hidden_size=768,
+                ffn_hidden_size=3072,
+                num_attention_heads=12,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                self_attn_mask_type="no_mask",
+                attn_input_format="bshd",
+                fuse_qkv_params=True,
+                params_dtype=torch.bfloat16,
+                layer_number=i + 1,
+                device="cuda",
+            )
+            for i in range(12)
+        ]
+    )
     for layer in layers:  # TE's switch between its Triton bias+GELU kernels and the GEMM epilogue
         layer.layernorm_mlp.bias_gelu_nvfusion = triton_gelu
     return layers
@@ -55,8 +69,10 @@ def measure(name: str, cls, triton_gelu: bool, micro_batch: int, steps: int):
             step()
         torch.cuda.synchronize()
     kernels = {e.key: e.self_device_time_total / 3e3 for e in prof.key_averages() if e.device_type.name == "CUDA"}
-    print(f"{name}: {ms:.1f} ms/step ({micro_batch / ms * 1e3:.0f} img/s), GPU busy {sum(kernels.values()):.1f} ms",
-          flush=True)
+    print(
+        f"{name}: {ms:.1f} ms/step ({micro_batch / ms * 1e3:.0f} img/s), GPU busy {sum(kernels.values()):.1f} ms",
+        flush=True,
+    )
     for kernel, t in sorted(kernels.items(), key=lambda kv: -kv[1])[:8]:
         print(f"    {t:6.2f} ms  {kernel[:110]}")
     # One step from fresh weights, for the equality checks.
@@ -84,8 +100,10 @@ def main() -> None:
     same = torch.equal(stock[0], packed[0]) and all(torch.equal(a, b) for a, b in zip(stock[1], packed[1]))
     print("packed-QKV change vs TE's defaults, bitwise equal:", same)
     rel = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
-    print(f"recipes' layer vs TE's defaults: output rel diff {rel(both[0], stock[0]):.2e}, "
-          f"largest gradient rel diff {max(rel(a, b) for a, b in zip(both[1], stock[1])):.2e}")
+    print(
+        f"recipes' layer vs TE's defaults: output rel diff {rel(both[0], stock[0]):.2e}, "
+        f"largest gradient rel diff {max(rel(a, b) for a, b in zip(both[1], stock[1])):.2e}"
+    )
 
 
 if __name__ == "__main__":

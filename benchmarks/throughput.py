@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import queue
 import json
 import os
+import queue
 import shlex
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -35,12 +35,30 @@ REPO = Path(__file__).resolve().parents[1]
 PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
 
 
-def run_variant(config: str, nproc: int, steps: int, overrides: list[str], phases: bool, data: str = "synthetic",
-                gpus: str | None = None, timeout: float | None = None) -> dict:
+def run_variant(
+    config: str,
+    nproc: int,
+    steps: int,
+    overrides: list[str],
+    phases: bool,
+    data: str = "synthetic",
+    gpus: str | None = None,
+    timeout: float | None = None,
+) -> dict:
     try:
-        rows, _ = run_train(config, nproc, [*([f"data={data}"] if data else []), f"training.steps={2 * steps}",
-                                            f"training.log_every_n_steps={steps}", f"training.time_phases={phases}",
-                                            *overrides], timeout, gpus)
+        rows, _ = run_train(
+            config,
+            nproc,
+            [
+                *([f"data={data}"] if data else []),
+                f"training.steps={2 * steps}",
+                f"training.log_every_n_steps={steps}",
+                f"training.time_phases={phases}",
+                *overrides,
+            ],
+            timeout,
+            gpus,
+        )
     except TrainRunFailed as e:
         return {"error": str(e)[-2000:]}
     return rows[-1]  # the timed interval (after the warm-up interval)
@@ -52,11 +70,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=max(1, torch.cuda.device_count()))
     p.add_argument("--steps", type=int, default=20, help="warm-up steps, then as many timed steps")
     p.add_argument("--micro-batch", type=int, nargs="+", default=[64])
-    p.add_argument("--global-batch", type=int, default=None,
-                   help="samples per optimizer step, accumulated over micro-batches (default: micro-batch x ranks, "
-                        "no accumulation); e.g. the config's own training.global_batch_size")
-    p.add_argument("--variant", action="append", default=None,
-                   help='"name=override override ..." (repeatable); default: the config as is')
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=None,
+        help="samples per optimizer step, accumulated over micro-batches (default: micro-batch x ranks, "
+        "no accumulation); e.g. the config's own training.global_batch_size",
+    )
+    p.add_argument(
+        "--variant",
+        action="append",
+        default=None,
+        help='"name=override override ..." (repeatable); default: the config as is',
+    )
     p.add_argument("--phases", action="store_true", help="also time forward/backward, grad sync, optimizer")
     p.add_argument("--extra", default="", help="overrides added to every variant")
     p.add_argument("--data", default="synthetic", help='data config for every variant ("": the config\'s own)')
@@ -85,13 +111,21 @@ def main() -> None:
     def measure(name: str, overrides: str, mb: int) -> dict:
         # Without --global-batch no gradient accumulation: the global batch is micro-batch x ranks.
         global_batch = args.global_batch or mb * args.nproc
-        ov = shlex.split(overrides) + shlex.split(args.extra) + [
-            f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
+        ov = (
+            shlex.split(overrides)
+            + shlex.split(args.extra)
+            + [f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
+        )
         gpu = free_gpus.get()
         try:
-            row = {"variant": name, "micro_batch": mb, "nproc": args.nproc, "overrides": ov,
-                   "accumulation": global_batch // (mb * args.nproc),
-                   **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout)}
+            row = {
+                "variant": name,
+                "micro_batch": mb,
+                "nproc": args.nproc,
+                "overrides": ov,
+                "accumulation": global_batch // (mb * args.nproc),
+                **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout),
+            }
             if args.phases and "error" not in row:
                 timed = run_variant(args.config, args.nproc, args.steps, ov, True, args.data, gpu, args.timeout)
                 row.update({k: v for k, v in timed.items() if k.startswith("time_")})
@@ -120,9 +154,11 @@ def _print_table(args: argparse.Namespace, results: list[dict], device: str) -> 
             print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {r['error'].splitlines()[-1][:80]}")
             continue
         rate = r["tokens_per_sec_per_gpu"] if tokens else r["samples_per_sec_per_gpu"]
-        line = (f"{r['variant']:<22}{r['micro_batch']:>5}{rate:>13.0f}"
-                f"{100 * r.get('mfu', float('nan')):>6.1f}%{r['step_time']:>9.4f}{r['data_wait']:>8.4f}"
-                f"{r['peak_mem_gib']:>9.1f}")
+        line = (
+            f"{r['variant']:<22}{r['micro_batch']:>5}{rate:>13.0f}"
+            f"{100 * r.get('mfu', float('nan')):>6.1f}%{r['step_time']:>9.4f}{r['data_wait']:>8.4f}"
+            f"{r['peak_mem_gib']:>9.1f}"
+        )
         if args.phases:
             line += "".join(f"{r.get('time_' + ph, float('nan')):>14.4f}" for ph in PHASES)
         print(line)
@@ -133,8 +169,19 @@ def _write(args: argparse.Namespace, results: list[dict], device: str) -> None:
     out.mkdir(parents=True, exist_ok=True)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     path = out / f"{args.config}-{args.nproc}gpu-{stamp}.json"
-    path.write_text(json.dumps({"config": args.config, "device": device, "nproc": args.nproc, "date": stamp,
-                                "command": " ".join(shlex.quote(a) for a in sys.argv), "results": results}, indent=1))
+    path.write_text(
+        json.dumps(
+            {
+                "config": args.config,
+                "device": device,
+                "nproc": args.nproc,
+                "date": stamp,
+                "command": " ".join(shlex.quote(a) for a in sys.argv),
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"\nwrote {path}")
     if os.environ.get("OUT"):  # on the device machine, also keep a copy where results come back from
         (Path(os.environ["OUT"]) / path.name).write_text(path.read_text())

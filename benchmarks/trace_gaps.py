@@ -59,11 +59,16 @@ def main() -> None:
     args = ap.parse_args()
 
     events = [e for e in load(args.trace) if e.get("ph") == "X"]
-    steps = sorted((e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep")),
-                   key=lambda e: e["ts"])
+    steps = sorted(
+        (e for e in events if e.get("cat") == "user_annotation" and e["name"].startswith("ProfilerStep")),
+        key=lambda e: e["ts"],
+    )
     gpu = sorted((e for e in events if e.get("cat") in GPU_CATS), key=lambda e: e["ts"])
-    runtime = {e["args"]["correlation"]: e for e in events
-               if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})}
+    runtime = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") == "cuda_runtime" and "correlation" in e.get("args", {})
+    }
     cpu_ops = sorted((e for e in events if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
     op_starts = [e["ts"] for e in cpu_ops]
     syncs = [e for e in events if e.get("cat") == "cuda_runtime" and SYNC_CALLS.search(e["name"])]
@@ -71,7 +76,9 @@ def main() -> None:
     def op_at(tid, ts: float) -> str:
         """The innermost CPU operator on thread `tid` that was running at `ts`."""
         best = None
-        for e in reversed(cpu_ops[max(0, bisect.bisect_right(op_starts, ts) - 2000):bisect.bisect_right(op_starts, ts)]):
+        for e in reversed(
+            cpu_ops[max(0, bisect.bisect_right(op_starts, ts) - 2000) : bisect.bisect_right(op_starts, ts)]
+        ):
             if e["tid"] == tid and e["ts"] <= ts <= e["ts"] + e["dur"]:
                 if best is None or e["dur"] < best["dur"]:
                     best = e
@@ -81,8 +88,10 @@ def main() -> None:
         t0, t1 = step["ts"], step["ts"] + step["dur"]
         inside = [k for k in gpu if t0 <= k["ts"] < t1]
         busy, merged = union_busy([(k["ts"], min(k["ts"] + k["dur"], t1)) for k in inside])
-        print(f"\n{step['name']}: wall {step['dur'] / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms "
-              f"({100 * busy / step['dur']:.0f}%), {len(inside)} GPU activities")
+        print(
+            f"\n{step['name']}: wall {step['dur'] / 1e3:.1f} ms, GPU busy {busy / 1e3:.1f} ms "
+            f"({100 * busy / step['dur']:.0f}%), {len(inside)} GPU activities"
+        )
         by_kind: dict[str, float] = defaultdict(float)
         for k in inside:
             by_kind[next(kind for kind, rx in KINDS if rx.search(k["name"]))] += k["dur"]
@@ -104,7 +113,7 @@ def main() -> None:
                 gaps.append((next_start - prev_end, prev_end, next_start))
         idle = sum(g for g, _, _ in gaps)
         print(f"  idle gaps >= {args.min_gap_ms} ms: {len(gaps)}, {idle / 1e3:.1f} ms in total; the longest:")
-        for gap, _, next_start in sorted(gaps, reverse=True)[:args.top]:
+        for gap, _, next_start in sorted(gaps, reverse=True)[: args.top]:
             i = bisect.bisect_left(starts, next_start)
             where = "end of step"
             if i < len(inside):

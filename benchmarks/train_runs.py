@@ -17,16 +17,31 @@ class TrainRunFailed(RuntimeError):
     """The run exited with an error or ran past its time limit; the message ends with its output."""
 
 
-def run_train(config: str, nproc: int, overrides: list[str], timeout: float | None = None,
-              gpus: str | None = None) -> tuple[list[dict], str]:
+def run_train(
+    config: str, nproc: int, overrides: list[str], timeout: float | None = None, gpus: str | None = None
+) -> tuple[list[dict], str]:
     """Train `config` with `overrides` (validation and the final save off unless they turn them on) on
     `nproc` processes, optionally on the GPUs `gpus` only; return the metrics.jsonl rows and the output."""
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": gpus} if gpus is not None else None
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--standalone",
-               str(REPO / "train.py"), "--config-name", config, "training.val_every_n_steps=0",
-               "training.val_at_end=false", "checkpoint.save_final=false", "logger.progress_bar=never",
-               f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt", *overrides]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node",
+            str(nproc),
+            "--standalone",
+            str(REPO / "train.py"),
+            "--config-name",
+            config,
+            "training.val_every_n_steps=0",
+            "training.val_at_end=false",
+            "checkpoint.save_final=false",
+            "logger.progress_bar=never",
+            f"hydra.run.dir={tmp}/run",
+            f"checkpoint.path={tmp}/ckpt",
+            *overrides,
+        ]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
         except subprocess.TimeoutExpired as e:

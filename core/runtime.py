@@ -66,8 +66,10 @@ class Runtime:
         if not refusals:
             return self
         if not self.cuda_graphs_auto:
-            raise ConfigError(f"training.cuda_graphs={cfg.training.cuda_graphs} {refusals[0]}; use "
-                              "training.cuda_graphs=auto (eager where graphs do not apply) or none")
+            raise ConfigError(
+                f"training.cuda_graphs={cfg.training.cuda_graphs} {refusals[0]}; use "
+                "training.cuda_graphs=auto (eager where graphs do not apply) or none"
+            )
         log.info("training.cuda_graphs=auto: eager micro-batches (a graphed run %s)", refusals[0])
         return replace(self, cuda_graphs=False)
 
@@ -82,8 +84,9 @@ def resolve_parallel_backend(backend: ParallelBackend, machine: Machine) -> Para
     if backend == ParallelBackend.auto:
         return ParallelBackend.mfsdp if machine.cuda else ParallelBackend.fsdp2
     if backend == ParallelBackend.mfsdp and not machine.cuda:
-        raise ConfigError("distributed.backend=mfsdp needs CUDA GPUs (Megatron-FSDP is CUDA-only); "
-                          "use fsdp2 or ddp on CPU")
+        raise ConfigError(
+            "distributed.backend=mfsdp needs CUDA GPUs (Megatron-FSDP is CUDA-only); use fsdp2 or ddp on CPU"
+        )
     return ParallelBackend(backend)
 
 
@@ -92,15 +95,18 @@ def resolve_layer_backend(backend: LayerBackend, machine: Machine) -> LayerBacke
         if machine.cuda and machine.te:
             return LayerBackend.te
         if machine.cuda:
-            log.warning("TransformerEngine is not installed: using plain torch layers "
-                        "(pip install transformer-engine[pytorch], or the NGC PyTorch container)")
+            log.warning(
+                "TransformerEngine is not installed: using plain torch layers "
+                "(pip install transformer-engine[pytorch], or the NGC PyTorch container)"
+            )
         return LayerBackend.torch
     if backend == LayerBackend.te:
         if not machine.cuda:
             raise ConfigError("model.backend=te needs a CUDA device; use model.backend=torch (or auto) on CPU")
         if not machine.te:
-            raise ConfigError("model.backend=te but TransformerEngine is not installed "
-                              "(pip install transformer-engine[pytorch])")
+            raise ConfigError(
+                "model.backend=te but TransformerEngine is not installed (pip install transformer-engine[pytorch])"
+            )
     return LayerBackend(backend)
 
 
@@ -111,14 +117,18 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
     layers = resolve_layer_backend(cfg.model.backend, machine)
     precision, tp = cfg.precision, cfg.distributed.tp
     if parallel == ParallelBackend.ddp and precision.param_dtype != DType.fp32:
-        raise ConfigError(f"distributed.backend=ddp with precision.param_dtype={precision.param_dtype}: DDP would "
-                          "train the weights themselves in that dtype, with no fp32 master copy; use "
-                          "precision.param_dtype=fp32 with ddp, or mfsdp / fsdp2, which keep fp32 master weights")
+        raise ConfigError(
+            f"distributed.backend=ddp with precision.param_dtype={precision.param_dtype}: DDP would "
+            "train the weights themselves in that dtype, with no fp32 master copy; use "
+            "precision.param_dtype=fp32 with ddp, or mfsdp / fsdp2, which keep fp32 master weights"
+        )
     if tp > 1 and parallel == ParallelBackend.ddp:
         raise ConfigError("distributed.tp > 1 needs distributed.backend=mfsdp or fsdp2 (ddp keeps whole replicas)")
     if tp > 1 and parallel == ParallelBackend.fsdp2 and layers == LayerBackend.te:
-        raise ConfigError("distributed.tp > 1 with distributed.backend=fsdp2 needs model.backend=torch; "
-                          "TE layers are tensor-parallel under distributed.backend=mfsdp")
+        raise ConfigError(
+            "distributed.tp > 1 with distributed.backend=fsdp2 needs model.backend=torch; "
+            "TE layers are tensor-parallel under distributed.backend=mfsdp"
+        )
     if precision.fp8.enabled and layers != LayerBackend.te:
         raise ConfigError("precision.fp8.enabled needs TransformerEngine layers (model.backend=te on a CUDA GPU)")
     graphs = cfg.training.cuda_graphs == CudaGraphs.forward_backward
@@ -128,10 +138,17 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
         graphs = not cuda_graphs_refusals(cfg, machine, parallel)
     autocast = DTYPES[precision.autocast_dtype] if precision.autocast_dtype is not None else None
     return Runtime(
-        device_type="cuda" if machine.cuda else "cpu", parallel=parallel, layers=layers, autocast_dtype=autocast,
-        param_dtype=DTYPES[precision.param_dtype], fp8=precision.fp8 if precision.fp8.enabled else None,
-        cuda_graphs=graphs, cuda_graphs_auto=cfg.training.cuda_graphs == CudaGraphs.auto,
-        parallel_auto=cfg.distributed.backend == ParallelBackend.auto, layers_auto=cfg.model.backend == LayerBackend.auto)
+        device_type="cuda" if machine.cuda else "cpu",
+        parallel=parallel,
+        layers=layers,
+        autocast_dtype=autocast,
+        param_dtype=DTYPES[precision.param_dtype],
+        fp8=precision.fp8 if precision.fp8.enabled else None,
+        cuda_graphs=graphs,
+        cuda_graphs_auto=cfg.training.cuda_graphs == CudaGraphs.auto,
+        parallel_auto=cfg.distributed.backend == ParallelBackend.auto,
+        layers_auto=cfg.model.backend == LayerBackend.auto,
+    )
 
 
 def check_cuda_graphs(cfg: DictConfig, machine: Machine, parallel: ParallelBackend) -> None:
@@ -147,13 +164,18 @@ def cuda_graphs_refusals(cfg: DictConfig, machine: Machine, parallel: ParallelBa
     training = cfg.training
     refusals = [
         (not machine.cuda, "needs a CUDA GPU (CUDA graphs are a GPU feature); use training.cuda_graphs=none on CPU"),
-        (parallel != ParallelBackend.mfsdp, f"needs distributed.backend=mfsdp (not {parallel}): its graph-safe "
-                                            "gradient buffers are what the graph writes into"),
+        (
+            parallel != ParallelBackend.mfsdp,
+            f"needs distributed.backend=mfsdp (not {parallel}): its graph-safe "
+            "gradient buffers are what the graph writes into",
+        ),
         # Delayed scaling's amax and scale updates are kernels on static buffers, captured with the micro-batch;
         # current scaling keeps no state. The block recipes have not been checked against eager runs.
-        (cfg.precision.fp8.enabled and cfg.precision.fp8.recipe not in GRAPHED_FP8_RECIPES,
-         f"runs FP8 with precision.fp8.recipe={' or '.join(GRAPHED_FP8_RECIPES)}, not "
-         f"{cfg.precision.fp8.recipe} (not checked under CUDA graphs); use training.cuda_graphs=none"),
+        (
+            cfg.precision.fp8.enabled and cfg.precision.fp8.recipe not in GRAPHED_FP8_RECIPES,
+            f"runs FP8 with precision.fp8.recipe={' or '.join(GRAPHED_FP8_RECIPES)}, not "
+            f"{cfg.precision.fp8.recipe} (not checked under CUDA graphs); use training.cuda_graphs=none",
+        ),
         (training.compile, "and training.compile=true both take over the forward pass: choose one"),
     ]
     return [why for refused, why in refusals if refused]
@@ -169,12 +191,21 @@ def cuda_graphs_mesh_refusals(cfg: DictConfig, dp_size: int, dp_outer: int, tp: 
     zero = int(cfg.distributed.mfsdp.zero_dp_strategy)
     refusals = [
         (tp > 1, f"needs distributed.tp=1 (not {tp}): tensor parallelism's collectives run inside every layer"),
-        (zero != 0, f"on {dp_size} data-parallel ranks needs distributed.mfsdp.zero_dp_strategy=0 (not {zero}): "
-                    "ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward and ZeRO-1 has not been "
-                    "checked against eager runs under graphs; with ZeRO-0 no collective runs inside a micro-batch"),
-        (dp_outer > 1, f"on several ranks needs distributed.dp_outer=1 (not {dp_outer}): HSDP has not been checked "
-                       "against eager runs under graphs"),
-        (cfg.precision.fp8.enabled, f"on {dp_size} data-parallel ranks needs precision.fp8.enabled=false: FP8's amax "
-                                    "all-reduce between ranks inside a graph has not been checked against eager runs"),
+        (
+            zero != 0,
+            f"on {dp_size} data-parallel ranks needs distributed.mfsdp.zero_dp_strategy=0 (not {zero}): "
+            "ZeRO-2/3 reduce-scatter gradients in every micro-batch's backward and ZeRO-1 has not been "
+            "checked against eager runs under graphs; with ZeRO-0 no collective runs inside a micro-batch",
+        ),
+        (
+            dp_outer > 1,
+            f"on several ranks needs distributed.dp_outer=1 (not {dp_outer}): HSDP has not been checked "
+            "against eager runs under graphs",
+        ),
+        (
+            cfg.precision.fp8.enabled,
+            f"on {dp_size} data-parallel ranks needs precision.fp8.enabled=false: FP8's amax "
+            "all-reduce between ranks inside a graph has not been checked against eager runs",
+        ),
     ]
     return [why for refused, why in refusals if refused]

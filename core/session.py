@@ -28,9 +28,9 @@ from core.config.validation import save_config, validate
 from core.distributed import env as distributed
 from core.distributed import failed_jobs, launch
 from core.layers.namespace import get_layers
+from core.layers.tensor_parallel import full_numel
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
-from core.layers.tensor_parallel import full_numel
 from core.runtime import Runtime, resolve
 from core.training.nonfinite import NonFiniteError
 from core.training.precision import autocast_factory
@@ -40,8 +40,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("train")
 
-EXIT_CODES = ((DataError, 2, "data error: "), (ConfigError, 2, "config error: "), (CheckpointError, 3, "checkpoint error: "), (NonFiniteError, 4, ""),
-              (InterpolationResolutionError, 2, "config error: "))  # a ${...} of the config that does not resolve
+EXIT_CODES = (
+    (DataError, 2, "data error: "),
+    (ConfigError, 2, "config error: "),
+    (CheckpointError, 3, "checkpoint error: "),
+    (NonFiniteError, 4, ""),
+    (InterpolationResolutionError, 2, "config error: "),
+)  # a ${...} of the config that does not resolve
 
 
 @dataclass
@@ -68,8 +73,9 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     recipe = recipe_type(cfg)
     runtime = resolve(cfg)
     dist_cfg = cfg.distributed
-    env = distributed.setup(dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes,
-                            runtime.device_type)
+    env = distributed.setup(
+        dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes, runtime.device_type
+    )
     try:
         runtime = runtime.on_mesh(cfg, env.dp_size, env.dp_outer, env.tp)
         # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
@@ -78,11 +84,22 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
         if env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "resolved_config.yaml")
-            log.info("recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d "
-                     "| model.backend=%s%s%s | run dir %s", cfg.recipe, env.world_size, env.device.type, runtime.parallel,
-                     " (auto)" if runtime.parallel_auto else "", env.dp_outer, env.dp_shard, env.tp, runtime.layers,
-                     " (auto)" if runtime.layers_auto else "",
-                     " | micro-batches replayed as CUDA graphs" if runtime.cuda_graphs else "", run_dir)
+            log.info(
+                "recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d "
+                "| model.backend=%s%s%s | run dir %s",
+                cfg.recipe,
+                env.world_size,
+                env.device.type,
+                runtime.parallel,
+                " (auto)" if runtime.parallel_auto else "",
+                env.dp_outer,
+                env.dp_shard,
+                env.tp,
+                runtime.layers,
+                " (auto)" if runtime.layers_auto else "",
+                " | micro-batches replayed as CUDA graphs" if runtime.cuda_graphs else "",
+                run_dir,
+            )
         yield Session(cfg, runtime, env, recipe, run_dir, autocast)
     finally:
         distributed.teardown()
@@ -97,10 +114,16 @@ def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
     model = sess.recipe.build_model(layers, sess.env.device)
     num_params = full_numel(model, sess.env.tp)
     train_cfg = sess.cfg.training
-    parallel = parallelize(model, sess.runtime, sess.env, sess.cfg.distributed, layers,
-                           sess.recipe.unit_modules(layers),
-                           activation_checkpointing=training and train_cfg.activation_checkpointing,
-                           compile=training and train_cfg.compile)
+    parallel = parallelize(
+        model,
+        sess.runtime,
+        sess.env,
+        sess.cfg.distributed,
+        layers,
+        sess.recipe.unit_modules(layers),
+        activation_checkpointing=training and train_cfg.activation_checkpointing,
+        compile=training and train_cfg.compile,
+    )
     return parallel, num_params
 
 

@@ -52,9 +52,9 @@ class Recipe(ABC):
     # The config (configs/<config>.yaml) predict.py and generate.py compose for a checkpoint of this recipe when
     # neither the command line nor the checkpoint names one; "": configs/<name>.yaml.
     predict_config: ClassVar[str] = ""
-    # For the tests that sweep every recipe (tests/unit/config/test_monitored_metrics.py, tests/unit/config/test_validation.py): {case: (config,
-    # overrides)} that build a model in a moment and read data shipped in the repository ("{tmp}" in an override:
-    # a temporary folder). The default: configs/<name>.yaml as it is.
+    # For the tests that sweep every recipe (tests/unit/config/test_monitored_metrics.py,
+    # tests/unit/config/test_validation.py): {case: (config, overrides)} that build a model in a moment and read data
+    # shipped in the repository ("{tmp}" in an override: a temporary folder). The default: configs/<name>.yaml as it is.
     tiny_configs: ClassVar[dict[str, tuple[str, tuple[str, ...]]]] = {}
 
     def __init__(self, cfg: Any):
@@ -151,8 +151,7 @@ class Recipe(ABC):
         """predict.folder: every input under `folder`, without labels, indexed with ints."""
         raise ConfigError(f"the {self.name} recipe does not predict on a folder (predict.folder)")
 
-    def finish_predictions(self, dataset: Dataset,
-                           columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
+    def finish_predictions(self, dataset: Dataset, columns: dict[str, torch.Tensor]) -> dict[str, torch.Tensor | list]:
         """All ranks' rows, gathered on rank 0 in sample order, of `dataset` (what split() or unlabeled() gave)
         -> the columns written: may add text columns (a list per column, e.g. class names, read from the
         dataset) or combine rows (e.g. windows into documents)."""
@@ -194,5 +193,7 @@ def require(recipe: type[Recipe], protocol: tuple[str, ...], tool: str) -> None:
     """ConfigError, before any work, when the recipe does not support `tool` (it lacks part of `protocol`)."""
     missing = lacking(recipe, protocol)
     if missing:
-        raise ConfigError(f"{tool} needs a recipe with {' and '.join(protocol)}; the {recipe.name} recipe has no "
-                          f"{' and no '.join(missing)} (recipes/base.py)")
+        raise ConfigError(
+            f"{tool} needs a recipe with {' and '.join(protocol)}; the {recipe.name} recipe has no "
+            f"{' and no '.join(missing)} (recipes/base.py)"
+        )

@@ -34,8 +34,10 @@ def get_recipe(name: str) -> type[Recipe]:
     module = importlib.import_module(f"recipes.{name}.recipe")
     recipe = getattr(module, "RECIPE", None)
     if not (isinstance(recipe, type) and issubclass(recipe, Recipe)) or recipe.name != name:
-        raise ConfigError(f"recipe: recipes/{name}/recipe.py must end with RECIPE = <its Recipe subclass>, whose "
-                          f"name is {name!r} (found {recipe!r})")
+        raise ConfigError(
+            f"recipe: recipes/{name}/recipe.py must end with RECIPE = <its Recipe subclass>, whose "
+            f"name is {name!r} (found {recipe!r})"
+        )
     return recipe
 
 

@@ -62,8 +62,7 @@ def write_split(out, split, indices, images, labels, size):
 
 def write_readme(out, command, size, counts):
     rows = "\n".join(
-        f"| {c} | {counts['train'][c]} | {counts['val'][c]} | "
-        f"{counts['train'][c] + counts['val'][c]} |"
+        f"| {c} | {counts['train'][c]} | {counts['val'][c]} | {counts['train'][c] + counts['val'][c]} |"
         for c in CLASSES
     )
     totals = {s: sum(counts[s].values()) for s in ("train", "val")}
@@ -105,7 +104,7 @@ Images: {size}x{size}, mode `L` (8-bit grayscale), PNG.
 | class | train | val | total |
 |---|---|---|---|
 {rows}
-| **all** | {totals['train']} | {totals['val']} | {totals['train'] + totals['val']} |
+| **all** | {totals["train"]} | {totals["val"]} | {totals["train"] + totals["val"]} |
 """)
 
 
@@ -129,8 +128,16 @@ def main():
         "val": write_split(args.out, "val", val_idx, digits.images, digits.target, args.size),
     }
     command = "python scripts/make_digits_imagefolder.py " + shlex.join(
-        ["--out", str(args.out), "--size", str(args.size),
-         "--val-fraction", str(args.val_fraction), "--seed", str(args.seed)]
+        [
+            "--out",
+            str(args.out),
+            "--size",
+            str(args.size),
+            "--val-fraction",
+            str(args.val_fraction),
+            "--seed",
+            str(args.seed),
+        ]
     )
     write_readme(args.out, command, args.size, counts)
     for split, c in counts.items():

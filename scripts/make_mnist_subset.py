@@ -48,11 +48,14 @@ def main():
     train, test = [], []
     for digit in range(10):  # a fixed digit order keeps the generator's stream reproducible
         rows = rng.permutation(np.flatnonzero(labels == digit))
-        test.extend(rows[:args.test_per_digit])
-        train.extend(rows[args.test_per_digit:])
+        test.extend(rows[: args.test_per_digit])
+        train.extend(rows[args.test_per_digit :])
     for prefix, rows in (("train", rng.permutation(train)), ("t10k", rng.permutation(test))):
         n = len(rows)
-        write_gz(raw / f"{prefix}-images-idx3-ubyte.gz", struct.pack(">IIII", IMAGES_MAGIC, n, 28, 28) + images[rows].tobytes())
+        write_gz(
+            raw / f"{prefix}-images-idx3-ubyte.gz",
+            struct.pack(">IIII", IMAGES_MAGIC, n, 28, 28) + images[rows].tobytes(),
+        )
         write_gz(raw / f"{prefix}-labels-idx1-ubyte.gz", struct.pack(">II", LABELS_MAGIC, n) + labels[rows].tobytes())
         print(prefix, n, np.bincount(labels[rows], minlength=10).tolist())
 

@@ -38,8 +38,11 @@ def main() -> None:
     parser.add_argument("--shorter-side", type=int, default=None, help="resize so (JPEG); default: bytes as they are")
     parser.add_argument("--quality", type=int, default=90, help="JPEG quality with --shorter-side")
     args = parser.parse_args()
-    if args.samples_per_shard < 1 or (args.shorter_side is not None and args.shorter_side < 1) \
-            or not 1 <= args.quality <= 100:
+    if (
+        args.samples_per_shard < 1
+        or (args.shorter_side is not None and args.shorter_side < 1)
+        or not 1 <= args.quality <= 100
+    ):
         parser.error("--samples-per-shard and --shorter-side must be at least 1, --quality within 1-100")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
@@ -49,8 +52,10 @@ def main() -> None:
     except OSError as e:  # --out cannot be written
         fail(f"--out {args.out}: {e}")
     for split, shards in written.items():
-        print(f"{split}: {len(shards)} samples of {len(classes)} classes in {len(shards.shards)} shards "
-              f"({shards.shards[0].name} ...)")
+        print(
+            f"{split}: {len(shards)} samples of {len(classes)} classes in {len(shards.shards)} shards "
+            f"({shards.shards[0].name} ...)"
+        )
     print(f"wrote {args.out}; train from it with data.format=shards data.root={args.out}")
 
 

@@ -20,16 +20,18 @@ def main() -> None:
     for path in args.files:
         with open(path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        timed = [r for r in rows if "train/step_time" in r][args.skip:]
+        timed = [r for r in rows if "train/step_time" in r][args.skip :]
         if not timed:
             print(f"{path}: no logged steps after the first {args.skip}")
             continue
         tokens = sum(r["train/total_unpadded_tokens_per_batch"] for r in timed)
         seconds = sum(r["train/step_time"] for r in timed)
         rates = [r["train/unpadded_tokens_per_second_per_gpu"] for r in timed]
-        print(f"{path}: steps {timed[0]['step']}-{timed[-1]['step']}: {tokens / seconds:,.0f} real tokens/s "
-              f"(per-step mean {statistics.mean(rates):,.0f}, min {min(rates):,.0f}, max {max(rates):,.0f}; "
-              f"step {1000 * seconds / len(timed):.1f} ms, loss {timed[-1].get('train/loss', float('nan')):.3f})")
+        print(
+            f"{path}: steps {timed[0]['step']}-{timed[-1]['step']}: {tokens / seconds:,.0f} real tokens/s "
+            f"(per-step mean {statistics.mean(rates):,.0f}, min {min(rates):,.0f}, max {max(rates):,.0f}; "
+            f"step {1000 * seconds / len(timed):.1f} ms, loss {timed[-1].get('train/loss', float('nan')):.3f})"
+        )
 
 
 if __name__ == "__main__":

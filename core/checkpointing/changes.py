@@ -50,8 +50,9 @@ def _fitted(file: Path, tree: dict, config: DictConfig) -> DictConfig:
         node = config._get_node(name)
         if isinstance(node, DictConfig) and is_structured_config(OmegaConf.get_type(node)):
             if name in tree and not isinstance(tree[name], dict):
-                raise CheckpointError(f"{file}: '{name}' is a {type(tree[name]).__name__}, expected a mapping of "
-                                      "settings")
+                raise CheckpointError(
+                    f"{file}: '{name}' is a {type(tree[name]).__name__}, expected a mapping of settings"
+                )
             schema[name] = OmegaConf.structured(OmegaConf.get_type(node))
     try:
         return OmegaConf.merge(schema, tree)
@@ -99,8 +100,9 @@ def config_changes(saved_config: Path, config: DictConfig) -> tuple[list[str], l
             # Absent from the file: the older version ran with the schema's default.
             has_default, default = _default(fitted, k)
             if not has_default:
-                refused.append(f"{k}: absent from {saved_config}, and its schema has no default to compare with "
-                               f"-> {now[k]!r}")
+                refused.append(
+                    f"{k}: absent from {saved_config}, and its schema has no default to compare with -> {now[k]!r}"
+                )
             elif default != now[k]:
                 refused.append(f"{k}: {default!r} (absent from the file: the default) -> {now[k]!r}")
             else:

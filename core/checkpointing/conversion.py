@@ -40,13 +40,17 @@ def write_weights_step(weights: dict, target: Path, source: str) -> None:
     """A complete step folder (checksummed, marked) of model weights alone, at step 0."""
     named = STEP_DIR.match(target.name)
     if named and named.group(1) != "0":  # a marker's step must be its folder's (layout.read_marker)
-        raise CheckpointError(f"{target}: a folder of weights alone holds step 0; name it step_0, or anything but "
-                              "step_<N>")
+        raise CheckpointError(
+            f"{target}: a folder of weights alone holds step 0; name it step_0, or anything but step_<N>"
+        )
     weights = {k: v for k, v in weights.items() if not k.endswith("_extra_state")}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
         start_marker(target)
-        dcp.save({"model": weights, "train_state": TrainState().state_dict()}, storage_writer=ChecksummingWriter(str(target)),
-                 no_dist=True)
+        dcp.save(
+            {"model": weights, "train_state": TrainState().state_dict()},
+            storage_writer=ChecksummingWriter(str(target)),
+            no_dist=True,
+        )
     write_marker(target, {"step": 0, "metrics": {}, "converted_from": source})
     print(f"wrote {len(weights)} tensors to {target}")

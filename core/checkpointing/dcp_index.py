@@ -36,8 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field, NonNegativeInt, ValidationErr
 from torch import _weights_only_unpickler
 from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata, Metadata, MetadataIndex,
-                                                   StorageMeta, TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from core.checkpointing.pickle_guard import MAX_INDEX_PICKLE, AllowList, UnsafeCheckpoint, guarded_opcodes
 
@@ -51,8 +58,17 @@ def _memory_format(code: int) -> dcp_metadata._MEM_FORMAT_ENCODING:
 
 # What an index may build beyond PyTorch's defaults (torch.Size, dtypes, layouts).
 _ALLOWED: list = [
-    Metadata, MetadataIndex, StorageMeta, TensorProperties, TensorStorageMetadata, BytesStorageMetadata,
-    ChunkStorageMetadata, _StorageInfo, pathlib.PosixPath, pathlib.PurePosixPath, pathlib.PureWindowsPath,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    _StorageInfo,
+    pathlib.PosixPath,
+    pathlib.PurePosixPath,
+    pathlib.PureWindowsPath,
     (pathlib.PureWindowsPath, "pathlib.WindowsPath"),  # an index written on Windows: its path, not a live one
     (_memory_format, "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING"),
 ]
@@ -66,12 +82,35 @@ _INDEX_GLOBALS = AllowList(
     {entry[1] if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}" for entry in _ALLOWED}
     | {"torch.Size", "torch.serialization._get_layout", "collections.OrderedDict"}
     | {f"torch.{name}" for name in dir(torch) if isinstance(getattr(torch, name, None), torch.dtype)},
-    "a DCP index holds")
+    "a DCP index holds",
+)
 
 # Protocol-2 opcodes that PyTorch's unpickler reads and that the rewrite copies as they are.
-_COPIED = {"APPEND", "APPENDS", "BINFLOAT", "BININT", "BININT1", "BININT2", "BUILD", "EMPTY_DICT", "EMPTY_LIST",
-           "EMPTY_TUPLE", "LONG1", "MARK", "NEWFALSE", "NEWTRUE", "NEWOBJ", "NONE", "REDUCE", "SETITEM",
-           "SETITEMS", "TUPLE", "TUPLE1", "TUPLE2", "TUPLE3"}
+_COPIED = {
+    "APPEND",
+    "APPENDS",
+    "BINFLOAT",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "BUILD",
+    "EMPTY_DICT",
+    "EMPTY_LIST",
+    "EMPTY_TUPLE",
+    "LONG1",
+    "MARK",
+    "NEWFALSE",
+    "NEWTRUE",
+    "NEWOBJ",
+    "NONE",
+    "REDUCE",
+    "SETITEM",
+    "SETITEMS",
+    "TUPLE",
+    "TUPLE1",
+    "TUPLE2",
+    "TUPLE3",
+}
 _STRINGS = {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8"}
 _PUTS = {"MEMOIZE", "BINPUT", "LONG_BINPUT"}
 _GETS = {"BINGET", "LONG_BINGET"}
@@ -187,9 +226,12 @@ MAX_DIMS = 64  # the most dimensions a torch tensor can have
 def _is_size(value: Any) -> bool:
     """A torch.Size, or the tuple some writers keep instead, of at most MAX_DIMS whole numbers >= 0 whose product
     is below MAX_ELEMENTS."""
-    return (isinstance(value, tuple) and len(value) <= MAX_DIMS
-            and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
-            and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS)  # a 0 among the sizes hides no overflow
+    return (
+        isinstance(value, tuple)
+        and len(value) <= MAX_DIMS
+        and all(type(n) is int and 0 <= n < MAX_ELEMENTS for n in value)
+        and math.prod(max(n, 1) for n in value) < MAX_ELEMENTS
+    )  # a 0 among the sizes hides no overflow
 
 
 def _is_int(value: Any, low: int = 0) -> bool:
@@ -198,8 +240,13 @@ def _is_int(value: Any, low: int = 0) -> bool:
 
 def _is_plain_file_name(name: Any) -> bool:
     """A file directly inside the checkpoint folder: no folder part, not `.` or `..`."""
-    return (isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
-            and "\x00" not in name)
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\x00" not in name
+    )
 
 
 def _has_fields_only(obj: Any) -> bool:
@@ -227,62 +274,110 @@ def _check_entries(entries: Any) -> None:
             continue
         _expect(type(entry) is TensorStorageMetadata and _has_fields_only(entry), f"{key!r} is a malformed entry")
         props = entry.properties
-        _expect(type(props) is TensorProperties and props.dtype in _DTYPES.values()
-                and isinstance(props.layout, torch.layout)
-                and type(props.requires_grad) is bool and type(props.pin_memory) is bool
-                and isinstance(props.memory_format, torch.memory_format), f"{key!r} has malformed tensor properties")
+        _expect(
+            type(props) is TensorProperties
+            and props.dtype in _DTYPES.values()
+            and isinstance(props.layout, torch.layout)
+            and type(props.requires_grad) is bool
+            and type(props.pin_memory) is bool
+            and isinstance(props.memory_format, torch.memory_format),
+            f"{key!r} has malformed tensor properties",
+        )
         _expect(_is_size(entry.size), f"{key!r} has a malformed size")
         _expect(type(entry.chunks) is list, f"{key!r} has malformed chunks")
         if (id(entry.chunks), entry.size) in checked:
             continue
         checked.add((id(entry.chunks), entry.size))
         for chunk in entry.chunks:
-            _expect(type(chunk) is ChunkStorageMetadata and _has_fields_only(chunk) and _is_size(chunk.offsets)
-                    and _is_size(chunk.sizes)
-                    and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
-                    and all(o + n <= full for o, n, full in zip(chunk.offsets, chunk.sizes, entry.size)),
-                    f"{key!r} has a chunk outside its size")
+            _expect(
+                type(chunk) is ChunkStorageMetadata
+                and _has_fields_only(chunk)
+                and _is_size(chunk.offsets)
+                and _is_size(chunk.sizes)
+                and len(chunk.offsets) == len(chunk.sizes) == len(entry.size)
+                and all(o + n <= full for o, n, full in zip(chunk.offsets, chunk.sizes, entry.size)),
+                f"{key!r} has a chunk outside its size",
+            )
 
 
 def _check_storage(storage: Any) -> None:
     """Each stored item: a key naming a tensor (and chunk offsets) mapped to a plain file of the folder."""
     _expect(type(storage) is dict, "storage_data is not a dict")
     for where, info in storage.items():
-        _expect(type(where) is MetadataIndex and _has_fields_only(where) and isinstance(where.fqn, str)
-                and (where.offset is None or _is_size(where.offset)), "a malformed storage key")
-        _expect(type(info) is _StorageInfo and _has_fields_only(info) and _is_plain_file_name(info.relative_path)
-                and _is_int(info.offset)
-                and _is_int(info.length), f"storage of {where.fqn!r}: not a file of the folder with an offset and length")
+        _expect(
+            type(where) is MetadataIndex
+            and _has_fields_only(where)
+            and isinstance(where.fqn, str)
+            and (where.offset is None or _is_size(where.offset)),
+            "a malformed storage key",
+        )
+        _expect(
+            type(info) is _StorageInfo
+            and _has_fields_only(info)
+            and _is_plain_file_name(info.relative_path)
+            and _is_int(info.offset)
+            and _is_int(info.length),
+            f"storage of {where.fqn!r}: not a file of the folder with an offset and length",
+        )
         # Compressed storage would make what is built larger than what is stored: this tool writes none.
-        _expect(not getattr(info, "transform_descriptors", None),
-                f"storage of {where.fqn!r} is compressed (transform descriptors), which this tool does not read")
+        _expect(
+            not getattr(info, "transform_descriptors", None),
+            f"storage of {where.fqn!r} is compressed (transform descriptors), which this tool does not read",
+        )
 
 
 def _check_run_fields(index: Metadata) -> None:
     """The fields that describe the save (storage_meta, version, planner_data): absent or of plain types."""
     meta = index.storage_meta
-    _expect(meta is None or (type(meta) is StorageMeta and _has_fields_only(meta) and type(meta.modules) is list
-                             and all(isinstance(m, str) for m in meta.modules)
-                             and all(v is None or isinstance(v, str) for v in (meta.save_id, meta.load_id))
-                             and (meta.checkpoint_id is None or isinstance(meta.checkpoint_id, (str, pathlib.PurePath)))),
-            "malformed storage_meta")
+    _expect(
+        meta is None
+        or (
+            type(meta) is StorageMeta
+            and _has_fields_only(meta)
+            and type(meta.modules) is list
+            and all(isinstance(m, str) for m in meta.modules)
+            and all(v is None or isinstance(v, str) for v in (meta.save_id, meta.load_id))
+            and (meta.checkpoint_id is None or isinstance(meta.checkpoint_id, (str, pathlib.PurePath)))
+        ),
+        "malformed storage_meta",
+    )
     _expect(index.version is None or isinstance(index.version, str), "malformed version")
     planner = index.planner_data
-    _expect(planner is None or (type(planner) is dict and all(
-        isinstance(k, str) and isinstance(v, (tuple, list)) and all(isinstance(props, (str, int)) for props in v)
-        for k, v in planner.items())), "malformed planner_data")
+    _expect(
+        planner is None
+        or (
+            type(planner) is dict
+            and all(
+                isinstance(k, str)
+                and isinstance(v, (tuple, list))
+                and all(isinstance(props, (str, int)) for props in v)
+                for k, v in planner.items()
+            )
+        ),
+        "malformed planner_data",
+    )
 
 
 # ---- the index as JSON: what step folders of this tool hold beside .metadata
 
 INDEX_FILE = "index.json"
 # The dtypes a checkpoint's tensors have (not quantized or bit-packed ones, which no part of a run saves).
-_DTYPES = {str(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)
-           and (d.is_floating_point or d.is_complex or d == torch.bool or d in (
-               torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64))}
+_DTYPES = {
+    str(d): d
+    for d in vars(torch).values()
+    if isinstance(d, torch.dtype)
+    and (
+        d.is_floating_point
+        or d.is_complex
+        or d == torch.bool
+        or d
+        in (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32, torch.uint64)
+    )
+}
 _LAYOUTS = {str(torch.strided): torch.strided}
-_MEMORY_FORMATS = {str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d,
-                                       torch.preserve_format)}
+_MEMORY_FORMATS = {
+    str(f): f for f in (torch.contiguous_format, torch.channels_last, torch.channels_last_3d, torch.preserve_format)
+}
 Count = NonNegativeInt
 
 
@@ -335,16 +430,32 @@ def index_to_json(index: Metadata) -> bytes:
             entries[key] = {"kind": "bytes"}
             continue
         props = entry.properties
-        entries[key] = {"kind": "tensor", "dtype": str(props.dtype), "layout": str(props.layout),
-                        "memory_format": str(props.memory_format), "requires_grad": props.requires_grad,
-                        "pin_memory": props.pin_memory, "size": list(entry.size),
-                        "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks]}
-    storage = [{"fqn": where.fqn, "offset": None if where.offset is None else list(where.offset), "index": where.index,
-                "file": info.relative_path, "at": info.offset, "length": info.length}
-               for where, info in index.storage_data.items()]
+        entries[key] = {
+            "kind": "tensor",
+            "dtype": str(props.dtype),
+            "layout": str(props.layout),
+            "memory_format": str(props.memory_format),
+            "requires_grad": props.requires_grad,
+            "pin_memory": props.pin_memory,
+            "size": list(entry.size),
+            "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in entry.chunks],
+        }
+    storage = [
+        {
+            "fqn": where.fqn,
+            "offset": None if where.offset is None else list(where.offset),
+            "index": where.index,
+            "file": info.relative_path,
+            "at": info.offset,
+            "length": info.length,
+        }
+        for where, info in index.storage_data.items()
+    ]
     planner = {k: list(v) for k, v in index.planner_data.items()} if isinstance(index.planner_data, dict) else None
-    return json.dumps({"format": 1, "version": index.version, "entries": entries, "storage": storage,
-                       "planner_data": planner}, separators=(",", ":")).encode()
+    return json.dumps(
+        {"format": 1, "version": index.version, "entries": entries, "storage": storage, "planner_data": planner},
+        separators=(",", ":"),
+    ).encode()
 
 
 def _known(table: dict, name: str, what: str) -> Any:
@@ -358,24 +469,37 @@ def index_from_json(data: bytes) -> Metadata:
     try:
         parsed = _Index.model_validate_json(data)
     except ValidationError as e:
-        raise UnsafeCheckpoint(f"not an index of this tool ({e.error_count()} problems; first: "
-                               f"{e.errors(include_url=False)[0]['loc']}: {e.errors(include_url=False)[0]['msg']})") from None
+        raise UnsafeCheckpoint(
+            f"not an index of this tool ({e.error_count()} problems; first: "
+            f"{e.errors(include_url=False)[0]['loc']}: {e.errors(include_url=False)[0]['msg']})"
+        ) from None
     entries: dict[str, Any] = {}
     for key, entry in parsed.entries.items():
         if isinstance(entry, _Bytes):
             entries[key] = BytesStorageMetadata()
             continue
-        properties = TensorProperties(dtype=_known(_DTYPES, entry.dtype, "dtype"),
-                                      layout=_known(_LAYOUTS, entry.layout, "layout"),
-                                      requires_grad=entry.requires_grad,
-                                      memory_format=_known(_MEMORY_FORMATS, entry.memory_format, "memory format"),
-                                      pin_memory=entry.pin_memory)
+        properties = TensorProperties(
+            dtype=_known(_DTYPES, entry.dtype, "dtype"),
+            layout=_known(_LAYOUTS, entry.layout, "layout"),
+            requires_grad=entry.requires_grad,
+            memory_format=_known(_MEMORY_FORMATS, entry.memory_format, "memory format"),
+            pin_memory=entry.pin_memory,
+        )
         chunks = [ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes)) for c in entry.chunks]
         entries[key] = TensorStorageMetadata(properties=properties, size=torch.Size(entry.size), chunks=chunks)
-    storage = {MetadataIndex(s.fqn, None if s.offset is None else torch.Size(s.offset), s.index):
-               _StorageInfo(relative_path=s.file, offset=s.at, length=s.length) for s in parsed.storage}
+    storage = {
+        MetadataIndex(s.fqn, None if s.offset is None else torch.Size(s.offset), s.index): _StorageInfo(
+            relative_path=s.file, offset=s.at, length=s.length
+        )
+        for s in parsed.storage
+    }
     planner = {k: tuple(v) for k, v in parsed.planner_data.items()} if parsed.planner_data is not None else None
-    index = Metadata(state_dict_metadata=entries, planner_data=planner, storage_data=storage,
-                     storage_meta=StorageMeta(), version=parsed.version)
+    index = Metadata(
+        state_dict_metadata=entries,
+        planner_data=planner,
+        storage_data=storage,
+        storage_meta=StorageMeta(),
+        version=parsed.version,
+    )
     check_shape(index)
     return index

@@ -14,8 +14,12 @@ from typing import Any
 import torch
 from torch import nn
 
-FP8_TENSORS = {"scale_fwd": ("scaling_fwd", "scale"), "amax_history_fwd": ("scaling_fwd", "amax_history"),
-               "scale_bwd": ("scaling_bwd", "scale"), "amax_history_bwd": ("scaling_bwd", "amax_history")}
+FP8_TENSORS = {
+    "scale_fwd": ("scaling_fwd", "scale"),
+    "amax_history_fwd": ("scaling_fwd", "amax_history"),
+    "scale_bwd": ("scaling_bwd", "scale"),
+    "amax_history_bwd": ("scaling_bwd", "amax_history"),
+}
 
 
 def fp8_states(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
@@ -25,10 +29,15 @@ def fp8_states(model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
         meta = getattr(module, "fp8_meta", None)
         if not isinstance(meta, dict) or getattr(meta.get("scaling_bwd"), "amax_history", None) is None:
             continue
-        out[name] = {key: getattr(meta[group], attr).detach().cpu().clone() for key, (group, attr) in FP8_TENSORS.items()}
+        out[name] = {
+            key: getattr(meta[group], attr).detach().cpu().clone() for key, (group, attr) in FP8_TENSORS.items()
+        }
         # TE also keeps the module's plain settings (num_gemms, ...); JSON keeps them data, not code.
-        plain = {k: (["__tuple__", list(v)] if isinstance(v, tuple) else v) for k, v in meta.items()
-                 if k != "buffer_index_and_autocast_key" and _is_plain(v)}
+        plain = {
+            k: (["__tuple__", list(v)] if isinstance(v, tuple) else v)
+            for k, v in meta.items()
+            if k != "buffer_index_and_autocast_key" and _is_plain(v)
+        }
         out[name]["settings"] = torch.frombuffer(bytearray(json.dumps(plain).encode()), dtype=torch.uint8)
     return out
 
@@ -47,8 +56,13 @@ def _settings(blob: torch.Tensor, meta: dict) -> dict:
     if not isinstance(plain, dict):
         raise ValueError(f"FP8 settings are a JSON {type(plain).__name__}, expected an object")
     restored = {k: (tuple(v[1]) if isinstance(v, list) and v[:1] == ["__tuple__"] else v) for k, v in plain.items()}
-    return {k: v for k, v in restored.items() if k != "buffer_index_and_autocast_key" and _is_plain(v)
-            and (k not in meta or (_is_plain(meta[k]) and type(v) is type(meta[k])))}
+    return {
+        k: v
+        for k, v in restored.items()
+        if k != "buffer_index_and_autocast_key"
+        and _is_plain(v)
+        and (k not in meta or (_is_plain(meta[k]) and type(v) is type(meta[k])))
+    }
 
 
 def set_fp8_states(model: nn.Module, saved: dict[str, dict[str, torch.Tensor]], fp8_recipe: Any) -> None:

@@ -39,8 +39,9 @@ def read_json_object(file: Path) -> dict[str, Any]:
     try:
         return JSON_OBJECT.validate_json(file.read_bytes(), strict=True)
     except ValidationError as e:
-        raise ValueError(f"{file}: {problems(e)} (expected a JSON object, in UTF-8 text); nothing was "
-                         "imported") from None
+        raise ValueError(
+            f"{file}: {problems(e)} (expected a JSON object, in UTF-8 text); nothing was imported"
+        ) from None
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
@@ -54,8 +55,9 @@ def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
         shards = sorted(set(weight_map.values()))
         absent = [shard for shard in shards if not (folder / shard).is_file()]
         if absent:
-            raise ValueError(f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; "
-                             "nothing was imported")
+            raise ValueError(
+                f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; nothing was imported"
+            )
         return {k: v for shard in shards for k, v in _load_safetensors(folder / shard).items()}
     if (folder / "model.safetensors").is_file():
         return _load_safetensors(folder / "model.safetensors")
@@ -73,20 +75,27 @@ def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
     except UnsafeCheckpoint as e:
         raise ValueError(f"{file}: refusing to load it: {e}; nothing was imported") from None
     except Exception as e:  # noqa: BLE001
-        raise ValueError(f"{file}: cannot read as torch weights ({type(e).__name__}: {e}); nothing was "
-                         "imported") from None
+        raise ValueError(
+            f"{file}: cannot read as torch weights ({type(e).__name__}: {e}); nothing was imported"
+        ) from None
     if not isinstance(weights, dict):
-        raise ValueError(f"{file}: holds {type(weights).__name__}, not a state dict (tensor names to tensors); "
-                         "nothing was imported")
+        raise ValueError(
+            f"{file}: holds {type(weights).__name__}, not a state dict (tensor names to tensors); nothing was imported"
+        )
     for key, value in weights.items():
-        what = (f"key {shown(key)} is not a string" if not isinstance(key, str) else
-                f"{shown(key)} holds {type(value).__name__}, not a tensor" if not isinstance(value, torch.Tensor)
-                else None)
+        what = (
+            f"key {shown(key)} is not a string"
+            if not isinstance(key, str)
+            else f"{shown(key)} holds {type(value).__name__}, not a tensor"
+            if not isinstance(value, torch.Tensor)
+            else None
+        )
         if what:
             raise ValueError(f"{file}: not a state dict (tensor names to tensors): {what}; nothing was imported")
         if beyond_its_storage(value):
-            raise ValueError(f"{file}: refusing to load it: {shown(key)} is {beyond_its_storage(value)}; nothing was "
-                             "imported")
+            raise ValueError(
+                f"{file}: refusing to load it: {shown(key)} is {beyond_its_storage(value)}; nothing was imported"
+            )
     return weights
 
 
@@ -96,12 +105,19 @@ def _load_safetensors(file: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(file))
     except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
-        raise ValueError(f"{file}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was "
-                         "imported") from None
+        raise ValueError(
+            f"{file}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was imported"
+        ) from None
 
 
-def read_run(source: Path, config: Optional[str], verify_checksums: bool, recipe: str, get_recipe: Callable,
-             data_keys: tuple[str, ...] = ()) -> tuple[Any, dict[str, torch.Tensor]]:
+def read_run(
+    source: Path,
+    config: Optional[str],
+    verify_checksums: bool,
+    recipe: str,
+    get_recipe: Callable,
+    data_keys: tuple[str, ...] = (),
+) -> tuple[Any, dict[str, torch.Tensor]]:
     """A `recipe` run's settings (a SavedConfig: the model and the `data_keys` settings) and full weights: a step
     folder (its config.yaml; `config`, when given too, must agree with it in every model setting) or a
     weights file (.pt/.safetensors of `checkpoint.py to-torch`/`to-safetensors`) with `config` (the run's
@@ -115,13 +131,17 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool, recipe
     if not source.exists():
         raise CheckpointError(f"{source}: no such step folder or weights file")
     if config is None and source.is_file():
-        raise CheckpointError(f"{source} is a weights file, which holds no model settings: give the run's "
-                              "config with --config (a step folder's config.yaml or the run's resolved_config.yaml)")
+        raise CheckpointError(
+            f"{source} is a weights file, which holds no model settings: give the run's "
+            "config with --config (a step folder's config.yaml or the run's resolved_config.yaml)"
+        )
     folder_config = source / CONFIG_FILE if source.is_dir() and (source / CONFIG_FILE).is_file() else None
     files = [f for f in (folder_config, Path(config) if config is not None else None) if f is not None]
     if not files:
-        raise CheckpointError(f"{source / CONFIG_FILE}: no such config (a step folder holds the run's settings in "
-                              "config.yaml; --config names another)")
+        raise CheckpointError(
+            f"{source / CONFIG_FILE}: no such config (a step folder holds the run's settings in "
+            "config.yaml; --config names another)"
+        )
     for file in files:
         if not file.is_file():
             raise CheckpointError(f"{file}: no such config")
@@ -130,9 +150,11 @@ def read_run(source: Path, config: Optional[str], verify_checksums: bool, recipe
     for other in runs[1:]:
         for key, value in saved.model_settings.items():
             if other.settings.get(key) != value:
-                raise CheckpointError(f"--config {other.file} has {key}={other.settings.get(key)!r}, but {saved.file} "
-                                      f"trained with {key}={value!r}: leave --config out (the step folder's "
-                                      "config.yaml is the default), or name the run's own")
+                raise CheckpointError(
+                    f"--config {other.file} has {key}={other.settings.get(key)!r}, but {saved.file} "
+                    f"trained with {key}={value!r}: leave --config out (the step folder's "
+                    "config.yaml is the default), or name the run's own"
+                )
     weights = read_model_weights(source, verify_checksums) if source.is_dir() else load_weights_file(source)
     return saved, weights
 
@@ -147,8 +169,10 @@ def read_hf_config(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any]]:
         raise FileExistsError(f"{target} exists; choose a new path")
     config = read_json_object(folder / "config.json")
     if config.get("quantization_config") is not None:
-        raise ValueError(f"{folder / 'config.json'}: a quantized model (quantization_config "
-                         f"{shown(config['quantization_config'])}); import the unquantized weights; nothing was imported")
+        raise ValueError(
+            f"{folder / 'config.json'}: a quantized model (quantization_config "
+            f"{shown(config['quantization_config'])}); import the unquantized weights; nothing was imported"
+        )
     return folder, target, config
 
 
@@ -159,19 +183,29 @@ def read_hf_folder(hf_dir: str, out: str) -> tuple[Path, Path, dict[str, Any], d
     return folder, target, config, {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}
 
 
-def weight_mismatches(hf: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], ignored: Callable[[str], bool],
-                      settings: str) -> list[str]:
+def weight_mismatches(
+    hf: dict[str, torch.Tensor], expected: dict[str, tuple[int, ...]], ignored: Callable[[str], bool], settings: str
+) -> list[str]:
     """What keeps weights `hf` from being the `expected` tensors (name -> shape, from `settings`): missing,
     unexpected (but for those `ignored`), misshapen and not floating point (quantized) tensors, a few of each
     named; empty when they fit."""
     missing = sorted(set(expected) - set(hf))
     unexpected = sorted(k for k in set(hf) - set(expected) if not ignored(k))
     both = sorted(set(expected) & set(hf))
-    shapes = [f"{k} {tuple(hf[k].shape)} ({settings}: {expected[k]})" for k in both if tuple(hf[k].shape) != expected[k]]
+    shapes = [
+        f"{k} {tuple(hf[k].shape)} ({settings}: {expected[k]})" for k in both if tuple(hf[k].shape) != expected[k]
+    ]
     quantized = [k for k in both if not hf[k].is_floating_point()]
-    return [f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
-            for what, names in (("missing", missing), ("unexpected", unexpected), ("other shape", shapes),
-                                ("not floating point (quantized?)", quantized)) if names]
+    return [
+        f"{what}: {', '.join(names[:4])}{f' and {len(names) - 4} more' if len(names) > 4 else ''}"
+        for what, names in (
+            ("missing", missing),
+            ("unexpected", unexpected),
+            ("other shape", shapes),
+            ("not floating point (quantized?)", quantized),
+        )
+        if names
+    ]
 
 
 def layer_count(weights: dict, prefix: str) -> int:

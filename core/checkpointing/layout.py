@@ -49,8 +49,11 @@ COMPLETE_MARKER = "COMPLETE"
 MARKER_MAX_BYTES = 64 * 1024 * 1024  # a marker lists each file in some 60 bytes: room for a million files
 SAVING_MARKER = "SAVING"
 # What a save of this tool writes into a step folder (a folder holding anything else is not deleted).
-_OWN_FILES = re.compile(r"^(\.metadata(\.tmp)?|index\.json(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|"
-                        r"config\.yaml|COMPLETE(\.tmp)?|SAVING)$", re.ASCII)
+_OWN_FILES = re.compile(
+    r"^(\.metadata(\.tmp)?|index\.json(\.tmp)?|__\d+_\d+\.distcp|__\d+_checksums\.json(\.tmp)?|"
+    r"config\.yaml|COMPLETE(\.tmp)?|SAVING)$",
+    re.ASCII,
+)
 
 # DCP gathers every rank's failure into one CheckpointException, which derives from BaseException.
 DCP_ERRORS = (Exception, CheckpointException)
@@ -97,8 +100,11 @@ def set_aside_dirs(root: Path) -> list[tuple[int, Path]]:
     root = Path(root)
     if not root.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in root.iterdir()
-             if (m := SET_ASIDE_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()]
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := SET_ASIDE_DIR.match(p.name)) and p.is_dir() and not p.is_symlink()
+    ]
     return sorted(found, key=lambda entry: (entry[0], entry[1].name))
 
 
@@ -129,8 +135,11 @@ def complete_checkpoints(root: Path) -> list[Path]:
 def is_own_incomplete(path: Path) -> bool:
     """An interrupted save of this tool: SAVING is there, COMPLETE is not, and nothing but checkpoint files."""
     path = Path(path)
-    return ((path / SAVING_MARKER).is_file() and not (path / COMPLETE_MARKER).is_file()
-            and all(_OWN_FILES.match(p.name) and p.is_file() for p in path.iterdir()))
+    return (
+        (path / SAVING_MARKER).is_file()
+        and not (path / COMPLETE_MARKER).is_file()
+        and all(_OWN_FILES.match(p.name) and p.is_file() for p in path.iterdir())
+    )
 
 
 def is_own(path: Path) -> bool:
@@ -164,8 +173,10 @@ def write_marker(folder: Path, marker: dict[str, Any]) -> None:
     files = {}
     for p in sorted(folder.iterdir()):
         if p.is_file() and p.name not in (COMPLETE_MARKER, SAVING_MARKER) and not is_checksum_sidecar(p.name):
-            files[p.name] = {"size": p.stat().st_size,
-                             "crc32": recorded[p.name] if p.name in recorded else file_crc32(p)}
+            files[p.name] = {
+                "size": p.stat().st_size,
+                "crc32": recorded[p.name] if p.name in recorded else file_crc32(p),
+            }
     tmp = folder / (COMPLETE_MARKER + ".tmp")
     tmp.write_text(json.dumps({**marker, "files": files}, indent=1))
     os.replace(tmp, folder / COMPLETE_MARKER)
@@ -204,8 +215,9 @@ def _marker_problem(marker: Any) -> Optional[str]:
         return f"step={marker.get('step')!r}, expected a whole number >= 0"
     metrics = marker.get("metrics", {})
     if not isinstance(metrics, dict) or not all(
-            isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
-            for k, v in metrics.items()):
+        isinstance(k, str) and (v is None or (isinstance(v, (int, float)) and not isinstance(v, bool)))
+        for k, v in metrics.items()
+    ):
         return "metrics: expected an object of numbers"
     files = marker.get("files")
     if not isinstance(files, dict) or ".metadata" not in files:
@@ -213,10 +225,15 @@ def _marker_problem(marker: Any) -> Optional[str]:
     for name, entry in files.items():
         if not _OWN_FILES.match(name) or name in (COMPLETE_MARKER, SAVING_MARKER):
             return f"files: {name!r} is not a file a save writes"
-        if not (_is_count(entry) or (isinstance(entry, dict) and _is_count(entry.get("size"))
-                                     and (entry.get("crc32") is None or (_is_count(entry["crc32"])
-                                                                         and entry["crc32"] < 2**32)))):
-            return f"files: {name!r}: {entry!r}, expected {{\"size\": bytes, \"crc32\": CRC-32}}"
+        if not (
+            _is_count(entry)
+            or (
+                isinstance(entry, dict)
+                and _is_count(entry.get("size"))
+                and (entry.get("crc32") is None or (_is_count(entry["crc32"]) and entry["crc32"] < 2**32))
+            )
+        ):
+            return f'files: {name!r}: {entry!r}, expected {{"size": bytes, "crc32": CRC-32}}'
     return None
 
 
@@ -273,12 +290,16 @@ def verify(path: Path) -> Metadata:
         raise CheckpointError(f"{path}: no such checkpoint folder")
     if not (path / COMPLETE_MARKER).is_file():
         if (path / ".metadata").is_file() and not (path / SAVING_MARKER).exists():
-            raise CheckpointError(f"{path}: a DCP folder without a {COMPLETE_MARKER} marker (not a training checkpoint "
-                                  "of this tool, e.g. format_utils torch_to_dcp output): it can be used as "
-                                  "checkpoint.init_from (weights only), not resumed from")
+            raise CheckpointError(
+                f"{path}: a DCP folder without a {COMPLETE_MARKER} marker (not a training checkpoint "
+                "of this tool, e.g. format_utils torch_to_dcp output): it can be used as "
+                "checkpoint.init_from (weights only), not resumed from"
+            )
         if (path / "config.json").is_file() and any((path / f).is_file() for f in HF_WEIGHT_FILES):
-            raise CheckpointError(f"{path}: a Hugging Face model folder, not a checkpoint of this tool: convert it with "
-                                  f"python checkpoint.py from-hf {path} <out.safetensors>, then use that")
+            raise CheckpointError(
+                f"{path}: a Hugging Face model folder, not a checkpoint of this tool: convert it with "
+                f"python checkpoint.py from-hf {path} <out.safetensors>, then use that"
+            )
         raise CheckpointError(f"{path}: incomplete checkpoint (no {COMPLETE_MARKER} marker: its save was interrupted)")
     listed = _listed(read_marker(path))
     for name, (size, _) in listed.items():
@@ -288,7 +309,9 @@ def verify(path: Path) -> Metadata:
         if not file.is_file():
             raise CheckpointError(f"{file}: missing (listed in {COMPLETE_MARKER})")
         if file.stat().st_size != size:
-            raise CheckpointError(f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)")
+            raise CheckpointError(
+                f"{file}: {file.stat().st_size} bytes, but {size} were written (truncated or changed)"
+            )
     # The index as JSON where the save wrote one (no pickle read at all), else DCP's pickle, read safely; either
     # compared with its size and CRC-32 in the marker first.
     name = INDEX_FILE if INDEX_FILE in listed else ".metadata"
@@ -324,7 +347,9 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None,
         if file.is_symlink():
             raise CheckpointError(f"{file}: a symbolic link; a checkpoint's files are its own")
         if not file.is_file() or file.stat().st_size < info.offset + info.length:
-            raise CheckpointError(f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)")
+            raise CheckpointError(
+                f"{file}: missing or truncated (DCP metadata expects >= {info.offset + info.length} bytes)"
+            )
     for key, entry in metadata.state_dict_metadata.items():
         if not isinstance(entry, TensorStorageMetadata):
             continue
@@ -332,8 +357,9 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None,
         if overlap is None:
             raise CheckpointError(f"{index}: {key} is split into more pieces than can be checked")
         if sum(math.prod(chunk.sizes) for chunk in entry.chunks) != math.prod(entry.size) or overlap:
-            raise CheckpointError(f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements "
-                                  "(each once)")
+            raise CheckpointError(
+                f"{index}: the chunks of {key} do not hold its {math.prod(entry.size)} elements (each once)"
+            )
         itemsize = torch.empty((), dtype=entry.properties.dtype).element_size()
         for chunk in entry.chunks:
             info = storage.get(MetadataIndex(key, chunk.offsets))
@@ -349,7 +375,9 @@ def check_storage(path: Path, metadata: Metadata, listed: Optional[dict] = None,
             for where, info in items:
                 problem = stored_plainly(shard, info.offset, info.length)
                 if problem:
-                    raise CheckpointError(f"{Path(path) / name}: the item of {where.fqn} at byte {info.offset}: {problem}")
+                    raise CheckpointError(
+                        f"{Path(path) / name}: the item of {where.fqn} at byte {info.offset}: {problem}"
+                    )
 
 
 # A tensor's chunks are checked on a grid of their edges; a tensor cut into more cells than this is refused.
@@ -363,8 +391,10 @@ def _overlap(entry: TensorStorageMetadata) -> Optional[bool]:
     solid = [c for c in entry.chunks if math.prod(c.sizes)]
     if any(o < 0 or o + n > size for c in solid for o, n, size in zip(c.offsets, c.sizes, entry.size)):
         return True
-    edges = [sorted({0, size} | {c.offsets[d] for c in solid} | {c.offsets[d] + c.sizes[d] for c in solid})
-             for d, size in enumerate(entry.size)]
+    edges = [
+        sorted({0, size} | {c.offsets[d] for c in solid} | {c.offsets[d] + c.sizes[d] for c in solid})
+        for d, size in enumerate(entry.size)
+    ]
     if math.prod(len(e) - 1 for e in edges) > MAX_GRID_CELLS:
         return None
     taken = torch.zeros([len(e) - 1 for e in edges], dtype=torch.bool)
@@ -411,5 +441,8 @@ def empty_like_saved(metadata: Metadata, key: str) -> torch.Tensor:
 def saved_weights(metadata: Metadata, prefix: str = "model.") -> dict[str, TensorStorageMetadata]:
     """The model weights a checkpoint holds, by canonical name (their DCP metadata: shape, dtype). Our step
     folders keep them under `model.`; a plain DCP folder of a {name: tensor} file (prefix "") at the top."""
-    return {k[len(prefix):]: m for k, m in metadata.state_dict_metadata.items()
-            if k.startswith(prefix) and (prefix or isinstance(m, TensorStorageMetadata))}
+    return {
+        k[len(prefix) :]: m
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith(prefix) and (prefix or isinstance(m, TensorStorageMetadata))
+    }

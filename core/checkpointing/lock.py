@@ -128,8 +128,13 @@ def read_lock(path: Path) -> Optional[LockFile]:
             status = os.lstat(path)
         except FileNotFoundError:
             return None
-        return LockFile(None, str(e), b"", (status.st_dev, status.st_ino, status.st_mtime_ns),
-                        directory=stat.S_ISDIR(status.st_mode))
+        return LockFile(
+            None,
+            str(e),
+            b"",
+            (status.st_dev, status.st_ino, status.st_mtime_ns),
+            directory=stat.S_ISDIR(status.st_mode),
+        )
     holder, problem = None, None
     if not content.strip():
         problem = "it is empty"
@@ -149,8 +154,13 @@ class PathLock:
     def __init__(self, root: Path, refresh_s: float = 30.0, stale_after_s: float = 300.0):
         self.path = Path(root) / LOCK_NAME
         self.refresh_s, self.stale_after_s = refresh_s, stale_after_s
-        self.me = {"host": socket.gethostname(), "pid": os.getpid(), "job": _job_id(), "pidns": _pid_namespace(),
-                   "boot": _boot_id()}
+        self.me = {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": _job_id(),
+            "pidns": _pid_namespace(),
+            "boot": _boot_id(),
+        }
         self.since: Optional[float] = None  # when this process created its LOCK
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -172,8 +182,10 @@ class PathLock:
             if self._take_away(lock):
                 holder = f" ({_describe(lock)})" if lock.holder is not None else ""
                 log.warning("taking over the lock %s: %s%s", self.path, reason, holder)
-        raise LockHeld(f"could not take the lock {self.path}: other runs keep creating it. If no run uses "
-                       f"{self.path.parent}, delete {self.path} and start again")
+        raise LockHeld(
+            f"could not take the lock {self.path}: other runs keep creating it. If no run uses "
+            f"{self.path.parent}, delete {self.path} and start again"
+        )
 
     def release(self) -> None:
         self._stop.set()
@@ -234,9 +246,12 @@ class PathLock:
             if moved is not None and moved.is_same_file(judged):
                 return True
             if moved is not None and not self._place(aside, moved.content):
-                log.warning("%s: while taking over a stale lock, a lock created meanwhile (%s) was replaced by "
-                            "another starter's; that run will warn that it no longer holds the path",
-                            self.path, _describe(moved))
+                log.warning(
+                    "%s: while taking over a stale lock, a lock created meanwhile (%s) was replaced by "
+                    "another starter's; that run will warn that it no longer holds the path",
+                    self.path,
+                    _describe(moved),
+                )
             return False
         finally:
             aside.unlink(missing_ok=True)
@@ -262,28 +277,38 @@ class PathLock:
         """Whether the holder's pid names a process this one can see: the same host, PID namespace and boot.
         A field a lock of an earlier version lacks is not compared."""
         return holder.host == self.me["host"] and all(
-            getattr(holder, key) == self.me[key] for key in ("pidns", "boot") if key in holder.model_fields_set)
+            getattr(holder, key) == self.me[key] for key in ("pidns", "boot") if key in holder.model_fields_set
+        )
 
     def _held_message(self, lock: LockFile) -> str:
         if lock.directory:
-            return (f"{self.path} is a directory, not a lock file: no run creates one, so it names no holder, and "
-                    f"this run neither takes it over nor deletes what it holds. If no run uses {self.path.parent}, "
-                    f"look inside, remove it (rm -r {self.path}) and start again; otherwise use another "
-                    f"checkpoint.path")
+            return (
+                f"{self.path} is a directory, not a lock file: no run creates one, so it names no holder, and "
+                f"this run neither takes it over nor deletes what it holds. If no run uses {self.path.parent}, "
+                f"look inside, remove it (rm -r {self.path}) and start again; otherwise use another "
+                f"checkpoint.path"
+            )
         if lock.holder is None:
             left = self.stale_after_s - (time.time() - lock.mtime)
-            return (f"{self.path} is not a lock record ({lock.problem}), so the run using {self.path.parent} is "
-                    f"unknown; it is taken over once it has not been modified for {self.stale_after_s:.0f} s "
-                    f"(in {left:.0f} s). If no run uses {self.path.parent}, delete {self.path}; otherwise use "
-                    f"another checkpoint.path")
-        return (f"{self.path.parent} is in use by another run ({_describe(lock)}); two runs on one checkpoint path "
-                f"would overwrite each other's checkpoints. Use another checkpoint.path, or, if that run is gone, "
-                f"delete {self.path}")
+            return (
+                f"{self.path} is not a lock record ({lock.problem}), so the run using {self.path.parent} is "
+                f"unknown; it is taken over once it has not been modified for {self.stale_after_s:.0f} s "
+                f"(in {left:.0f} s). If no run uses {self.path.parent}, delete {self.path}; otherwise use "
+                f"another checkpoint.path"
+            )
+        return (
+            f"{self.path.parent} is in use by another run ({_describe(lock)}); two runs on one checkpoint path "
+            f"would overwrite each other's checkpoints. Use another checkpoint.path, or, if that run is gone, "
+            f"delete {self.path}"
+        )
 
     def _is_mine(self, lock: Optional[LockFile]) -> bool:
         holder = lock.holder if lock is not None else None
-        return holder is not None and (holder.host, holder.pid, holder.since) == (self.me["host"], self.me["pid"],
-                                                                                  self.since)
+        return holder is not None and (holder.host, holder.pid, holder.since) == (
+            self.me["host"],
+            self.me["pid"],
+            self.since,
+        )
 
     def _heartbeat(self) -> None:
         warned = False
@@ -298,9 +323,13 @@ class PathLock:
                 except OSError:
                     pass  # removed between reading and refreshing: noticed at the next refresh
             elif not warned:
-                log.warning("%s no longer names this run (%s): another run may write checkpoints to %s as well; "
-                            "this run goes on, but the two overwrite each other's checkpoints", self.path,
-                            "it was removed" if lock is None else f"now: {_describe(lock)}", self.path.parent)
+                log.warning(
+                    "%s no longer names this run (%s): another run may write checkpoints to %s as well; "
+                    "this run goes on, but the two overwrite each other's checkpoints",
+                    self.path,
+                    "it was removed" if lock is None else f"now: {_describe(lock)}",
+                    self.path.parent,
+                )
                 warned = True
 
 

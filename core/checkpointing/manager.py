@@ -30,10 +30,25 @@ import torch.distributed.checkpoint as dcp
 from omegaconf import DictConfig
 
 from core.checkpointing.changes import config_changes
-from core.checkpointing.layout import (DCP_ERRORS, CheckpointError, check_checksums, complete_checkpoints, describe,
-                                       is_complete, is_own, is_own_incomplete, read_marker, resolve_checkpoint,
-                                       set_aside_dirs, set_aside_name, start_marker, step_dirs, step_of, verify,
-                                       write_marker)
+from core.checkpointing.layout import (
+    DCP_ERRORS,
+    CheckpointError,
+    check_checksums,
+    complete_checkpoints,
+    describe,
+    is_complete,
+    is_own,
+    is_own_incomplete,
+    read_marker,
+    resolve_checkpoint,
+    set_aside_dirs,
+    set_aside_name,
+    start_marker,
+    step_dirs,
+    step_of,
+    verify,
+    write_marker,
+)
 from core.checkpointing.lock import LockHeld, PathLock
 from core.checkpointing.parts import CheckpointPart, Saved
 from core.checkpointing.retention import checkpoints_to_keep, set_aside_to_delete
@@ -59,8 +74,14 @@ class PendingSave:
 
 
 class Checkpointer:
-    def __init__(self, cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None,
-                 config_name: Optional[str] = None):
+    def __init__(
+        self,
+        cfg: CheckpointConfig,
+        rank: int,
+        device: torch.device,
+        config: Optional[DictConfig] = None,
+        config_name: Optional[str] = None,
+    ):
         self.cfg, self.rank, self.device = cfg, rank, device
         self.is_main = rank == 0
         self.config = config  # the run's resolved config, saved beside each checkpoint
@@ -93,14 +114,18 @@ class Checkpointer:
         existing = step_dirs(self.path)
         foreign = [p.name for p in existing if not is_own(p)]
         if foreign and self.is_main:
-            log.warning("leaving alone step folders under %s that this tool did not write (or that hold other files): "
-                        "%s", self.path, ", ".join(foreign))
+            log.warning(
+                "leaving alone step folders under %s that this tool did not write (or that hold other files): %s",
+                self.path,
+                ", ".join(foreign),
+            )
         if mode in (False, "false", "no", "none", ""):
             own = [p for p in existing if is_own(p)]
             if own and not self.cfg.overwrite:
                 raise ConfigError(
                     f"checkpoint.path={self.path} already holds checkpoints ({own[-1].name}, ...) and "
-                    "checkpoint.resume=false: set checkpoint.overwrite=true to delete them, or use another path")
+                    "checkpoint.resume=false: set checkpoint.overwrite=true to delete them, or use another path"
+                )
             dist.barrier()  # every rank has looked before rank 0 deletes
             if own and self.is_main:
                 log.warning("checkpoint.overwrite=true: deleting %d checkpoints under %s", len(own), self.path)
@@ -112,8 +137,9 @@ class Checkpointer:
             complete = complete_checkpoints(self.path)
             partial = [p.name for p in existing if is_own_incomplete(p)]
             if partial and self.is_main:
-                log.warning("ignoring incomplete checkpoints (interrupted saves) under %s: %s", self.path,
-                            ", ".join(partial))
+                log.warning(
+                    "ignoring incomplete checkpoints (interrupted saves) under %s: %s", self.path, ", ".join(partial)
+                )
             if not complete and mode in (True, "true"):
                 raise ConfigError(f"checkpoint.resume=true but {self.path} holds no complete checkpoint")
             self.candidates = complete[::-1]
@@ -131,13 +157,22 @@ class Checkpointer:
         error = [None]
         if self.is_main:
             named = [self.path / name for name in (os.listdir(self.path) if self.path.is_dir() else [])]
-            blocked = sorted((p for p in named  # a file or a link named step_<N> blocks a save too
-                              if first_step <= (step_of(p) or -1) <= last_step and saves_at(step_of(p))
-                              and not (p.is_dir() and not p.is_symlink() and is_own(p))), key=step_of)
+            blocked = sorted(
+                (
+                    p
+                    for p in named  # a file or a link named step_<N> blocks a save too
+                    if first_step <= (step_of(p) or -1) <= last_step
+                    and saves_at(step_of(p))
+                    and not (p.is_dir() and not p.is_symlink() and is_own(p))
+                ),
+                key=step_of,
+            )
             if blocked:
-                error = [f"this run saves step {step_of(blocked[0])}, but {blocked[0]} exists and is not a checkpoint "
-                         "this tool wrote (or its COMPLETE marker is damaged), so it will not replace it: move it "
-                         "away, or use another checkpoint.path"]
+                error = [
+                    f"this run saves step {step_of(blocked[0])}, but {blocked[0]} exists and is not a checkpoint "
+                    "this tool wrote (or its COMPLETE marker is damaged), so it will not replace it: move it "
+                    "away, or use another checkpoint.path"
+                ]
         dist.broadcast_object_list(error, src=0)
         if error[0]:
             raise ConfigError(error[0])
@@ -164,13 +199,19 @@ class Checkpointer:
         if refused and not self.cfg.allow_config_changes:
             raise ConfigError(
                 f"resuming from {path}, but these settings differ from the ones it was trained with:\n  "
-                + "\n  ".join(refused) + "\nThey change the run's result, so a resume keeps them. To start a new run "
+                + "\n  ".join(refused)
+                + "\nThey change the run's result, so a resume keeps them. To start a new run "
                 "with them, give it a folder of its own: checkpoint.path=<a new folder> (add checkpoint.init_from="
-                + str(path) + " to start from these weights); to continue this run with them on purpose, set "
-                "checkpoint.allow_config_changes=true")
+                + str(path)
+                + " to start from these weights); to continue this run with them on purpose, set "
+                "checkpoint.allow_config_changes=true"
+            )
         if self.is_main and (refused or other):
-            log.warning("resuming from %s with changed settings (in effect from the first resumed step): %s", path,
-                        "; ".join(refused + other))
+            log.warning(
+                "resuming from %s with changed settings (in effect from the first resumed step): %s",
+                path,
+                "; ".join(refused + other),
+            )
 
     def close(self) -> None:
         """Release the path's lock (rank 0). Not a collective; an async save in flight is left incomplete."""
@@ -180,8 +221,9 @@ class Checkpointer:
 
     # ---- loading
 
-    def restore(self, parts: Mapping[str, CheckpointPart], state: TrainState, last_step: int,
-                saves_at: Callable[[int], bool]) -> Optional[Path]:
+    def restore(
+        self, parts: Mapping[str, CheckpointPart], state: TrainState, last_step: int, saves_at: Callable[[int], bool]
+    ) -> Optional[Path]:
         """Load the newest usable checkpoint into `parts` (which every later save writes; `state` is the loop's
         counters, among them); its path, or None to start fresh. Automatic resume skips a corrupt checkpoint with
         a warning and uses the one before it. Then a step folder this run will save (the steps after `state.step`
@@ -216,8 +258,12 @@ class Checkpointer:
                 if (step_of(p) or -1) > step and is_own(p) and not is_own_incomplete(p):
                     kept = set_aside_name(p)
                     p.rename(kept)
-                    log.warning("%s is newer than the checkpoint this run continues from (step %d): kept as %s",
-                                p, step, kept.name)
+                    log.warning(
+                        "%s is newer than the checkpoint this run continues from (step %d): kept as %s",
+                        p,
+                        step,
+                        kept.name,
+                    )
         dist.barrier()
 
     def _load(self, path: Path, parts: Mapping[str, CheckpointPart]) -> None:
@@ -241,8 +287,9 @@ class Checkpointer:
 
     # ---- saving
 
-    def maybe_save(self, step: int, metrics: dict[str, dict[str, float]], save: bool, sync: bool = False
-                   ) -> Optional[float]:
+    def maybe_save(
+        self, step: int, metrics: dict[str, dict[str, float]], save: bool, sync: bool = False
+    ) -> Optional[float]:
         """After every optimizer step: complete an async save whose writes are done; check checkpoint.monitor
         against the step's metrics ({"train": {...}, "val": {...}}, either empty when the step has none); when
         `save`, save step_<step> with them as train/<name> and val/<name> (synchronously when `sync`: the run
@@ -265,15 +312,18 @@ class Checkpointer:
         if self.is_main:
             try:
                 if target.exists() and not is_own(target):
-                    raise CheckpointError(f"{target} exists and is not a checkpoint this tool wrote: move it away "
-                                          "(the checkpoints before it are kept)")
+                    raise CheckpointError(
+                        f"{target} exists and is not a checkpoint this tool wrote: move it away "
+                        "(the checkpoints before it are kept)"
+                    )
                 if target.exists() and is_complete(target):
                     # A save of this step before that this run did not continue from (usually set aside at
                     # resume already): kept beside, never lost.
                     kept = set_aside_name(target)
                     target.rename(kept)
-                    log.warning("%s exists (this run resumed from an earlier step): kept as %s, saving anew",
-                                target, kept.name)
+                    log.warning(
+                        "%s exists (this run resumed from an earlier step): kept as %s, saving anew", target, kept.name
+                    )
                 elif target.exists():  # an interrupted save of this tool
                     shutil.rmtree(target)
                 start_marker(target)
@@ -289,8 +339,12 @@ class Checkpointer:
             if self._async_group is None:  # its own group: the writer thread's collectives stay off the loop's
                 self._async_group = dist.new_group(backend="gloo")
             # We copy to host memory ourselves (core/checkpointing/staging.py) and hand DCP the copy as staged.
-            future = dcp.async_save(self._stager.stage(state), storage_writer=writer,
-                                    process_group=self._async_group, async_stager=AlreadyStaged())
+            future = dcp.async_save(
+                self._stager.stage(state),
+                storage_writer=writer,
+                process_group=self._async_group,
+                async_stager=AlreadyStaged(),
+            )
             self.pending = PendingSave(future, target, step, metrics, start)
         else:
             try:
@@ -327,8 +381,13 @@ class Checkpointer:
         named = {"config_name": self.config_name} if self.config_name else {}
         write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time(), **named})
         size = sum(p.stat().st_size for p in save.target.iterdir() if p.is_file())
-        log.info("saved checkpoint %s (%.1f MB in %.2f s%s)", save.target, size / 2**20,
-                 time.perf_counter() - save.started, ", async" if self.cfg.async_save else "")
+        log.info(
+            "saved checkpoint %s (%.1f MB in %.2f s%s)",
+            save.target,
+            size / 2**20,
+            time.perf_counter() - save.started,
+            ", async" if self.cfg.async_save else "",
+        )
         self._apply_retention()
 
     def _apply_retention(self) -> None:
@@ -350,8 +409,14 @@ class Checkpointer:
             value = read_marker(p).get("metrics", {}).get(self.cfg.monitor) if self.cfg.monitor else None
             entries.append((step_of(p), value))
             folders[step_of(p)] = p
-        keep = checkpoints_to_keep(entries, self.cfg.keep_last_n, self.cfg.keep_every_n_steps,
-                                   self.cfg.keep_best_k, self.cfg.monitor_mode, self.protected)
+        keep = checkpoints_to_keep(
+            entries,
+            self.cfg.keep_last_n,
+            self.cfg.keep_every_n_steps,
+            self.cfg.keep_best_k,
+            self.cfg.monitor_mode,
+            self.protected,
+        )
         for step, _ in entries:
             if step not in keep:  # the folder examined above, never a name made up from its step
                 log.info("deleting checkpoint %s (retention)", folders[step].name)
@@ -365,8 +430,9 @@ class Checkpointer:
         one this run resumed from is left alone."""
         resumed = self.resumed_from.resolve() if self.resumed_from is not None else None
         own = [(step, p) for step, p in set_aside_dirs(self.path) if is_own(p) and p.resolve() != resumed]
-        released = set_aside_to_delete([(step, is_complete(p)) for step, p in own], newest_complete,
-                                        self.cfg.keep_last_n)
+        released = set_aside_to_delete(
+            [(step, is_complete(p)) for step, p in own], newest_complete, self.cfg.keep_last_n
+        )
         for _, p in (own[i] for i in released):
             log.info("deleting %s (%s)", p.name, "set aside" if is_complete(p) else "an interrupted save")
             shutil.rmtree(p, ignore_errors=True)
@@ -380,12 +446,18 @@ class Checkpointer:
         kind = monitor.split("/")[0] + "/"
         same_kind = sorted(k for k in metrics if k.startswith(kind))
         if same_kind and monitor not in metrics:
-            raise ConfigError(f"checkpoint.monitor={monitor!r} is not a metric of this run; there are: "
-                              f"{', '.join(same_kind)}")
+            raise ConfigError(
+                f"checkpoint.monitor={monitor!r} is not a metric of this run; there are: {', '.join(same_kind)}"
+            )
 
 
-def open_checkpointer(cfg: CheckpointConfig, rank: int, device: torch.device, config: Optional[DictConfig] = None,
-                      config_name: Optional[str] = None) -> Checkpointer:
+def open_checkpointer(
+    cfg: CheckpointConfig,
+    rank: int,
+    device: torch.device,
+    config: Optional[DictConfig] = None,
+    config_name: Optional[str] = None,
+) -> Checkpointer:
     """A Checkpointer that holds checkpoint.path's lock and has decided where to resume from (a collective, before
     any work: Checkpointer._prepare); the lock is released again when that refuses the run."""
     checkpointer = Checkpointer(cfg, rank, device, config=config, config_name=config_name)

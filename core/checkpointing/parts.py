@@ -29,7 +29,7 @@ class Saved:
 
     def __init__(self, path: Path, metadata: Metadata, key: str):
         self.path, self.metadata, self.prefix = Path(path), metadata, key + "."
-        self.keys = [k[len(self.prefix):] for k in metadata.state_dict_metadata if k.startswith(self.prefix)]
+        self.keys = [k[len(self.prefix) :] for k in metadata.state_dict_metadata if k.startswith(self.prefix)]
 
     def __bool__(self) -> bool:
         return bool(self.keys)
@@ -115,9 +115,12 @@ def check_like(loaded: Any, own: Any, where: str) -> None:
     may stand for a float)."""
     if isinstance(own, dict):
         if not isinstance(loaded, dict) or set(loaded) - set(own):
-            raise ValueError(f"{where}: {type(loaded).__name__} with keys {sorted(map(str, loaded))[:8]}, expected "
-                             f"the keys {sorted(map(str, own))[:8]}" if isinstance(loaded, dict) else
-                             f"{where}: a {type(loaded).__name__}, expected a dict")
+            raise ValueError(
+                f"{where}: {type(loaded).__name__} with keys {sorted(map(str, loaded))[:8]}, expected "
+                f"the keys {sorted(map(str, own))[:8]}"
+                if isinstance(loaded, dict)
+                else f"{where}: a {type(loaded).__name__}, expected a dict"
+            )
         for key, value in loaded.items():
             check_like(value, own[key], f"{where}.{key}")
     elif isinstance(own, (list, tuple)):
@@ -151,10 +154,11 @@ class RNGPart:
 
     def load_target(self, saved: Saved) -> Optional[dict]:
         if len(saved.top_level()) < self.world_size and self.is_main:
-            log.warning("the checkpoint has no RNG state for some ranks (saved on fewer ranks): they keep their "
-                        "seeded state")
+            log.warning(
+                "the checkpoint has no RNG state for some ranks (saved on fewer ranks): they keep their seeded state"
+            )
         mine = f"rank_{self.rank}."
-        target = {k[len(mine):]: saved.empty(k) for k in saved.keys if k.startswith(mine)}
+        target = {k[len(mine) :]: saved.empty(k) for k in saved.keys if k.startswith(mine)}
         return {f"rank_{self.rank}": target} if target else None
 
     def load_state_dict(self, state: dict) -> None:
@@ -180,10 +184,12 @@ class FP8Part:
         target: dict[str, dict[str, torch.Tensor]] = {}
         for key in saved.keys:
             module, _, tensor = key.rpartition(".")
-            if tensor not in (*FP8_TENSORS, "settings") or not isinstance(getattr(modules.get(module), "fp8_meta", None),
-                                                                           dict):
-                raise CheckpointError(f"{saved.path}: fp8.{key} is not FP8 state of a TransformerEngine module of "
-                                      "this model")
+            if tensor not in (*FP8_TENSORS, "settings") or not isinstance(
+                getattr(modules.get(module), "fp8_meta", None), dict
+            ):
+                raise CheckpointError(
+                    f"{saved.path}: fp8.{key} is not FP8 state of a TransformerEngine module of this model"
+                )
             target.setdefault(module, {})[tensor] = saved.empty(key)
         return target
 
@@ -191,12 +197,17 @@ class FP8Part:
         set_fp8_states(self.model, state, self.fp8_recipe)
 
 
-def training_parts(parallel, optimizer: torch.optim.Optimizer, scheduler: Any, state: Any, env: Any,
-                   fp8_recipe: Any) -> dict[str, CheckpointPart]:
+def training_parts(
+    parallel, optimizer: torch.optim.Optimizer, scheduler: Any, state: Any, env: Any, fp8_recipe: Any
+) -> dict[str, CheckpointPart]:
     """What a training checkpoint holds, by top-level key: the (sharded) model, the optimizer, the learning-rate
     schedule, the loop's counters (core/training/state.py), each rank's RNG states and TE's FP8 scaling state.
     `env`: the run's ranks and device (core/distributed/env.py)."""
-    return {"model": ModelPart(parallel), "optim": OptimizerPart(parallel, optimizer, env.is_main),
-            "scheduler": StatefulPart(scheduler), "train_state": TrainStatePart(state),
-            "rng": RNGPart(env.rank, env.world_size, env.device, env.is_main),
-            "fp8": FP8Part(parallel.model, fp8_recipe)}
+    return {
+        "model": ModelPart(parallel),
+        "optim": OptimizerPart(parallel, optimizer, env.is_main),
+        "scheduler": StatefulPart(scheduler),
+        "train_state": TrainStatePart(state),
+        "rng": RNGPart(env.rank, env.world_size, env.device, env.is_main),
+        "fp8": FP8Part(parallel.model, fp8_recipe),
+    }

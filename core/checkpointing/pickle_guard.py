@@ -57,9 +57,13 @@ def _storage_element_sizes() -> dict[str, int]:
     """Storage classes as torch.save names them in a tensor's persistent id, with their element sizes."""
     with warnings.catch_warnings():  # asking a typed storage class its dtype warns that TypedStorage is deprecated
         warnings.simplefilter("ignore", UserWarning)
-        sizes = {f"torch.{name}": torch._utils._element_size(getattr(torch, name).dtype)
-                 for name in dir(torch) if name.endswith("Storage") and name != "Storage"  # (an alias)
-                 and isinstance(getattr(getattr(torch, name), "dtype", None), torch.dtype)}
+        sizes = {
+            f"torch.{name}": torch._utils._element_size(getattr(torch, name).dtype)
+            for name in dir(torch)
+            if name.endswith("Storage")
+            and name != "Storage"  # (an alias)
+            and isinstance(getattr(getattr(torch, name), "dtype", None), torch.dtype)
+        }
     # Files saved from a GPU in the legacy format name the CUDA classes (loaded onto the CPU all the same).
     on_gpu = {f"torch.cuda.{name[6:]}": size for name, size in sizes.items() if hasattr(torch.cuda, name[6:])}
     return sizes | on_gpu | {"torch.storage.UntypedStorage": 1}
@@ -69,14 +73,24 @@ STORAGE_ELEMENT_SIZES = _storage_element_sizes()
 
 # What torch.save writes for a tensor (a Parameter, a dtype of the newer ones) and nothing else.
 TENSOR_GLOBALS = AllowList(
-    {"torch._utils._rebuild_tensor_v2", "torch._utils._rebuild_tensor_v3", "torch._utils._rebuild_parameter",
-     "collections.OrderedDict"} | set(STORAGE_ELEMENT_SIZES) | _DTYPE_NAMES, "a saved tensor is built with")
+    {
+        "torch._utils._rebuild_tensor_v2",
+        "torch._utils._rebuild_tensor_v3",
+        "torch._utils._rebuild_parameter",
+        "collections.OrderedDict",
+    }
+    | set(STORAGE_ELEMENT_SIZES)
+    | _DTYPE_NAMES,
+    "a saved tensor is built with",
+)
 # Tensors and plain data beside them: containers, numbers, strings, bytes (protocol 2 writes them as
 # _codecs.encode of a string), sizes, devices, layouts.
 PLAIN_DATA_GLOBALS = AllowList(
-    TENSOR_GLOBALS | {"_codecs.encode", "torch.Size", "torch.device", "torch.serialization._get_layout"}
+    TENSOR_GLOBALS
+    | {"_codecs.encode", "torch.Size", "torch.device", "torch.serialization._get_layout"}
     | {f"{module}.{name}" for module in ("builtins", "__builtin__") for name in ("set", "frozenset", "complex")},
-    "plain data is saved with")
+    "plain data is saved with",
+)
 
 MAX_PICKLE = 64 << 20  # a torch file's pickle (its tensor data lives beside it), in bytes
 MAX_INDEX_PICKLE = 1 << 30  # a DCP index (.metadata), in bytes: a million chunks take a few hundred MB
@@ -85,8 +99,20 @@ SHARING_ALLOWANCE = 4096  # objects a copied-out value may have beyond one per b
 
 # ---- following the opcodes
 
-_SCALARS = ("NONE", "NEWTRUE", "NEWFALSE", "BININT", "BININT1", "BININT2", "LONG1", "BINFLOAT", "SHORT_BINUNICODE",
-            "BINUNICODE", "BINUNICODE8", "SHORT_BINSTRING")
+_SCALARS = (
+    "NONE",
+    "NEWTRUE",
+    "NEWFALSE",
+    "BININT",
+    "BININT1",
+    "BININT2",
+    "LONG1",
+    "BINFLOAT",
+    "SHORT_BINUNICODE",
+    "BINUNICODE",
+    "BINUNICODE8",
+    "SHORT_BINSTRING",
+)
 _BUILT_IN = frozenset({"list", "dict", "tuple", "set", "frozenset"})  # containers that BUILD may not change
 
 
@@ -117,20 +143,30 @@ class _Walk:
             "EMPTY_LIST": lambda arg, at: self.stack.append(self.new("list")),
             "EMPTY_DICT": lambda arg, at: self.stack.append(self.new("dict")),
             "EMPTY_SET": lambda arg, at: self.stack.append(self.new("set")),
-            "BINPUT": self._put, "LONG_BINPUT": self._put,
+            "BINPUT": self._put,
+            "LONG_BINPUT": self._put,
             "MEMOIZE": lambda arg, at: self._put(len(self.memo), at),
-            "BINGET": self._get, "LONG_BINGET": self._get, "MARK": self._mark,
+            "BINGET": self._get,
+            "LONG_BINGET": self._get,
+            "MARK": self._mark,
             "APPEND": lambda arg, at: self.add(self.stack[-2], [self.stack.pop()]),
             "SETITEM": lambda arg, at: self.add(self.stack[-3], [self.stack.pop(-2), self.stack.pop()]),
-            "APPENDS": self._add_marked, "SETITEMS": self._add_marked, "ADDITEMS": self._add_marked,
+            "APPENDS": self._add_marked,
+            "SETITEMS": self._add_marked,
+            "ADDITEMS": self._add_marked,
             "TUPLE": lambda arg, at: self._push_tuple(self.pop_mark()),
             "TUPLE1": lambda arg, at: self._push_tuple([self.stack.pop()]),
             "TUPLE2": lambda arg, at: self._push_tuple(self.pop(2)),
             "TUPLE3": lambda arg, at: self._push_tuple(self.pop(3)),
             "FROZENSET": lambda arg, at: self.stack.append(self.new("frozenset", self.pop_mark())),
-            "GLOBAL": self._global, "STACK_GLOBAL": self._global,
-            "REDUCE": self._call, "NEWOBJ": self._call, "BUILD": self._build,
-            "PROTO": lambda arg, at: None, "FRAME": lambda arg, at: None}
+            "GLOBAL": self._global,
+            "STACK_GLOBAL": self._global,
+            "REDUCE": self._call,
+            "NEWOBJ": self._call,
+            "BUILD": self._build,
+            "PROTO": lambda arg, at: None,
+            "FRAME": lambda arg, at: None,
+        }
         if persistent_ids:
             self.handlers["BINPERSID"] = self._persistent_id
 
@@ -223,8 +259,9 @@ class _Walk:
         state = self.stack.pop()
         target = self.stack[-1]
         if type(target) is not int or self.kinds[target] in _BUILT_IN:
-            raise UnsafeCheckpoint(f"opcode BUILD at byte {at} sets the state of {_shown(target)}, not of an object "
-                                   "the pickle built")
+            raise UnsafeCheckpoint(
+                f"opcode BUILD at byte {at} sets the state of {_shown(target)}, not of an object the pickle built"
+            )
         self.add(target, [state])
 
     def _persistent_id(self, arg: None, at: int) -> None:
@@ -292,8 +329,10 @@ class _Walk:
             for child in self.holds[number] or ():
                 copies[child] = min(copies.get(child, 0) + copies[number], 1 << 62)
         shared = max(copies, key=lambda n: (copies[n], size[n]))
-        return (f"a pickle that shares one {self.kinds[shared]} at least {copies[shared]:,} times: copied out, it "
-                f"would be more than {limit:,} objects (one per byte of the pickle, and {SHARING_ALLOWANCE} more)")
+        return (
+            f"a pickle that shares one {self.kinds[shared]} at least {copies[shared]:,} times: copied out, it "
+            f"would be more than {limit:,} objects (one per byte of the pickle, and {SHARING_ALLOWANCE} more)"
+        )
 
 
 def _shown(item: Any) -> str:
@@ -302,8 +341,9 @@ def _shown(item: Any) -> str:
     return "a container"
 
 
-def guarded_opcodes(source: Union[bytes, BinaryIO], allowed: AllowList, storages: Optional[list] = None,
-                    max_length: int = MAX_PICKLE) -> Iterator[tuple[Any, Any, int]]:
+def guarded_opcodes(
+    source: Union[bytes, BinaryIO], allowed: AllowList, storages: Optional[list] = None, max_length: int = MAX_PICKLE
+) -> Iterator[tuple[Any, Any, int]]:
     """pickletools.genops(source), refusing (UnsafeCheckpoint) what the module docstring lists as it goes and,
     at its STOP, a value that copying out would make larger than the pickle. Persistent ids (a torch file's
     storages) are refused unless `storages` is a list, to which each storage claimed is appended as a tuple of
@@ -373,13 +413,14 @@ def _check_archive(file: BinaryIO, length: int, allowed: AllowList) -> None:
             strays = [name for name in names if name.partition("/")[0] != folder or "/" not in name]
             if not names or strays or len(set(names)) != len(names):
                 raise UnsafeCheckpoint(f"not a torch.save archive (its entries: {', '.join(names[:4])}...)")
-            packed = [e.filename for e in entries
-                      if e.compress_type != zipfile.ZIP_STORED or e.compress_size != e.file_size]
+            packed = [
+                e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED or e.compress_size != e.file_size
+            ]
             if packed:
                 raise UnsafeCheckpoint(f"its entry {packed[0]} is compressed (torch.save stores every entry as it is)")
             if sum(e.file_size for e in entries) > length:
                 raise UnsafeCheckpoint(f"its entries claim more bytes than the file's {length}")
-            records = {e.filename[len(folder) + 1:]: e.file_size for e in entries}
+            records = {e.filename[len(folder) + 1 :]: e.file_size for e in entries}
             if "data.pkl" not in records:
                 raise UnsafeCheckpoint(f"not a torch.save archive (no {folder}/data.pkl)")
             if records["data.pkl"] > MAX_PICKLE:
@@ -395,15 +436,22 @@ def _check_archive(file: BinaryIO, length: int, allowed: AllowList) -> None:
         element_size = STORAGE_ELEMENT_SIZES[storage_type]
         if record is None or record != numel * element_size:
             held = "no record" if record is None else f"{record:,} bytes"
-            raise UnsafeCheckpoint(f"a storage of {numel:,} x {element_size} bytes (key {key!r:.60}), where the "
-                                   f"archive holds {held}")
+            raise UnsafeCheckpoint(
+                f"a storage of {numel:,} x {element_size} bytes (key {key!r:.60}), where the archive holds {held}"
+            )
 
 
 def _storage_claim(claim: tuple, fields: int) -> tuple[str, str, int]:
     """(storage type, key, element count) of a persistent id of `fields` fields (5 in the zip format, 6 in the
     legacy one)."""
-    if (len(claim) != fields or not isinstance(claim[1], _Global) or claim[1] not in STORAGE_ELEMENT_SIZES
-            or not isinstance(claim[2], str) or type(claim[4]) is not int or claim[4] < 0):
+    if (
+        len(claim) != fields
+        or not isinstance(claim[1], _Global)
+        or claim[1] not in STORAGE_ELEMENT_SIZES
+        or not isinstance(claim[2], str)
+        or type(claim[4]) is not int
+        or claim[4] < 0
+    ):
         raise UnsafeCheckpoint(f"a storage id {claim!r:.200} that torch.save does not write")
     return str(claim[1]), claim[2], claim[4]
 
@@ -450,9 +498,11 @@ def _check_legacy(file: BinaryIO, length: int, allowed: AllowList) -> None:
         stored = file.read(8)
         count = struct.unpack("<q", stored)[0] if len(stored) == 8 else None
         if count != numel or position + 8 + numel * element_size > length:
-            raise UnsafeCheckpoint(f"the storage {key!r:.60} claims {numel:,} elements, where the file holds "
-                                   f"{'a count of ' + format(count, ',') if count is not None else 'no count'} and "
-                                   f"{max(0, length - position - 8):,} bytes")
+            raise UnsafeCheckpoint(
+                f"the storage {key!r:.60} claims {numel:,} elements, where the file holds "
+                f"{'a count of ' + format(count, ',') if count is not None else 'no count'} and "
+                f"{max(0, length - position - 8):,} bytes"
+            )
         position += 8 + numel * element_size
     unread = sorted(set(claims) - set(keys))
     if unread:
@@ -462,7 +512,7 @@ def _check_legacy(file: BinaryIO, length: int, allowed: AllowList) -> None:
 def load_torch_file(source: Union[str, Path, bytes], allowed: AllowList = PLAIN_DATA_GLOBALS) -> Any:
     """torch.load(weights_only=True) of a torch.save file (a path, or its bytes) that the guard passed first,
     onto the CPU. UnsafeCheckpoint for what the guard refuses; torch's own errors for a malformed file."""
-    with (io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb")) as file:
+    with io.BytesIO(source) if isinstance(source, bytes) else open(source, "rb") as file:
         check_torch_file(file, allowed)
         return torch.load(file, map_location="cpu", weights_only=True)
 

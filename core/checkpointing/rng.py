@@ -30,8 +30,9 @@ def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     gauss = float(state["python_gauss"][0])
     random.setstate((python[0], tuple(python[1:]), None if gauss != gauss else gauss))
     numpy = state["numpy"].tolist()
-    np.random.set_state(("MT19937", np.array(numpy[:-2], dtype=np.uint32), numpy[-2], numpy[-1],
-                         float(state["numpy_gauss"][0])))
+    np.random.set_state(
+        ("MT19937", np.array(numpy[:-2], dtype=np.uint32), numpy[-2], numpy[-1], float(state["numpy_gauss"][0]))
+    )
     torch.set_rng_state(state["torch"])
     if device.type == "cuda" and "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)

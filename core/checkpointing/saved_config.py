@@ -44,6 +44,7 @@ CONFIG_FILE = "config.yaml"
 # A run's config.yaml is a few kilobytes; a far larger file is not one, and is not parsed.
 MAX_BYTES = 1 << 20
 
+
 class _PlainLoader(get_yaml_loader()):
     """The safe YAML loader OmegaConf itself reads with (so values read back as they were written: 1e-3 a
     float, a date-like text a string; a duplicate key an error), refusing aliases: a run's file has none,
@@ -51,8 +52,9 @@ class _PlainLoader(get_yaml_loader()):
 
     def compose_node(self, parent, index):
         if self.check_event(yaml.AliasEvent):
-            raise yaml.composer.ComposerError(None, None, "found an alias (*name), which a run's config never has",
-                                              self.peek_event().start_mark)
+            raise yaml.composer.ComposerError(
+                None, None, "found an alias (*name), which a run's config never has", self.peek_event().start_mark
+            )
         return super().compose_node(parent, index)
 
 
@@ -68,8 +70,10 @@ def _check_plain(value: Any, where: str) -> None:
             _check_plain(v, f"{where}[{i}]")
     elif isinstance(value, str):
         if "${" in value:
-            raise ValueError(f"{where}={value!r} is an interpolation, which a run's config never holds (its values are "
-                             "written resolved); refused without resolving it")
+            raise ValueError(
+                f"{where}={value!r} is an interpolation, which a run's config never holds (its values are "
+                "written resolved); refused without resolving it"
+            )
     elif value is not None and not isinstance(value, (bool, int, float)):
         raise ValueError(f"{where}: a {type(value).__name__} value, expected text, a number, a boolean or null")
 
@@ -113,8 +117,9 @@ def _checked(file: Path, section: str, schema: type, values: Any, keys: Optional
         raise CheckpointError(f"{file}: '{section}' is a {type(values).__name__}, expected a mapping of settings")
     wanted = list(keys) if keys is not None else None
     try:
-        node = OmegaConf.merge(OmegaConf.structured(schema),
-                               values if wanted is None else {k: v for k, v in values.items() if k in wanted})
+        node = OmegaConf.merge(
+            OmegaConf.structured(schema), values if wanted is None else {k: v for k, v in values.items() if k in wanted}
+        )
         fields = OmegaConf.to_container(node, resolve=False)
         picked = {k: fields[k] for k in (wanted if wanted is not None else fields)}
         missing = [k for k, v in picked.items() if v == "???"]
@@ -148,16 +153,18 @@ class SavedConfig:
         """The settings a model built from this checkpoint takes: the model's and the recipe's model_data_keys,
         but not the neutral ones (model.backend)."""
         model_data = {f"data.{k}" for k in self.model_data_keys}
-        return {k: v for k, v in self.settings.items()
-                if (k.startswith("model.") or k in model_data) and changes_result(k)}
+        return {
+            k: v for k, v in self.settings.items() if (k.startswith("model.") or k in model_data) and changes_result(k)
+        }
 
     def section(self, name: str) -> dict[str, Any]:
         """e.g. section("model") -> {"hidden_size": 64, ...}"""
         return {k.split(".", 1)[1]: v for k, v in self.settings.items() if k.startswith(name + ".")}
 
 
-def read_saved_config(file: Path, get_recipe: Callable[[str], type], expected_recipe: Optional[str] = None,
-                      data_keys: Iterable[str] = ()) -> SavedConfig:
+def read_saved_config(
+    file: Path, get_recipe: Callable[[str], type], expected_recipe: Optional[str] = None, data_keys: Iterable[str] = ()
+) -> SavedConfig:
     """A step folder's config.yaml: its recipe (which must be `expected_recipe` when given), its model section
     and the recipe's model_data_keys (plus `data_keys`), checked against that recipe's schemas.
     CheckpointError naming the file otherwise."""
@@ -171,8 +178,10 @@ def read_saved_config(file: Path, get_recipe: Callable[[str], type], expected_re
     except ConfigError as e:
         raise CheckpointError(f"{file}: {e}") from None
     if expected_recipe is not None and recipe_name != expected_recipe:
-        raise CheckpointError(f"{file}: recipe: {recipe_name}, but this needs a checkpoint of the {expected_recipe} "
-                              f"recipe (recipe: {expected_recipe})")
+        raise CheckpointError(
+            f"{file}: recipe: {recipe_name}, but this needs a checkpoint of the {expected_recipe} "
+            f"recipe (recipe: {expected_recipe})"
+        )
     keys = tuple(dict.fromkeys((*recipe.model_data_keys, *data_keys)))
     settings = {f"model.{k}": v for k, v in _checked(file, "model", recipe.model_schema, tree.get("model")).items()}
     if keys:
@@ -203,16 +212,21 @@ def trained_config(init_from: str, configs: Iterable[str], recipe_configs: dict[
     if not step.exists():
         raise ConfigError(f"checkpoint.init_from={init_from}: no such file or folder")
     if not (step.is_dir() and file.is_file()):
-        raise ConfigError(f"checkpoint.init_from={init_from}: {step} holds no {CONFIG_FILE} (a weights file, or a "
-                          "converted folder), so it does not say which config to use: give one with --config-name")
+        raise ConfigError(
+            f"checkpoint.init_from={init_from}: {step} holds no {CONFIG_FILE} (a weights file, or a "
+            "converted folder), so it does not say which config to use: give one with --config-name"
+        )
     recipe = read_config_file(file).get("recipe")
     if recipe not in recipe_configs:
         raise CheckpointError(f"{file}: recipe: {recipe!r}, expected one of {', '.join(recipe_configs)}")
     recorded = read_marker(step).get("config_name") if (step / COMPLETE_MARKER).is_file() else None
     if isinstance(recorded, str) and recorded in configs:
         return recorded, f"the config {step} was trained with"
-    why = (f"the config it names, {recorded!r}, is not one of configs/" if recorded is not None
-           else "its step folder does not name the config it was trained with")
+    why = (
+        f"the config it names, {recorded!r}, is not one of configs/"
+        if recorded is not None
+        else "its step folder does not name the config it was trained with"
+    )
     return recipe_configs[recipe], f"the {recipe} recipe's config for predictions on {step} ({why})"
 
 
@@ -271,9 +285,11 @@ def adopt_saved_model(cfg: DictConfig, overrides: Iterable[str], get_recipe: Cal
         has_own, given = _given(cfg, key, directly=key in explicit)
         if setter is not None and has_own and given != value:
             via = "" if key in explicit else f" (by {setter})"
-            raise ConfigError(f"{key}={given!r} on the command line{via}, but {file} trained with {key}={value!r}: "
-                              "leave it out (the model's settings come from its step folder), or use a checkpoint "
-                              "trained with it")
+            raise ConfigError(
+                f"{key}={given!r} on the command line{via}, but {file} trained with {key}={value!r}: "
+                "leave it out (the model's settings come from its step folder), or use a checkpoint "
+                "trained with it"
+            )
         if not has_own or given != value:
             taken[key] = value
     merged = copy.deepcopy(cfg)

@@ -34,8 +34,13 @@ from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadat
 from torch.distributed.checkpoint.planner import LoadItemType
 
 from core.checkpointing.dcp_index import INDEX_FILE, index_to_json, load_index
-from core.checkpointing.pickle_guard import (PLAIN_DATA_GLOBALS, TENSOR_GLOBALS, UnsafeCheckpoint, check_torch_file,
-                                             load_torch_file)
+from core.checkpointing.pickle_guard import (
+    PLAIN_DATA_GLOBALS,
+    TENSOR_GLOBALS,
+    UnsafeCheckpoint,
+    check_torch_file,
+    load_torch_file,
+)
 
 CHECKSUMS_SUFFIX = "checksums.json"  # per rank: __<rank>_checksums.json
 
@@ -74,8 +79,10 @@ class SafeReader(FileSystemReader):
                 for fqn, stored, is_tensor in items:
                     problem = check_item(shard, stored.offset, stored.length, is_tensor)
                     if problem:
-                        raise UnsafeCheckpoint(f"refusing to load the {'tensor' if is_tensor else 'value'} {fqn!r} "
-                                               f"({name} at byte {stored.offset}): {problem}")
+                        raise UnsafeCheckpoint(
+                            f"refusing to load the {'tensor' if is_tensor else 'value'} {fqn!r} "
+                            f"({name} at byte {stored.offset}): {problem}"
+                        )
         return super().read_data(plan, planner)
 
 
@@ -96,15 +103,18 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     def load_bytes(self, read_item, value: io.BytesIO) -> None:
         stored = self.metadata.storage_data.get(read_item.storage_index)
-        what = f"the value {read_item.dest_index.fqn!r}" + (f" ({stored.relative_path} at byte {stored.offset})"
-                                                             if stored is not None else "")
+        what = f"the value {read_item.dest_index.fqn!r}" + (
+            f" ({stored.relative_path} at byte {stored.offset})" if stored is not None else ""
+        )
         try:
             loaded = load_torch_file(value.getvalue(), PLAIN_DATA_GLOBALS)
         except UnsafeCheckpoint as e:
             raise UnsafeCheckpoint(f"refusing to load {what}: {e}") from None
         except Exception as e:  # noqa: BLE001  (a refusal is an UnpicklingError; a malformed file anything)
-            reason = next((line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
-                          f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}")
+            reason = next(
+                (line.strip() for line in str(e).splitlines() if "Unsupported global" in line),
+                f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}",
+            )
             raise UnsafeCheckpoint(f"refusing to load {what}: it is not plain data ({reason})") from None
         try:
             loaded = plain_copy(loaded)
@@ -117,8 +127,20 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         super().load_bytes(read_item, buffer)
 
 
-_SCALARS = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device, torch.layout,
-            torch.memory_format)
+_SCALARS = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
+
 
 def plain_copy(value: Any) -> Any:
     """`value`, as the weights_only unpickler built it, rebuilt from plain types: fresh containers (no instance
@@ -162,7 +184,7 @@ class _Slice(io.RawIOBase):
         count = max(0, min(len(buffer), self.length - self.position))
         self.file.seek(self.start + self.position)
         data = self.file.read(count)
-        buffer[:len(data)] = data
+        buffer[: len(data)] = data
         self.position += len(data)
         return len(data)
 
@@ -190,8 +212,9 @@ def check_item(file: io.BufferedReader, offset: int, length: int, is_tensor: boo
     of a checkpoint passes (core/checkpointing/pickle_guard.py): entries stored uncompressed, storages no larger
     than their records, a pickle naming only what a tensor (or, for a value, plain data) is saved with."""
     try:
-        check_torch_file(_Slice(file, offset, length), TENSOR_GLOBALS if is_tensor else PLAIN_DATA_GLOBALS,
-                         zip_only=True)
+        check_torch_file(
+            _Slice(file, offset, length), TENSOR_GLOBALS if is_tensor else PLAIN_DATA_GLOBALS, zip_only=True
+        )
     except UnsafeCheckpoint as e:
         return str(e)
     return None

@@ -12,9 +12,19 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from core.checkpointing.layout import (DCP_ERRORS, SAVING_MARKER, CheckpointError, check_checksums, describe,
-                                       empty_like_saved, is_complete, resolve_checkpoint, saved_weights, verify,
-                                       verify_plain_dcp)
+from core.checkpointing.layout import (
+    DCP_ERRORS,
+    SAVING_MARKER,
+    CheckpointError,
+    check_checksums,
+    describe,
+    empty_like_saved,
+    is_complete,
+    resolve_checkpoint,
+    saved_weights,
+    verify,
+    verify_plain_dcp,
+)
 from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.layers.tensor_parallel import local_pieces
@@ -26,12 +36,16 @@ def check_weights_fit(source: str, model: dict[str, torch.Tensor], saved: dict[s
     """Raise, listing them, if weights are missing from `saved`, unexpected in it, or of another shape.
     `saved` maps names to tensors or to DCP metadata."""
     missing, unexpected = sorted(set(model) - set(saved)), sorted(set(saved) - set(model))
-    shapes = [f"{k}: {_shape(saved[k]) or 'not a tensor'} vs model {tuple(model[k].shape)}"
-              for k in sorted(set(saved) & set(model)) if _shape(saved[k]) != tuple(model[k].shape)]
+    shapes = [
+        f"{k}: {_shape(saved[k]) or 'not a tensor'} vs model {tuple(model[k].shape)}"
+        for k in sorted(set(saved) & set(model))
+        if _shape(saved[k]) != tuple(model[k].shape)
+    ]
     if missing or unexpected or shapes:
         raise CheckpointError(
             f"{source} does not fit the model:\n  missing in the checkpoint: {missing or 'none'}\n  unexpected in "
-            f"the checkpoint: {unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}")
+            f"the checkpoint: {unexpected or 'none'}\n  shape mismatches: {shapes or 'none'}"
+        )
 
 
 def _shape(value) -> Optional[tuple]:
@@ -73,8 +87,11 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
     # Names are matched as text (prefixes, suffixes): anything else is not a state dict, refused here.
     for name, value in state.items():
         if not isinstance(name, str) or not torch.is_tensor(value):
-            what = (f"a key that is not a name ({name!r:.60}, type {type(name).__name__})" if not isinstance(name, str)
-                    else f"{name!r:.60} holds a value of type {type(value).__name__}, not a tensor")
+            what = (
+                f"a key that is not a name ({name!r:.60}, type {type(name).__name__})"
+                if not isinstance(name, str)
+                else f"{name!r:.60} holds a value of type {type(value).__name__}, not a tensor"
+            )
             raise CheckpointError(f"{path}: {what}; expected a dict of names to tensors (a model state dict)")
         if beyond_its_storage(value):
             raise CheckpointError(f"{path}: refusing to load it: {name!r:.60} is {beyond_its_storage(value)}")
@@ -85,8 +102,14 @@ def _skipped(name: str, prefixes: list[str]) -> bool:
     return any(name == p or name.startswith(p.rstrip(".") + ".") for p in prefixes)
 
 
-def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_unexpected: bool = False,
-                 is_main: bool = True, verify_checksums: bool = True) -> None:
+def load_weights(
+    parallel,
+    source: str,
+    skip_prefixes: list[str] = (),
+    ignore_unexpected: bool = False,
+    is_main: bool = True,
+    verify_checksums: bool = True,
+) -> None:
     """Model weights only from a step folder or a .pt/.safetensors file, into the (sharded) model `parallel`
     (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
     otherwise: every other weight must be in the source and fit; weights the source has but the model
@@ -101,8 +124,11 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
         prefix = "model." if saved_weights(metadata) else ""
         saved, full = saved_weights(metadata, prefix), None
         if is_main:
-            log.info("%s has no completion marker: reading it as a plain DCP folder (its index and file sizes "
-                     "checked; no checksums)", src)
+            log.info(
+                "%s has no completion marker: reading it as a plain DCP folder (its index and file sizes "
+                "checked; no checksums)",
+                src,
+            )
     elif src.is_dir():
         metadata = verify(src)
         saved = saved_weights(metadata)
@@ -116,8 +142,11 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
         raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
     saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
     unused = sorted(set(saved) - set(model)) if ignore_unexpected else []
-    check_weights_fit(f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={list(skip_prefixes)})", wanted,
-                      {k: v for k, v in saved.items() if k not in unused})
+    check_weights_fit(
+        f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={list(skip_prefixes)})",
+        wanted,
+        {k: v for k, v in saved.items() if k not in unused},
+    )
     if full is None:
         try:
             target = {"model": wanted} if prefix else wanted
@@ -131,9 +160,13 @@ def load_weights(parallel, source: str, skip_prefixes: list[str] = (), ignore_un
     loaded = len(wanted)
     parallel.load_model_state_dict(wanted)
     if is_main:
-        log.info("initialised %d weights from %s%s%s", loaded, source,
-                 f"; kept the fresh init of {kept}" if kept else "",
-                 f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "")
+        log.info(
+            "initialised %d weights from %s%s%s",
+            loaded,
+            source,
+            f"; kept the fresh init of {kept}" if kept else "",
+            f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "",
+        )
 
 
 def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[str, torch.Tensor]:
@@ -143,8 +176,11 @@ def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[st
     metadata = verify(step_dir)
     if verify_checksums:
         check_checksums(step_dir)
-    not_tensors = [k for k, m in metadata.state_dict_metadata.items()
-                   if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)]
+    not_tensors = [
+        k
+        for k, m in metadata.state_dict_metadata.items()
+        if k.startswith("model.") and not isinstance(m, TensorStorageMetadata)
+    ]
     if not_tensors:
         raise CheckpointError(f"{step_dir}: {not_tensors[0]} is stored as bytes, not as a tensor: not model weights")
     weights = {k[6:]: empty_like_saved(metadata, k) for k in metadata.state_dict_metadata if k.startswith("model.")}
@@ -152,8 +188,7 @@ def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[st
     with warnings.catch_warnings():  # "torch.distributed is ... uninitialized": one process is the intent
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.load(state, storage_reader=SafeReader(str(step_dir), metadata), planner=SafeLoadPlanner(),
-                     no_dist=True)
+            dcp.load(state, storage_reader=SafeReader(str(step_dir), metadata), planner=SafeLoadPlanner(), no_dist=True)
         except DCP_ERRORS as e:
             raise CheckpointError(f"{step_dir}: loading failed ({describe(e)})") from None
     return weights

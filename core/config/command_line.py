@@ -76,8 +76,11 @@ def schema_of_option(group: str, option: str) -> Optional[str]:
 
 def options_for(group: str, recipe: str) -> list[str]:
     """The options of `group` made for `recipe` (built on its schema, `<recipe>_<group>_schema`)."""
-    return [option for option in group_options().get(group, [])
-            if schema_of_option(group, option) == schema_name(recipe, group)]
+    return [
+        option
+        for option in group_options().get(group, [])
+        if schema_of_option(group, option) == schema_name(recipe, group)
+    ]
 
 
 @functools.lru_cache(maxsize=None)
@@ -99,9 +102,11 @@ def recipe_of_config(name: str, depth: int = 0) -> Optional[str]:
 def other_recipes_option(group: str, given: str, owner: str, recipe: str) -> str:
     """The refusal of `given` (`data=moby_dick`, or the group's name), an option of the `owner` recipe's group, in a
     config of `recipe`."""
-    return (f"{given} is {group} of the {owner} recipe, but this config trains the {recipe} recipe: choose "
-            f"{group}=<one of {', '.join(options_for(group, recipe)) or 'none shipped'}>, or a config of the {owner} "
-            "recipe (--config-name)")
+    return (
+        f"{given} is {group} of the {owner} recipe, but this config trains the {recipe} recipe: choose "
+        f"{group}=<one of {', '.join(options_for(group, recipe)) or 'none shipped'}>, or a config of the {owner} "
+        "recipe (--config-name)"
+    )
 
 
 def check_group_choices(argv: list[str]) -> None:
@@ -158,8 +163,11 @@ def needs_no_config(argv: list[str]) -> bool:
 
 def missing_config(script: str, from_checkpoint: bool) -> str:
     """The one line for a command that names no config."""
-    also = (" (or checkpoint.init_from=<step folder | run's checkpoint folder>: the config it was trained with)"
-            if from_checkpoint else "")
+    also = (
+        " (or checkpoint.init_from=<step folder | run's checkpoint folder>: the config it was trained with)"
+        if from_checkpoint
+        else ""
+    )
     return f"{script} needs a config: --config-name <name>{also}, one of {', '.join(configs())}"
 
 
@@ -170,16 +178,26 @@ def usage(script: str, from_checkpoint: bool, config: Optional[str] = None) -> s
     if script != "generate.py":  # which runs in one process
         lines.append(f"       torchrun --nproc-per-node <N> {script} --config-name <name> [key=value ...]")
     if from_checkpoint:
-        lines.append(f"       python {script} checkpoint.init_from=<step folder | run's checkpoint folder> [key=value ...]"
-                     "   (the config the checkpoint was trained with)")
+        lines.append(
+            f"       python {script} checkpoint.init_from=<step folder | run's checkpoint folder> [key=value ...]"
+            "   (the config the checkpoint was trained with)"
+        )
     if script == "train.py":
         lines.append(f"       python {script} -m --config-name <name> key=a,b ...   (a sweep: one job per value)")
-    lines += ["", "configs (--config-name):", "  " + ", ".join(configs()), "",
-              "config groups (group=option on the command line, e.g. precision=fp32):"]
+    lines += [
+        "",
+        "configs (--config-name):",
+        "  " + ", ".join(configs()),
+        "",
+        "config groups (group=option on the command line, e.g. precision=fp32):",
+    ]
     lines += [f"  {group}: {', '.join(options)}" for group, options in group_options().items()]
-    lines += ["", "Any key of the config: key=value (e.g. training.steps=600 optim.lr=3e-4); every key and its default:",
-              "core/config/schema.py and the recipes' config.py. A config with its values:",
-              f"python {script} --config-name {config or '<name>'} --cfg job. Hydra's own options: --hydra-help."]
+    lines += [
+        "",
+        "Any key of the config: key=value (e.g. training.steps=600 optim.lr=3e-4); every key and its default:",
+        "core/config/schema.py and the recipes' config.py. A config with its values:",
+        f"python {script} --config-name {config or '<name>'} --cfg job. Hydra's own options: --hydra-help.",
+    ]
     return "\n".join(lines)
 
 

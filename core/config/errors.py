@@ -41,7 +41,9 @@ def message_of(error: BaseException) -> str:
     from omegaconf.errors import OmegaConfBaseException
 
     if isinstance(error, OmegaConfBaseException):  # the key, and the first line of OmegaConf's message
-        return f"{getattr(error, 'full_key', None) or 'the config'}: {str(getattr(error, 'msg', error)).splitlines()[0]}"
+        return (
+            f"{getattr(error, 'full_key', None) or 'the config'}: {str(getattr(error, 'msg', error)).splitlines()[0]}"
+        )
     text = str(error)
     if not (text.startswith("Caught ") and "\nOriginal Traceback" in text):
         return text
@@ -51,5 +53,5 @@ def message_of(error: BaseException) -> str:
     for i in range(len(lines) - 1, -1, -1):
         for name in names:
             if lines[i].startswith(name):
-                return "\n".join([lines[i][len(name):], *lines[i + 1:]]) + " (in a data loader worker)"
+                return "\n".join([lines[i][len(name) :], *lines[i + 1 :]]) + " (in a data loader worker)"
     return text

@@ -21,12 +21,18 @@ class NotThisKindOfFile(ValueError):
     """The name is there, but is not a small regular file (the message says what it is instead)."""
 
 
-_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
-          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"))
+_KINDS = (
+    (stat.S_ISDIR, "a directory"),
+    (stat.S_ISFIFO, "a FIFO"),
+    (stat.S_ISCHR, "a character device"),
+    (stat.S_ISBLK, "a block device"),
+    (stat.S_ISSOCK, "a socket"),
+)
 
 
-def read_small_file_and_stat(path: str | Path, max_bytes: int,
-                             follow_symlinks: bool = False) -> tuple[bytes, os.stat_result]:
+def read_small_file_and_stat(
+    path: str | Path, max_bytes: int, follow_symlinks: bool = False
+) -> tuple[bytes, os.stat_result]:
     """`read_small_file`, with the file's fstat (device, inode, mtime of exactly the file read)."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: opening a FIFO does not wait
     if not follow_symlinks:

@@ -19,10 +19,17 @@ and the weights a run starts from (checkpoint.init_from). They name the command'
 
 from __future__ import annotations
 
-RESULT_KEYS = ("recipe", "seed", "model.", "data.", "optim.", "scheduler.", "precision.",
-               "training.global_batch_size")
-NEUTRAL_KEYS = ("model.backend", "data.num_workers", "data.pin_memory", "data.decode_on", "data.device_decoder",
-                "data.decode_threads", "optim.fused", "scheduler.on_extend")
+RESULT_KEYS = ("recipe", "seed", "model.", "data.", "optim.", "scheduler.", "precision.", "training.global_batch_size")
+NEUTRAL_KEYS = (
+    "model.backend",
+    "data.num_workers",
+    "data.pin_memory",
+    "data.decode_on",
+    "data.device_decoder",
+    "data.decode_threads",
+    "optim.fused",
+    "scheduler.on_extend",
+)
 LAYOUT_KEYS = ("distributed", "distributed.backend", "distributed.dp_outer", "distributed.dp_shard", "distributed.tp")
 START_KEYS = ("checkpoint.init_from",)
 

@@ -27,7 +27,9 @@ def split_target(entry: Any, key: str) -> tuple[Any, dict]:
     ...} (Hydra's instantiate style); (the object, the arguments)."""
     if isinstance(entry, dict):
         if "_target_" not in entry:
-            raise ConfigError(f"{key}: a mapping needs _target_: <package.module.Name> (it has: "
-                              f"{', '.join(map(str, entry)) or 'nothing'})")
+            raise ConfigError(
+                f"{key}: a mapping needs _target_: <package.module.Name> (it has: "
+                f"{', '.join(map(str, entry)) or 'nothing'})"
+            )
         return import_object(entry["_target_"], f"{key}._target_"), {k: v for k, v in entry.items() if k != "_target_"}
     return import_object(entry, key), {}

@@ -29,7 +29,9 @@ def schema_keys(schema: Any, prefix: str = "") -> set[str]:
 def suggestion(key: str, valid: set[str]) -> Optional[str]:
     """The valid key closest to `key`: one with the same ending (a misplaced key), else the nearest spelling."""
     parts = key.split(".")
-    for n in range(len(parts) - 1, 0, -1):  # the longest matching tail first: training.checkpoint.path -> checkpoint.path
+    for n in range(
+        len(parts) - 1, 0, -1
+    ):  # the longest matching tail first: training.checkpoint.path -> checkpoint.path
         tail = ".".join(parts[-n:])
         same_tail = sorted(k for k in valid if k == tail or k.endswith("." + tail))
         if same_tail:
@@ -48,5 +50,8 @@ def check_overrides(overrides: Iterable[str], valid: set[str], groups: set[str])
         if key.startswith("hydra") or "/" in key or "@" in key or key in groups or key in valid:
             continue
         hint = suggestion(key, valid)
-        raise ConfigError(f"unknown key {key!r}" + (f"; did you mean {hint!r}?" if hint else "") +
-                          " (every key and its default: core/config/schema.py and the recipes' config.py)")
+        raise ConfigError(
+            f"unknown key {key!r}"
+            + (f"; did you mean {hint!r}?" if hint else "")
+            + " (every key and its default: core/config/schema.py and the recipes' config.py)"
+        )

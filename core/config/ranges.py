@@ -4,7 +4,8 @@ A schema's types refuse text where a number belongs, but not the numbers nothing
 infinities, a probability above 1, a size of 0, or a typo like 1e300 that overflows far from the config.
 So every numeric field of a schema has a rule in the schema's `RANGES` table, with a lower and an upper
 bound (tests/unit/config/test_ranges.py fails for a field without one), and `validation.validate` applies the
-tables before any work, naming the key, the value and what was expected. A table is inherited: a recipe's `data` schema also applies `DataConfig`'s rules.
+tables before any work, naming the key, the value and what was expected. A table is inherited: a recipe's `data`
+schema also applies `DataConfig`'s rules.
 """
 
 from __future__ import annotations
@@ -60,8 +61,10 @@ class Real:
 
     def bounds(self, name: str) -> str:
         """e.g. `0 < lr <= 10`."""
-        return (f"{show(self.low)} {'<' if self.open_low else '<='} {name} "
-                f"{'<' if self.open_high else '<='} {show(self.high)}")
+        return (
+            f"{show(self.low)} {'<' if self.open_low else '<='} {name} "
+            f"{'<' if self.open_high else '<='} {show(self.high)}"
+        )
 
     def expected(self, name: str) -> str:
         return self.bounds(name) + (f" ({self.note})" if self.note else "")

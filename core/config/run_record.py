@@ -33,8 +33,15 @@ log = logging.getLogger("train")
 RUN_FILE = "run.json"  # in the checkpoint folder, beside step_<N>/
 MAX_BYTES = 1024 * 1024  # a run record is some 200 bytes
 # What an invocation writes in its run directory (Hydra's log and .hydra/, the session's and the logger's files).
-RUN_DIR_FILES = ("train.log", ".hydra", "resolved_config.yaml", "metrics.jsonl", "metrics.superseded.jsonl",
-                 "tensorboard", "wandb")
+RUN_DIR_FILES = (
+    "train.log",
+    ".hydra",
+    "resolved_config.yaml",
+    "metrics.jsonl",
+    "metrics.superseded.jsonl",
+    "tensorboard",
+    "wandb",
+)
 
 
 def _absolute(path: Optional[str]) -> Optional[str]:
@@ -65,8 +72,10 @@ class RunRecord(BaseModel):
     @model_validator(mode="after")
     def _no_interpolation(self) -> RunRecord:
         if any("${" in s for s in _strings(self.model_dump())):
-            raise ValueError("a value holds `${`, an OmegaConf interpolation, which Hydra would resolve; a run "
-                             "writes plain paths and ids")
+            raise ValueError(
+                "a value holds `${`, an OmegaConf interpolation, which Hydra would resolve; a run "
+                "writes plain paths and ids"
+            )
         return self
 
 
@@ -90,31 +99,48 @@ def read_run_record(checkpoint_path: str | Path, warn: bool = True) -> dict:
         recorded = record.get("checkpoint_path")
         if recorded is None:  # an earlier version's record: an original cannot be told from a copy
             if warn:
-                log.warning("%s was written by an earlier version of this tool, without the checkpoint folder it "
-                            "belongs to, so this folder cannot be told from a copy of it: this invocation does not "
-                            "write to the run directory it names (%s); it starts a new run record, with its own run "
-                            "directory and W&B run, and replaces the file", path, record["run_dir"])
+                log.warning(
+                    "%s was written by an earlier version of this tool, without the checkpoint folder it "
+                    "belongs to, so this folder cannot be told from a copy of it: this invocation does not "
+                    "write to the run directory it names (%s); it starts a new run record, with its own run "
+                    "directory and W&B run, and replaces the file",
+                    path,
+                    record["run_dir"],
+                )
             return {}
         if _same_folder(recorded, checkpoint_path):
             problem = _run_dir_problem(record["run_dir"])
             if problem is None:
                 return record
             if warn:
-                log.warning("%s names the run directory %s, but %s: this invocation does not write there; it starts "
-                            "a new run record, with its own run directory and W&B run, and replaces the file", path,
-                            record["run_dir"], problem)
+                log.warning(
+                    "%s names the run directory %s, but %s: this invocation does not write there; it starts "
+                    "a new run record, with its own run directory and W&B run, and replaces the file",
+                    path,
+                    record["run_dir"],
+                    problem,
+                )
             return {}
         if warn:
-            log.warning("%s was written for the checkpoint folder %s, not for %s (a copy of it, or moved here): "
-                        "this invocation does not write to that run's directory %s; it starts a new run record, "
-                        "with its own run directory and W&B run, and replaces the file", path, recorded,
-                        Path(checkpoint_path).resolve(), record["run_dir"])
+            log.warning(
+                "%s was written for the checkpoint folder %s, not for %s (a copy of it, or moved here): "
+                "this invocation does not write to that run's directory %s; it starts a new run record, "
+                "with its own run directory and W&B run, and replaces the file",
+                path,
+                recorded,
+                Path(checkpoint_path).resolve(),
+                record["run_dir"],
+            )
         return {}
     if warn:
-        log.warning("%s is not a run record (%s; expected a JSON object with run_dir, an absolute path, and "
-                    "optionally wandb_id, a string, and checkpoint_path, an absolute path): this invocation starts "
-                    "a new run record, with its own run directory and W&B run, and %s", path, problem,
-                    "stops where it would replace it (a directory)" if path.is_dir() else "replaces the file")
+        log.warning(
+            "%s is not a run record (%s; expected a JSON object with run_dir, an absolute path, and "
+            "optionally wandb_id, a string, and checkpoint_path, an absolute path): this invocation starts "
+            "a new run record, with its own run directory and W&B run, and %s",
+            path,
+            problem,
+            "stops where it would replace it (a directory)" if path.is_dir() else "replaces the file",
+        )
     return {}
 
 
@@ -133,7 +159,11 @@ def _run_dir_problem(run_dir: str) -> Optional[str]:
     if hasattr(os, "getuid") and info.st_uid != os.getuid():
         return "it belongs to another user"
     links = [name for name in RUN_DIR_FILES if os.path.islink(os.path.join(run_dir, name))]
-    return f"{', '.join(links)} in it {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}" if links else None
+    return (
+        f"{', '.join(links)} in it {'is a symbolic link' if len(links) == 1 else 'are symbolic links'}"
+        if links
+        else None
+    )
 
 
 def _same_folder(recorded: str, checkpoint_path: str | Path) -> bool:
@@ -154,8 +184,10 @@ def write_run_record(checkpoint_path: str | Path, record: dict) -> None:
     record = {**record, "checkpoint_path": str(folder.resolve())}
     target = folder / RUN_FILE
     if target.is_dir() and not target.is_symlink():
-        raise ConfigError(f"{target} is a directory, not a run record, so this run cannot record its run directory "
-                          f"there. Look inside, remove it (rm -r {target}) and start again")
+        raise ConfigError(
+            f"{target} is a directory, not a run record, so this run cannot record its run directory "
+            f"there. Look inside, remove it (rm -r {target}) and start again"
+        )
     # A fresh name: "x" fails on any existing name, a symbolic link planted in a shared folder included, where
     # a fixed name would be written through.
     temporary = folder / f".{RUN_FILE}.{uuid.uuid4().hex}"

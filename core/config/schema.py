@@ -143,8 +143,10 @@ class ObjectiveConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(str(c.metric).startswith(("train/", "val/")),
-                f"{key}.metric={c.metric}: expected train/<name> or val/<name> (e.g. val/loss, val/top1, train/loss)")
+        require(
+            str(c.metric).startswith(("train/", "val/")),
+            f"{key}.metric={c.metric}: expected train/<name> or val/<name> (e.g. val/loss, val/top1, train/loss)",
+        )
 
 
 @dataclass
@@ -212,9 +214,11 @@ class TrainingConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(c.steps is None or c.epochs is None,
-                f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
-                f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)")
+        require(
+            c.steps is None or c.epochs is None,
+            f"{key}.steps={c.steps} and {key}.epochs={c.epochs} both give the run's length: give one "
+            f"({key}.steps=null {key}.epochs={c.epochs} to train by epochs)",
+        )
         require(c.steps is not None or c.epochs is not None, f"{key}.steps or {key}.epochs: give one")
         for i, entry in enumerate(OmegaConf.to_container(c.callbacks, resolve=True)):  # each can be imported
             split_target(entry, f"{key}.callbacks[{i}]")
@@ -255,9 +259,11 @@ class MFSDPConfig:
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(c.preproc_state_dict_for_dcp_ckpt,
-                f"{key}.preproc_state_dict_for_dcp_ckpt=false: checkpoints (and full weights for tests) need the "
-                "offsets of Megatron-FSDP's uneven shards that it provides; keep it true")
+        require(
+            c.preproc_state_dict_for_dcp_ckpt,
+            f"{key}.preproc_state_dict_for_dcp_ckpt=false: checkpoints (and full weights for tests) need the "
+            "offsets of Megatron-FSDP's uneven shards that it provides; keep it true",
+        )
 
 
 @dataclass
@@ -308,13 +314,18 @@ class DistributedConfig:
 
 
 # Signals a run cannot save on, and why (refused by CheckpointConfig.check before any work).
-_FAULT = ("a fault of the process's own code: Python's handler returns to the faulting instruction, which faults "
-          "again, so the crash becomes a hang")
+_FAULT = (
+    "a fault of the process's own code: Python's handler returns to the faulting instruction, which faults "
+    "again, so the crash becomes a hang"
+)
 UNFIT_SIGNALS = {
     "SIGKILL": "cannot be caught",
     "SIGSTOP": "cannot be caught",
     "SIGCHLD": "sent whenever a child process ends (a loader or compile worker), not a request to stop",
-    "SIGSEGV": _FAULT, "SIGBUS": _FAULT, "SIGFPE": _FAULT, "SIGILL": _FAULT,
+    "SIGSEGV": _FAULT,
+    "SIGBUS": _FAULT,
+    "SIGFPE": _FAULT,
+    "SIGILL": _FAULT,
 }
 
 
@@ -324,9 +335,9 @@ class CheckpointConfig:
 
     # The default is the same for every run of a command (outputs/<config>/checkpoints; a command line that changes
     # what is trained or the parallel layout: outputs/<config>/<those overrides>/checkpoints, core/distributed/
-    # launch.py), so running the same command again resumes; in a multirun sweep, <sweep dir>/checkpoints/<the job's overrides>,
-    # so a sweep run again resumes each configuration's own job. A path given to a multirun is the root
-    # instead: <path>/<the job's overrides>.
+    # launch.py), so running the same command again resumes; in a multirun sweep,
+    # <sweep dir>/checkpoints/<the job's overrides>, so a sweep run again resumes each configuration's own job.
+    # A path given to a multirun is the root instead: <path>/<the job's overrides>.
     path: str = "${checkpoint_dir:}"
     save_every_n_steps: int = 0  # 0: only the final save
     save_every_n_epochs: int = 0  # also save at the end of every n-th epoch (0: not by epoch)
@@ -374,17 +385,24 @@ class CheckpointConfig:
     @staticmethod
     def check(c, key: str) -> None:
         require(not (c.keep_best_k > 0 and not c.monitor), f"{key}.keep_best_k needs {key}.monitor (e.g. val/loss)")
-        require(not c.monitor or str(c.monitor).startswith(("train/", "val/")),
-                f"{key}.monitor={c.monitor}: expected train/<name> or val/<name> (e.g. val/loss, train/loss)")
+        require(
+            not c.monitor or str(c.monitor).startswith(("train/", "val/")),
+            f"{key}.monitor={c.monitor}: expected train/<name> or val/<name> (e.g. val/loss, train/loss)",
+        )
         for name in c.save_on_signals:
             sig = getattr(signal.Signals, str(name).upper(), None)
-            require(isinstance(sig, signal.Signals),
-                    f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)")
-            require(sig.name not in UNFIT_SIGNALS,
-                    f"{key}.save_on_signals: {name}: {UNFIT_SIGNALS.get(sig.name)}; save on a request to stop "
-                    "(e.g. SIGTERM, SIGUSR1)")
-        require(isinstance(c.resume, (bool, str)),
-                f"{key}.resume={c.resume!r}: expected auto, true, false or a step folder")
+            require(
+                isinstance(sig, signal.Signals),
+                f"{key}.save_on_signals: unknown signal {name!r} (e.g. SIGTERM, SIGUSR1)",
+            )
+            require(
+                sig.name not in UNFIT_SIGNALS,
+                f"{key}.save_on_signals: {name}: {UNFIT_SIGNALS.get(sig.name)}; save on a request to stop "
+                "(e.g. SIGTERM, SIGUSR1)",
+            )
+        require(
+            isinstance(c.resume, (bool, str)), f"{key}.resume={c.resume!r}: expected auto, true, false or a step folder"
+        )
 
 
 @dataclass
@@ -422,8 +440,12 @@ class SchedulerConfig:
     # schedule over the new length, or hold it (ScheduleExtension). Changing it does not make another run.
     on_extend: ScheduleExtension = ScheduleExtension.stretch
 
-    RANGES: ClassVar[dict[str, Rule]] = {"warmup_steps": Int(0, INT32_MAX), "min_lr_ratio": Real(0, 1),
-                                         "decay_fraction": Real(0, 1), "decay_steps": Int(0, INT32_MAX)}
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "warmup_steps": Int(0, INT32_MAX),
+        "min_lr_ratio": Real(0, 1),
+        "decay_fraction": Real(0, 1),
+        "decay_steps": Int(0, INT32_MAX),
+    }
 
 
 @dataclass
@@ -492,8 +514,10 @@ class PredictConfig:
     # sequence's residues; null: after the last block and the final norm.
     embedding_layer: Optional[int] = None
 
-    RANGES: ClassVar[dict[str, Rule]] = {"micro_batch_size": Int(1, INT32_MAX),
-                                         "embedding_layer": Int(0, INT32_MAX, note="0: the token embeddings")}
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "micro_batch_size": Int(1, INT32_MAX),
+        "embedding_layer": Int(0, INT32_MAX, note="0: the token embeddings"),
+    }
 
 
 @dataclass
@@ -563,4 +587,3 @@ class TrainConfig:
     generate: GenerateConfig = field(default_factory=GenerateConfig)
 
     RANGES: ClassVar[dict[str, Rule]] = {"seed": Int(0, INT32_MAX, note="each rank seeds numpy with seed + rank")}
-

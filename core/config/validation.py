@@ -43,7 +43,9 @@ def _recipe_schema(group: str, recipe: str) -> DictConfig:
         return cs.load(f"{group}/{schema_name(recipe, group)}.yaml").node
     except ConfigLoadError:
         known = sorted(filter(None, (recipe_of_schema_name("model", n) for n in cs.list("model"))))
-        raise ConfigError(f"recipe: unknown recipe {recipe!r}; known: {', '.join(known) or 'none registered'}") from None
+        raise ConfigError(
+            f"recipe: unknown recipe {recipe!r}; known: {', '.join(known) or 'none registered'}"
+        ) from None
 
 
 def _recipe_of_schema(group: str, schema: type) -> Optional[str]:
@@ -76,7 +78,9 @@ def check_recipe_groups(cfg: DictConfig, recipe: str) -> None:
         if owner is None or owner == recipe:
             continue
         chosen = _chosen(group)
-        given = f"{group}={chosen}" if chosen and schema_of_option(group, chosen) == schema_name(owner, group) else group
+        given = (
+            f"{group}={chosen}" if chosen and schema_of_option(group, chosen) == schema_name(owner, group) else group
+        )
         raise ConfigError(other_recipes_option(group, given, owner, recipe))
 
 
@@ -122,8 +126,9 @@ def _run_checks(node: DictConfig, key: str) -> None:
 TRAIN_METRICS = ("loss", "lr", "grad_norm")
 
 
-def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val_set: bool, schedule: StepSchedule,
-                            objective_required: bool) -> None:
+def check_monitored_metrics(
+    cfg: DictConfig, val_metrics: Iterable[str], has_val_set: bool, schedule: StepSchedule, objective_required: bool
+) -> None:
     """checkpoint.monitor and training.objective.metric must name a metric the run records: train/<TRAIN_METRICS>,
     or val/<one of `val_metrics`> (the recipe's) when the run validates: it has a validation set, and its
     `schedule` (the loop's) validates at some step. Checked before any work: otherwise a misspelt monitor is
@@ -132,24 +137,30 @@ def check_monitored_metrics(cfg: DictConfig, val_metrics: Iterable[str], has_val
     training = cfg.training
     steps, epochs = schedule.length.steps, schedule.length.epochs_done(schedule.length.steps)
     if not has_val_set:
-        no_validation = "it has no validation set" + (" (training.limit_val_batches=0)"
-                                                      if training.limit_val_batches == 0 else "")
+        no_validation = "it has no validation set" + (
+            " (training.limit_val_batches=0)" if training.limit_val_batches == 0 else ""
+        )
     elif schedule.validates_at_all():
         no_validation = None
     else:
-        no_validation = (f"training.val_at_end=false, and its {steps} steps ({epochs} epochs) reach no "
-                         f"training.val_every_n_steps={training.val_every_n_steps} or training.val_every_n_epochs="
-                         f"{training.val_every_n_epochs}")
+        no_validation = (
+            f"training.val_at_end=false, and its {steps} steps ({epochs} epochs) reach no "
+            f"training.val_every_n_steps={training.val_every_n_steps} or training.val_every_n_epochs="
+            f"{training.val_every_n_epochs}"
+        )
     train_names = sorted(f"train/{name}" for name in TRAIN_METRICS)
-    for key, metric, needs_validation in (("checkpoint.monitor", cfg.checkpoint.monitor, True),
-                                          ("training.objective.metric", training.objective.metric, objective_required)):
+    for key, metric, needs_validation in (
+        ("checkpoint.monitor", cfg.checkpoint.monitor, True),
+        ("training.objective.metric", training.objective.metric, objective_required),
+    ):
         validates = not (needs_validation and no_validation)
         known = train_names + (sorted(f"val/{name}" for name in val_metrics) if validates else [])
         if not metric or metric in known:
             continue
         if metric.startswith("val/") and not validates:
-            raise ConfigError(f"{key}={metric!r}: this run never validates ({no_validation}); there are: "
-                              f"{', '.join(known)}")
+            raise ConfigError(
+                f"{key}={metric!r}: this run never validates ({no_validation}); there are: {', '.join(known)}"
+            )
         raise ConfigError(f"{key}={metric!r} is not a metric of this run; there are: {', '.join(known)}")
 
 

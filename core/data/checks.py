@@ -1,7 +1,7 @@
 """Check that a dataset is deterministic, as Megatron-style training needs; usable in users' own tests.
 
-    from core.data.checks import assert_dataset_deterministic
-    assert_dataset_deterministic(my_dataset, indices=range(10))
+from core.data.checks import assert_dataset_deterministic
+assert_dataset_deterministic(my_dataset, indices=range(10))
 """
 
 from __future__ import annotations
@@ -44,7 +44,11 @@ def _first_difference(a: Any, b: Any, path: str) -> Optional[str]:
     if isinstance(a, torch.Tensor):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"{path}: shape/dtype {tuple(a.shape)} {a.dtype} vs {tuple(b.shape)} {b.dtype}"
-        return None if torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True) else f"{path}: values differ"
+        return (
+            None
+            if torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=0, equal_nan=True)
+            else f"{path}: values differ"
+        )
     if isinstance(a, np.ndarray):
         if a.shape != b.shape or a.dtype != b.dtype:
             return f"{path}: shape/dtype {a.shape} {a.dtype} vs {b.shape} {b.dtype}"
@@ -84,10 +88,14 @@ def assert_dataset_deterministic(dataset: Any, indices: Optional[Iterable[Any]] 
         first = dataset[index]
         after_first = _global_rng_states()
         second = dataset[index]
-        changed = sorted(set(_changed_rngs(before, after_first)) | set(_changed_rngs(after_first, _global_rng_states())))
+        changed = sorted(
+            set(_changed_rngs(before, after_first)) | set(_changed_rngs(after_first, _global_rng_states()))
+        )
         if changed:
-            raise AssertionError(f"dataset[{index!r}] changed the global {', '.join(changed)} RNG state: derive "
-                                 "randomness from the index (core.data.datasets.sample_generator), not the global RNGs")
+            raise AssertionError(
+                f"dataset[{index!r}] changed the global {', '.join(changed)} RNG state: derive "
+                "randomness from the index (core.data.datasets.sample_generator), not the global RNGs"
+            )
         difference = _first_difference(first, second, "sample")
         if difference:
             raise AssertionError(f"dataset[{index!r}] differs between two calls at {difference}")

@@ -27,7 +27,9 @@ class EpochIndex(NamedTuple):
 
 def mix_seed(*values: int) -> int:
     """A well-mixed 63-bit seed from integers (numpy's SeedSequence: no global state touched)."""
-    return int(np.random.SeedSequence([int(v) & 0xFFFFFFFFFFFFFFFF for v in values]).generate_state(1, np.uint64)[0]) >> 1
+    return (
+        int(np.random.SeedSequence([int(v) & 0xFFFFFFFFFFFFFFFF for v in values]).generate_state(1, np.uint64)[0]) >> 1
+    )
 
 
 def sample_generator(seed: int, epoch: int, index: int, device: str | torch.device = "cpu") -> torch.Generator:
@@ -71,8 +73,14 @@ class MultiEpochDatasetResampler(Dataset):
     in IdentityMultiEpochDatasetWrapper).
     """
 
-    def __init__(self, dataset: Dataset, num_epochs: Optional[int] = None, num_samples: Optional[int] = None,
-                 shuffle: bool = True, seed: int = 42):
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_epochs: Optional[int] = None,
+        num_samples: Optional[int] = None,
+        shuffle: bool = True,
+        seed: int = 42,
+    ):
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self.n = len(dataset)
         if self.n == 0:

@@ -51,8 +51,12 @@ def name_loops(where: Path, links: list[Path]) -> None:
     _named.update(str(link) for link in new)
     if new:
         shown = ", ".join(f"{link} -> {_target(link)}" for link in new[:5])
-        log.warning("%s: did not follow links to folders visited already (a loop, or a second way to the same "
-                    "images): %s%s", where, shown, f" and {len(new) - 5} more" if len(new) > 5 else "")
+        log.warning(
+            "%s: did not follow links to folders visited already (a loop, or a second way to the same images): %s%s",
+            where,
+            shown,
+            f" and {len(new) - 5} more" if len(new) > 5 else "",
+        )
 
 
 def _target(link: Path) -> str:

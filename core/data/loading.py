@@ -39,12 +39,25 @@ def usable_workers(num_workers: int) -> int:
 @functools.cache
 def _note_fewer_workers(num_workers: int, cores: int, local_ranks: int, share: int) -> None:
     if os.environ.get("RANK", "0") == "0":
-        log.info("note: data.num_workers=%d is more than this rank's share of the CPU cores (%d cores, %d local "
-                 "ranks): %d loader workers per rank", num_workers, cores, local_ranks, share)
+        log.info(
+            "note: data.num_workers=%d is more than this rank's share of the CPU cores (%d cores, %d local "
+            "ranks): %d loader workers per rank",
+            num_workers,
+            cores,
+            local_ranks,
+            share,
+        )
 
 
-def make_loader(dataset: Dataset, batch_sampler: Sampler, num_workers: int, pin_memory: bool, seed: int,
-                collate_fn=None, ignore_signals: tuple[signal.Signals, ...] = ()) -> DataLoader:
+def make_loader(
+    dataset: Dataset,
+    batch_sampler: Sampler,
+    num_workers: int,
+    pin_memory: bool,
+    seed: int,
+    collate_fn=None,
+    ignore_signals: tuple[signal.Signals, ...] = (),
+) -> DataLoader:
     num_workers = usable_workers(num_workers)
     return DataLoader(
         dataset,
@@ -73,8 +86,9 @@ def to_device(batch, device: torch.device):
 PREFETCH_DEPTH = 2
 
 
-def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move=None, threads: int = 1,
-                       depth: int = PREFETCH_DEPTH) -> Iterator:
+def prefetch_to_device(
+    batches: Iterator, device: torch.device, count: int, move=None, threads: int = 1, depth: int = PREFETCH_DEPTH
+) -> Iterator:
     """The first `count` batches of `batches`, in order, on `device` (moved by `move(batch, device)`, to_device
     by default; never more than `count` are taken). Background threads take and move them ahead of the one
     handed out (at most `threads` + `depth` batches at a time), so the move runs beside the training step
@@ -85,8 +99,15 @@ def prefetch_to_device(batches: Iterator, device: torch.device, count: int, move
     at the batch it happened on, after the batches before it."""
     handover = _Handover(batches, count, ahead=threads + depth)
     index = device.index if device.type != "cuda" or device.index is not None else torch.cuda.current_device()
-    workers = [threading.Thread(target=_move_batches, args=(handover, move or to_device, device, index),
-                                name=f"prefetch_to_device_{i}", daemon=True) for i in range(threads)]
+    workers = [
+        threading.Thread(
+            target=_move_batches,
+            args=(handover, move or to_device, device, index),
+            name=f"prefetch_to_device_{i}",
+            daemon=True,
+        )
+        for i in range(threads)
+    ]
     for worker in workers:
         worker.start()
     try:
@@ -163,8 +184,9 @@ class _Handover:
         with self._changed:
             while number not in self._done and self._end != number:
                 if not any(worker.is_alive() for worker in workers):
-                    raise RuntimeError("prefetch_to_device: every thread ended before batch "
-                                       f"{number}")  # not expected: a failure is handed over first
+                    raise RuntimeError(
+                        f"prefetch_to_device: every thread ended before batch {number}"
+                    )  # not expected: a failure is handed over first
                 self._changed.wait(0.1)
             if number not in self._done:
                 return None

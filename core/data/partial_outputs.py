@@ -30,6 +30,7 @@ BOOT_ID_CHARS = 8  # a boot id's first group (32 random bits): what a name carri
 class Writer(BaseModel):
     """The process writing an output. A tag of an earlier version, read from a name, lacks fields (the pid alone
     was this host's); a field it does not record is not compared (`model_fields_set`). None: unreadable."""
+
     model_config = ConfigDict(strict=True, frozen=True)
     pid: Annotated[int, Field(ge=1, le=2**31 - 1)]  # what os.kill accepts
     host: Optional[str] = None
@@ -38,9 +39,12 @@ class Writer(BaseModel):
 
 
 def this_writer() -> Writer:
-    return Writer(pid=os.getpid(), host=_host_name(),
-                  pidns=_read_proc(lambda: str(os.stat("/proc/self/ns/pid").st_ino)),
-                  boot=_read_proc(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None))
+    return Writer(
+        pid=os.getpid(),
+        host=_host_name(),
+        pidns=_read_proc(lambda: str(os.stat("/proc/self/ns/pid").st_ino)),
+        boot=_read_proc(lambda: Path("/proc/sys/kernel/random/boot_id").read_text().strip() or None),
+    )
 
 
 def _host_name() -> str:
@@ -85,9 +89,11 @@ def name_tag(writer: Writer) -> str:
     return f"{writer.host}-{writer.pid}-ns{writer.pidns or ''}-boot{_short(writer.boot) or ''}"
 
 
-TAG_SHAPES = (re.compile(r"(?P<host>.+)-(?P<pid>[0-9]{1,10})-ns(?P<pidns>[0-9]*)-boot(?P<boot>[0-9a-f]*)"),
-              re.compile(r"(?P<host>.+)-(?P<pid>[0-9]{1,10})"),  # earlier versions: host and pid
-              re.compile(r"(?P<pid>[0-9]{1,10})"))  # earlier still: the pid, of this host
+TAG_SHAPES = (
+    re.compile(r"(?P<host>.+)-(?P<pid>[0-9]{1,10})-ns(?P<pidns>[0-9]*)-boot(?P<boot>[0-9a-f]*)"),
+    re.compile(r"(?P<host>.+)-(?P<pid>[0-9]{1,10})"),  # earlier versions: host and pid
+    re.compile(r"(?P<pid>[0-9]{1,10})"),
+)  # earlier still: the pid, of this host
 
 
 def parse_tag(text: str) -> Optional[Writer]:
@@ -115,7 +121,7 @@ def ended_leftovers(path: Path, marker: str, suffixes: tuple[str, ...] = ("",)) 
     for entry in sorted(path.parent.iterdir()):
         if not entry.name.startswith(start):
             continue
-        rest = entry.name[len(start):]
+        rest = entry.name[len(start) :]
         writer = next(filter(None, (parse_tag(rest.removesuffix(s)) for s in suffixes if rest.endswith(s))), None)
         if writer is not None and writer_is_gone(writer, me):
             found.append((entry, writer))

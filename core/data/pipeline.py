@@ -21,8 +21,9 @@ from core.training.length import run_length
 
 
 class TrainingData:
-    def __init__(self, recipe, cfg: DictConfig, env: DistEnv, accumulation: int,
-                 ignore_signals: tuple[signal.Signals, ...] = ()):
+    def __init__(
+        self, recipe, cfg: DictConfig, env: DistEnv, accumulation: int, ignore_signals: tuple[signal.Signals, ...] = ()
+    ):
         training = cfg.training
         self.recipe, self.env, self.accumulation, self.ignore_signals = recipe, env, accumulation, ignore_signals
         self.micro_batch_size, self.global_batch_size = training.micro_batch_size, training.global_batch_size
@@ -35,10 +36,18 @@ class TrainingData:
         self.val_loader = None
         self.sampler = None  # the training loader's (micro_batches): this rank's stream positions, in order
         if self.val is not None and training.limit_val_batches != 0:
-            sampler = EvalBatchSampler(len(self.val), training.micro_batch_size, env.dp_size, env.dp_rank,
-                                       training.limit_val_batches)
-            self.val_loader = make_loader(PaddedEval(self.val), sampler, self.num_workers, self.pin_memory, cfg.seed,
-                                          recipe.collate_fn(), ignore_signals)
+            sampler = EvalBatchSampler(
+                len(self.val), training.micro_batch_size, env.dp_size, env.dp_rank, training.limit_val_batches
+            )
+            self.val_loader = make_loader(
+                PaddedEval(self.val),
+                sampler,
+                self.num_workers,
+                self.pin_memory,
+                cfg.seed,
+                recipe.collate_fn(),
+                ignore_signals,
+            )
 
     def start_val_workers(self) -> None:
         """Fork the validation loader's (persistent) workers now, with the training loader's, before the first
@@ -54,17 +63,31 @@ class TrainingData:
         """This rank's next `count` micro-batches from stream position `consumed_samples`, on the device; the
         next ones' host-to-device copies (or decoding) overlap the current step (core/data/loading.py)."""
         env = self.env
-        sampler = self.sampler = GlobalBatchSampler(self.micro_batch_size, self.global_batch_size, env.dp_size,
-                                                    env.dp_rank, consumed_samples)
+        sampler = self.sampler = GlobalBatchSampler(
+            self.micro_batch_size, self.global_batch_size, env.dp_size, env.dp_rank, consumed_samples
+        )
         # The stream reaches from `consumed_samples` to the last sample these micro-batches take, whatever the
         # position: a run resumed with another global batch (checkpoint.allow_config_changes) stands at a count
         # that is no multiple of this one, and may be past training.steps x this batch.
         end = consumed_samples + max(-(-count // self.accumulation), 1) * self.global_batch_size
         stream = MultiEpochDatasetResampler(self.train, num_samples=end, seed=self.seed)
-        loader = make_loader(stream, sampler, self.num_workers, self.pin_memory, self.seed + env.dp_rank,
-                             self.recipe.collate_fn(), self.ignore_signals)
+        loader = make_loader(
+            stream,
+            sampler,
+            self.num_workers,
+            self.pin_memory,
+            self.seed + env.dp_rank,
+            self.recipe.collate_fn(),
+            self.ignore_signals,
+        )
         self.start_val_workers()
         # A step takes all its micro-batches before it starts (their loss counts scale the loss): the threads
         # prepare the next step's while this one trains.
-        return prefetch_to_device(iter(loader), env.device, count, self.recipe.to_device,
-                                  threads=self.recipe.prefetch_threads(), depth=max(PREFETCH_DEPTH, self.accumulation))
+        return prefetch_to_device(
+            iter(loader),
+            env.device,
+            count,
+            self.recipe.to_device,
+            threads=self.recipe.prefetch_threads(),
+            depth=max(PREFETCH_DEPTH, self.accumulation),
+        )

@@ -26,8 +26,9 @@ class GlobalBatchSampler(Sampler[list[int]]):
     `consumed_samples`. The training dataset (a core.data.datasets.MultiEpochDatasetResampler) turns a
     position into a sample: epoch position // len, the epoch's shuffled order, index-seeded effects."""
 
-    def __init__(self, micro_batch_size: int, global_batch_size: int, dp_size: int, dp_rank: int,
-                 consumed_samples: int = 0):
+    def __init__(
+        self, micro_batch_size: int, global_batch_size: int, dp_size: int, dp_rank: int, consumed_samples: int = 0
+    ):
         if global_batch_size % (micro_batch_size * dp_size):
             raise ValueError("global_batch_size must be a multiple of micro_batch_size x data-parallel size")
         self.mb, self.gb, self.dp, self.rank = micro_batch_size, global_batch_size, dp_size, dp_rank
@@ -64,7 +65,7 @@ class EvalBatchSampler(Sampler[list[int]]):
         per_rank = math.ceil(dataset_len / dp_size)
         indices = list(range(dp_rank, dataset_len, dp_size))
         indices += [-1] * (per_rank - len(indices))
-        self.batches = [indices[i:i + batch_size] for i in range(0, per_rank, batch_size)]
+        self.batches = [indices[i : i + batch_size] for i in range(0, per_rank, batch_size)]
         if limit_batches >= 0:
             self.batches = self.batches[:limit_batches]
 

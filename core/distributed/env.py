@@ -75,7 +75,9 @@ def _export_slurm_env_if_needed() -> None:
 
     job = SlurmJobEnvironment()
     os.environ.update(
-        RANK=str(job.global_rank), WORLD_SIZE=str(job.num_tasks), LOCAL_RANK=str(job.local_rank),
+        RANK=str(job.global_rank),
+        WORLD_SIZE=str(job.num_tasks),
+        LOCAL_RANK=str(job.local_rank),
         MASTER_ADDR=os.environ.get("MASTER_ADDR", job.hostnames[0]),
         # The same port on every task of the job, derived from the job id.
         MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + zlib.crc32(job.job_id.encode()) % 40000)),
@@ -101,8 +103,13 @@ def _job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.
         else:
             # Under torchrun, its agent already serves the store; otherwise rank 0 hosts it.
             agent = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-            _STORE = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size,
-                                   is_master=rank == 0 and not agent, timeout=timeout)
+            _STORE = dist.TCPStore(
+                os.environ["MASTER_ADDR"],
+                int(os.environ["MASTER_PORT"]),
+                world_size,
+                is_master=rank == 0 and not agent,
+                timeout=timeout,
+            )
     _JOBS_STARTED += 1
     return dist.PrefixStore(f"recipes/job{_JOBS_STARTED}", _STORE)
 
@@ -130,7 +137,8 @@ def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[
     if product != world_size:
         raise ConfigError(
             "device mesh dp_outer x dp_shard x tp = "
-            f"{sizes['distributed.dp_outer']} x {sizes['distributed.dp_shard']} x {sizes['distributed.tp']} = {product}, "
+            f"{sizes['distributed.dp_outer']} x {sizes['distributed.dp_shard']} x {sizes['distributed.tp']} "
+            f"= {product}, "
             f"but the world size is {world_size} (processes launched); make them multiply to {world_size}"
         )
     return sizes["distributed.dp_outer"], sizes["distributed.dp_shard"], sizes["distributed.tp"]
@@ -160,8 +168,14 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
         # bound world that is not the process's first NCCL group splits. A later job in the same processes (the
         # next of a Hydra multirun, tests that run several) starts its NCCL lazily and makes its groups anew.
         bind = device_type == "cuda" and not _DEVICE_BOUND_WORLD_STARTED
-        dist.init_process_group(backend, store=_job_store(rank, world_size, timeout), rank=rank,
-                                world_size=world_size, timeout=timeout, device_id=device if bind else None)
+        dist.init_process_group(
+            backend,
+            store=_job_store(rank, world_size, timeout),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+            device_id=device if bind else None,
+        )
         _DEVICE_BOUND_WORLD_STARTED = _DEVICE_BOUND_WORLD_STARTED or bind
     mesh = init_device_mesh(device_type, (dp_outer, dp_shard, tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")

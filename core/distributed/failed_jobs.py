@@ -65,8 +65,13 @@ class FailedJobs(Callback):
         from core.distributed.launch import global_rank
 
         if global_rank() == 0:
-            record = {"run_id": _run_id(), "job": int(config.hydra.job.num), "code": code, "error": line,
-                      "overrides": _swept(list(config.hydra.overrides.task))}
+            record = {
+                "run_id": _run_id(),
+                "job": int(config.hydra.job.num),
+                "code": code,
+                "error": line,
+                "overrides": _swept(list(config.hydra.overrides.task)),
+            }
             Path(str(config.hydra.runtime.output_dir), RECORD).write_text(json.dumps(record) + "\n")
             log.error("job %d failed; the sweep goes on with the next job", record["job"])
 
@@ -96,8 +101,12 @@ def finish(code: int) -> int:
 
     if global_rank() == 0:
         lines = [f"  job {r['job']} ({r['overrides']}): {r['error']}" for r in failed]
-        print(f"multirun: {len(failed)} job(s) failed (records: {_sweep_dir}/*/{RECORD}):", *lines, sep="\n",
-              file=sys.stderr)
+        print(
+            f"multirun: {len(failed)} job(s) failed (records: {_sweep_dir}/*/{RECORD}):",
+            *lines,
+            sep="\n",
+            file=sys.stderr,
+        )
         sys.stderr.flush()
     return int(failed[0]["code"]) or code or 1
 
@@ -117,4 +126,3 @@ def _swept(overrides: list[str]) -> str:
     keys = swept_keys()
     varied = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] in keys]
     return " ".join(varied or overrides) or "no overrides"
-

@@ -48,9 +48,14 @@ def run_id() -> str:
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and "MASTER_ADDR" in os.environ:
         import torch.distributed as dist
 
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=datetime.timedelta(minutes=5))
-        key = f"recipes/run_id/{os.environ.get('TORCHELASTIC_RUN_ID', '')}/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=datetime.timedelta(minutes=5),
+        )
+        run_id, restart = os.environ.get("TORCHELASTIC_RUN_ID", ""), os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        key = f"recipes/run_id/{run_id}/{restart}"
         if rank == 0:
             store.set(key, _timestamp())
         _RUN_ID = store.get(key).decode()
@@ -144,14 +149,23 @@ def describe_checkpoint_path(cfg) -> None:
     named = run_overrides(task_overrides())
     log = logging.getLogger("train")
     if not named:
-        log.info("checkpoints: %s (%s's own folder: the same command again resumes the run)", cfg.checkpoint.path,
-                 hydra_cfg.job.config_name)
+        log.info(
+            "checkpoints: %s (%s's own folder: the same command again resumes the run)",
+            cfg.checkpoint.path,
+            hydra_cfg.job.config_name,
+        )
     else:
-        log.info("checkpoints: %s, a run of its own: %s on the command line change%s the model, data, optimization, "
-                 "parallel layout or starting weights of %s, so the same command again resumes this run, not %s's "
-                 "(to continue that one with them instead, set checkpoint.path=%s)", cfg.checkpoint.path,
-                 " ".join(f"{k}={v}" for k, v in sorted(named.items())), "s" if len(named) == 1 else "",
-                 hydra_cfg.job.config_name, plain, plain)
+        log.info(
+            "checkpoints: %s, a run of its own: %s on the command line change%s the model, data, optimization, "
+            "parallel layout or starting weights of %s, so the same command again resumes this run, not %s's "
+            "(to continue that one with them instead, set checkpoint.path=%s)",
+            cfg.checkpoint.path,
+            " ".join(f"{k}={v}" for k, v in sorted(named.items())),
+            "s" if len(named) == 1 else "",
+            hydra_cfg.job.config_name,
+            plain,
+            plain,
+        )
 
 
 # Characters an override keeps in a folder name besides letters, digits and _.-~; the others are percent-encoded:
@@ -181,6 +195,7 @@ def run_name(overrides: list[str]) -> Optional[str]:
     Unlike a sweep's names, these hold nothing Hydra reads specially in an unquoted value (= , [ ] ~), so the folder
     can be given as it is (checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints). Keys and values are
     percent-encoded but for letters, digits and _ . -, so two different sets of overrides never share a name."""
+
     def encoded(text: str) -> str:
         return quote(text, safe="").replace("~", "%7E")  # quote leaves ~ as it is
 
@@ -202,7 +217,7 @@ def _last_values(overrides: list[str]) -> dict[str, str]:
 
 def _shortened(name: str) -> str:
     """A name longer than NAME_MAX as its start and a hash of the whole: one character longer than any name kept."""
-    return name if len(name) <= NAME_MAX else name[:NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
+    return name if len(name) <= NAME_MAX else name[: NAME_MAX - 12] + "-" + hashlib.sha1(name.encode()).hexdigest()[:12]
 
 
 def swept_on_command_line(argv: list[str]) -> list[str]:
@@ -249,11 +264,11 @@ def separate_checkpoint_path(cfg) -> None:
     given = OmegaConf.to_container(cfg.checkpoint)["path"]  # as written: the default is ${checkpoint_dir:}
     if hydra_cfg.mode != RunMode.MULTIRUN or given == CheckpointConfig.path:
         return
-    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(task_overrides(),
-                                                                             swept_keys()))
+    cfg.checkpoint.path = str(Path(cfg.checkpoint.path) / configuration_name(task_overrides(), swept_keys()))
     if global_rank() == 0:
-        logging.getLogger("train").info("this job's checkpoints: %s (checkpoint.path/<its overrides>)",
-                                        cfg.checkpoint.path)
+        logging.getLogger("train").info(
+            "this job's checkpoints: %s (checkpoint.path/<its overrides>)", cfg.checkpoint.path
+        )
 
 
 def register_resolvers() -> None:
@@ -327,13 +342,17 @@ def check_sweeper(objective_direction: str) -> None:
     sweeper = HydraConfig.get().sweeper
     direction = getattr(sweeper.get("direction"), "name", sweeper.get("direction"))  # the plugin's enum, or a str
     if isinstance(direction, str) and direction != objective_direction:
-        raise ConfigError(f"hydra.sweeper.direction={direction} but training.objective.direction={objective_direction}"
-                          ": set both (hydra/sweeper=optuna_objective takes the objective's)")
+        raise ConfigError(
+            f"hydra.sweeper.direction={direction} but training.objective.direction={objective_direction}"
+            ": set both (hydra/sweeper=optuna_objective takes the objective's)"
+        )
     processes = max(int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("SLURM_NTASKS", "1")))
     if processes > 1 and "SUBMITIT_FOLDER" not in os.environ:
-        raise ConfigError("an Optuna sweep in several processes (torchrun, srun): every rank would run its own "
-                          "sampler. Run the sweep from one process (python train.py -m ...), with "
-                          "hydra/launcher=slurm to give each trial its own multi-GPU job")
+        raise ConfigError(
+            "an Optuna sweep in several processes (torchrun, srun): every rank would run its own "
+            "sampler. Run the sweep from one process (python train.py -m ...), with "
+            "hydra/launcher=slurm to give each trial its own multi-GPU job"
+        )
 
 
 def pass_on_stop_signal(stopped_by: str | None) -> None:
@@ -347,8 +366,9 @@ def pass_on_stop_signal(stopped_by: str | None) -> None:
     sig = signal.Signals[stopped_by]
     handler = signal.getsignal(sig)
     if callable(handler) and handler is not signal.default_int_handler:
-        logging.getLogger("train").info("handing %s to the launcher's handler (%s)", stopped_by,
-                                        getattr(handler, "__qualname__", handler))
+        logging.getLogger("train").info(
+            "handing %s to the launcher's handler (%s)", stopped_by, getattr(handler, "__qualname__", handler)
+        )
         handler(sig, None)
 
 
@@ -372,23 +392,27 @@ def choose_config(config_from_checkpoint: Callable[[list[str]], Optional[tuple[s
         return
     chosen = config_from_checkpoint(argv) if config_from_checkpoint is not None else None
     if chosen is None:
-        print(f"config error: {command_line.missing_config(script, config_from_checkpoint is not None)}",
-              file=sys.stderr)
+        print(
+            f"config error: {command_line.missing_config(script, config_from_checkpoint is not None)}", file=sys.stderr
+        )
         exit_process(2)
     global CHOSEN_CONFIG
     name, CHOSEN_CONFIG = chosen[0], f"--config-name {chosen[0]}: {chosen[1]}"
     sys.argv[1:1] = ["--config-name", name]
 
 
-def run_hydra(hydra_main, config_keys: Callable[[list[str]], set[str]] | None = None,
-              config_from_checkpoint: Callable[[list[str]], Optional[tuple[str, str]]] | None = None) -> None:
-    """Run a @hydra.main entry point on this rank: a command line without --config-name answered first (`choose_config`),
-    the command line's keys checked against `config_keys(its arguments)` (an unknown one ends with exit code 2 and the
-    closest valid key), the resolvers registered, Hydra quiet on ranks > 0, and the process ended when it returns or
-    fails, with its exit code (1 for an unexpected error, which Hydra has printed; a multirun with failed jobs names
-    them and ends with the first one's code: core/distributed/failed_jobs.py). Ending with os._exit keeps a failed
-    run from waiting at interpreter exit for data-loader workers or threads that are still running: a failing job
-    ends instead of holding its nodes."""
+def run_hydra(
+    hydra_main,
+    config_keys: Callable[[list[str]], set[str]] | None = None,
+    config_from_checkpoint: Callable[[list[str]], Optional[tuple[str, str]]] | None = None,
+) -> None:
+    """Run a @hydra.main entry point on this rank: a command line without --config-name answered first
+    (`choose_config`), the command line's keys checked against `config_keys(its arguments)` (an unknown one ends with
+    exit code 2 and the closest valid key), the resolvers registered, Hydra quiet on ranks > 0, and the process ended
+    when it returns or fails, with its exit code (1 for an unexpected error, which Hydra has printed; a multirun with
+    failed jobs names them and ends with the first one's code: core/distributed/failed_jobs.py). Ending with os._exit
+    keeps a failed run from waiting at interpreter exit for data-loader workers or threads that are still running: a
+    failing job ends instead of holding its nodes."""
     from core.config import command_line
     from core.config.errors import ConfigError
     from core.config.overrides import check_overrides

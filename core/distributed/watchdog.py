@@ -31,8 +31,10 @@ def exit_with_launcher(poll_s: float = 1.0) -> None:
         stop = threading.Event()
         while not stop.wait(poll_s):
             if os.getppid() != parent:
-                message = (f"rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}) is gone; "
-                           "stopping (the last complete checkpoint is kept)")
+                message = (
+                    f"rank {os.environ.get('RANK', '?')}: the launcher (pid {parent}) is gone; "
+                    "stopping (the last complete checkpoint is kept)"
+                )
                 log.error(message)
                 print(message, file=sys.stderr, flush=True)
                 os._exit(1)

@@ -66,10 +66,20 @@ class Continuation:
 
 
 @torch.no_grad()
-def continue_prompt(decoder: Decoder, model: nn.Module, prompt: list[int], max_new_tokens: int, context: int,
-                    sampling: Sampling, generator: Optional[torch.Generator], banned: list[int], eod: Optional[int],
-                    device: torch.device, autocast: Callable[[], ContextManager], kv_cache_dtype: Optional[torch.dtype]
-                    ) -> Continuation:
+def continue_prompt(
+    decoder: Decoder,
+    model: nn.Module,
+    prompt: list[int],
+    max_new_tokens: int,
+    context: int,
+    sampling: Sampling,
+    generator: Optional[torch.Generator],
+    banned: list[int],
+    eod: Optional[int],
+    device: torch.device,
+    autocast: Callable[[], ContextManager],
+    kv_cache_dtype: Optional[torch.dtype],
+) -> Continuation:
     """Up to `max_new_tokens` tokens after `prompt`, `model` run by `decoder` (the recipe); stop early at `eod` (if
     given). `banned` token ids (the vocabulary's padding rows, the tokenizer's padding id) are never chosen.
     `kv_cache_dtype`: the dtype of the cached keys and values (that of the attention inputs), or None for no cache.
@@ -90,7 +100,7 @@ def continue_prompt(decoder: Decoder, model: nn.Module, prompt: list[int], max_n
             else:
                 if cache is None:
                     cache, cached = decoder.new_kv_cache(model, context, kv_cache_dtype), 0
-                new = text[start + cached:]
+                new = text[start + cached :]
                 logits = decoder.next_logits(model, torch.tensor([new], device=device), cache)
                 cached += len(new)
         last = logits[0, -1].float().cpu()
@@ -102,8 +112,8 @@ def continue_prompt(decoder: Decoder, model: nn.Module, prompt: list[int], max_n
         token = sampling.choose(last, generator)
         text.append(token)
         if eod is not None and token == eod:
-            return Continuation(text[len(prompt):], "eod")
-    return Continuation(text[len(prompt):], "length")
+            return Continuation(text[len(prompt) :], "eod")
+    return Continuation(text[len(prompt) :], "length")
 
 
 def banned_tokens(vocab_size: int, tokenizer) -> list[int]:

@@ -54,17 +54,24 @@ def continue_output(output: Path, settings: dict, prompts: list[str], samples: i
         _write_settings(settings_file(output), settings)
         return 0
     if not settings_file(output).exists():
-        raise DataError(f"generate.output={output} exists and is not an output of generate.py (no "
-                        f"{settings_file(output).name} beside it): move it away, or choose another generate.output")
+        raise DataError(
+            f"generate.output={output} exists and is not an output of generate.py (no "
+            f"{settings_file(output).name} beside it): move it away, or choose another generate.output"
+        )
     try:
         differences = _differences(_read_settings(settings_file(output)), settings)
     except RecursionError:  # objects inside objects, hundreds deep: not a file generate.py wrote
-        raise DataError(f"{settings_file(output)}: nested too deeply to be the settings generate.py writes: move it "
-                        "and its output away, or choose another generate.output") from None
+        raise DataError(
+            f"{settings_file(output)}: nested too deeply to be the settings generate.py writes: move it "
+            "and its output away, or choose another generate.output"
+        ) from None
     if differences:
-        raise ConfigError(f"generate.output={output} holds continuations made with other settings ("
-                          + "; ".join(differences) + "): run with those to continue it, or choose another "
-                          "generate.output")
+        raise ConfigError(
+            f"generate.output={output} holds continuations made with other settings ("
+            + "; ".join(differences)
+            + "): run with those to continue it, or choose another "
+            "generate.output"
+        )
     done = _check_records(output, prompts, samples)
     total = len(prompts) * samples
     if done == total:
@@ -84,11 +91,15 @@ def _read_settings(path: Path) -> dict:
     try:
         settings = json.loads(read_small_file(path, SETTINGS_MAX_BYTES))
     except (OSError, ValueError, RecursionError) as e:  # (a UnicodeDecodeError is a ValueError)
-        raise DataError(f"{path}: unreadable ({type(e).__name__}: {e}): move it and its output away, or choose "
-                        "another generate.output") from None
+        raise DataError(
+            f"{path}: unreadable ({type(e).__name__}: {e}): move it and its output away, or choose "
+            "another generate.output"
+        ) from None
     if not isinstance(settings, dict):
-        raise DataError(f"{path}: a JSON {type(settings).__name__}, not the settings generate.py writes: move it and "
-                        "its output away, or choose another generate.output")
+        raise DataError(
+            f"{path}: a JSON {type(settings).__name__}, not the settings generate.py writes: move it and "
+            "its output away, or choose another generate.output"
+        )
     return settings
 
 
@@ -106,12 +117,16 @@ def _differences(saved: dict, current: dict) -> list[str]:
     found = []
     if saved.get("prompts") != current["prompts"]:
         count = saved["prompts"].get("count") if isinstance(saved.get("prompts"), dict) else None
-        found.append(f"the prompts (generate.prompt or generate.prompt_file): {count!r} there, "
-                     f"{current['prompts']['count']} now" + (", not the same" if count == current["prompts"]["count"]
-                                                             else ""))
+        found.append(
+            f"the prompts (generate.prompt or generate.prompt_file): {count!r} there, "
+            f"{current['prompts']['count']} now" + (", not the same" if count == current["prompts"]["count"] else "")
+        )
     saved, current = _flat({**saved, "prompts": None}), _flat({**current, "prompts": None})
-    return found + [f"{key}: {saved.get(key)!r} there, {current.get(key)!r} now"
-                    for key in sorted(set(saved) | set(current)) if saved.get(key) != current.get(key)]
+    return found + [
+        f"{key}: {saved.get(key)!r} there, {current.get(key)!r} now"
+        for key in sorted(set(saved) | set(current))
+        if saved.get(key) != current.get(key)
+    ]
 
 
 def _complete_lines(output: Path) -> Iterator[tuple[int, bytes]]:
@@ -130,17 +145,25 @@ def _check_records(output: Path, prompts: list[str], samples: int) -> int:
     done, end = 0, 0
     for end, line in _complete_lines(output):
         if done >= len(prompts) * samples:
-            raise DataError(f"generate.output={output}: more records than the {len(prompts) * samples} this run "
-                            "writes: move it away, or choose another generate.output")
+            raise DataError(
+                f"generate.output={output}: more records than the {len(prompts) * samples} this run "
+                "writes: move it away, or choose another generate.output"
+            )
         record, (i, j) = _parse(line), divmod(done, samples)
         if record is None or record["prompt"] != prompts[i] or record["sample"] != j:
-            raise DataError(f"generate.output={output}: line {done + 1} is not the record of prompt {i + 1}, sample "
-                            f"{j + 1}: move it away, or choose another generate.output")
+            raise DataError(
+                f"generate.output={output}: line {done + 1} is not the record of prompt {i + 1}, sample "
+                f"{j + 1}: move it away, or choose another generate.output"
+            )
         done += 1
     size = output.stat().st_size
     if size > end:
-        log.warning("%s: dropping its last line (%d bytes, cut off when the run writing it was killed); that "
-                    "continuation is made again", output, size - end)
+        log.warning(
+            "%s: dropping its last line (%d bytes, cut off when the run writing it was killed); that "
+            "continuation is made again",
+            output,
+            size - end,
+        )
         os.truncate(output, end)
     return done
 

@@ -38,13 +38,13 @@ def read_prompts(path: Path) -> list[str]:
             except (json.JSONDecodeError, KeyError, TypeError, RecursionError):
                 prompt = None
             if not isinstance(prompt, str):
-                raise DataError(f"generate.prompt_file={path}:{n}: expected a JSON object with a \"prompt\" string")
+                raise DataError(f'generate.prompt_file={path}:{n}: expected a JSON object with a "prompt" string')
             prompts.append(prompt)
     for n, prompt in enumerate(prompts, 1):
         if lone_surrogate(prompt):
-            raise DataError(f"generate.prompt_file={path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): "
-                            "not text")
+            raise DataError(
+                f"generate.prompt_file={path}: prompt {n} holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text"
+            )
     if not prompts:
         raise DataError(f"generate.prompt_file={path} holds no prompt")
     return prompts
-

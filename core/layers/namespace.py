@@ -64,10 +64,20 @@ def _te_layers() -> Layers:
     import transformer_engine.pytorch as te
 
     # te.TransformerLayer, two kernel-level speed-ups (core/layers/te_transformer_layer.py).
-    return Layers("te", te.Linear, te.LayerNorm, te.RMSNorm, te.LayerNormLinear, te.LayerNormMLP,
-                  te_transformer_layer.te_transformer_layer_class(), te.RotaryPositionEmbedding,
-                  lambda: te_autocast(enabled=False), _te_token_cross_entropy,
-                  functools.partial(te.checkpoint, use_reentrant=False), te.InferenceParams)
+    return Layers(
+        "te",
+        te.Linear,
+        te.LayerNorm,
+        te.RMSNorm,
+        te.LayerNormLinear,
+        te.LayerNormMLP,
+        te_transformer_layer.te_transformer_layer_class(),
+        te.RotaryPositionEmbedding,
+        lambda: te_autocast(enabled=False),
+        _te_token_cross_entropy,
+        functools.partial(te.checkpoint, use_reentrant=False),
+        te.InferenceParams,
+    )
 
 
 def _te_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -79,11 +89,20 @@ def _te_token_cross_entropy(logits: torch.Tensor, labels: torch.Tensor) -> torch
     return te.parallel_cross_entropy(flat, labels.reshape(-1), overwrite_input=True).view(labels.shape)
 
 
-TORCH_LAYERS = Layers("torch", torch_twins.Linear, torch_twins.LayerNorm, torch_twins.RMSNorm,
-                      torch_twins.LayerNormLinear, torch_twins.LayerNormMLP, torch_twins.TransformerLayer,
-                      torch_twins.RotaryPositionEmbedding, contextlib.nullcontext, torch_twins.token_cross_entropy,
-                      functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
-                      torch_twins.InferenceParams)
+TORCH_LAYERS = Layers(
+    "torch",
+    torch_twins.Linear,
+    torch_twins.LayerNorm,
+    torch_twins.RMSNorm,
+    torch_twins.LayerNormLinear,
+    torch_twins.LayerNormMLP,
+    torch_twins.TransformerLayer,
+    torch_twins.RotaryPositionEmbedding,
+    contextlib.nullcontext,
+    torch_twins.token_cross_entropy,
+    functools.partial(torch.utils.checkpoint.checkpoint, use_reentrant=False),
+    torch_twins.InferenceParams,
+)
 
 
 def te_wgrad_fusable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -98,8 +117,13 @@ def te_wgrad_fusable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
 
     # Weights split into several parameters (fuse_qkv_params=false) reach TE's GEMM concatenated, as a
     # tensor that has no main gradient of its own: those modules keep their unfused path.
-    return [m for m in model.modules() if isinstance(m, TransformerEngineBaseModule)
-            and hasattr(m, "fuse_wgrad_accumulation") and len(getattr(m, "weight_names", ())) <= 1]
+    return [
+        m
+        for m in model.modules()
+        if isinstance(m, TransformerEngineBaseModule)
+        and hasattr(m, "fuse_wgrad_accumulation")
+        and len(getattr(m, "weight_names", ())) <= 1
+    ]
 
 
 def get_layers(backend: str, tp: TensorParallel = TensorParallel()) -> Layers:

@@ -22,7 +22,6 @@ import functools
 
 import torch
 
-
 # Tokens per program and warps per program (benchmarks/qkv_rope.py --sweep compares others).
 BLOCK_ROWS, NUM_WARPS = 4, 2
 
@@ -49,9 +48,27 @@ def _launch(backward: bool, qkv, query, key, value, q_freqs, k_freqs, per_group:
     sequences = 0 if cu_seqlens is None else cu_seqlens.shape[0] - 1
     positions = min(q_freqs.shape[0], k_freqs.shape[0])
     split_rotate[((rows + BLOCK_ROWS - 1) // BLOCK_ROWS,)](
-        qkv, query, key, value, q_freqs, k_freqs, rows, seq_len, batch, cu_seqlens, sequences, positions,
-        BACKWARD=backward, GROUPS=groups, PER_GROUP=per_group, HALF=head_dim // 2, LAYOUT=LAYOUTS[layout],
-        SEARCH_STEPS=_search_steps(cu_seqlens), BLOCK_ROWS=BLOCK_ROWS, num_warps=NUM_WARPS)
+        qkv,
+        query,
+        key,
+        value,
+        q_freqs,
+        k_freqs,
+        rows,
+        seq_len,
+        batch,
+        cu_seqlens,
+        sequences,
+        positions,
+        BACKWARD=backward,
+        GROUPS=groups,
+        PER_GROUP=per_group,
+        HALF=head_dim // 2,
+        LAYOUT=LAYOUTS[layout],
+        SEARCH_STEPS=_search_steps(cu_seqlens),
+        BLOCK_ROWS=BLOCK_ROWS,
+        num_warps=NUM_WARPS,
+    )
 
 
 class _SplitRotate(torch.autograd.Function):
@@ -69,8 +86,18 @@ class _SplitRotate(torch.autograd.Function):
     def backward(ctx, grad_query, grad_key, grad_value):
         q_freqs, k_freqs, cu_seqlens = ctx.saved_tensors
         grad_qkv = grad_query.new_empty(ctx.qkv_shape)
-        _launch(True, grad_qkv, grad_query.contiguous(), grad_key.contiguous(), grad_value.contiguous(),
-                q_freqs, k_freqs, ctx.per_group, ctx.layout, cu_seqlens)
+        _launch(
+            True,
+            grad_qkv,
+            grad_query.contiguous(),
+            grad_key.contiguous(),
+            grad_value.contiguous(),
+            q_freqs,
+            k_freqs,
+            ctx.per_group,
+            ctx.layout,
+            cu_seqlens,
+        )
         return grad_qkv, None, None, None, None, None
 
 
@@ -82,21 +109,47 @@ def _angles(freqs: torch.Tensor) -> torch.Tensor:
     return freqs.float().contiguous()
 
 
-def kernel_applies(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, per_group: int,
-                   head_dim: int, tensor_format: str, interleaved: bool, cu_seqlens: torch.Tensor | None = None) -> bool:
+def kernel_applies(
+    qkv: torch.Tensor,
+    q_freqs: torch.Tensor,
+    k_freqs: torch.Tensor,
+    per_group: int,
+    head_dim: int,
+    tensor_format: str,
+    interleaved: bool,
+    cu_seqlens: torch.Tensor | None = None,
+) -> bool:
     """Whether `split_rotate` runs its own kernels for these arguments (TE's function otherwise)."""
     if tensor_format == "thd":
-        shape_ok = (qkv.dim() == 3 and cu_seqlens is not None and cu_seqlens.dim() == 1 and cu_seqlens.shape[0] >= 2
-                    and cu_seqlens.dtype == torch.int32 and cu_seqlens.is_contiguous() and cu_seqlens.is_cuda)
+        shape_ok = (
+            qkv.dim() == 3
+            and cu_seqlens is not None
+            and cu_seqlens.dim() == 1
+            and cu_seqlens.shape[0] >= 2
+            and cu_seqlens.dtype == torch.int32
+            and cu_seqlens.is_contiguous()
+            and cu_seqlens.is_cuda
+        )
     else:
         seq_len = qkv.shape[0] if tensor_format == "sbhd" else qkv.shape[1]
-        shape_ok = (tensor_format in ("sbhd", "bshd") and qkv.dim() == 4 and cu_seqlens is None
-                    and all(f.shape[0] >= seq_len for f in (q_freqs, k_freqs)))
-    return (shape_ok and qkv.is_cuda and qkv.is_contiguous() and not interleaved
-            and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
-            and qkv.shape[-1] == (per_group + 2) * head_dim and head_dim >= 4 and head_dim & (head_dim - 1) == 0
-            and all(f.dim() == 4 and f.shape[1:] == (1, 1, head_dim) and f.is_cuda for f in (q_freqs, k_freqs))
-            and _triton_available())
+        shape_ok = (
+            tensor_format in ("sbhd", "bshd")
+            and qkv.dim() == 4
+            and cu_seqlens is None
+            and all(f.shape[0] >= seq_len for f in (q_freqs, k_freqs))
+        )
+    return (
+        shape_ok
+        and qkv.is_cuda
+        and qkv.is_contiguous()
+        and not interleaved
+        and qkv.dtype in (torch.bfloat16, torch.float16, torch.float32)
+        and qkv.shape[-1] == (per_group + 2) * head_dim
+        and head_dim >= 4
+        and head_dim & (head_dim - 1) == 0
+        and all(f.dim() == 4 and f.shape[1:] == (1, 1, head_dim) and f.is_cuda for f in (q_freqs, k_freqs))
+        and _triton_available()
+    )
 
 
 @functools.cache
@@ -109,9 +162,16 @@ def _triton_available() -> bool:
     return True
 
 
-def split_rotate(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor, per_group: int,
-                 head_dim: int, tensor_format: str = "sbhd", interleaved: bool = False,
-                 cu_seqlens: torch.Tensor | None = None):
+def split_rotate(
+    qkv: torch.Tensor,
+    q_freqs: torch.Tensor,
+    k_freqs: torch.Tensor,
+    per_group: int,
+    head_dim: int,
+    tensor_format: str = "sbhd",
+    interleaved: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+):
     """(query, key, value) of a packed projection output `qkv` [.., groups, (per_group + 2) * head_dim],
     with rotary positions applied to query and key: TE's `apply_fused_qkv_rotary_pos_emb` (sbhd, bshd), or
     for packed sequences (thd, `cu_seqlens` [sequences + 1] int32) TE's split and `apply_rotary_pos_emb` of Q
@@ -122,11 +182,18 @@ def split_rotate(qkv: torch.Tensor, q_freqs: torch.Tensor, k_freqs: torch.Tensor
     from transformer_engine.pytorch.attention.rope import apply_fused_qkv_rotary_pos_emb, apply_rotary_pos_emb
 
     if tensor_format != "thd":
-        return apply_fused_qkv_rotary_pos_emb(qkv, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
-                                              tensor_format=tensor_format, interleaved=interleaved)
+        return apply_fused_qkv_rotary_pos_emb(
+            qkv,
+            q_freqs,
+            k_freqs,
+            [per_group * head_dim, head_dim, head_dim],
+            tensor_format=tensor_format,
+            interleaved=interleaved,
+        )
     groups = qkv.shape[-2]
     query, key, value = qkv.split([per_group * head_dim, head_dim, head_dim], dim=-1)
     query = query.reshape(qkv.shape[0], groups * per_group, head_dim)
-    rotate = functools.partial(apply_rotary_pos_emb, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens,
-                               interleaved=interleaved)
+    rotate = functools.partial(
+        apply_rotary_pos_emb, tensor_format="thd", fused=True, cu_seqlens=cu_seqlens, interleaved=interleaved
+    )
     return rotate(query, q_freqs), rotate(key, k_freqs), value

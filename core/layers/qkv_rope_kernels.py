@@ -11,8 +11,17 @@ from triton.language.extra import libdevice
 
 
 @triton.jit
-def rows_and_positions(n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT: tl.constexpr,
-                       SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def rows_and_positions(
+    n_rows,
+    seq_len,
+    batch,
+    cu_seqlens,
+    n_seqs,
+    n_positions,
+    LAYOUT: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
     """This program's token rows, each row's position (its index in its own sequence) and the rows' mask."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     in_range = rows < n_rows
@@ -81,13 +90,32 @@ def ends(packed, separate, BACKWARD: tl.constexpr):
 
 
 @triton.jit
-def split_rotate(qkv, query, key, value, q_freqs, k_freqs, n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions,
-                 BACKWARD: tl.constexpr, GROUPS: tl.constexpr, PER_GROUP: tl.constexpr, HALF: tl.constexpr,
-                 LAYOUT: tl.constexpr, SEARCH_STEPS: tl.constexpr, BLOCK_ROWS: tl.constexpr):
+def split_rotate(
+    qkv,
+    query,
+    key,
+    value,
+    q_freqs,
+    k_freqs,
+    n_rows,
+    seq_len,
+    batch,
+    cu_seqlens,
+    n_seqs,
+    n_positions,
+    BACKWARD: tl.constexpr,
+    GROUPS: tl.constexpr,
+    PER_GROUP: tl.constexpr,
+    HALF: tl.constexpr,
+    LAYOUT: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+):
     """Forward: qkv's heads split into query, key and value, Q and K rotated. BACKWARD (each tensor holding
     its gradient): the gradients of query and key rotated back and, with value's, joined into qkv's."""
-    rows, positions, mask = rows_and_positions(n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT,
-                                               SEARCH_STEPS, BLOCK_ROWS)
+    rows, positions, mask = rows_and_positions(
+        n_rows, seq_len, batch, cu_seqlens, n_seqs, n_positions, LAYOUT, SEARCH_STEPS, BLOCK_ROWS
+    )
     cols = tl.arange(0, HALF)[None, :]
     q11, q12, q21, q22 = rotation(q_freqs, positions, cols, mask, HALF, BACKWARD)
     k11, k12, k21, k22 = rotation(k_freqs, positions, cols, mask, HALF, BACKWARD)

@@ -44,8 +44,9 @@ import torch
 from core.layers import qkv_rope
 
 # TE warns at every attention call that finds a packed layout from q/k/v pointers (see above).
-warnings.filterwarnings("ignore", message="Relying on pointer-based detection of packed q/k/v layouts",
-                        category=DeprecationWarning)
+warnings.filterwarnings(
+    "ignore", message="Relying on pointer-based detection of packed q/k/v layouts", category=DeprecationWarning
+)
 
 
 def _packed_strides(qkv_shape: torch.Size) -> tuple[int, ...]:
@@ -80,14 +81,16 @@ def _join(shape: torch.Size, dim: int, dq, dk, dv) -> torch.Tensor:
 
 def _are_slices_of_one_buffer(shape: torch.Size, dim: int, dq, dk, dv) -> bool:
     strides = _packed_strides(shape)
-    slice_strides = strides[:dim] + strides[dim + 1:]
+    slice_strides = strides[:dim] + strides[dim + 1 :]
     storage = dq.untyped_storage()
     last_element = dq.storage_offset() + sum((n - 1) * s for n, s in zip(shape, strides))
-    return (all(g.untyped_storage().data_ptr() == storage.data_ptr() for g in (dk, dv))
-            and all(g.dtype == dq.dtype and g.stride() == slice_strides for g in (dq, dk, dv))
-            and dk.storage_offset() - dq.storage_offset() == strides[dim]
-            and dv.storage_offset() - dq.storage_offset() == 2 * strides[dim]
-            and last_element < storage.nbytes() // dq.element_size())
+    return (
+        all(g.untyped_storage().data_ptr() == storage.data_ptr() for g in (dk, dv))
+        and all(g.dtype == dq.dtype and g.stride() == slice_strides for g in (dq, dk, dv))
+        and dk.storage_offset() - dq.storage_offset() == strides[dim]
+        and dv.storage_offset() - dq.storage_offset() == 2 * strides[dim]
+        and last_element < storage.nbytes() // dq.element_size()
+    )
 
 
 @functools.cache
@@ -102,15 +105,30 @@ def te_dot_product_attention_class():
     class DotProductAttention(te.DotProductAttention):
         capturable = False  # set by use_capturable_attention (training.cuda_graphs)
 
-        def forward(self, query_layer=None, key_layer=None, value_layer=None, *args,
-                    qkv_layer=None, qkv_interleave_dim: int = -3, **kwargs):
+        def forward(
+            self,
+            query_layer=None,
+            key_layer=None,
+            value_layer=None,
+            *args,
+            qkv_layer=None,
+            qkv_interleave_dim: int = -3,
+            **kwargs,
+        ):
             if type(qkv_layer) is torch.Tensor:  # not None, not an FP8 tensor
                 query_layer, key_layer, value_layer = PackedQKVSplit.apply(qkv_layer, qkv_interleave_dim)
                 qkv_layer = None
             if self.capturable:
                 kwargs = _as_full_length_padding(self, query_layer, kwargs)
-            return super().forward(query_layer, key_layer, value_layer, *args, qkv_layer=qkv_layer,
-                                   qkv_interleave_dim=qkv_interleave_dim, **kwargs)
+            return super().forward(
+                query_layer,
+                key_layer,
+                value_layer,
+                *args,
+                qkv_layer=qkv_layer,
+                qkv_interleave_dim=qkv_interleave_dim,
+                **kwargs,
+            )
 
     return DotProductAttention
 
@@ -124,9 +142,15 @@ def _as_full_length_padding(attention, query, kwargs: dict) -> dict:
     keeps cuDNN's fused attention under CUDA-graph capture (see 4.); `kwargs` unchanged otherwise."""
     mask = kwargs.get("attn_mask_type") or attention.attn_mask_type
     layout = kwargs.get("qkv_format") or attention.qkv_format
-    if (mask not in _PADDING_TWIN or layout not in ("bshd", "sbhd") or type(query) is not torch.Tensor
-            or any(kwargs.get(k) is not None for k in ("attention_mask", "cu_seqlens_q", "cu_seqlens_kv",
-                                                         "inference_params", "core_attention_bias"))):
+    if (
+        mask not in _PADDING_TWIN
+        or layout not in ("bshd", "sbhd")
+        or type(query) is not torch.Tensor
+        or any(
+            kwargs.get(k) is not None
+            for k in ("attention_mask", "cu_seqlens_q", "cu_seqlens_kv", "inference_params", "core_attention_bias")
+        )
+    ):
         return kwargs
     batch, seq = (query.shape[0], query.shape[1]) if layout == "bshd" else (query.shape[1], query.shape[0])
     if seq % 128 == 0:
@@ -134,8 +158,14 @@ def _as_full_length_padding(attention, query, kwargs: dict) -> dict:
     from transformer_engine.pytorch.attention.dot_product_attention.utils import get_full_cu_seqlens
 
     full = get_full_cu_seqlens(batch, seq, query.device)  # cached per shape: made in the eager micro-batches
-    return {**kwargs, "attn_mask_type": _PADDING_TWIN[mask], "cu_seqlens_q": full, "cu_seqlens_kv": full,
-            "max_seqlen_q": seq, "max_seqlen_kv": seq}
+    return {
+        **kwargs,
+        "attn_mask_type": _PADDING_TWIN[mask],
+        "cu_seqlens_q": full,
+        "cu_seqlens_kv": full,
+        "max_seqlen_q": seq,
+        "max_seqlen_kv": seq,
+    }
 
 
 def use_capturable_attention(model: torch.nn.Module) -> int:
@@ -165,13 +195,22 @@ def te_multihead_attention_class():
 
     class MultiheadAttention(te.MultiheadAttention):
         def _fused_qkv_rope_applies(self, kwargs) -> bool:
-            return (kwargs.get("rotary_pos_emb") is not None and kwargs.get("inference_params") is None
-                    and kwargs.get("encoder_output") is None and kwargs.get("thd_attention_policies") is None
-                    and self.attention_type == "self" and self.input_layernorm and not self.return_layernorm_output
-                    and self.qkv_weight_interleaved and self._rope_layout_supported(kwargs)
-                    and self.q_norm is None and self.k_norm is None and self.cp_size == 1
-                    and not is_cpu_offload_enabled()
-                    and not (FP8GlobalStateManager.is_fp8_enabled() and _fp8_attention_or_custom()))
+            return (
+                kwargs.get("rotary_pos_emb") is not None
+                and kwargs.get("inference_params") is None
+                and kwargs.get("encoder_output") is None
+                and kwargs.get("thd_attention_policies") is None
+                and self.attention_type == "self"
+                and self.input_layernorm
+                and not self.return_layernorm_output
+                and self.qkv_weight_interleaved
+                and self._rope_layout_supported(kwargs)
+                and self.q_norm is None
+                and self.k_norm is None
+                and self.cp_size == 1
+                and not is_cpu_offload_enabled()
+                and not (FP8GlobalStateManager.is_fp8_enabled() and _fp8_attention_or_custom())
+            )
 
         def _rope_layout_supported(self, kwargs) -> bool:
             if self.qkv_format in ("sbhd", "bshd"):
@@ -179,9 +218,14 @@ def te_multihead_attention_class():
             # Packed sequences: one cu_seqlens for Q and K, no padding between sequences (TE would rotate by
             # the padded offsets then).
             cu_seqlens = kwargs.get("cu_seqlens_q")
-            return (self.qkv_format == "thd" and cu_seqlens is not None and kwargs.get("cu_seqlens_kv") is cu_seqlens
-                    and not kwargs.get("pad_between_seqs") and kwargs.get("cu_seqlens_q_padded") is None
-                    and kwargs.get("cu_seqlens_kv_padded") is None)
+            return (
+                self.qkv_format == "thd"
+                and cu_seqlens is not None
+                and kwargs.get("cu_seqlens_kv") is cu_seqlens
+                and not kwargs.get("pad_between_seqs")
+                and kwargs.get("cu_seqlens_q_padded") is None
+                and kwargs.get("cu_seqlens_kv_padded") is None
+            )
 
         def forward(self, hidden_states, *args, **kwargs):
             # (TransformerLayer passes everything after hidden_states by keyword)
@@ -207,10 +251,24 @@ def _fused_qkv_rope_forward(attention, hidden_states, kwargs: dict):
     qkv = attention.layernorm_qkv(hidden_states, is_first_microbatch=is_first_microbatch)
     qkv = qkv.view(*qkv.shape[:-1], groups, (per_group + 2) * head_dim)
     q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-    query, key, value = qkv_rope.split_rotate(qkv, q_freqs, k_freqs, per_group, head_dim, attention.qkv_format,
-                                              attention.rotary_pos_interleaved, kwargs.get("cu_seqlens_q"))
-    context = attention.core_attention(query, key, value, qkv_format=attention.qkv_format,
-                                       softcap=attention.softcap if softcap is None else softcap, **kwargs)
+    query, key, value = qkv_rope.split_rotate(
+        qkv,
+        q_freqs,
+        k_freqs,
+        per_group,
+        head_dim,
+        attention.qkv_format,
+        attention.rotary_pos_interleaved,
+        kwargs.get("cu_seqlens_q"),
+    )
+    context = attention.core_attention(
+        query,
+        key,
+        value,
+        qkv_format=attention.qkv_format,
+        softcap=attention.softcap if softcap is None else softcap,
+        **kwargs,
+    )
     # (output, bias) when return_bias, as TE's forward returns them
     return attention.proj(context, is_first_microbatch=is_first_microbatch)
 

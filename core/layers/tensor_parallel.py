@@ -58,7 +58,9 @@ def _splits_parameters(module: nn.Module) -> bool:
     also without a parallel mode (then they are whole), so the module's own settings decide."""
     if getattr(module, "tp_size", 1) <= 1:
         return False
-    return getattr(module, "parallel_mode", None) in ("column", "row") or bool(getattr(module, "set_parallel_mode", False))
+    return getattr(module, "parallel_mode", None) in ("column", "row") or bool(
+        getattr(module, "set_parallel_mode", False)
+    )
 
 
 def splits(model: nn.Module) -> dict[str, Split]:
@@ -142,8 +144,12 @@ def use_full_layout(value: torch.Tensor, size: int) -> None:
         pieces = []
         if local.numel():
             for offset, row, n in full_rows(chunk.offsets[0], chunk.sizes[0], value.shape[0], size):
-                pieces.append((offset, ChunkStorageMetadata(torch.Size([row, *chunk.offsets[1:]]),
-                                                            torch.Size([n, *chunk.sizes[1:]]))))
+                pieces.append(
+                    (
+                        offset,
+                        ChunkStorageMetadata(torch.Size([row, *chunk.offsets[1:]]), torch.Size([n, *chunk.sizes[1:]])),
+                    )
+                )
     attach_pieces(local, pieces, value.shape)
 
 
@@ -156,9 +162,14 @@ def attach_pieces(local: torch.Tensor, pieces: list[tuple[int, ChunkStorageMetad
 
     def write_items(fqn: str, tensor: Any) -> list[WriteItem]:
         props = TensorProperties.create_from_tensor(local)
-        return [WriteItem(type=WriteItemType.SHARD, index=MetadataIndex(fqn, chunk.offsets),
-                          tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(global_shape)))
-                for _, chunk in pieces]
+        return [
+            WriteItem(
+                type=WriteItemType.SHARD,
+                index=MetadataIndex(fqn, chunk.offsets),
+                tensor_data=TensorWriteData(chunk=chunk, properties=props, size=torch.Size(global_shape)),
+            )
+            for _, chunk in pieces
+        ]
 
     def tensor_shard(index: MetadataIndex) -> torch.Tensor:
         offset, chunk = rows[tuple(index.offset)]

@@ -26,8 +26,8 @@ from collections import OrderedDict
 from typing import Callable, Optional
 
 import torch
-import torch.nn.functional as F
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -45,7 +45,9 @@ def _reject(module: str, **options) -> None:
     """Fail loudly on a TE option whose non-default value the twin does not implement."""
     bad = {k: v for k, v in options.items() if v}
     if bad:
-        raise NotImplementedError(f"{module}: the plain-torch layer backend does not support {bad}; use model.backend=te")
+        raise NotImplementedError(
+            f"{module}: the plain-torch layer backend does not support {bad}; use model.backend=te"
+        )
 
 
 def _param(shape, dtype, device) -> nn.Parameter:
@@ -99,8 +101,14 @@ def _divide(n: int, tp_size: int, what: str) -> int:
     return n // tp_size
 
 
-def _norm(x: torch.Tensor, kind: str, weight: torch.Tensor, bias: Optional[torch.Tensor], eps: float,
-          zero_centered_gamma: bool) -> torch.Tensor:
+def _norm(
+    x: torch.Tensor,
+    kind: str,
+    weight: torch.Tensor,
+    bias: Optional[torch.Tensor],
+    eps: float,
+    zero_centered_gamma: bool,
+) -> torch.Tensor:
     w = weight + 1 if zero_centered_gamma else weight
     if kind == "LayerNorm":
         return F.layer_norm(x, (x.shape[-1],), w, bias, eps)
@@ -160,10 +168,20 @@ class Linear(nn.Module):
     """te.Linear: `weight` [out, in], `bias` [out]. parallel_mode "column" splits the output rows over the
     tensor-parallel ranks, "row" the input columns (the bias then stays whole, added after the sum)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True,
-                 init_method: Optional[Callable] = None, params_dtype: Optional[torch.dtype] = None,
-                 device=None, parallel_mode: Optional[str] = None, tp_group=None, tp_size: int = 1,
-                 sequence_parallel: bool = False, **unsupported):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        init_method: Optional[Callable] = None,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        parallel_mode: Optional[str] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        **unsupported,
+    ):
         super().__init__()
         _reject("Linear", sequence_parallel=sequence_parallel, **unsupported)
         if parallel_mode not in (None, "column", "row"):
@@ -198,8 +216,15 @@ class Linear(nn.Module):
 class LayerNorm(nn.Module):
     """te.LayerNorm: `weight`, `bias`."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None, **unsupported):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        **unsupported,
+    ):
         super().__init__()
         _reject("LayerNorm", **unsupported)
         self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
@@ -214,8 +239,15 @@ class LayerNorm(nn.Module):
 class RMSNorm(nn.Module):
     """te.RMSNorm: `weight`."""
 
-    def __init__(self, hidden_size: int, eps: float = 1e-5, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None, **unsupported):
+    def __init__(
+        self,
+        hidden_size: int,
+        eps: float = 1e-5,
+        zero_centered_gamma: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        **unsupported,
+    ):
         super().__init__()
         _reject("RMSNorm", **unsupported)
         self.eps, self.zero_centered_gamma = eps, zero_centered_gamma
@@ -232,16 +264,30 @@ class LayerNormLinear(nn.Module):
     along the output dimension in the given order). parallel_mode "column" splits every output block
     over the tensor-parallel ranks."""
 
-    def __init__(self, in_features: int, out_features: int, eps: float = 1e-5, bias: bool = True,
-                 normalization: str = "LayerNorm", init_method: Optional[Callable] = None,
-                 parameters_split: Optional[dict[str, int]] = None, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None,
-                 parallel_mode: Optional[str] = None, tp_group=None, tp_size: int = 1,
-                 sequence_parallel: bool = False, **unsupported):
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        init_method: Optional[Callable] = None,
+        parameters_split: Optional[dict[str, int]] = None,
+        zero_centered_gamma: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        parallel_mode: Optional[str] = None,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        **unsupported,
+    ):
         super().__init__()
         _reject("LayerNormLinear", sequence_parallel=sequence_parallel, **unsupported)
         if parallel_mode not in (None, "column"):
-            raise NotImplementedError(f"LayerNormLinear: parallel_mode={parallel_mode!r} (the torch backend: None or 'column')")
+            raise NotImplementedError(
+                f"LayerNormLinear: parallel_mode={parallel_mode!r} (the torch backend: None or 'column')"
+            )
         self.tp_size, self.tp_group = _tp_size(tp_size, tp_group, "LayerNormLinear"), tp_group
         self.column_parallel = parallel_mode == "column" and self.tp_size > 1
         self.parallel_mode = "column" if self.column_parallel else None
@@ -268,8 +314,14 @@ class LayerNormLinear(nn.Module):
                 self._bias_names.append(prefix + "bias")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _norm(x, self.normalization, _local(self.layer_norm_weight), _local(self.layer_norm_bias), self.eps,
-                  self.zero_centered_gamma)
+        x = _norm(
+            x,
+            self.normalization,
+            _local(self.layer_norm_weight),
+            _local(self.layer_norm_bias),
+            self.eps,
+            self.zero_centered_gamma,
+        )
         if self.column_parallel:
             x = _CopyToTensorParallel.apply(x, self.tp_group)
         weights = [_local(getattr(self, n)) for n in self._weight_names]
@@ -284,11 +336,25 @@ class LayerNormMLP(nn.Module):
     `fc1_bias`, `fc2_weight` [hidden, ffn], `fc2_bias`. set_parallel_mode: fc1 column-parallel (a GLU's
     rank holds [its gate rows; its up rows], as TE), fc2 row-parallel."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, eps: float = 1e-5, bias: bool = True,
-                 normalization: str = "LayerNorm", activation: str = "gelu", init_method: Optional[Callable] = None,
-                 output_layer_init_method: Optional[Callable] = None, zero_centered_gamma: bool = False,
-                 params_dtype: Optional[torch.dtype] = None, device=None, set_parallel_mode: bool = False,
-                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False, **unsupported):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        eps: float = 1e-5,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        activation: str = "gelu",
+        init_method: Optional[Callable] = None,
+        output_layer_init_method: Optional[Callable] = None,
+        zero_centered_gamma: bool = False,
+        params_dtype: Optional[torch.dtype] = None,
+        device=None,
+        set_parallel_mode: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        **unsupported,
+    ):
         super().__init__()
         _reject("LayerNormMLP", sequence_parallel=sequence_parallel, **unsupported)
         if activation not in ACTIVATIONS:
@@ -319,8 +385,14 @@ class LayerNormMLP(nn.Module):
                 mark_split(self.fc1_bias, 0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _norm(x, self.normalization, _local(self.layer_norm_weight), _local(self.layer_norm_bias), self.eps,
-                  self.zero_centered_gamma)
+        x = _norm(
+            x,
+            self.normalization,
+            _local(self.layer_norm_weight),
+            _local(self.layer_norm_bias),
+            self.eps,
+            self.zero_centered_gamma,
+        )
         if self.parallel:
             x = _CopyToTensorParallel.apply(x, self.tp_group)
         x = self._activation(F.linear(x, _local(self.fc1_weight), _local(self.fc1_bias)))
@@ -331,18 +403,29 @@ class LayerNormMLP(nn.Module):
 
 
 class RotaryPositionEmbedding(nn.Module):
-    """te.RotaryPositionEmbedding: no parameters; buffer `inv_freq`. forward(max_seq_len) gives the angles [s, 1, 1, dim]
-    (float32), each frequency repeated for the two halves of the head dimension (TE's non-interleaved
+    """te.RotaryPositionEmbedding: no parameters; buffer `inv_freq`. forward(max_seq_len) gives the angles
+    [s, 1, 1, dim] (float32), each frequency repeated for the two halves of the head dimension (TE's non-interleaved
     layout, applied by `apply_rotary_pos_emb`)."""
 
-    def __init__(self, dim: int, rotary_percent: float = 1.0, seq_len_interpolation_factor: Optional[int] = None,
-                 pretrained_max_position_embeddings: Optional[int] = None, rotary_base: float = 10000.0,
-                 interleaved: bool = False, **unsupported):
+    def __init__(
+        self,
+        dim: int,
+        rotary_percent: float = 1.0,
+        seq_len_interpolation_factor: Optional[int] = None,
+        pretrained_max_position_embeddings: Optional[int] = None,
+        rotary_base: float = 10000.0,
+        interleaved: bool = False,
+        **unsupported,
+    ):
         super().__init__()
-        _reject("RotaryPositionEmbedding", rotary_percent=rotary_percent != 1.0,
-                seq_len_interpolation_factor=seq_len_interpolation_factor,
-                pretrained_max_position_embeddings=pretrained_max_position_embeddings, interleaved=interleaved,
-                **unsupported)
+        _reject(
+            "RotaryPositionEmbedding",
+            rotary_percent=rotary_percent != 1.0,
+            seq_len_interpolation_factor=seq_len_interpolation_factor,
+            pretrained_max_position_embeddings=pretrained_max_position_embeddings,
+            interleaved=interleaved,
+            **unsupported,
+        )
         inv_freq = 1.0 / rotary_base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
         self.register_buffer("inv_freq", inv_freq)  # in the state dict, as TE's is
 
@@ -374,9 +457,18 @@ class InferenceParams:
     needs: a batch whose sequences all start together and advance by the same number of tokens.
     """
 
-    def __init__(self, max_batch_size: int, max_sequence_length: int, num_heads_kv: Optional[int] = None,
-                 head_dim_k: Optional[int] = None, dtype: Optional[torch.dtype] = None,
-                 head_dim_v: Optional[int] = None, is_paged: bool = False, qkv_format: str = "bshd", **unsupported):
+    def __init__(
+        self,
+        max_batch_size: int,
+        max_sequence_length: int,
+        num_heads_kv: Optional[int] = None,
+        head_dim_k: Optional[int] = None,
+        dtype: Optional[torch.dtype] = None,
+        head_dim_v: Optional[int] = None,
+        is_paged: bool = False,
+        qkv_format: str = "bshd",
+        **unsupported,
+    ):
         _reject("InferenceParams", is_paged=is_paged, qkv_format=qkv_format != "bshd", **unsupported)
         if num_heads_kv is None or head_dim_k is None or dtype is None:
             raise ValueError("InferenceParams needs num_heads_kv, head_dim_k and dtype (as TE's does)")
@@ -393,15 +485,20 @@ class InferenceParams:
     def pre_step(self, step_dict: OrderedDict) -> OrderedDict:
         new_tokens = set(step_dict.values())
         if len(new_tokens) != 1 or len(step_dict) > self.max_batch_size:
-            raise NotImplementedError(f"InferenceParams (torch backend): every sequence of a step must add the same "
-                                      f"number of tokens, at most {self.max_batch_size} sequences; got {dict(step_dict)}")
+            raise NotImplementedError(
+                f"InferenceParams (torch backend): every sequence of a step must add the same "
+                f"number of tokens, at most {self.max_batch_size} sequences; got {dict(step_dict)}"
+            )
         if self.sequences and list(step_dict) != list(self.sequences):
-            raise NotImplementedError("InferenceParams (torch backend): a step must continue the same sequences "
-                                      "(reset() to start new ones)")
+            raise NotImplementedError(
+                "InferenceParams (torch backend): a step must continue the same sequences (reset() to start new ones)"
+            )
         start = next(iter(self.sequences.values())) if self.sequences else 0
         end = start + new_tokens.pop()
         if end > self.max_sequence_length:
-            raise ValueError(f"the KV cache holds {self.max_sequence_length} tokens per sequence; this step needs {end}")
+            raise ValueError(
+                f"the KV cache holds {self.max_sequence_length} tokens per sequence; this step needs {end}"
+            )
         self.sequence_start = start
         self.sequences = OrderedDict((key, end) for key in step_dict)
         return self.sequences
@@ -411,25 +508,35 @@ class InferenceParams:
         cached ones up to and including them."""
         if layer_number not in self.cache:
             shape = (self.max_batch_size, self.max_sequence_length, self.num_heads_kv)
-            self.cache[layer_number] = (new_k.new_zeros(*shape, self.head_dim_k, dtype=self.dtype),
-                                        new_v.new_zeros(*shape, self.head_dim_v, dtype=self.dtype))
+            self.cache[layer_number] = (
+                new_k.new_zeros(*shape, self.head_dim_k, dtype=self.dtype),
+                new_v.new_zeros(*shape, self.head_dim_v, dtype=self.dtype),
+            )
         keys, values = self.cache[layer_number]
         b, end = new_k.shape[0], self.sequence_start + new_k.shape[1]
-        keys[:b, self.sequence_start:end] = new_k
-        values[:b, self.sequence_start:end] = new_v
+        keys[:b, self.sequence_start : end] = new_k
+        values[:b, self.sequence_start : end] = new_v
         return keys[:b, :end], values[:b, :end]
 
 
-def _check_attention_options(qkv_format: str, attn_mask_type: str, fuse_qkv_params: bool,
-                             qkv_weight_interleaved: bool, num_heads: int, num_groups: int) -> None:
+def _check_attention_options(
+    qkv_format: str,
+    attn_mask_type: str,
+    fuse_qkv_params: bool,
+    qkv_weight_interleaved: bool,
+    num_heads: int,
+    num_groups: int,
+) -> None:
     """Fail on a mask, token layout, QKV weight layout or head grouping the twin does not implement (or TE
     rejects)."""
     packed_masks = ("padding", "padding_causal")
     if qkv_format == "thd" and attn_mask_type not in packed_masks:
         raise ValueError(f"qkv_format='thd' needs attn_mask_type in {packed_masks} (as TE), got {attn_mask_type!r}")
     if qkv_format != "thd" and attn_mask_type not in ("no_mask", "causal"):
-        raise NotImplementedError(f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal "
-                                  "(padding masks: packed sequences, qkv_format='thd')")
+        raise NotImplementedError(
+            f"attn_mask_type={attn_mask_type!r}: the torch backend supports no_mask and causal "
+            "(padding masks: packed sequences, qkv_format='thd')"
+        )
     if qkv_format not in ("sbhd", "bshd", "thd"):
         raise NotImplementedError(f"qkv_format={qkv_format!r}: the torch backend supports sbhd, bshd and thd")
     if fuse_qkv_params and not qkv_weight_interleaved:
@@ -448,20 +555,39 @@ class MultiheadAttention(nn.Module):
     heads): `layernorm_qkv` column-parallel, `proj` row-parallel.
     """
 
-    def __init__(self, hidden_size: int, num_attention_heads: int, kv_channels: Optional[int] = None,
-                 attention_dropout: float = 0.1, layernorm_epsilon: float = 1e-5, init_method=None,
-                 output_layer_init_method=None, attn_mask_type: str = "causal", num_gqa_groups: Optional[int] = None,
-                 fuse_qkv_params: bool = False, qkv_weight_interleaved: bool = True, bias: bool = True,
-                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
-                 qkv_format: str = "sbhd", params_dtype=None, device=None, set_parallel_mode: bool = False,
-                 tp_group=None, tp_size: int = 1, sequence_parallel: bool = False, layer_number: Optional[int] = None):
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        kv_channels: Optional[int] = None,
+        attention_dropout: float = 0.1,
+        layernorm_epsilon: float = 1e-5,
+        init_method=None,
+        output_layer_init_method=None,
+        attn_mask_type: str = "causal",
+        num_gqa_groups: Optional[int] = None,
+        fuse_qkv_params: bool = False,
+        qkv_weight_interleaved: bool = True,
+        bias: bool = True,
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        qkv_format: str = "sbhd",
+        params_dtype=None,
+        device=None,
+        set_parallel_mode: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        layer_number: Optional[int] = None,
+    ):
         super().__init__()
         _reject("MultiheadAttention", sequence_parallel=sequence_parallel)
         self.layer_number = layer_number  # names this layer's KV cache
         self.num_heads = num_attention_heads
         self.num_groups = num_gqa_groups or num_attention_heads
-        _check_attention_options(qkv_format, attn_mask_type, fuse_qkv_params, qkv_weight_interleaved,
-                                 self.num_heads, self.num_groups)
+        _check_attention_options(
+            qkv_format, attn_mask_type, fuse_qkv_params, qkv_weight_interleaved, self.num_heads, self.num_groups
+        )
         self.head_dim = kv_channels or hidden_size // num_attention_heads
         q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
         tp_size = _tp_size(tp_size, tp_group, "MultiheadAttention") if set_parallel_mode else 1
@@ -473,17 +599,32 @@ class MultiheadAttention(nn.Module):
         self.qkv_format = qkv_format
         self.fuse_qkv_params = fuse_qkv_params
         parallel = dict(tp_group=tp_group, tp_size=tp_size) if tp_size > 1 else {}
-        common = dict(eps=layernorm_epsilon, bias=bias, normalization=normalization, init_method=init_method,
-                      zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device,
-                      parallel_mode="column" if parallel else None, **parallel)
+        common = dict(
+            eps=layernorm_epsilon,
+            bias=bias,
+            normalization=normalization,
+            init_method=init_method,
+            zero_centered_gamma=zero_centered_gamma,
+            params_dtype=params_dtype,
+            device=device,
+            parallel_mode="column" if parallel else None,
+            **parallel,
+        )
         if fuse_qkv_params:
             self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, **common)
         else:
             split = {"query": q_size, "key": kv_size, "value": kv_size}
             self.layernorm_qkv = LayerNormLinear(hidden_size, q_size + 2 * kv_size, parameters_split=split, **common)
-        self.proj = Linear(q_size, hidden_size, bias=bias, init_method=output_layer_init_method,
-                           params_dtype=params_dtype, device=device, parallel_mode="row" if parallel else None,
-                           **parallel)
+        self.proj = Linear(
+            q_size,
+            hidden_size,
+            bias=bias,
+            init_method=output_layer_init_method,
+            params_dtype=params_dtype,
+            device=device,
+            parallel_mode="row" if parallel else None,
+            **parallel,
+        )
 
     def _split_qkv(self, mixed: torch.Tensor, b: int, s: int) -> tuple[torch.Tensor, ...]:
         """The projection's output [b, s, ...] -> q [b, s, heads, d], k and v [b, s, groups, d]."""
@@ -494,12 +635,19 @@ class MultiheadAttention(nn.Module):
             return q.reshape(b, s, self.num_heads, self.head_dim), k, v
         q_size, kv_size = self.num_heads * self.head_dim, self.num_groups * self.head_dim
         q, k, v = mixed.split([q_size, kv_size, kv_size], dim=-1)
-        return (q.view(b, s, self.num_heads, self.head_dim), k.view(b, s, self.num_groups, self.head_dim),
-                v.view(b, s, self.num_groups, self.head_dim))
+        return (
+            q.view(b, s, self.num_heads, self.head_dim),
+            k.view(b, s, self.num_groups, self.head_dim),
+            v.view(b, s, self.num_groups, self.head_dim),
+        )
 
-    def forward(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor] = None,
-                inference_params: Optional[InferenceParams] = None,
-                cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        inference_params: Optional[InferenceParams] = None,
+        cu_seqlens: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
         if self.qkv_format == "thd":
             if cu_seqlens is None or inference_params is not None:
                 raise ValueError("qkv_format='thd' needs cu_seqlens (and takes no KV cache)")
@@ -535,11 +683,18 @@ class MultiheadAttention(nn.Module):
             k = k.repeat_interleave(per_group, dim=1)
             v = v.repeat_interleave(per_group, dim=1)
         return F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=causal, dropout_p=self.attention_dropout if self.training else 0.0,
+            q,
+            k,
+            v,
+            attn_mask=mask,
+            is_causal=causal,
+            dropout_p=self.attention_dropout if self.training else 0.0,
             scale=1.0 / math.sqrt(self.head_dim),
         )
 
-    def _packed(self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor) -> torch.Tensor:
+    def _packed(
+        self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor
+    ) -> torch.Tensor:
         """x [tokens, hidden] holding the sequences cu_seqlens delimits -> [tokens, hidden]. Tokens past the last
         offset form one more sequence of their own."""
         t = x.shape[0]
@@ -558,43 +713,98 @@ class MultiheadAttention(nn.Module):
 class TransformerLayer(nn.Module):
     """te.TransformerLayer, pre-norm self-attention + MLP: `self_attention.*`, `layernorm_mlp.*`."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
-                 num_gqa_groups: Optional[int] = None, layernorm_epsilon: float = 1e-5, hidden_dropout: float = 0.1,
-                 attention_dropout: float = 0.1, init_method=None, output_layer_init_method=None,
-                 layer_number: Optional[int] = None, kv_channels: Optional[int] = None,
-                 self_attn_mask_type: str = "causal", fuse_qkv_params: bool = False,
-                 qkv_weight_interleaved: bool = True, bias: bool = True, activation: str = "gelu",
-                 normalization: str = "LayerNorm", zero_centered_gamma: bool = False,
-                 attn_input_format: str = "sbhd", params_dtype=None, device=None,
-                 apply_residual_connection_post_layernorm: bool = False, output_layernorm: bool = False,
-                 set_parallel_mode: bool = False, tp_group=None, tp_size: int = 1, sequence_parallel: bool = False,
-                 drop_path_rate: float = 0.0, **unsupported):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        num_attention_heads: int,
+        num_gqa_groups: Optional[int] = None,
+        layernorm_epsilon: float = 1e-5,
+        hidden_dropout: float = 0.1,
+        attention_dropout: float = 0.1,
+        init_method=None,
+        output_layer_init_method=None,
+        layer_number: Optional[int] = None,
+        kv_channels: Optional[int] = None,
+        self_attn_mask_type: str = "causal",
+        fuse_qkv_params: bool = False,
+        qkv_weight_interleaved: bool = True,
+        bias: bool = True,
+        activation: str = "gelu",
+        normalization: str = "LayerNorm",
+        zero_centered_gamma: bool = False,
+        attn_input_format: str = "sbhd",
+        params_dtype=None,
+        device=None,
+        apply_residual_connection_post_layernorm: bool = False,
+        output_layernorm: bool = False,
+        set_parallel_mode: bool = False,
+        tp_group=None,
+        tp_size: int = 1,
+        sequence_parallel: bool = False,
+        drop_path_rate: float = 0.0,
+        **unsupported,
+    ):
         super().__init__()
-        _reject("TransformerLayer", apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
-                output_layernorm=output_layernorm, sequence_parallel=sequence_parallel, drop_path_rate=drop_path_rate,
-                **unsupported)
+        _reject(
+            "TransformerLayer",
+            apply_residual_connection_post_layernorm=apply_residual_connection_post_layernorm,
+            output_layernorm=output_layernorm,
+            sequence_parallel=sequence_parallel,
+            drop_path_rate=drop_path_rate,
+            **unsupported,
+        )
         parallel = dict(set_parallel_mode=set_parallel_mode, tp_group=tp_group, tp_size=tp_size)
         self.hidden_dropout = hidden_dropout
         self.self_attention = MultiheadAttention(
-            hidden_size, num_attention_heads, kv_channels=kv_channels, attention_dropout=attention_dropout,
-            layernorm_epsilon=layernorm_epsilon, init_method=init_method,
-            output_layer_init_method=output_layer_init_method, attn_mask_type=self_attn_mask_type,
-            num_gqa_groups=num_gqa_groups, fuse_qkv_params=fuse_qkv_params,
-            qkv_weight_interleaved=qkv_weight_interleaved, bias=bias, normalization=normalization,
-            zero_centered_gamma=zero_centered_gamma, qkv_format=attn_input_format,
-            params_dtype=params_dtype, device=device, layer_number=layer_number, **parallel,
+            hidden_size,
+            num_attention_heads,
+            kv_channels=kv_channels,
+            attention_dropout=attention_dropout,
+            layernorm_epsilon=layernorm_epsilon,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            attn_mask_type=self_attn_mask_type,
+            num_gqa_groups=num_gqa_groups,
+            fuse_qkv_params=fuse_qkv_params,
+            qkv_weight_interleaved=qkv_weight_interleaved,
+            bias=bias,
+            normalization=normalization,
+            zero_centered_gamma=zero_centered_gamma,
+            qkv_format=attn_input_format,
+            params_dtype=params_dtype,
+            device=device,
+            layer_number=layer_number,
+            **parallel,
         )
         self.layernorm_mlp = LayerNormMLP(
-            hidden_size, ffn_hidden_size, eps=layernorm_epsilon, bias=bias, normalization=normalization,
-            activation=activation, init_method=init_method, output_layer_init_method=output_layer_init_method,
-            zero_centered_gamma=zero_centered_gamma, params_dtype=params_dtype, device=device, **parallel,
+            hidden_size,
+            ffn_hidden_size,
+            eps=layernorm_epsilon,
+            bias=bias,
+            normalization=normalization,
+            activation=activation,
+            init_method=init_method,
+            output_layer_init_method=output_layer_init_method,
+            zero_centered_gamma=zero_centered_gamma,
+            params_dtype=params_dtype,
+            device=device,
+            **parallel,
         )
 
-    def forward(self, hidden_states: torch.Tensor, attention_mask=None, rotary_pos_emb: Optional[torch.Tensor] = None,
-                inference_params: Optional[InferenceParams] = None, self_attn_mask_type: Optional[str] = None,
-                cu_seqlens_q: Optional[torch.Tensor] = None, cu_seqlens_kv: Optional[torch.Tensor] = None,
-                max_seqlen_q: Optional[int] = None, max_seqlen_kv: Optional[int] = None,
-                **unsupported) -> torch.Tensor:
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask=None,
+        rotary_pos_emb: Optional[torch.Tensor] = None,
+        inference_params: Optional[InferenceParams] = None,
+        self_attn_mask_type: Optional[str] = None,
+        cu_seqlens_q: Optional[torch.Tensor] = None,
+        cu_seqlens_kv: Optional[torch.Tensor] = None,
+        max_seqlen_q: Optional[int] = None,
+        max_seqlen_kv: Optional[int] = None,
+        **unsupported,
+    ) -> torch.Tensor:
         if attention_mask is not None or any(v is not None for v in unsupported.values()):
             raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
         if cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens_q:
@@ -604,15 +814,19 @@ class TransformerLayer(nn.Module):
             if self_attn_mask_type not in (None, "padding", "padding_causal"):
                 raise NotImplementedError(f"self_attn_mask_type={self_attn_mask_type!r} with packed sequences")
             x = hidden_states
-            x = x + F.dropout(self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q), self.hidden_dropout,
-                              self.training)
+            x = x + F.dropout(
+                self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q), self.hidden_dropout, self.training
+            )
             return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
         # With a KV cache TE wants a padding mask type; the twin's sequences have no padding, so the
         # padding variants are the same mask as the constructor's.
         if self_attn_mask_type not in (None, "causal", "padding_causal") or (
-                self_attn_mask_type is not None and not self.self_attention.causal):
-            raise NotImplementedError(f"self_attn_mask_type={self_attn_mask_type!r} (the torch backend: causal or "
-                                      "padding_causal on a causal layer)")
+            self_attn_mask_type is not None and not self.self_attention.causal
+        ):
+            raise NotImplementedError(
+                f"self_attn_mask_type={self_attn_mask_type!r} (the torch backend: causal or "
+                "padding_causal on a causal layer)"
+            )
         x = hidden_states
         x = x + F.dropout(self.self_attention(x, rotary_pos_emb, inference_params), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)

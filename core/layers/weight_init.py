@@ -60,8 +60,11 @@ def linear_default_rule(model: nn.Module) -> InitRule:
     """torch.nn.Linear's own default, drawn per name: weight and bias uniform in +-1/sqrt(fan_in)
     (kaiming_uniform with a=sqrt(5) for the weight). Suits small MLPs; a bias takes the fan-in of the
     `weight` beside it."""
-    fan_in = {name[: -len("weight")]: p.shape[1] for name, p in model.named_parameters()
-              if p.dim() == 2 and name.endswith("weight")}
+    fan_in = {
+        name[: -len("weight")]: p.shape[1]
+        for name, p in model.named_parameters()
+        if p.dim() == 2 and name.endswith("weight")
+    }
 
     def rule(name: str, t: torch.Tensor, g: torch.Generator) -> None:
         prefix = name.rsplit(".", 1)[0] + "." if "." in name else ""

@@ -29,10 +29,12 @@ def refuse_links(metrics: Path) -> None:
     is opened."""
     for path in (metrics, metrics.parent / SUPERSEDED):
         if path.is_symlink():
-            raise ConfigError(f"{path} is a symbolic link (to {os.readlink(path)}): a run never reads or writes "
-                              "its metrics history through a link, which could expose or change another file. "
-                              "Nothing was read from it or written through it; replace the link with the file "
-                              "itself (or remove it) and start again")
+            raise ConfigError(
+                f"{path} is a symbolic link (to {os.readlink(path)}): a run never reads or writes "
+                "its metrics history through a link, which could expose or change another file. "
+                "Nothing was read from it or written through it; replace the link with the file "
+                "itself (or remove it) and start again"
+            )
 
 
 def open_for_append(path: Path, mode: str = "a", **kwargs):

@@ -58,8 +58,13 @@ class MetricsLogger(Callback):
         if self.cfg.jsonl:
             moved = keep_history_up_to(self.jsonl_path, start_step)
             if moved:
-                log.info("%s continues after step %d: %d later records moved to %s", self.jsonl_path, start_step,
-                         moved, SUPERSEDED)
+                log.info(
+                    "%s continues after step %d: %d later records moved to %s",
+                    self.jsonl_path,
+                    start_step,
+                    moved,
+                    SUPERSEDED,
+                )
         record["run_dir"] = str(self.run_dir.resolve())
         if self.cfg.wandb.enabled:
             record["wandb_id"] = self._open_wandb(record.get("wandb_id") if resumed else None)
@@ -75,16 +80,24 @@ class MetricsLogger(Callback):
         run_file = Path(self.checkpoint_path) / RUN_FILE
         here = str(self.run_dir.resolve())
         if recorded == here:
-            why = (f"{run_file} names {here} as this run's directory, but it held no metrics.jsonl when this "
-                   "invocation started: the directory was deleted or moved, or the file removed")
+            why = (
+                f"{run_file} names {here} as this run's directory, but it held no metrics.jsonl when this "
+                "invocation started: the directory was deleted or moved, or the file removed"
+            )
         elif recorded:
             why = f"{run_file} names {recorded} as this run's directory: the earlier history may be there"
         else:
             why = f"{run_file} names no run directory of this checkpoint folder"
-        log.warning("resuming at step %d, but the metrics history of earlier invocations (steps up to %d) is not "
-                    "in %s (%s). This invocation writes its records there from step %d on, and later invocations "
-                    "of the run continue in that directory", start_step, start_step, self.jsonl_path, why,
-                    start_step + 1)
+        log.warning(
+            "resuming at step %d, but the metrics history of earlier invocations (steps up to %d) is not "
+            "in %s (%s). This invocation writes its records there from step %d on, and later invocations "
+            "of the run continue in that directory",
+            start_step,
+            start_step,
+            self.jsonl_path,
+            why,
+            start_step + 1,
+        )
 
     def _open_wandb(self, run_id: str | None) -> str:
         import wandb
@@ -92,9 +105,16 @@ class MetricsLogger(Callback):
         wandb_cfg = self.cfg.wandb
         mode = None if wandb_cfg.mode is None else str(wandb_cfg.mode)
         self.wandb = wandb.init(
-            project=wandb_cfg.project, entity=wandb_cfg.entity, name=wandb_cfg.name or self.run_dir.name,
-            group=wandb_cfg.group, tags=list(wandb_cfg.tags),
-            mode=mode, dir=str(self.run_dir), config=self.config, id=run_id or new_wandb_id(), resume="allow",
+            project=wandb_cfg.project,
+            entity=wandb_cfg.entity,
+            name=wandb_cfg.name or self.run_dir.name,
+            group=wandb_cfg.group,
+            tags=list(wandb_cfg.tags),
+            mode=mode,
+            dir=str(self.run_dir),
+            config=self.config,
+            id=run_id or new_wandb_id(),
+            resume="allow",
         )
         if run_id:
             log.info("continuing W&B run %s", run_id)
@@ -141,8 +161,9 @@ class MetricsLogger(Callback):
 
     def start_progress(self, first_step: int, total_steps: int) -> None:
         """Show a progress bar from `first_step` (logger.progress_bar: auto shows it in a terminal)."""
-        show = self.cfg.progress_bar == ProgressBar.always or (self.cfg.progress_bar == ProgressBar.auto
-                                                               and sys.stdout.isatty())
+        show = self.cfg.progress_bar == ProgressBar.always or (
+            self.cfg.progress_bar == ProgressBar.auto and sys.stdout.isatty()
+        )
         if self.enabled and show:
             from tqdm import tqdm
 

@@ -18,11 +18,22 @@ class ThroughputMeter(Callback):
     saving) is excluded; `phase` also times parts of a step when `time_phases` is on, synchronising the
     device at each boundary (a little slower: for benchmarks)."""
 
-    def __init__(self, device: torch.device, global_batch_size: int, world_size: int,
-                 tokens_per_sample: Optional[int], flops_per_sample: Optional[float], time_phases: bool = False):
+    def __init__(
+        self,
+        device: torch.device,
+        global_batch_size: int,
+        world_size: int,
+        tokens_per_sample: Optional[int],
+        flops_per_sample: Optional[float],
+        time_phases: bool = False,
+    ):
         """`tokens_per_sample` / `flops_per_sample`: the recipe's (None: no tokens/s / no MFU in the record)."""
         self.device, self.global_batch_size, self.world_size = device, global_batch_size, world_size
-        self.tokens_per_sample, self.flops_per_sample, self.time_phases = tokens_per_sample, flops_per_sample, time_phases
+        self.tokens_per_sample, self.flops_per_sample, self.time_phases = (
+            tokens_per_sample,
+            flops_per_sample,
+            time_phases,
+        )
         self.peak_flops = peak_bf16_flops(device)
         self.start_interval()
 
@@ -81,10 +92,15 @@ class ThroughputMeter(Callback):
         if self.work is not None:  # counted per micro-batch on this rank: real tokens, not padding
             tokens, flops = (value / seconds for value in self.work.tolist())
         else:
-            tokens, flops = (None if per_sample is None else samples_per_gpu * per_sample
-                             for per_sample in (self.tokens_per_sample, self.flops_per_sample))
-        record = {"step_time": step_time, "data_wait": self.data_wait / self.steps,
-                  "samples_per_sec_per_gpu": samples_per_gpu}
+            tokens, flops = (
+                None if per_sample is None else samples_per_gpu * per_sample
+                for per_sample in (self.tokens_per_sample, self.flops_per_sample)
+            )
+        record = {
+            "step_time": step_time,
+            "data_wait": self.data_wait / self.steps,
+            "samples_per_sec_per_gpu": samples_per_gpu,
+        }
         if tokens is not None:
             record["tokens_per_sec_per_gpu"] = tokens
         if self.peak_flops is not None and flops is not None:

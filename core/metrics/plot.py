@@ -74,24 +74,31 @@ def _number(value) -> bool:
 def series(records: list[dict], key: str, label: str = "", marker: str | None = None) -> Line:
     """The records that hold a number under `key`; inf and nan become gaps (matplotlib cannot scale to inf)."""
     points = [(r["step"], float(r[key])) for r in records if _number(r.get(key))]
-    return Line(label or key, [s for s, _ in points], [v if math.isfinite(v) else math.nan for _, v in points],
-                marker)
+    return Line(label or key, [s for s, _ in points], [v if math.isfinite(v) else math.nan for _, v in points], marker)
 
 
 def panels(records: dict[str, list[dict]]) -> list[Panel]:
     """The figures the records have data for, in the order of curves.png's panels."""
     train, val = records.get(TRAIN, []), records.get("val", [])
     # tokens/s is samples/s times a constant per run (1 for MNIST): a second scale, not a second curve.
-    ratios = [r["tokens_per_sec_per_gpu"] / r["samples_per_sec_per_gpu"] for r in train
-              if _number(r.get("tokens_per_sec_per_gpu")) and _number(r.get("samples_per_sec_per_gpu"))
-              and r["samples_per_sec_per_gpu"] > 0]
+    ratios = [
+        r["tokens_per_sec_per_gpu"] / r["samples_per_sec_per_gpu"]
+        for r in train
+        if _number(r.get("tokens_per_sec_per_gpu"))
+        and _number(r.get("samples_per_sec_per_gpu"))
+        and r["samples_per_sec_per_gpu"] > 0
+    ]
     ratio = statistics.median(ratios) if ratios else None
     found = [
         Panel("loss", "loss", [series(train, "loss", "train"), series(val, "loss", "val", "o")]),
         Panel("lr", "learning rate", [series(train, "lr")]),
         Panel("grad_norm", "gradient norm", [series(train, "grad_norm")]),
-        Panel("throughput", "samples/s per GPU", [series(train, "samples_per_sec_per_gpu")],
-              ratio if ratio and abs(ratio - 1) > 1e-6 else None),
+        Panel(
+            "throughput",
+            "samples/s per GPU",
+            [series(train, "samples_per_sec_per_gpu")],
+            ratio if ratio and abs(ratio - 1) > 1e-6 else None,
+        ),
     ]
     val_keys = sorted({k for r in val for k, v in r.items() if _number(v)} - {"step", "loss"})
     found += [Panel(f"val_{k}", f"val {k}", [series(val, k, "val", "o")]) for k in val_keys]
@@ -139,7 +146,7 @@ def write_figures(found: list[Panel], out: Path, title: str, dpi: int = 100) -> 
     axes = list(fig.subplots(rows, cols, squeeze=False).flat)
     for ax, panel in zip(axes, found):
         draw(ax, panel)
-    for ax in axes[len(found):]:  # the grid's empty cells
+    for ax in axes[len(found) :]:  # the grid's empty cells
         ax.set_visible(False)
     fig.suptitle(title, fontsize=11)
     save(fig, "curves")
@@ -147,8 +154,9 @@ def write_figures(found: list[Panel], out: Path, title: str, dpi: int = 100) -> 
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m core.metrics.plot", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m core.metrics.plot", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("run_dir", type=Path, help="the run directory, holding metrics.jsonl")
     parser.add_argument("--out", type=Path, help="folder for the PNGs (default: RUN_DIR/plots)")
     parser.add_argument("--dpi", type=int, default=100, help="pixels per inch (default: 100)")

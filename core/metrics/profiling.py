@@ -25,8 +25,11 @@ class StepProfiler:
         if not cfg.enabled:
             return
         if cfg.start_step < first_step:
-            log.warning("training.profile.start_step=%d is before this run's first step %d: nothing is profiled",
-                        cfg.start_step, first_step)
+            log.warning(
+                "training.profile.start_step=%d is before this run's first step %d: nothing is profiled",
+                cfg.start_step,
+                first_step,
+            )
             return
         self.out, self.rank, self.cuda = run_dir / "profile", rank, device.type == "cuda"
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.cuda else [])
@@ -39,8 +42,13 @@ class StepProfiler:
                 return ProfilerAction.RECORD
             return ProfilerAction.RECORD_AND_SAVE if step == last else ProfilerAction.NONE
 
-        self.prof = profile(activities=activities, schedule=action, on_trace_ready=self._write,
-                            record_shapes=cfg.record_shapes, with_stack=cfg.with_stack)
+        self.prof = profile(
+            activities=activities,
+            schedule=action,
+            on_trace_ready=self._write,
+            record_shapes=cfg.record_shapes,
+            with_stack=cfg.with_stack,
+        )
         # Count like the loop (trace regions are labelled ProfilerStep#<step>), from this run's first step.
         self.prof.step_num, self.prof.current_action = first_step, action(first_step)
         self.prof.start()

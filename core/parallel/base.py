@@ -63,7 +63,9 @@ class Parallel:
         local: list[torch.Tensor] = []
         sums = []
         for groups, params in by_sharding.items():  # the same keys in the same order on every rank
-            grads = [g._local_tensor if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None]
+            grads = [
+                g._local_tensor if isinstance(g, DTensor) else g for g in (p.grad for p in params) if g is not None
+            ]
             grads = [g for g in grads if g.numel()]
             local += grads
             sq = torch.zeros((), dtype=torch.float32, device=params[0].device)
@@ -84,7 +86,9 @@ class Parallel:
             for _, p in self.named_parameters():
                 groups = ()
                 if isinstance(p, DTensor):  # (FSDP2's _StridedShard shards too, though is_shard() says no)
-                    groups = tuple(p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate())
+                    groups = tuple(
+                        p.device_mesh.get_group(d) for d, pl in enumerate(p.placements) if not pl.is_replicate()
+                    )
                     # (a one-rank group has nothing to add, though its all-reduce would still launch a kernel)
                     groups = tuple(g for g in groups if dist.get_world_size(g) > 1)
                 self._by_sharding.setdefault(groups, []).append(p)
@@ -133,4 +137,3 @@ class Parallel:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
         set_optimizer_state_dict(self.wrapped, optimizer, state)
-

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from typing import ContextManager
 
-import contextlib
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 

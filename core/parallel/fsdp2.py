@@ -23,8 +23,9 @@ from core.training.precision import DTYPES
 
 
 class FSDP2(Parallel):
-    def __init__(self, model: nn.Module, env: DistEnv, cfg: FSDP2Config, unit_modules: list[type],
-                 param_dtype: torch.dtype):
+    def __init__(
+        self, model: nn.Module, env: DistEnv, cfg: FSDP2Config, unit_modules: list[type], param_dtype: torch.dtype
+    ):
         if env.tp > 1:
             _tensor_parallel_as_dtensors(model, env.mesh["tp"])
         # 1-d mesh (FSDP) or 2-d (HSDP: replicate over dp_outer, shard over dp_shard).

@@ -67,14 +67,24 @@ def _fuse_te_wgrad_accumulation(model: nn.Module, zero: int, dp_shard: int) -> N
             module.fuse_wgrad_accumulation = True
         log.info("TE writes weight gradients into Megatron-FSDP's main gradients (%d modules)", len(fusable))
     else:
-        log.warning("distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
-                    "rank(s): Megatron-FSDP would make TE overwrite the gradients accumulated over "
-                    "earlier micro-batches", zero, dp_shard)
+        log.warning(
+            "distributed.mfsdp.te_fuse_wgrad_accumulation is off for ZeRO-%d over %d dp_shard "
+            "rank(s): Megatron-FSDP would make TE overwrite the gradients accumulated over "
+            "earlier micro-batches",
+            zero,
+            dp_shard,
+        )
 
 
 class MegatronFSDP(Parallel):
-    def __init__(self, model: nn.Module, env: DistEnv, cfg: MFSDPConfig, unit_modules: list[type | str],
-                 cuda_graph_mode: bool = False):
+    def __init__(
+        self,
+        model: nn.Module,
+        env: DistEnv,
+        cfg: MFSDPConfig,
+        unit_modules: list[type | str],
+        cuda_graph_mode: bool = False,
+    ):
         import megatron_fsdp
 
         use_own_ddp_config_if_needed()
@@ -138,7 +148,9 @@ class MegatronFSDP(Parallel):
         lrs = [group["lr"] for group in optimizer.param_groups]
         for group in optimizer.param_groups:
             group["lr"] = 0.0  # the pre-init step must not move (or decay) any weight
-        megatron_fsdp.fully_shard_optimizer(optimizer, preproc_state_dict_for_dcp_ckpt=self.cfg.preproc_state_dict_for_dcp_ckpt)
+        megatron_fsdp.fully_shard_optimizer(
+            optimizer, preproc_state_dict_for_dcp_ckpt=self.cfg.preproc_state_dict_for_dcp_ckpt
+        )
         for group, lr in zip(optimizer.param_groups, lrs):
             group["lr"] = lr
         for state in optimizer.state.values():
@@ -157,17 +169,21 @@ class MegatronFSDP(Parallel):
         if self.nothing_to_reduce:
             return
         if self.zero >= 2:  # they reduce-scatter in every micro-batch's backward, no_sync or not
-            raise RuntimeError(f"Megatron-FSDP ZeRO-{self.zero} reduces gradients during each backward; "
-                               "deferring the reduction needs ZeRO-0 or ZeRO-1")
+            raise RuntimeError(
+                f"Megatron-FSDP ZeRO-{self.zero} reduces gradients during each backward; "
+                "deferring the reduction needs ZeRO-0 or ZeRO-1"
+            )
         # What the root post-backward hook does for the parameters still waiting on a step's last micro-batch
         # (megatron_fsdp.py, _root_post_backward), for every parameter: each bucket's all-reduce (ZeRO-0) or
         # reduce-scatter (ZeRO-1), in the same buckets and order as the hooks, so the sums are the same.
         wrapped = self.wrapped
         if self._reduction_order is None:
             self._reduction_order = sorted(wrapped.param_to_name, key=wrapped.param_to_name.get)
-        wrapped.grad_reduce_pipeline.reduce_gradients(self._reduction_order,
-                                                      suggested_queue_capacity=wrapped.suggested_RS_queue_capacity,
-                                                      outer_fsdp_group_grad_reduce=wrapped.dist_index.use_hybrid_fsdp)
+        wrapped.grad_reduce_pipeline.reduce_gradients(
+            self._reduction_order,
+            suggested_queue_capacity=wrapped.suggested_RS_queue_capacity,
+            outer_fsdp_group_grad_reduce=wrapped.dist_index.use_hybrid_fsdp,
+        )
         wrapped.grad_reduce_pipeline.reset()
 
     def finish_grad_sync(self) -> None:
@@ -180,8 +196,9 @@ class MegatronFSDP(Parallel):
     def _model_state_dict(self) -> dict:
         # The wrapper's state-dict hooks prepare the unevenly sharded DTensors for DCP (and drop TE's
         # _extra_state); its keys carry the wrapper's "module." prefix, which we remove.
-        return {k.removeprefix("module."): v for k, v in self.wrapped.state_dict().items()
-                if not k.endswith("_extra_state")}
+        return {
+            k.removeprefix("module."): v for k, v in self.wrapped.state_dict().items() if not k.endswith("_extra_state")
+        }
 
     def load_model_state_dict(self, state: dict) -> None:
         # The wrapper's load hook copies the loaded main weights into its compute buffers; strict=False
@@ -208,5 +225,6 @@ class MegatronFSDP(Parallel):
             raise ValueError("the optimizer's parameter groups differ from the checkpoint's")
         index_of = {n: i for i, n in enumerate(n for names in current for n in names)}
         groups = [{**s, "params": [index_of[n] for n in c]} for s, c in zip(saved, current)]
-        optimizer.load_state_dict({"state": {index_of[n]: v for n, v in state["state"].items()},
-                                   "param_groups": groups})
+        optimizer.load_state_dict(
+            {"state": {index_of[n]: v for n, v in state["state"].items()}, "param_groups": groups}
+        )

@@ -20,15 +20,23 @@ from core.config.errors import ConfigError
 from core.config.schema import DistributedConfig, ParallelBackend
 from core.distributed.env import DistEnv
 from core.layers.namespace import Layers
+from core.layers.tensor_parallel import Split, splits, unmark_whole_parameters
 from core.parallel import activation_checkpointing as activation_checkpointing_lib
 from core.parallel import compilation
 from core.parallel.base import Parallel
-from core.layers.tensor_parallel import Split, splits, unmark_whole_parameters
 from core.runtime import Runtime
 
 
-def parallelize(model: nn.Module, runtime: Runtime, env: DistEnv, cfg: DistributedConfig, layers: Layers,
-                block_classes: list[type], activation_checkpointing: bool = False, compile: bool = False) -> Parallel:
+def parallelize(
+    model: nn.Module,
+    runtime: Runtime,
+    env: DistEnv,
+    cfg: DistributedConfig,
+    layers: Layers,
+    block_classes: list[type],
+    activation_checkpointing: bool = False,
+    compile: bool = False,
+) -> Parallel:
     """Wrap `model` (identical on every rank, or on every rank of a tensor-parallel position; already on
     env.device) as `runtime.parallel` says; `block_classes` are the recipe's transformer blocks (the
     units of recomputation, compilation and sharding)."""
@@ -53,7 +61,9 @@ def _tensor_parallel(model: nn.Module, env: DistEnv) -> dict[str, Split]:
     return split
 
 
-def _shard(model: nn.Module, runtime: Runtime, env: DistEnv, cfg: DistributedConfig, block_classes: list[type]) -> Parallel:
+def _shard(
+    model: nn.Module, runtime: Runtime, env: DistEnv, cfg: DistributedConfig, block_classes: list[type]
+) -> Parallel:
     if runtime.parallel == ParallelBackend.fsdp2:
         from core.parallel.fsdp2 import FSDP2
 
@@ -66,8 +76,13 @@ def _shard(model: nn.Module, runtime: Runtime, env: DistEnv, cfg: DistributedCon
         return DDP(model, env, cfg.ddp)
     from core.parallel.mfsdp import MegatronFSDP
 
-    return MegatronFSDP(model, env, cfg.mfsdp, _unit_classes(cfg.mfsdp.fsdp_unit_modules, block_classes),
-                        cuda_graph_mode=runtime.cuda_graphs)
+    return MegatronFSDP(
+        model,
+        env,
+        cfg.mfsdp,
+        _unit_classes(cfg.mfsdp.fsdp_unit_modules, block_classes),
+        cuda_graph_mode=runtime.cuda_graphs,
+    )
 
 
 def _unit_classes(names: list[str] | None, default: list[type]) -> list[type]:

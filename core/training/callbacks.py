@@ -80,8 +80,9 @@ def _split(entry: Any, key: str) -> tuple[type, dict]:
     cls, arguments = split_target(entry, key)
     if not (isinstance(cls, type) and issubclass(cls, Callback)):
         path = entry["_target_"] if isinstance(entry, dict) else entry
-        raise ConfigError(f"{key}={path}: a {type(cls).__name__}, expected a subclass of "
-                          "core.training.callbacks.Callback")
+        raise ConfigError(
+            f"{key}={path}: a {type(cls).__name__}, expected a subclass of core.training.callbacks.Callback"
+        )
     return cls, arguments
 
 

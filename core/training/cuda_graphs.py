@@ -38,7 +38,7 @@ not checked against eager runs). training.cuda_graphs=auto runs those eagerly.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, ContextManager, Optional, TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
 import torch
 
@@ -50,8 +50,9 @@ if TYPE_CHECKING:  # the backend's interface, named in annotations only (docs/ar
 log = logging.getLogger("train")
 
 
-def forward_backward(parallel: Parallel, recipe, autocast: Callable[[], ContextManager], graphs: bool,
-                     te_layers: bool) -> ForwardBackward:
+def forward_backward(
+    parallel: Parallel, recipe, autocast: Callable[[], ContextManager], graphs: bool, te_layers: bool
+) -> ForwardBackward:
     """The loop's micro-batch step: eager, or replayed as a CUDA graph (runtime.cuda_graphs: where it applies,
     core/runtime.py)."""
     if not graphs:
@@ -105,8 +106,10 @@ class GraphedForwardBackward(ForwardBackward):
         elif _signature(batch) != self.signature:
             self.eager_fallbacks += 1
             if self.eager_fallbacks == 1:
-                log.warning("training.cuda_graphs: a micro-batch unlike the captured one (%s) runs eagerly",
-                            ", ".join(f"{k} {v[0] if isinstance(v, tuple) else v}" for k, v in _signature(batch)))
+                log.warning(
+                    "training.cuda_graphs: a micro-batch unlike the captured one (%s) runs eagerly",
+                    ", ".join(f"{k} {v[0] if isinstance(v, tuple) else v}" for k, v in _signature(batch)),
+                )
             return super().__call__(batch, loss_scale, is_last=False)
         for name, value in batch.items():
             if torch.is_tensor(value):
@@ -130,6 +133,9 @@ class GraphedForwardBackward(ForwardBackward):
                 f"graph ({type(e).__name__}: {e}). Recording runs nothing, so code that reads a GPU value on "
                 "the host (.item(), .tolist(), .cpu(), printing a tensor, a shape that depends on the data such "
                 "as boolean indexing) cannot be recorded; keep such code out of the recipe's forward and loss, "
-                "or run with training.cuda_graphs=none") from e
-        log.info("training.cuda_graphs: captured the forward and backward of a micro-batch (%s)",
-                 ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if torch.is_tensor(v)))
+                "or run with training.cuda_graphs=none"
+            ) from e
+        log.info(
+            "training.cuda_graphs: captured the forward and backward of a micro-batch (%s)",
+            ", ".join(f"{k} {tuple(v.shape)}" for k, v in self.inputs.items() if torch.is_tensor(v)),
+        )

@@ -34,22 +34,28 @@ class EarlyStopping(Callback):
 
     def on_train_start(self, run) -> None:
         if run.data.val_loader is None:
-            raise ConfigError(f"training.callbacks: EarlyStopping watches {self.monitor}, but this run does not "
-                              "validate (no validation set, or training.limit_val_batches=0)")
+            raise ConfigError(
+                f"training.callbacks: EarlyStopping watches {self.monitor}, but this run does not "
+                "validate (no validation set, or training.limit_val_batches=0)"
+            )
 
     def on_validation_end(self, run, step: int, metrics: dict[str, float]) -> None:
         name = self.monitor.removeprefix("val/")
         if name not in metrics:
-            raise ConfigError(f"training.callbacks: EarlyStopping monitor={self.monitor!r} is not a validation metric "
-                              f"of this run; there are: {', '.join(f'val/{k}' for k in sorted(metrics))}")
+            raise ConfigError(
+                f"training.callbacks: EarlyStopping monitor={self.monitor!r} is not a validation metric "
+                f"of this run; there are: {', '.join(f'val/{k}' for k in sorted(metrics))}"
+            )
         value = metrics[name]
         if self.best is None or self._improves(value):
             self.best, self.bad_validations = value, 0
             return
         self.bad_validations += 1
         if self.bad_validations >= self.patience:
-            run.request_stop(f"early stopping ({self.monitor} {value:.4g} at step {step}, best {self.best:.4g}: "
-                             f"no improvement by more than {self.min_delta:g} in {self.patience} validations)")
+            run.request_stop(
+                f"early stopping ({self.monitor} {value:.4g} at step {step}, best {self.best:.4g}: "
+                f"no improvement by more than {self.min_delta:g} in {self.patience} validations)"
+            )
 
     def _improves(self, value: float) -> bool:
         if self.mode == "min":

@@ -10,8 +10,9 @@ from torch import nn
 
 
 @torch.no_grad()
-def evaluate(recipe, model: nn.Module, loader, autocast: Callable[[], ContextManager], device: torch.device,
-             dp_group) -> dict[str, float]:
+def evaluate(
+    recipe, model: nn.Module, loader, autocast: Callable[[], ContextManager], device: torch.device, dp_group
+) -> dict[str, float]:
     """Metric sums over every valid sample (padding samples count for nothing), reduced over the
     data-parallel group, turned into the recipe's reported metrics."""
     model.eval()

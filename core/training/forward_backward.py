@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager, TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, ContextManager
 
 import torch
 

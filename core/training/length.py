@@ -37,8 +37,10 @@ class RunLength:
             return f"{self.steps} steps ({self.steps * self.global_batch_size / self.dataset_len:.2f} epochs)"
         extra = self.steps * self.global_batch_size - epochs * self.dataset_len
         note = f"; the last step also takes {extra} samples of epoch {epochs + 1}" if extra else ""
-        return (f"training.epochs={epochs}: {self.steps} steps of {self.global_batch_size} samples over "
-                f"{self.dataset_len} training samples{note}")
+        return (
+            f"training.epochs={epochs}: {self.steps} steps of {self.global_batch_size} samples over "
+            f"{self.dataset_len} training samples{note}"
+        )
 
 
 def run_length(steps: int | None, epochs: int | None, global_batch_size: int, dataset_len: int) -> RunLength:

@@ -33,8 +33,11 @@ class NonFiniteGuard:
         if self.policy == NonFinitePolicy.skip:
             if all_ranks_true(finite):
                 return True
-            log.warning("step %d: non-finite loss or gradient norm; optimizer step skipped (%d so far)",
-                        step, skipped_so_far + 1)
+            log.warning(
+                "step %d: non-finite loss or gradient norm; optimizer step skipped (%d so far)",
+                step,
+                skipped_so_far + 1,
+            )
             return False
         self.first_bad = torch.where(finite | (self.first_bad < step), self.first_bad, step)
         return True
@@ -44,10 +47,12 @@ class NonFiniteGuard:
         first = self.first_bad.clone()
         dist.all_reduce(first, op=dist.ReduceOp.MIN)
         if torch.isfinite(first).item():
-            raise NonFiniteError(f"non-finite loss or gradient norm at step {int(first.item())}; stopping without "
-                                 "saving it. training.on_nonfinite=skip skips an occasional bad step; if the weights "
-                                 "themselves are non-finite (a diverged run, or a checkpoint loaded with "
-                                 "checkpoint.verify_checksums=false), resume from an earlier checkpoint instead")
+            raise NonFiniteError(
+                f"non-finite loss or gradient norm at step {int(first.item())}; stopping without "
+                "saving it. training.on_nonfinite=skip skips an occasional bad step; if the weights "
+                "themselves are non-finite (a diverged run, or a checkpoint loaded with "
+                "checkpoint.verify_checksums=false), resume from an earlier checkpoint instead"
+            )
 
 
 def all_ranks_true(flag: torch.Tensor) -> bool:

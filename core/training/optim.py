@@ -13,8 +13,9 @@ from core.config.schema import OptimConfig, ScheduleExtension, ScheduleName, Sch
 from core.training.state import TrainState
 
 
-def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float,
-                 no_decay_names: set[str]) -> list[dict]:
+def param_groups(
+    named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float, no_decay_names: set[str]
+) -> list[dict]:
     """Two groups: decay for weight matrices; none for biases, norm weights (anything under 2-d) and
     the recipe's named exceptions (e.g. position embeddings)."""
     decay, no_decay = [], []
@@ -22,8 +23,10 @@ def param_groups(named_params: Iterable[tuple[str, nn.Parameter]], weight_decay:
         if not p.requires_grad:
             continue
         (no_decay if p.dim() < 2 or name in no_decay_names else decay).append(p)
-    groups = [{"params": decay, "weight_decay": weight_decay, "name": "decay"},
-              {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"}]
+    groups = [
+        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
+        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
+    ]
     return [g for g in groups if g["params"]]
 
 
@@ -74,8 +77,14 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: SchedulerConfig, tota
     return torch.optim.lr_scheduler.LambdaLR(optimizer, _multiplier(cfg, total_steps))
 
 
-def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, optim_cfg: OptimConfig, cfg: SchedulerConfig,
-                    state: TrainState, run_steps: int) -> list[str]:
+def resume_schedule(
+    optimizer: torch.optim.Optimizer,
+    scheduler,
+    optim_cfg: OptimConfig,
+    cfg: SchedulerConfig,
+    state: TrainState,
+    run_steps: int,
+) -> list[str]:
     """After a resume (the checkpoint's scheduler state and counters loaded): the schedule spans `run_steps`
     (scheduler.on_extend=stretch) or keeps the length the run started with (hold: state.schedule_steps, recorded in
     the checkpoint), and the learning rate and optimizer settings in effect are the config's (apply_config). Returns
@@ -85,36 +94,49 @@ def resume_schedule(optimizer: torch.optim.Optimizer, scheduler, optim_cfg: Opti
     recorded, hold, notes = state.schedule_steps, cfg.on_extend == ScheduleExtension.hold, []
     length = recorded if hold and recorded else run_steps
     if hold and not recorded:
-        notes.append(f"scheduler.on_extend=hold: the checkpoint does not record the length of its schedule (an earlier "
-                     f"version wrote it): the schedule spans training.steps={run_steps}")
+        notes.append(
+            f"scheduler.on_extend=hold: the checkpoint does not record the length of its schedule (an earlier "
+            f"version wrote it): the schedule spans training.steps={run_steps}"
+        )
     state.schedule_steps = length
     scheduler.lr_lambdas = [_multiplier(cfg, length) for _ in scheduler.lr_lambdas]
     position = state.step - state.skipped_steps
     apply_config(optimizer, scheduler, optim_cfg, position)
     lr = scheduler.get_last_lr()[0]
     if not math.isclose(lr, saved_lr, rel_tol=1e-6, abs_tol=1e-12):
-        notes.append(f"the learning rate at step {state.step + 1} is {lr:.3g}, not the {saved_lr:.3g} the checkpoint's "
-                     f"run would have used: {_why_changed(cfg, recorded, length, position)}")
+        notes.append(
+            f"the learning rate at step {state.step + 1} is {lr:.3g}, not the {saved_lr:.3g} the checkpoint's "
+            f"run would have used: {_why_changed(cfg, recorded, length, position)}"
+        )
     if hold and position >= length and run_steps > state.step:
         idle = ": they change nothing (weight decay too is scaled by the rate)" if lr == 0 else ""
-        notes.append(f"scheduler.on_extend=hold: the schedule ended at step {length}; steps {state.step + 1}-{run_steps} "
-                     f"keep its final learning rate {lr:.3g} (scheduler.min_lr_ratio={cfg.min_lr_ratio} x optim.lr){idle}")
+        notes.append(
+            f"scheduler.on_extend=hold: the schedule ended at step {length}; steps {state.step + 1}-{run_steps} "
+            f"keep its final learning rate {lr:.3g} (scheduler.min_lr_ratio={cfg.min_lr_ratio} x optim.lr){idle}"
+        )
     return notes
 
 
 def _why_changed(cfg: SchedulerConfig, recorded: int, length: int, position: int) -> str:
     """Why a resumed schedule's learning rate differs from the checkpoint's, and what keeps it, in words."""
     if not recorded:
-        return (f"the schedule spans training.steps={length} (the checkpoint does not record the length its schedule "
-                "started with), or its settings changed")
+        return (
+            f"the schedule spans training.steps={length} (the checkpoint does not record the length its schedule "
+            "started with), or its settings changed"
+        )
     if recorded == length:
         return "the schedule's settings differ from the checkpoint's"
-    began = (f", and its decay had begun (at step {decay_start(recorded, cfg) + 1}): the rate is back at the stable rate, "
-             f"and decays again from step {decay_start(length, cfg) + 1}"
-             if cfg.name == ScheduleName.wsd and position >= decay_start(recorded, cfg) else "")
-    return (f"the {cfg.name} schedule now spans training.steps={length}, not the {recorded} it started with{began}. "
-            "scheduler.on_extend=hold keeps the schedule it started with (steps past its end at its final rate); a "
-            "scheduler=wsd run extended before its decay begins goes on at the same rate")
+    began = (
+        f", and its decay had begun (at step {decay_start(recorded, cfg) + 1}): the rate is back at the stable rate, "
+        f"and decays again from step {decay_start(length, cfg) + 1}"
+        if cfg.name == ScheduleName.wsd and position >= decay_start(recorded, cfg)
+        else ""
+    )
+    return (
+        f"the {cfg.name} schedule now spans training.steps={length}, not the {recorded} it started with{began}. "
+        "scheduler.on_extend=hold keeps the schedule it started with (steps past its end at its final rate); a "
+        "scheduler=wsd run extended before its decay begins goes on at the same rate"
+    )
 
 
 def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, schedule_steps: int) -> None:
@@ -128,8 +150,12 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, 
     built_with = {k: v for k, v in getattr(optimizer, "defaults", {}).items() if k not in ("lr", "weight_decay")}
     for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
         group.update(built_with)
-        group.update(initial_lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps,
-                     weight_decay=cfg.weight_decay if group.get("name") != "no_decay" else 0.0)
+        group.update(
+            initial_lr=cfg.lr,
+            betas=tuple(cfg.betas),
+            eps=cfg.eps,
+            weight_decay=cfg.weight_decay if group.get("name") != "no_decay" else 0.0,
+        )
         group["lr"] = cfg.lr * multiplier(scheduler.last_epoch)
         scheduler.base_lrs.append(cfg.lr)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -23,8 +23,12 @@ def fp8_recipe(cfg: FP8Config):
 
     fmt = {FP8Format.hybrid: te_recipe.Format.HYBRID, FP8Format.e4m3: te_recipe.Format.E4M3}[cfg.fp8_format]
     if cfg.recipe == FP8RecipeName.delayed:
-        return te_recipe.DelayedScaling(fp8_format=fmt, amax_history_len=cfg.amax_history_len,
-                                        amax_compute_algo=str(cfg.amax_compute_algo), margin=cfg.margin)
+        return te_recipe.DelayedScaling(
+            fp8_format=fmt,
+            amax_history_len=cfg.amax_history_len,
+            amax_compute_algo=str(cfg.amax_compute_algo),
+            margin=cfg.margin,
+        )
     if cfg.recipe == FP8RecipeName.current:
         return te_recipe.Float8CurrentScaling(fp8_format=fmt)
     if cfg.recipe == FP8RecipeName.block:
@@ -32,8 +36,9 @@ def fp8_recipe(cfg: FP8Config):
     return te_recipe.MXFP8BlockScaling()
 
 
-def autocast_factory(device: torch.device, compute_dtype: Optional[torch.dtype], fp8: Any = None,
-                     amax_group=None) -> Callable[[], ContextManager]:
+def autocast_factory(
+    device: torch.device, compute_dtype: Optional[torch.dtype], fp8: Any = None, amax_group=None
+) -> Callable[[], ContextManager]:
     """A function that opens the forward pass's precision context: autocast to `compute_dtype` (none for
     fp32 or None), and TE's FP8 autocast with the recipe `fp8`, whose scales agree over `amax_group`."""
 

@@ -27,9 +27,16 @@ class StepSchedule:
     @classmethod
     def from_config(cls, cfg: DictConfig, length: RunLength) -> "StepSchedule":
         training, checkpoint = cfg.training, cfg.checkpoint
-        return cls(length, training.log_every_n_steps, training.val_every_n_steps, training.val_every_n_epochs,
-                   training.val_at_end, checkpoint.save_every_n_steps, checkpoint.save_every_n_epochs,
-                   checkpoint.save_final)
+        return cls(
+            length,
+            training.log_every_n_steps,
+            training.val_every_n_steps,
+            training.val_every_n_epochs,
+            training.val_at_end,
+            checkpoint.save_every_n_steps,
+            checkpoint.save_every_n_epochs,
+            checkpoint.save_final,
+        )
 
     def logs(self, step: int) -> bool:
         """Every log_every_n_steps steps, and the last step."""
@@ -38,19 +45,26 @@ class StepSchedule:
     def validates(self, step: int) -> bool:
         """Every val_every_n_steps steps, at the end of every val_every_n_epochs-th epoch, and at the last step
         with val_at_end."""
-        return ((self.val_every_n_steps > 0 and step % self.val_every_n_steps == 0)
-                or self.length.ends_epoch(step, self.val_every_n_epochs)
-                or (self.val_at_end and step == self.length.steps))
+        return (
+            (self.val_every_n_steps > 0 and step % self.val_every_n_steps == 0)
+            or self.length.ends_epoch(step, self.val_every_n_epochs)
+            or (self.val_at_end and step == self.length.steps)
+        )
 
     def saves(self, step: int) -> bool:
         """Every save_every_n_steps steps, at the end of every save_every_n_epochs-th epoch, and at the last step
         with save_final."""
-        return ((self.save_every_n_steps > 0 and step % self.save_every_n_steps == 0)
-                or self.length.ends_epoch(step, self.save_every_n_epochs)
-                or (self.save_final and step == self.length.steps))
+        return (
+            (self.save_every_n_steps > 0 and step % self.save_every_n_steps == 0)
+            or self.length.ends_epoch(step, self.save_every_n_epochs)
+            or (self.save_final and step == self.length.steps)
+        )
 
     def validates_at_all(self) -> bool:
         """Whether any of the run's steps validates (without going through them)."""
         steps = self.length.steps
-        return (self.val_at_end or 0 < self.val_every_n_steps <= steps
-                or 0 < self.val_every_n_epochs <= self.length.epochs_done(steps))
+        return (
+            self.val_at_end
+            or 0 < self.val_every_n_steps <= steps
+            or 0 < self.val_every_n_epochs <= self.length.epochs_done(steps)
+        )

@@ -9,7 +9,7 @@ from typing import ClassVar, Optional
 from omegaconf import MISSING
 
 from core.config.errors import require
-from core.config.ranges import TRANSFORMER_BLOCK_RANGES, INT32_MAX, Int, Real, Rule
+from core.config.ranges import INT32_MAX, TRANSFORMER_BLOCK_RANGES, Int, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 
@@ -42,9 +42,11 @@ class ESM2ModelConfig(ModelConfig):
     @staticmethod
     def check(c, key: str) -> None:
         heads = c.num_attention_heads
-        require(c.hidden_size % heads == 0 and c.hidden_size // heads % 2 == 0,
-                f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: expected an even head size "
-                "(hidden_size / num_attention_heads; rotary embeddings turn pairs of its channels)")
+        require(
+            c.hidden_size % heads == 0 and c.hidden_size // heads % 2 == 0,
+            f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: expected an even head size "
+            "(hidden_size / num_attention_heads; rotary embeddings turn pairs of its channels)",
+        )
 
 
 @dataclass
@@ -80,6 +82,8 @@ class ESM2DataConfig(DataConfig):
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(c.mask_replace + c.random_replace <= 1,
-                f"{key}.mask_replace={c.mask_replace} + {key}.random_replace={c.random_replace}: expected a sum <= 1 "
-                "(shares of the selected residues)")
+        require(
+            c.mask_replace + c.random_replace <= 1,
+            f"{key}.mask_replace={c.mask_replace} + {key}.random_replace={c.random_replace}: expected a sum <= 1 "
+            "(shares of the selected residues)",
+        )

@@ -26,12 +26,16 @@ HF_PREFIX = "esm."
 
 def _renames(num_layers: int) -> dict[str, str]:
     """Our name -> Hugging Face's, for every tensor that maps one to one."""
-    names = {"embedding.weight": "esm.embeddings.word_embeddings.weight",
-             "final_norm.weight": "esm.encoder.emb_layer_norm_after.weight",
-             "final_norm.bias": "esm.encoder.emb_layer_norm_after.bias",
-             "lm_head.dense.weight": "lm_head.dense.weight", "lm_head.dense.bias": "lm_head.dense.bias",
-             "lm_head.norm.weight": "lm_head.layer_norm.weight", "lm_head.norm.bias": "lm_head.layer_norm.bias",
-             "lm_head.bias": "lm_head.bias"}
+    names = {
+        "embedding.weight": "esm.embeddings.word_embeddings.weight",
+        "final_norm.weight": "esm.encoder.emb_layer_norm_after.weight",
+        "final_norm.bias": "esm.encoder.emb_layer_norm_after.bias",
+        "lm_head.dense.weight": "lm_head.dense.weight",
+        "lm_head.dense.bias": "lm_head.dense.bias",
+        "lm_head.norm.weight": "lm_head.layer_norm.weight",
+        "lm_head.norm.bias": "lm_head.layer_norm.bias",
+        "lm_head.bias": "lm_head.bias",
+    }
     for i in range(num_layers):
         ours, theirs = f"layers.{i}.", f"esm.encoder.layer.{i}."
         for kind in ("weight", "bias"):
@@ -53,8 +57,9 @@ def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
     wanted = [*_renames(m.num_layers), *(f"layers.{i}.self_attention.{n}" for i in range(m.num_layers) for n in qkv)]
     missing = [name for name in wanted if name not in weights]
     if missing:
-        raise ValueError(f"the weights are not an ESM-2 model of this config: {len(missing)} tensors missing, e.g. "
-                         f"{missing[:3]}")
+        raise ValueError(
+            f"the weights are not an ESM-2 model of this config: {len(missing)} tensors missing, e.g. {missing[:3]}"
+        )
     heads, head_dim = m.num_attention_heads, m.hidden_size // m.num_attention_heads
     out = {theirs: weights[ours] for ours, theirs in _renames(m.num_layers).items()}
     for name in ("esm.embeddings.word_embeddings.weight", "lm_head.bias"):  # our tables' padding rows left out
@@ -84,15 +89,26 @@ def rotary_inverse_frequencies(m: Any) -> torch.Tensor:
 def hf_shapes(m: Any) -> dict[str, tuple[int, ...]]:
     """Every tensor of an EsmForMaskedLM with our model settings `m` that we read or write, and its shape."""
     h, ffn = m.hidden_size, m.ffn_hidden_size
-    shapes = {"esm.embeddings.word_embeddings.weight": (VOCAB_SIZE, h), "lm_head.bias": (VOCAB_SIZE,),
-              "lm_head.dense.weight": (h, h)}
-    shapes |= {f"{name}.{kind}": (h,) for name in ("esm.encoder.emb_layer_norm_after", "lm_head.layer_norm")
-               for kind in ("weight", "bias")} | {"lm_head.dense.bias": (h,)}
+    shapes = {
+        "esm.embeddings.word_embeddings.weight": (VOCAB_SIZE, h),
+        "lm_head.bias": (VOCAB_SIZE,),
+        "lm_head.dense.weight": (h, h),
+    }
+    shapes |= {
+        f"{name}.{kind}": (h,)
+        for name in ("esm.encoder.emb_layer_norm_after", "lm_head.layer_norm")
+        for kind in ("weight", "bias")
+    } | {"lm_head.dense.bias": (h,)}
     for i in range(m.num_layers):
         layer = f"esm.encoder.layer.{i}."
-        for name, rows, columns in (("attention.self.query", h, h), ("attention.self.key", h, h),
-                                    ("attention.self.value", h, h), ("attention.output.dense", h, h),
-                                    ("intermediate.dense", ffn, h), ("output.dense", h, ffn)):
+        for name, rows, columns in (
+            ("attention.self.query", h, h),
+            ("attention.self.key", h, h),
+            ("attention.self.value", h, h),
+            ("attention.output.dense", h, h),
+            ("intermediate.dense", ffn, h),
+            ("output.dense", h, ffn),
+        ):
             shapes |= {layer + name + ".weight": (rows, columns), layer + name + ".bias": (rows,)}
         for norm in ("attention.LayerNorm", "LayerNorm"):
             shapes |= {f"{layer}{norm}.weight": (h,), f"{layer}{norm}.bias": (h,)}
@@ -101,19 +117,28 @@ def hf_shapes(m: Any) -> dict[str, tuple[int, ...]]:
 
 # Tensors of an EsmForMaskedLM folder that are not weights of our model: the contact head, buffers (rotary
 # frequencies, position ids), and the decoder, which ESM-2 ties to the embedding (checked apart).
-_NOT_OURS = re.compile(r"^esm\.contact_head\.|rotary_embeddings\.inv_freq$|^esm\.embeddings\.position_ids$|"
-                       r"^lm_head\.decoder\.weight$")
+_NOT_OURS = re.compile(
+    r"^esm\.contact_head\.|rotary_embeddings\.inv_freq$|^esm\.embeddings\.position_ids$|"
+    r"^lm_head\.decoder\.weight$"
+)
 
 
 def canonical_hf_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """LayerNorm weights by their current names: transformers still reads, and its save_pretrained of a fresh
     EsmForMaskedLM writes, the legacy `LayerNorm.gamma` / `LayerNorm.beta`."""
-    return {re.sub(r"(LayerNorm|layer_norm|emb_layer_norm_after)\.(gamma|beta)$",
-                   lambda x: f"{x[1]}.{'weight' if x[2] == 'gamma' else 'bias'}", k): v for k, v in hf.items()}
+    return {
+        re.sub(
+            r"(LayerNorm|layer_norm|emb_layer_norm_after)\.(gamma|beta)$",
+            lambda x: f"{x[1]}.{'weight' if x[2] == 'gamma' else 'bias'}",
+            k,
+        ): v
+        for k, v in hf.items()
+    }
 
 
-def check_hf_weights(hf: dict[str, torch.Tensor], m: Any, settings: str = "config.json",
-                     outcome: str = "nothing was imported") -> None:
+def check_hf_weights(
+    hf: dict[str, torch.Tensor], m: Any, settings: str = "config.json", outcome: str = "nothing was imported"
+) -> None:
     """Refuse EsmForMaskedLM weights that do not fit the model settings `m` (from `settings`) as our ESM-2
     (missing, unexpected, misshapen or quantized tensors), naming them; the layer count is checked first, so
     settings of absurd size build no table."""
@@ -122,8 +147,11 @@ def check_hf_weights(hf: dict[str, torch.Tensor], m: Any, settings: str = "confi
         raise ValueError(f"{settings} gives {m.num_layers} layers, the weights hold {layers}; {outcome}")
     problems = weight_mismatches(hf, hf_shapes(m), lambda k: bool(_NOT_OURS.search(k)), settings)
     if problems:
-        raise ValueError(f"the weights do not fit {settings} as an ESM-2 EsmForMaskedLM of {m.num_layers} layers: "
-                         + "; ".join(problems) + f"; {outcome}")
+        raise ValueError(
+            f"the weights do not fit {settings} as an ESM-2 EsmForMaskedLM of {m.num_layers} layers: "
+            + "; ".join(problems)
+            + f"; {outcome}"
+        )
 
 
 def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
@@ -152,19 +180,38 @@ def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
 
 def hf_config(m: Any, dtype: str = "float32") -> dict[str, Any]:
     """config.json of the EsmForMaskedLM our model `m` (the model config) equals."""
-    return {"architectures": ["EsmForMaskedLM"], "model_type": "esm", "vocab_size": VOCAB_SIZE,
-            "hidden_size": m.hidden_size, "num_hidden_layers": m.num_layers,
-            "num_attention_heads": m.num_attention_heads, "intermediate_size": m.ffn_hidden_size,
-            "hidden_act": "gelu", "hidden_dropout_prob": m.hidden_dropout,
-            "attention_probs_dropout_prob": m.attention_dropout, "max_position_embeddings": m.max_seq_length + 2,
-            "initializer_range": m.init_std, "layer_norm_eps": m.norm_epsilon, "position_embedding_type": "rotary",
-            "rope_theta": m.rotary_base, "use_cache": True, "emb_layer_norm_before": False,
-            "token_dropout": m.token_dropout, "is_folding_model": False, "tie_word_embeddings": True,
-            "pad_token_id": PAD, "mask_token_id": MASK, "cls_token_id": CLS, "eos_token_id": EOS, "dtype": dtype}
+    return {
+        "architectures": ["EsmForMaskedLM"],
+        "model_type": "esm",
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": m.hidden_size,
+        "num_hidden_layers": m.num_layers,
+        "num_attention_heads": m.num_attention_heads,
+        "intermediate_size": m.ffn_hidden_size,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": m.hidden_dropout,
+        "attention_probs_dropout_prob": m.attention_dropout,
+        "max_position_embeddings": m.max_seq_length + 2,
+        "initializer_range": m.init_std,
+        "layer_norm_eps": m.norm_epsilon,
+        "position_embedding_type": "rotary",
+        "rope_theta": m.rotary_base,
+        "use_cache": True,
+        "emb_layer_norm_before": False,
+        "token_dropout": m.token_dropout,
+        "is_folding_model": False,
+        "tie_word_embeddings": True,
+        "pad_token_id": PAD,
+        "mask_token_id": MASK,
+        "cls_token_id": CLS,
+        "eos_token_id": EOS,
+        "dtype": dtype,
+    }
 
 
 def check_esm2_config(config: dict, file: Path, fuse_qkv: bool = True) -> SimpleNamespace:
     """An EsmForMaskedLM config.json -> our model settings; refuses what our ESM-2 does not compute."""
+
     def need(condition: bool, what: str) -> None:
         if not condition:
             raise ValueError(f"{file}: {what}; not an ESM-2 model this recipe computes, nothing was imported")
@@ -181,39 +228,55 @@ def check_esm2_config(config: dict, file: Path, fuse_qkv: bool = True) -> Simple
     eps, theta = config.get("layer_norm_eps", 1e-12), config.get("rope_theta", 10000.0)
     need(isinstance(eps, (int, float)) and 0 < eps < 1, f"layer_norm_eps={eps!r}")
     need(isinstance(theta, (int, float)) and theta > 1, f"rope_theta={theta!r}")
-    return SimpleNamespace(hidden_size=config["hidden_size"], num_layers=config["num_hidden_layers"],
-                           num_attention_heads=config["num_attention_heads"],
-                           ffn_hidden_size=config["intermediate_size"], norm_epsilon=float(eps),
-                           rotary_base=float(theta), token_dropout=bool(config.get("token_dropout", False)),
-                           fuse_qkv_params=fuse_qkv)
+    return SimpleNamespace(
+        hidden_size=config["hidden_size"],
+        num_layers=config["num_hidden_layers"],
+        num_attention_heads=config["num_attention_heads"],
+        ffn_hidden_size=config["intermediate_size"],
+        norm_epsilon=float(eps),
+        rotary_base=float(theta),
+        token_dropout=bool(config.get("token_dropout", False)),
+        fuse_qkv_params=fuse_qkv,
+    )
 
 
 def settings_overrides(m: SimpleNamespace) -> list[str]:
-    return [f"model.hidden_size={m.hidden_size}", f"model.num_layers={m.num_layers}",
-            f"model.num_attention_heads={m.num_attention_heads}", f"model.ffn_hidden_size={m.ffn_hidden_size}",
-            f"model.norm_epsilon={m.norm_epsilon}", f"model.rotary_base={m.rotary_base}",
-            f"model.token_dropout={str(m.token_dropout).lower()}"] + (
-        [] if m.fuse_qkv_params else ["model.fuse_qkv_params=false"])
+    return [
+        f"model.hidden_size={m.hidden_size}",
+        f"model.num_layers={m.num_layers}",
+        f"model.num_attention_heads={m.num_attention_heads}",
+        f"model.ffn_hidden_size={m.ffn_hidden_size}",
+        f"model.norm_epsilon={m.norm_epsilon}",
+        f"model.rotary_base={m.rotary_base}",
+        f"model.token_dropout={str(m.token_dropout).lower()}",
+    ] + ([] if m.fuse_qkv_params else ["model.fuse_qkv_params=false"])
 
 
 def write_tokenizer(out: Path, max_length: int) -> list[str]:
     """EsmTokenizer's files: vocab.txt (one token per line, id order) and tokenizer_config.json."""
     (out / "vocab.txt").write_text("\n".join(VOCABULARY))
-    specials = {"cls_token": "<cls>", "pad_token": "<pad>", "eos_token": "<eos>", "unk_token": "<unk>",
-                "mask_token": "<mask>"}
-    (out / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "EsmTokenizer", "model_max_length": max_length, **specials}, indent=2) + "\n")
+    specials = {
+        "cls_token": "<cls>",
+        "pad_token": "<pad>",
+        "eos_token": "<eos>",
+        "unk_token": "<unk>",
+        "mask_token": "<mask>",
+    }
+    (out / "tokenizer_config.json").write_text(
+        json.dumps({"tokenizer_class": "EsmTokenizer", "model_max_length": max_length, **specials}, indent=2) + "\n"
+    )
     (out / "special_tokens_map.json").write_text(json.dumps(specials, indent=2) + "\n")
     return ["vocab.txt", "tokenizer_config.json", "special_tokens_map.json"]
 
 
-def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
-                 config: Optional[str] = None) -> dict:
+def export_to_hf(
+    source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32", config: Optional[str] = None
+) -> dict:
     """checkpoint.py to-hf for an ESM-2 run: a step folder (or weights file + its run's config) -> a folder that
     EsmForMaskedLM.from_pretrained and EsmTokenizer.from_pretrained load. Returns the written config.json."""
     from core.checkpointing.hf_folders import read_run
-    from core.checkpointing.output_files import save_safetensors
     from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.output_files import save_safetensors
     from recipes.registry import get_recipe
 
     out = Path(out_dir)
@@ -228,10 +291,16 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
     written = hf_config(m, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
     files = write_tokenizer(out, m.max_seq_length)
-    note = ("" if m.activation == "gelu_erf" else "; trained with TE's GELU (tanh form), which EsmForMaskedLM "
-            "computes exactly (erf): its logits differ a little (docs/esm2.md)")
-    print(f"wrote {out}: EsmForMaskedLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
-          f"{len(hf)} tensors; {', '.join(files)}{note}")
+    note = (
+        ""
+        if m.activation == "gelu_erf"
+        else "; trained with TE's GELU (tanh form), which EsmForMaskedLM "
+        "computes exactly (erf): its logits differ a little (docs/esm2.md)"
+    )
+    print(
+        f"wrote {out}: EsmForMaskedLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
+        f"{len(hf)} tensors; {', '.join(files)}{note}"
+    )
     return written
 
 
@@ -243,11 +312,14 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     folder, target, config, hf = read_hf_folder(hf_dir, out)
     m = check_esm2_config(config, folder / "config.json", fuse_qkv)
     weights = from_hf(hf, m)
-    if "lm_head.decoder.weight" in hf and not torch.equal(hf["lm_head.decoder.weight"],
-                                                          hf["esm.embeddings.word_embeddings.weight"]):
+    if "lm_head.decoder.weight" in hf and not torch.equal(
+        hf["lm_head.decoder.weight"], hf["esm.embeddings.word_embeddings.weight"]
+    ):
         raise ValueError("lm_head.decoder.weight differs from the embedding: ESM-2 ties them; nothing was imported")
     write_weights(weights, target, str(folder))
     settings = settings_overrides(m)
-    print(f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
-          f"{override('checkpoint.init_from', target)} {' '.join(settings)}")
+    print(
+        f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
+        f"{override('checkpoint.init_from', target)} {' '.join(settings)}"
+    )
     return settings

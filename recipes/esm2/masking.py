@@ -31,21 +31,25 @@ def framed_length(residues, max_length: int):
     return np.minimum(residues, max_length - 2) + 2
 
 
-def crop_and_mask(residues: np.ndarray, max_length: int, masking: Masking,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def crop_and_mask(
+    residues: np.ndarray, max_length: int, masking: Masking, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """residues (token ids) -> (tokens, labels), int64 [framed_length]: labels hold the original token where it
     is to be predicted, IGNORE elsewhere. A longer sequence is cropped to a uniformly drawn window."""
     keep = max_length - 2
     if len(residues) > keep:
         start = int(torch.randint(0, len(residues) - keep + 1, (1,), generator=generator))
-        residues = residues[start:start + keep]
-    tokens = torch.cat([torch.tensor([CLS]), torch.from_numpy(np.asarray(residues, dtype=np.int64)),
-                        torch.tensor([EOS])])
+        residues = residues[start : start + keep]
+    tokens = torch.cat(
+        [torch.tensor([CLS]), torch.from_numpy(np.asarray(residues, dtype=np.int64)), torch.tensor([EOS])]
+    )
     n = len(tokens)
     # Three draws per token, always, so that the stream of random numbers does not depend on the outcomes.
-    select, how, random_residue = (torch.rand(n, generator=generator), torch.rand(n, generator=generator),
-                                   torch.randint(STANDARD_AMINO_ACIDS.start, STANDARD_AMINO_ACIDS.stop, (n,),
-                                                 generator=generator))
+    select, how, random_residue = (
+        torch.rand(n, generator=generator),
+        torch.rand(n, generator=generator),
+        torch.randint(STANDARD_AMINO_ACIDS.start, STANDARD_AMINO_ACIDS.stop, (n,), generator=generator),
+    )
     selected = (select < masking.fraction) & ~torch.isin(tokens, torch.tensor(SPECIAL))
     labels = torch.where(selected, tokens, IGNORE)
     to_mask = selected & (how < masking.replace_with_mask)

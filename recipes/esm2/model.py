@@ -47,8 +47,10 @@ class ESM2(nn.Module):
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.activation == "gelu_erf" and layers.name == "te":
-            raise ConfigError("model.activation=gelu_erf (the exact GELU) has no TransformerEngine kernel: use "
-                              "model.activation=gelu (TE's tanh form) with model.backend=te, or model.backend=torch")
+            raise ConfigError(
+                "model.activation=gelu_erf (the exact GELU) has no TransformerEngine kernel: use "
+                "model.activation=gelu (TE's tanh form) with model.backend=te, or model.backend=torch"
+            )
         if layers.tp.size > 1:
             raise ConfigError(f"distributed.tp={layers.tp.size}: the ESM-2 recipe has no tensor parallelism; use tp=1")
         self.cfg, self.high_precision, self.max_seq_length = cfg, layers.high_precision, cfg.max_seq_length
@@ -57,11 +59,20 @@ class ESM2(nn.Module):
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
             layers.TransformerLayer(
-                hidden_size=h, ffn_hidden_size=cfg.ffn_hidden_size, num_attention_heads=heads,
-                layernorm_epsilon=cfg.norm_epsilon, hidden_dropout=cfg.hidden_dropout,
-                attention_dropout=cfg.attention_dropout, self_attn_mask_type="padding", attn_input_format="thd",
-                fuse_qkv_params=cfg.fuse_qkv_params, bias=True, activation=cfg.activation, normalization="LayerNorm",
-                layer_number=i + 1, device=device,
+                hidden_size=h,
+                ffn_hidden_size=cfg.ffn_hidden_size,
+                num_attention_heads=heads,
+                layernorm_epsilon=cfg.norm_epsilon,
+                hidden_dropout=cfg.hidden_dropout,
+                attention_dropout=cfg.attention_dropout,
+                self_attn_mask_type="padding",
+                attn_input_format="thd",
+                fuse_qkv_params=cfg.fuse_qkv_params,
+                bias=True,
+                activation=cfg.activation,
+                normalization="LayerNorm",
+                layer_number=i + 1,
+                device=device,
             )
             for i in range(cfg.num_layers)
         )
@@ -69,8 +80,13 @@ class ESM2(nn.Module):
         gelu = (lambda x: F.gelu(x)) if cfg.activation == "gelu_erf" else (lambda x: F.gelu(x, approximate="tanh"))
         self.lm_head = LMHead(h, cfg.norm_epsilon, gelu, layers, device)
 
-    def forward(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, labels: torch.Tensor | None = None,
-                hidden_layer: int | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        cu_seqlens: torch.Tensor,
+        labels: torch.Tensor | None = None,
+        hidden_layer: int | None = None,
+    ) -> torch.Tensor:
         """tokens [rows, budget], cu_seqlens [rows, slots + 1] -> logits [rows, budget, vocab]; with `labels`
         [rows, budget], each token's cross-entropy instead (fp32; labels < 0 count 0); with `hidden_layer`, the
         hidden states [rows, budget, hidden] after that many blocks (0: the embeddings; num_layers: after the
@@ -83,8 +99,15 @@ class ESM2(nn.Module):
         if hidden_layer == 0:
             return x.view(rows, budget, -1)
         for i, block in enumerate(self.layers):
-            x = block(x, rotary_pos_emb=angles, self_attn_mask_type="padding", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                      max_seqlen_q=self.max_seq_length, max_seqlen_kv=self.max_seq_length)
+            x = block(
+                x,
+                rotary_pos_emb=angles,
+                self_attn_mask_type="padding",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=self.max_seq_length,
+                max_seqlen_kv=self.max_seq_length,
+            )
             if hidden_layer == i + 1 and hidden_layer < len(self.layers):
                 return x.view(rows, budget, -1)
         x = self.final_norm(x)
@@ -108,7 +131,9 @@ class ESM2(nn.Module):
             sequence, _ = packed_positions(cu_seqlens, tokens.shape[0])
             slots = cu_seqlens.shape[0]  # one more than the sequences: tokens past the last offset (none here)
             masked = torch.zeros(slots, device=x.device).index_add_(0, sequence, is_mask.float())
-            length = torch.zeros(slots, device=x.device).index_add_(0, sequence, torch.ones_like(is_mask, dtype=torch.float))
+            length = torch.zeros(slots, device=x.device).index_add_(
+                0, sequence, torch.ones_like(is_mask, dtype=torch.float)
+            )
             scale = (1 - MASK_RATIO_TRAIN) / (1 - masked / length.clamp(min=1))
             x = x * scale[sequence, None].to(x.dtype)
         return x * (tokens != PAD)[:, None].to(x.dtype)
@@ -117,6 +142,8 @@ class ESM2(nn.Module):
 def flat_offsets(cu_seqlens: torch.Tensor, budget: int) -> torch.Tensor:
     """Per-row offsets [rows, slots + 1] -> the offsets of all rows as one stream [rows x slots + 1] (int32)."""
     rows = cu_seqlens.shape[0]
-    shifted = cu_seqlens[:, :-1] + budget * torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)[:, None]
+    shifted = (
+        cu_seqlens[:, :-1] + budget * torch.arange(rows, device=cu_seqlens.device, dtype=cu_seqlens.dtype)[:, None]
+    )
     end = torch.full((1,), rows * budget, device=cu_seqlens.device, dtype=cu_seqlens.dtype)
     return torch.cat([shifted.reshape(-1), end]).to(torch.int32)

@@ -67,7 +67,7 @@ def plan_packs(lengths: np.ndarray, budget: int, max_sequences: int) -> np.ndarr
     positions starts[k]:starts[k+1] (PackPlanner's rule)."""
     planner = PackPlanner(budget, max_sequences)
     for start in range(0, len(lengths), PLAN_CHUNK):
-        planner.add(lengths[start:start + PLAN_CHUNK])
+        planner.add(lengths[start : start + PLAN_CHUNK])
     return planner.finish()
 
 
@@ -76,8 +76,17 @@ class PackedSequences(Dataset):
     windows and masks) is a dict of "tokens" and "labels" [budget] (int64), "cu_seqlens" [slots + 1] (int32) and
     "sequences" [max_sequences] (the store indices of its sequences, -1 for none)."""
 
-    def __init__(self, store: SequenceStore, indices: np.ndarray, budget: int, max_length: int, max_sequences: int,
-                 masking: Masking, seed: int, shuffle_seed: int | None):
+    def __init__(
+        self,
+        store: SequenceStore,
+        indices: np.ndarray,
+        budget: int,
+        max_length: int,
+        max_sequences: int,
+        masking: Masking,
+        seed: int,
+        shuffle_seed: int | None,
+    ):
         if max_length < 3 or budget < max_length:
             raise ValueError(f"budget={budget}, max_length={max_length}: expected 3 <= max_length <= budget")
         self.store, self.masking, self.seed = store, masking, seed
@@ -89,7 +98,7 @@ class PackedSequences(Dataset):
             np.random.default_rng(shuffle_seed).shuffle(order)
         planner, self.real_tokens = PackPlanner(budget, max_sequences), 0
         for start in range(0, len(order), PLAN_CHUNK):
-            lengths = framed_length(store.lengths_of(order[start:start + PLAN_CHUNK]), max_length)
+            lengths = framed_length(store.lengths_of(order[start : start + PLAN_CHUNK]), max_length)
             planner.add(lengths)
             self.real_tokens += int(lengths.sum())
         self.order, self.starts = order, planner.finish()
@@ -101,24 +110,29 @@ class PackedSequences(Dataset):
         epoch, k = epoch_index(index)
         if not 0 <= k < len(self):
             raise IndexError(f"pack {k} of {len(self)}")
-        members = self.order[self.starts[k]:self.starts[k + 1]]
+        members = self.order[self.starts[k] : self.starts[k + 1]]
         tokens = torch.full((self.budget,), PAD, dtype=torch.int64)
         labels = torch.full((self.budget,), IGNORE, dtype=torch.int64)
         offsets = [0]
         for i in members.tolist():
             residues = self.store.sequence(i)
             if len(residues) and int(residues.max()) >= len(VOCABULARY):
-                raise DataError(f"{self.store.source}: sequence {i} holds token id {int(residues.max())}, outside "
-                                f"the {len(VOCABULARY)}-token vocabulary")
+                raise DataError(
+                    f"{self.store.source}: sequence {i} holds token id {int(residues.max())}, outside "
+                    f"the {len(VOCABULARY)}-token vocabulary"
+                )
             t, y = crop_and_mask(residues, self.max_length, self.masking, sample_generator(self.seed, epoch, i))
             start = offsets[-1]
-            tokens[start:start + len(t)], labels[start:start + len(t)] = t, y
+            tokens[start : start + len(t)], labels[start : start + len(t)] = t, y
             offsets.append(start + len(t))
         while offsets[-1] < self.budget:  # the padding, in pieces the attention kernels' bound covers
             offsets.append(min(offsets[-1] + self.max_length, self.budget))
         offsets += [self.budget] * (self.slots + 1 - len(offsets))
         sequences = torch.full((self.max_sequences,), -1, dtype=torch.int64)
-        sequences[:len(members)] = torch.from_numpy(members)
-        return {"tokens": tokens, "labels": labels, "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
-                "sequences": sequences}
-
+        sequences[: len(members)] = torch.from_numpy(members)
+        return {
+            "tokens": tokens,
+            "labels": labels,
+            "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
+            "sequences": sequences,
+        }

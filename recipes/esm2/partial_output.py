@@ -33,6 +33,7 @@ WRITER_FILE = "writer.json"
 class WriterRecord(Writer):
     """writer.json: the process writing a partial folder (every field recorded; null: unreadable), and since
     when."""
+
     host: str
     pidns: Optional[str]
     boot: Optional[str]
@@ -71,8 +72,9 @@ class PartialFolder:
         try:
             self.path.mkdir()
         except FileExistsError:
-            raise DataError(f"{self.option} {self.out}: {self.path} exists and was not written by a run of this "
-                            "tool: move it away") from None
+            raise DataError(
+                f"{self.option} {self.out}: {self.path} exists and was not written by a run of this tool: move it away"
+            ) from None
         self.created = True
         self.me = self.me.model_copy(update={"since_ns": time.time_ns()})  # the start is when others can see it
         (self.path / WRITER_FILE).write_text(self.me.model_dump_json())
@@ -87,8 +89,10 @@ class PartialFolder:
                 raise FileExistsError(self.out)
             os.rename(self.path, self.out)  # fails on a non-empty folder: another run's output is never replaced
         except OSError:
-            raise DataError(f"{self.option} {self.out} appeared while this run wrote it (another run?): it was left "
-                            "as it is and this run's output removed") from None
+            raise DataError(
+                f"{self.option} {self.out} appeared while this run wrote it (another run?): it was left "
+                "as it is and this run's output removed"
+            ) from None
         self.published = True
 
     def __exit__(self, *error) -> None:
@@ -103,21 +107,32 @@ class PartialFolder:
         for folder, writer in self._peers():
             if self._is_predecessor(writer) or writer_is_gone(writer, self.me):
                 whole = remove_partial(folder, self.files)
-                self.say(f"removed {folder if whole else 'what this tool wrote in ' + str(folder)}: the partial "
-                         f"output of a run (pid {writer.pid} on {writer.host}) that ended before completing it"
-                         + ("" if whole else "; the other files there were left as they are"))
+                self.say(
+                    f"removed {folder if whole else 'what this tool wrote in ' + str(folder)}: the partial "
+                    f"output of a run (pid {writer.pid} on {writer.host}) that ended before completing it"
+                    + ("" if whole else "; the other files there were left as they are")
+                )
             elif not mine or (writer.since_ns, writer.host, writer.pid) < mine:
                 started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(writer.since_ns / 1e9))
-                judged = "" if writer.host == self.me.host and writer.pidns == self.me.pidns else \
-                    f" (if that run has ended, remove {folder})"
-                raise DataError(f"{self.option} {self.out}: another run is writing it (pid {writer.pid} on "
-                                f"{writer.host}, since {started}, into {folder}){judged}; wait for it, or give "
-                                "another folder")
+                judged = (
+                    ""
+                    if writer.host == self.me.host and writer.pidns == self.me.pidns
+                    else f" (if that run has ended, remove {folder})"
+                )
+                raise DataError(
+                    f"{self.option} {self.out}: another run is writing it (pid {writer.pid} on "
+                    f"{writer.host}, since {started}, into {folder}){judged}; wait for it, or give "
+                    "another folder"
+                )
 
     def _is_predecessor(self, writer: WriterRecord) -> bool:
         """A record of this process's pid that is not this run's: an ended run that had the same pid."""
-        return (writer.host, writer.pidns, writer.boot, writer.pid) == (self.me.host, self.me.pidns, self.me.boot,
-                                                                        self.me.pid)
+        return (writer.host, writer.pidns, writer.boot, writer.pid) == (
+            self.me.host,
+            self.me.pidns,
+            self.me.boot,
+            self.me.pid,
+        )
 
     def _peers(self) -> list[tuple[Path, WriterRecord]]:
         """The other partial folders of `out` that hold a writer record (anything else is not this tool's)."""

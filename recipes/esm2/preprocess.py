@@ -39,11 +39,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser.add_argument("--split", default="train", help="a datasets DatasetDict folder: the split")
     args = parser.parse_args(argv)
     try:
-        named = itertools.chain.from_iterable(records(p, args.column, args.name_column, args.split, KEYS)
-                                              for p in args.input)
-        index = write_store(named, args.out, ", ".join(map(str, args.input)),
-                            named="--input " + " ".join(map(str, args.input)), option="--out",
-                            say=lambda note: print(f"note: {note}", file=sys.stderr))
+        named = itertools.chain.from_iterable(
+            records(p, args.column, args.name_column, args.split, KEYS) for p in args.input
+        )
+        index = write_store(
+            named,
+            args.out,
+            ", ".join(map(str, args.input)),
+            named="--input " + " ".join(map(str, args.input)),
+            option="--out",
+            say=lambda note: print(f"note: {note}", file=sys.stderr),
+        )
     except ConfigError as e:  # DataError included: a file or option the user can fix
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -54,8 +60,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         signum = stop_signal(e)
         print(f"error: stopped by {signum.name}; nothing was written", file=sys.stderr)
         raise SystemExit(128 + signum) from None  # the shell's code for an end by this signal
-    print(f"wrote {index['sequences']} sequences, {index['residues']} residues to {args.out} "
-          f"(train with data.path={args.out})")
+    print(
+        f"wrote {index['sequences']} sequences, {index['residues']} residues to {args.out} "
+        f"(train with data.path={args.out})"
+    )
     if index["notes"]:
         print(f"note: {index['notes']}")
 

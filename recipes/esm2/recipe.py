@@ -1,7 +1,7 @@
 """The ESM-2 recipe: protein masked-language-model pretraining (or fine-tuning) on packed sequences.
 
-    torchrun --nproc-per-node 2 train.py --config-name esm2_sanity        # the shipped UniRef90 slice, on CPUs
-    torchrun --nproc-per-node 8 train.py --config-name esm2_650m data.path=/data/uniref90_store
+torchrun --nproc-per-node 2 train.py --config-name esm2_sanity        # the shipped UniRef90 slice, on CPUs
+torchrun --nproc-per-node 8 train.py --config-name esm2_650m data.path=/data/uniref90_store
 """
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ from torch import nn
 from core.config.errors import ConfigError
 from core.data.datasets import mix_seed
 from core.layers.namespace import Layers
+from core.layers.torch_twins import packed_positions
 from core.layers.weight_init import init_parameters, standard_rule
 from recipes.base import Datasets, Recipe
 from recipes.esm2.config import ESM2DataConfig, ESM2ModelConfig
 from recipes.esm2.masking import Masking
-from core.layers.torch_twins import packed_positions
 from recipes.esm2.model import ESM2, VOCAB_SIZE, flat_offsets
 from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import SequenceStore, read_store
@@ -32,9 +32,19 @@ class ESM2Recipe(Recipe):
     model_schema = ESM2ModelConfig
     data_schema = ESM2DataConfig
     predict_config = "esm2_sanity"
-    tiny_configs = {"": ("esm2_sanity", ("model.num_layers=1", "model.hidden_size=32", "model.num_attention_heads=2",
-                                         "model.ffn_hidden_size=64", "model.max_seq_length=64",
-                                         "data.tokens_per_pack=256"))}
+    tiny_configs = {
+        "": (
+            "esm2_sanity",
+            (
+                "model.num_layers=1",
+                "model.hidden_size=32",
+                "model.num_attention_heads=2",
+                "model.ffn_hidden_size=64",
+                "model.max_seq_length=64",
+                "data.tokens_per_pack=256",
+            ),
+        )
+    }
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
         model = ESM2(self.cfg.model, layers, device=device)
@@ -48,24 +58,31 @@ class ESM2Recipe(Recipe):
     def pack_shape(self) -> tuple[int, int]:
         """(tokens per row, sequences per row at most): packed rows, or one padded sequence per row."""
         data, max_length = self.cfg.data, self.cfg.model.max_seq_length
-        row, key = (data.tokens_per_pack, "data.tokens_per_pack") if data.packing else (max_length, "model.max_seq_length")
+        row, key = (
+            (data.tokens_per_pack, "data.tokens_per_pack") if data.packing else (max_length, "model.max_seq_length")
+        )
         if self.cfg.precision.fp8.enabled and row % 16:
             # TE's FP8 GEMMs take token counts that are multiples of 16; a row that is one keeps every batch so.
-            raise ConfigError(f"{key}={row} with precision.fp8.enabled=true: FP8 needs rows of a multiple of 16 "
-                              f"tokens (e.g. {key}={-(-row // 16) * 16})")
+            raise ConfigError(
+                f"{key}={row} with precision.fp8.enabled=true: FP8 needs rows of a multiple of 16 "
+                f"tokens (e.g. {key}={-(-row // 16) * 16})"
+            )
         if not data.packing:
             return max_length, 1
         if data.tokens_per_pack < max_length:
-            raise ConfigError(f"data.tokens_per_pack={data.tokens_per_pack} is smaller than model.max_seq_length="
-                              f"{max_length}: a pack must hold the longest (cropped) sequence")
+            raise ConfigError(
+                f"data.tokens_per_pack={data.tokens_per_pack} is smaller than model.max_seq_length="
+                f"{max_length}: a pack must hold the longest (cropped) sequence"
+            )
         return data.tokens_per_pack, data.max_sequences_per_pack
 
     def _packs(self, store: SequenceStore, indices: np.ndarray, shuffle_seed: int | None) -> PackedSequences:
         data = self.cfg.data
         budget, max_sequences = self.pack_shape()
         masking = Masking(data.mask_fraction, data.mask_replace, data.random_replace)
-        return PackedSequences(store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking,
-                               self.cfg.seed, shuffle_seed)
+        return PackedSequences(
+            store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking, self.cfg.seed, shuffle_seed
+        )
 
     def build_datasets(self) -> Datasets:
         """Packs of the training sequences (which share a pack: planned once, from the seed) and of the validation
@@ -77,7 +94,7 @@ class ESM2Recipe(Recipe):
         if data.val_path is not None:
             val_store = self._read("data.val_path", data.val_path)
             val_indices = np.arange(len(val_store))
-        train = self._packs(store, train_indices, shuffle_seed=mix_seed(self.cfg.seed, 0x9ac))
+        train = self._packs(store, train_indices, shuffle_seed=mix_seed(self.cfg.seed, 0x9AC))
         return Datasets(train, self._packs(val_store, val_indices, shuffle_seed=None))
 
     def _read(self, setting: str, path: str) -> SequenceStore:
@@ -93,8 +110,9 @@ class ESM2Recipe(Recipe):
             return np.arange(len(store)), np.arange(0)
         held_out = max(1, round(len(store) * data.val_fraction))
         if held_out >= len(store):
-            raise ConfigError(f"data.val_fraction={data.val_fraction} of {len(store)} sequences leaves none to "
-                              f"train on ({data.path})")
+            raise ConfigError(
+                f"data.val_fraction={data.val_fraction} of {len(store)} sequences leaves none to train on ({data.path})"
+            )
         order = np.random.default_rng(data.split_seed).permutation(len(store))
         return np.sort(order[held_out:]), np.sort(order[:held_out])
 
@@ -102,8 +120,16 @@ class ESM2Recipe(Recipe):
         """In order; 15% of each sequence's residues (seeded) shown as <mask> for its masked perplexity."""
         budget, max_sequences = self.pack_shape()
         masking = Masking(self.cfg.data.mask_fraction, replace_with_mask=1.0, replace_with_random=0.0)
-        return PackedSequences(store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking,
-                               self.cfg.seed, shuffle_seed=None)
+        return PackedSequences(
+            store,
+            indices,
+            budget,
+            self.cfg.model.max_seq_length,
+            max_sequences,
+            masking,
+            self.cfg.seed,
+            shuffle_seed=None,
+        )
 
     def default_split(self) -> str:
         return "val"  # its splits are train, val and all: no test
@@ -142,8 +168,13 @@ class ESM2Recipe(Recipe):
         hidden = model(clean, cu, hidden_layer=self.embedding_layer()).reshape(rows * budget, -1).float()
         residue = ~torch.isin(clean, torch.tensor([CLS, EOS, PAD], device=clean.device)).reshape(-1, 1)
         count = per_slot(residue.float())
-        return {"sequences": sequences, "nll": per_slot(nll), "masked": per_slot((labels.reshape(-1) >= 0).float()),
-                "residues": count[..., 0], "embedding": per_slot(hidden * residue) / count.clamp(min=1)}
+        return {
+            "sequences": sequences,
+            "nll": per_slot(nll),
+            "masked": per_slot((labels.reshape(-1) >= 0).float()),
+            "residues": count[..., 0],
+            "embedding": per_slot(hidden * residue) / count.clamp(min=1),
+        }
 
     def embedding_layer(self) -> int:
         layer, layers = self.cfg.predict.embedding_layer, self.cfg.model.num_layers
@@ -159,15 +190,23 @@ class ESM2Recipe(Recipe):
         index = columns["sequences"][present]
         order = torch.argsort(index)
         pick = {k: v[present][order] for k, v in columns.items() if k != "sequences"}
-        return {"sequence": index[order], "name": [packs.store.name(i) for i in index[order].tolist()],
-                "residues": pick["residues"].long(), "masked_residues": pick["masked"].long(),
-                "masked_perplexity": (pick["nll"] / pick["masked"]).exp(), "embedding": pick["embedding"]}
+        return {
+            "sequence": index[order],
+            "name": [packs.store.name(i) for i in index[order].tolist()],
+            "residues": pick["residues"].long(),
+            "masked_residues": pick["masked"].long(),
+            "masked_perplexity": (pick["nll"] / pick["masked"]).exp(),
+            "embedding": pick["embedding"],
+        }
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         masked = columns["masked_residues"].sum().item()
         nll = (columns["masked_perplexity"].log() * columns["masked_residues"]).nansum().item()
-        return {"sequences": len(columns["sequence"]), "masked_residues": int(masked),
-                "masked_perplexity": math.exp(min(nll / max(masked, 1), 50.0))}
+        return {
+            "sequences": len(columns["sequence"]),
+            "masked_residues": int(masked),
+            "masked_perplexity": math.exp(min(nll / max(masked, 1), 50.0)),
+        }
 
     # --- task --------------------------------------------------------------------------------
     def loss_count(self, batch: dict) -> torch.Tensor:
@@ -181,15 +220,21 @@ class ESM2Recipe(Recipe):
         out = {"loss": token_loss.sum(dim=1), "count": (batch["labels"] >= 0).sum(dim=1).to(token_loss.dtype)}
         if not training:
             shown_masked = (batch["tokens"] == MASK) & (batch["labels"] >= 0)
-            out |= {"masked_loss": (token_loss * shown_masked).sum(dim=1),
-                    "masked_count": shown_masked.sum(dim=1).to(token_loss.dtype)}
+            out |= {
+                "masked_loss": (token_loss * shown_masked).sum(dim=1),
+                "masked_count": shown_masked.sum(dim=1).to(token_loss.dtype),
+            }
         return out
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         """Perplexity over the selected residues (as Hugging Face's and bionemo's loss), and over those shown as
         <mask> (masked_perplexity: a residue-frequency model scores exp(entropy of the residues) there)."""
         masked = means.pop("masked_loss") / max(means.pop("masked_count"), 1e-12)
-        return {**means, "perplexity": math.exp(min(means["loss"], 50.0)), "masked_perplexity": math.exp(min(masked, 50.0))}
+        return {
+            **means,
+            "perplexity": math.exp(min(means["loss"], 50.0)),
+            "masked_perplexity": math.exp(min(masked, 50.0)),
+        }
 
     def validation_metrics(self) -> tuple[str, ...]:
         return ("loss", "perplexity", "masked_perplexity")
@@ -204,9 +249,12 @@ class ESM2Recipe(Recipe):
         of s tokens, the attention's 12 L H s^2 (forward + backward)."""
         m = self.cfg.model
         sequences = batch["sequences"]
-        lengths = batch["cu_seqlens"].diff(dim=1)[:, :sequences.shape[1]].double() * (sequences >= 0)
+        lengths = batch["cu_seqlens"].diff(dim=1)[:, : sequences.shape[1]].double() * (sequences >= 0)
         tokens = lengths.sum()
-        flops = 6.0 * self.non_embedding_parameters() * tokens + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
+        flops = (
+            6.0 * self.non_embedding_parameters() * tokens
+            + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
+        )
         return tokens, flops
 
     def non_embedding_parameters(self) -> int:

@@ -60,7 +60,7 @@ class SequenceStore:
         return self.offsets[indices + 1] - self.offsets[indices]
 
     def sequence(self, i: int) -> np.ndarray:
-        return self.residues[self.offsets[i]:self.offsets[i + 1]]
+        return self.residues[self.offsets[i] : self.offsets[i + 1]]
 
     def name(self, i: int) -> str:
         if self.names is None and self.names_file is not None:
@@ -69,8 +69,9 @@ class SequenceStore:
             if names and names[-1] == "":
                 names.pop()  # the last line's end
             if len(names) != len(self):
-                raise DataError(f"{self.source}: names.txt holds {len(names)} names for {len(self)} sequences; "
-                                + REWRITE)
+                raise DataError(
+                    f"{self.source}: names.txt holds {len(names)} names for {len(self)} sequences; " + REWRITE
+                )
             self.names = names
         return self.names[i] if self.names is not None else str(i)
 
@@ -86,6 +87,7 @@ class SequenceStore:
 class ReadCounts:
     """What tokenizing left out or could not read, for the user to see: empty sequences (left out), residues that
     became <unk>, and sequences of nucleotide letters only (DNA or RNA read as protein?)."""
+
     sequences: int = 0
     empty: int = 0
     unknown_residues: int = 0
@@ -108,11 +110,20 @@ class ReadCounts:
 
     def summary(self) -> str:
         """One line, empty when there is nothing to say."""
-        parts = [f"{n} {what} (first: {self.examples[key]!r})" for n, what, key in (
-            (self.empty, "empty sequences left out", "empty"),
-            (self.unknown_residues, "residues outside the ESM-2 vocabulary read as <unk>", "unknown_residues"),
-            (self.nucleotide_like, f"sequences of nucleotide letters only (ACGTUN, {NUCLEOTIDE_CHECK_LENGTH}+ "
-                                   "long): DNA or RNA read as protein?", "nucleotide_like")) if n]
+        parts = [
+            f"{n} {what} (first: {self.examples[key]!r})"
+            for n, what, key in (
+                (self.empty, "empty sequences left out", "empty"),
+                (self.unknown_residues, "residues outside the ESM-2 vocabulary read as <unk>", "unknown_residues"),
+                (
+                    self.nucleotide_like,
+                    f"sequences of nucleotide letters only (ACGTUN, {NUCLEOTIDE_CHECK_LENGTH}+ "
+                    "long): DNA or RNA read as protein?",
+                    "nucleotide_like",
+                ),
+            )
+            if n
+        ]
         return "; ".join(parts)
 
 
@@ -122,8 +133,9 @@ _NUCLEOTIDE = np.zeros(256, dtype=bool)
 _NUCLEOTIDE[encode_residues("ACGTUN")] = True
 
 
-def tokenized(named_sequences: Iterable[tuple[str, str]], counts: Optional[ReadCounts] = None
-              ) -> Iterator[tuple[str, np.ndarray]]:
+def tokenized(
+    named_sequences: Iterable[tuple[str, str]], counts: Optional[ReadCounts] = None
+) -> Iterator[tuple[str, np.ndarray]]:
     """(name, token ids) per sequence; empty sequences are left out (and counted in `counts`)."""
     for name, sequence in named_sequences:
         ids = encode_residues(sequence)
@@ -150,8 +162,14 @@ def build_store(named_sequences: Iterable[tuple[str, str]], source: str) -> Sequ
     return SequenceStore(np.concatenate(chunks), offsets, names, source)
 
 
-def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: str, named: Optional[str] = None,
-                option: str = "--out", say: Callable[[str], None] = log.warning) -> dict:
+def write_store(
+    named_sequences: Iterable[tuple[str, str]],
+    out: Path,
+    source: str,
+    named: Optional[str] = None,
+    option: str = "--out",
+    say: Callable[[str], None] = log.warning,
+) -> dict:
     """Tokenize sequences into files under `out`, streaming (memory: 8 bytes per sequence): residues.bin,
     offsets.npy, names.txt (one per line: a line break inside a name becomes a space), then index.json (counts,
     the offsets' hash, what tokenizing left out). They are written into this process's `<out>.partial-<pid>` and
@@ -160,8 +178,10 @@ def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: s
     the input and the output in messages."""
     with PartialFolder(out, STORE_FILES, option, say) as folder:
         lengths, counts = array.array("q"), ReadCounts()
-        with open(folder.path / "residues.bin", "wb") as residues, \
-                open(folder.path / "names.txt", "w", encoding="utf-8", newline="") as names:
+        with (
+            open(folder.path / "residues.bin", "wb") as residues,
+            open(folder.path / "names.txt", "w", encoding="utf-8", newline="") as names,
+        ):
             for name, ids in tokenized(named_sequences, counts):
                 residues.write(ids.tobytes())
                 names.write(_LINE_BREAKS.sub(" ", name) + "\n")
@@ -171,10 +191,17 @@ def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: s
         offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
         np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
         np.save(folder.path / "offsets.npy", offsets, allow_pickle=False)
-        index = {"version": STORE_VERSION, "sequences": len(lengths), "residues": int(offsets[-1]),
-                 "offsets_sha256": hashlib.sha256(offsets).hexdigest(), "source": source,
-                 "empty_sequences_left_out": counts.empty, "unknown_residues": counts.unknown_residues,
-                 "nucleotide_like_sequences": counts.nucleotide_like, "notes": counts.summary()}
+        index = {
+            "version": STORE_VERSION,
+            "sequences": len(lengths),
+            "residues": int(offsets[-1]),
+            "offsets_sha256": hashlib.sha256(offsets).hexdigest(),
+            "source": source,
+            "empty_sequences_left_out": counts.empty,
+            "unknown_residues": counts.unknown_residues,
+            "nucleotide_like_sequences": counts.nucleotide_like,
+            "notes": counts.summary(),
+        }
         (folder.path / STORE_INDEX).write_text(json.dumps(index, indent=1) + "\n")
         folder.publish()
     return index
@@ -182,6 +209,7 @@ def write_store(named_sequences: Iterable[tuple[str, str]], out: Path, source: s
 
 class StoreIndex(BaseModel):
     """index.json: the counts and the offsets' hash the other files are checked against."""
+
     model_config = ConfigDict(strict=True)
     version: Literal[STORE_VERSION]
     sequences: Annotated[int, Field(ge=1, le=2**40)]
@@ -207,6 +235,7 @@ class StoreFolder:
     """A preprocessed store's folder as a run opened it: the files then (`fingerprint`) and the setting that
     named it. What a store pickles as; a worker that unpickles it maps the same files again, and refuses a folder
     removed or written again since (it would read other sequences than the main process planned packs of)."""
+
     path: Path
     keys: SourceKeys
     fingerprint: tuple
@@ -220,8 +249,9 @@ class StoreFolder:
                 store = None
         if store is None or _fingerprint(self.path) != self.fingerprint:  # what was mapped is what was checked
             what = "written again (its files changed)" if self.path.exists() else "removed"
-            return UnavailableStore(f"{self.keys.of('path', self.path)}: the store was {what} after this run opened "
-                                    "it; start the run again")
+            return UnavailableStore(
+                f"{self.keys.of('path', self.path)}: the store was {what} after this run opened it; start the run again"
+            )
         return store
 
 
@@ -230,6 +260,7 @@ class UnavailableStore:
     """What an unpickled store is when its folder was removed or written again: each read raises the DataError.
     Raised while a loader worker unpickles its dataset, it would end the worker before its loop (the main process
     sees only "worker exited unexpectedly"); raised from a read, it reaches the main process as one line."""
+
     message: str
 
     def _refuse(self, *args):
@@ -242,8 +273,14 @@ def _map_store(folder: Path, keys: SourceKeys, fingerprint: tuple) -> SequenceSt
     offsets = np.load(folder / "offsets.npy", mmap_mode="r", allow_pickle=False)
     residues = np.memmap(folder / "residues.bin", dtype=np.uint8, mode="r")
     names_file = folder / "names.txt"
-    return SequenceStore(residues, offsets, None, keys.of("path", folder),
-                         names_file if names_file.is_file() else None, StoreFolder(folder, keys, fingerprint))
+    return SequenceStore(
+        residues,
+        offsets,
+        None,
+        keys.of("path", folder),
+        names_file if names_file.is_file() else None,
+        StoreFolder(folder, keys, fingerprint),
+    )
 
 
 def open_store(folder: Path, keys: SourceKeys = DATA_PATH) -> SequenceStore:
@@ -279,18 +316,21 @@ def _files_problem(folder: Path, index: StoreIndex) -> Optional[str]:
     except (OSError, ValueError, EOFError) as e:
         return f"offsets.npy is not a NumPy array of offsets ({e})"
     if offsets.dtype != np.int64 or offsets.shape != (index.sequences + 1,):
-        return (f"offsets.npy holds {offsets.dtype} {offsets.shape}, expected int64 ({index.sequences + 1},) "
-                f"for index.json's sequences={index.sequences}")
+        return (
+            f"offsets.npy holds {offsets.dtype} {offsets.shape}, expected int64 ({index.sequences + 1},) "
+            f"for index.json's sequences={index.sequences}"
+        )
     return None
 
 
 def _offsets_problem(offsets: np.ndarray, index: StoreIndex) -> Optional[str]:
     """Offsets that do not increase from 0 to the residue count, or whose hash is not index.json's."""
     if offsets[0] != 0 or offsets[-1] != index.residues:
-        return (f"offsets.npy runs from {offsets[0]} to {offsets[-1]}, not from 0 to index.json's "
-                f"residues={index.residues}")
+        return (
+            f"offsets.npy runs from {offsets[0]} to {offsets[-1]}, not from 0 to index.json's residues={index.residues}"
+        )
     for start in range(0, len(offsets) - 1, CHECK_CHUNK):
-        chunk = offsets[start:start + CHECK_CHUNK + 1]
+        chunk = offsets[start : start + CHECK_CHUNK + 1]
         if np.any(chunk[1:] <= chunk[:-1]):
             first = start + int(np.argmax(chunk[1:] <= chunk[:-1]))
             return f"offsets.npy does not increase at sequence {first} (an empty or negative length)"
@@ -299,8 +339,13 @@ def _offsets_problem(offsets: np.ndarray, index: StoreIndex) -> Optional[str]:
     return None
 
 
-def read_store(path: str | Path, column: str = "sequence", name_column: Optional[str] = "id",
-               split: str = "train", keys: SourceKeys = DATA_PATH) -> SequenceStore:
+def read_store(
+    path: str | Path,
+    column: str = "sequence",
+    name_column: Optional[str] = "id",
+    split: str = "train",
+    keys: SourceKeys = DATA_PATH,
+) -> SequenceStore:
     """The sequences `path` names: a preprocessed folder (memory-mapped) or files read now. Messages name `path`
     after the setting that gave it (`keys`: data.path, data.val_path, predict.folder, ...)."""
     path = Path(path)

@@ -39,11 +39,21 @@ ARROW_SUFFIXES = (".arrow", ".feather")
 COMPRESSIONS = {".gz": "gzip", ".bz2": "bz2", ".xz": "xz", ".zst": "zstd"}  # for FASTA and CSV/TSV
 UNREADABLE_COMPRESSIONS = (".zip", ".7z", ".rar", ".lz4", ".br", ".snappy", ".zstd", ".lzma", ".z")
 # Hugging Face datasets' split keywords in file and folder names (data/train-00000-of-00002.parquet, test/x.csv)
-_SPLIT_WORDS = {"train": "train", "training": "train", "validation": "validation", "valid": "validation",
-                "val": "validation", "dev": "validation", "test": "test", "testing": "test", "eval": "test",
-                "evaluation": "test"}
-_SPLIT_PATTERN = re.compile(r"(?:^|[\s\-_./])(" + "|".join(sorted(_SPLIT_WORDS, key=len, reverse=True))
-                            + r")(?=[\s\-_./0-9]|$)")
+_SPLIT_WORDS = {
+    "train": "train",
+    "training": "train",
+    "validation": "validation",
+    "valid": "validation",
+    "val": "validation",
+    "dev": "validation",
+    "test": "test",
+    "testing": "test",
+    "eval": "test",
+    "evaluation": "test",
+}
+_SPLIT_PATTERN = re.compile(
+    r"(?:^|[\s\-_./])(" + "|".join(sorted(_SPLIT_WORDS, key=len, reverse=True)) + r")(?=[\s\-_./0-9]|$)"
+)
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")
 _DIGIT = re.compile(r"\d")
 MAX_JSON_BYTES = 16 << 20  # a datasets folder's state.json lists its files; a store's index.json is some 500 bytes
@@ -53,6 +63,7 @@ MAX_JSON_BYTES = 16 << 20  # a datasets folder's state.json lists its files; a s
 class SourceKeys:
     """The settings (or command-line options) that gave a read its path, column and split, so that a message
     names what the user set: `data.path=/x`, `data.val_path=/x`, `predict.folder=/x`, `--input /x`."""
+
     path: str = "data.path"
     column: str = "data.column"
     split: str = "data.split"
@@ -105,8 +116,10 @@ def file_kind(path: Path) -> tuple[Optional[str], Optional[str]]:
     else:
         return None, None
     if compression and (compression not in COMPRESSIONS or kind in ("parquet", "arrow")):
-        return kind, (f"{compression} compression is not read here (FASTA and CSV/TSV: "
-                      f"{' '.join(COMPRESSIONS)}; parquet and Arrow compress inside the file): decompress it")
+        return kind, (
+            f"{compression} compression is not read here (FASTA and CSV/TSV: "
+            f"{' '.join(COMPRESSIONS)}; parquet and Arrow compress inside the file): decompress it"
+        )
     return kind, None
 
 
@@ -122,6 +135,7 @@ def _file_in_folder(name: str) -> str:
 
 class DatasetDictFile(BaseModel):
     """dataset_dict.json of a `datasets` DatasetDict folder: the names of its splits (a folder each)."""
+
     model_config = ConfigDict(strict=True)
     splits: Annotated[list[Annotated[str, AfterValidator(_file_in_folder)]], Field(min_length=1)]
 
@@ -132,6 +146,7 @@ class DataFileEntry(BaseModel):
 
 class DatasetStateFile(BaseModel):
     """state.json of a `datasets` Dataset folder: its Arrow files (not the cache files `.map()` leaves beside)."""
+
     model_config = ConfigDict(strict=True)
     data_files: Annotated[list[DataFileEntry], Field(alias="_data_files", min_length=1)]
 
@@ -163,11 +178,15 @@ def source_files(path: Path, split: str = "train", keys: SourceKeys = DATA_PATH)
     if path.is_file():
         kind, problem = file_kind(path)
         if kind is None:
-            raise DataError(f"{keys.of('path', path)}: not a sequence file (FASTA {' '.join(FASTA_SUFFIXES)}, parquet, "
-                            f"CSV/TSV, Arrow; FASTA and CSV/TSV optionally {' '.join(COMPRESSIONS)}), nor a folder")
+            raise DataError(
+                f"{keys.of('path', path)}: not a sequence file (FASTA {' '.join(FASTA_SUFFIXES)}, parquet, "
+                f"CSV/TSV, Arrow; FASTA and CSV/TSV optionally {' '.join(COMPRESSIONS)}), nor a folder"
+            )
         if kind == "nucleotide":
-            raise DataError(f"{keys.of('path', path)}: {path.suffix} is NCBI's suffix for nucleotide FASTA; this recipe "
-                            "reads protein sequences (rename the file .fasta if it holds proteins)")
+            raise DataError(
+                f"{keys.of('path', path)}: {path.suffix} is NCBI's suffix for nucleotide FASTA; this recipe "
+                "reads protein sequences (rename the file .fasta if it holds proteins)"
+            )
         if problem:
             raise DataError(f"{keys.of('path', path)}: {problem}")
         return [path]
@@ -176,13 +195,17 @@ def source_files(path: Path, split: str = "train", keys: SourceKeys = DATA_PATH)
     files, unreadable, nucleotide = [], [], []
     _walk(path, split, keys, files, unreadable, nucleotide)
     if unreadable:
-        raise DataError(f"{keys.of('path', path)}: cannot read "
-                        + "; ".join(f"{f} ({why})" for f, why in unreadable[:5])
-                        + (f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else ""))
+        raise DataError(
+            f"{keys.of('path', path)}: cannot read "
+            + "; ".join(f"{f} ({why})" for f, why in unreadable[:5])
+            + (f"; and {len(unreadable) - 5} more" if len(unreadable) > 5 else "")
+        )
     if not files:
-        raise DataError(f"{keys.of('path', path)}: no sequence files in this folder (FASTA {' '.join(FASTA_SUFFIXES)}, "
-                        f"parquet, CSV/TSV, Arrow, a `datasets` save_to_disk folder)"
-                        + (f"; {len(nucleotide)} nucleotide FASTA files skipped" if nucleotide else ""))
+        raise DataError(
+            f"{keys.of('path', path)}: no sequence files in this folder (FASTA {' '.join(FASTA_SUFFIXES)}, "
+            f"parquet, CSV/TSV, Arrow, a `datasets` save_to_disk folder)"
+            + (f"; {len(nucleotide)} nucleotide FASTA files skipped" if nucleotide else "")
+        )
     _refuse_doubles(path, files, keys)
     _refuse_mixed_splits(path, files, keys)
     return files
@@ -214,8 +237,10 @@ def _refuse_doubles(root: Path, files: list[Path], keys: SourceKeys) -> None:
     for f in files:
         key = (f.parent, _split_suffix(f.name)[0])
         if key in seen:
-            raise DataError(f"{keys.of('path', root)}: {seen[key].name} and {f.name} in {f.parent} look like one file "
-                            "twice: keep one")
+            raise DataError(
+                f"{keys.of('path', root)}: {seen[key].name} and {f.name} in {f.parent} look like one file "
+                "twice: keep one"
+            )
         seen[key] = f
 
 
@@ -227,14 +252,17 @@ def _refuse_mixed_splits(root: Path, files: list[Path], keys: SourceKeys) -> Non
             marked.setdefault(_SPLIT_WORDS[match.group(1)], f)
     if len(marked) > 1:
         examples = ", ".join(f"{s}: {f.relative_to(root)}" for s, f in marked.items())
-        raise DataError(f"{keys.of('path', root)}: its files belong to several splits by their names ({examples}); "
-                        f"point {keys.path} at one split's files (a folder, a file or a pattern such as "
-                        f"{root}/data/train-*.parquet)"
-                        + (" and data.val_path at the validation split's" if keys.path == "data.path" else ""))
+        raise DataError(
+            f"{keys.of('path', root)}: its files belong to several splits by their names ({examples}); "
+            f"point {keys.path} at one split's files (a folder, a file or a pattern such as "
+            f"{root}/data/train-*.parquet)"
+            + (" and data.val_path at the validation split's" if keys.path == "data.path" else "")
+        )
 
 
-def records(path: Path, column: str, name_column: Optional[str], split: str,
-            keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
+def records(
+    path: Path, column: str, name_column: Optional[str], split: str, keys: SourceKeys = DATA_PATH
+) -> Iterator[tuple[str, str]]:
     """(name, sequence) from every file `path` names, in order; a file that cannot be read is named, after the
     setting that gave it (`keys`)."""
     for file in source_files(path, split, keys):
@@ -246,8 +274,9 @@ def records(path: Path, column: str, name_column: Optional[str], split: str,
         except DataError:
             raise
         except Exception as e:
-            if isinstance(e, (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)) \
-                    or type(e).__module__.startswith("pyarrow"):
+            if isinstance(e, (OSError, EOFError, ValueError, zlib.error, lzma.LZMAError)) or type(
+                e
+            ).__module__.startswith("pyarrow"):
                 raise DataError(f"{keys.of('path', file)}: unreadable ({type(e).__name__}: {e})") from e
             raise
 
@@ -281,19 +310,23 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
                 header = line[1:].split()
                 name, parts = (header[0] if header else ""), []
             elif name is None:
-                raise DataError(f"{keys.of('path', path)}:{line_number}: sequence text before the first '>' header: "
-                                "not FASTA")
+                raise DataError(
+                    f"{keys.of('path', path)}:{line_number}: sequence text before the first '>' header: not FASTA"
+                )
             elif _DIGIT.search(line):
-                raise DataError(f"{keys.of('path', path)}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
-                                "header that lost its '>'?")
+                raise DataError(
+                    f"{keys.of('path', path)}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
+                    "header that lost its '>'?"
+                )
             else:
                 parts.append(line)
     if name is not None:
         yield name, "".join(parts)
 
 
-def read_table(path: Path, column: str, name_column: Optional[str],
-               keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
+def read_table(
+    path: Path, column: str, name_column: Optional[str], keys: SourceKeys = DATA_PATH
+) -> Iterator[tuple[str, str]]:
     """(name, sequence) per row of a parquet, CSV or TSV file, or an Arrow file, read in batches; both columns are
     read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
     columns."""
@@ -307,9 +340,11 @@ def read_table(path: Path, column: str, name_column: Optional[str],
         columns, batches = parquet.schema_arrow.names, None
     elif kind == "csv":
         text = {column: pa.string()} | ({name_column: pa.string()} if name_column else {})
-        reader = pacsv.open_csv(path, parse_options=pacsv.ParseOptions(
-            delimiter="\t" if _split_suffix(path.name)[0].endswith(".tsv") else ","),
-            convert_options=pacsv.ConvertOptions(column_types=text))
+        reader = pacsv.open_csv(
+            path,
+            parse_options=pacsv.ParseOptions(delimiter="\t" if _split_suffix(path.name)[0].endswith(".tsv") else ","),
+            convert_options=pacsv.ConvertOptions(column_types=text),
+        )
         columns, batches = reader.schema.names, reader
     else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
         source = pa.memory_map(str(path))
@@ -332,7 +367,8 @@ def read_table(path: Path, column: str, name_column: Optional[str],
         names = batch.column(name_column).to_pylist() if use_names else [None] * len(sequences)
         for name, sequence in zip(names, sequences):
             if sequence is not None and not isinstance(sequence, str):
-                raise DataError(f"{keys.of('column', column)}: {path} row {row}: expected text, got "
-                                f"{type(sequence).__name__}")
+                raise DataError(
+                    f"{keys.of('column', column)}: {path} row {row}: expected text, got {type(sequence).__name__}"
+                )
             yield (str(row) if name is None else str(name)), sequence or ""
             row += 1

@@ -5,9 +5,41 @@ from __future__ import annotations
 
 import numpy as np
 
-VOCABULARY = ("<cls>", "<pad>", "<eos>", "<unk>",
-              "L", "A", "G", "V", "S", "E", "R", "T", "I", "D", "P", "K", "Q", "N", "F", "Y", "M", "H", "W", "C",
-              "X", "B", "U", "Z", "O", ".", "-", "<null_1>", "<mask>")
+VOCABULARY = (
+    "<cls>",
+    "<pad>",
+    "<eos>",
+    "<unk>",
+    "L",
+    "A",
+    "G",
+    "V",
+    "S",
+    "E",
+    "R",
+    "T",
+    "I",
+    "D",
+    "P",
+    "K",
+    "Q",
+    "N",
+    "F",
+    "Y",
+    "M",
+    "H",
+    "W",
+    "C",
+    "X",
+    "B",
+    "U",
+    "Z",
+    "O",
+    ".",
+    "-",
+    "<null_1>",
+    "<mask>",
+)
 CLS, PAD, EOS, UNK, MASK = 0, 1, 2, 3, 32
 STANDARD_AMINO_ACIDS = range(4, 24)  # L A G V S E R T I D P K Q N F Y M H W C: the random replacements of MLM
 SPECIAL = (CLS, PAD, EOS, UNK, 31, MASK)

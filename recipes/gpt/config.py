@@ -11,7 +11,7 @@ from typing import ClassVar, Optional
 from omegaconf import MISSING, OmegaConf
 
 from core.config.errors import require
-from core.config.ranges import TRANSFORMER_BLOCK_RANGES, INT32_MAX, Int, Numbers, Real, Rule
+from core.config.ranges import INT32_MAX, TRANSFORMER_BLOCK_RANGES, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
 
@@ -61,20 +61,32 @@ class GPTModelConfig(ModelConfig):
     def check(c, key: str) -> None:
         """What recipes/gpt/model.py builds from these sizes, with distributed.tp ranks."""
         heads, groups = c.num_attention_heads, c.num_query_groups or c.num_attention_heads
-        require(c.hidden_size % heads == 0,
-                f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: expected hidden_size "
-                "divisible by num_attention_heads (each head takes hidden_size / num_attention_heads of it)")
-        require(c.hidden_size // heads % 2 == 0,
-                f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: the head size "
-                f"{c.hidden_size // heads} must be even (rotary embeddings turn pairs of its channels)")
-        require(heads % groups == 0,
-                f"{key}.num_attention_heads={heads} and {key}.num_query_groups={groups}: expected num_attention_heads "
-                "divisible by num_query_groups (each key/value group serves the same number of query heads)")
+        require(
+            c.hidden_size % heads == 0,
+            f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: expected hidden_size "
+            "divisible by num_attention_heads (each head takes hidden_size / num_attention_heads of it)",
+        )
+        require(
+            c.hidden_size // heads % 2 == 0,
+            f"{key}.hidden_size={c.hidden_size} and {key}.num_attention_heads={heads}: the head size "
+            f"{c.hidden_size // heads} must be even (rotary embeddings turn pairs of its channels)",
+        )
+        require(
+            heads % groups == 0,
+            f"{key}.num_attention_heads={heads} and {key}.num_query_groups={groups}: expected num_attention_heads "
+            "divisible by num_query_groups (each key/value group serves the same number of query heads)",
+        )
         tp = tensor_parallel_size(c)
-        for name, n in (("num_attention_heads", heads), ("num_query_groups", groups),
-                        ("ffn_hidden_size", c.ffn_hidden_size)):
-            require(n % tp == 0, f"{key}.{name}={n} is not divisible by distributed.tp={tp}: each tensor-parallel "
-                                 "rank holds an equal part of them")
+        for name, n in (
+            ("num_attention_heads", heads),
+            ("num_query_groups", groups),
+            ("ffn_hidden_size", c.ffn_hidden_size),
+        ):
+            require(
+                n % tp == 0,
+                f"{key}.{name}={n} is not divisible by distributed.tp={tp}: each tensor-parallel "
+                "rank holds an equal part of them",
+            )
 
 
 @dataclass
@@ -100,21 +112,27 @@ class GPTDataConfig(DataConfig):
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(is_valid_split(c.split),
-                f"{key}.split={c.split}: expected 1 to 3 numbers >= 0 separated by commas (or slashes), not all 0: "
-                "the train, validation, test shares (e.g. 949,50,1)")
+        require(
+            is_valid_split(c.split),
+            f"{key}.split={c.split}: expected 1 to 3 numbers >= 0 separated by commas (or slashes), not all 0: "
+            "the train, validation, test shares (e.g. 949,50,1)",
+        )
         require(c.weights is None or sum(c.weights) > 0, f"{key}.weights={list(c.weights or [])}: expected a sum > 0")
         # Megatron-Core blends one dataset per prefix and asserts one weight per dataset: format=indexed reads
         # data.prefixes, format=text makes one dataset of all its files; format=mock uses neither.
         weights = list(c.weights or [])
         if c.format == TextFormat.indexed and c.prefixes:
-            require(c.weights is None or len(weights) == len(c.prefixes),
-                    f"{key}.weights={weights} and {key}.prefixes={list(c.prefixes)}: expected one weight per prefix "
-                    "(or weights=null: by size)")
+            require(
+                c.weights is None or len(weights) == len(c.prefixes),
+                f"{key}.weights={weights} and {key}.prefixes={list(c.prefixes)}: expected one weight per prefix "
+                "(or weights=null: by size)",
+            )
         if c.format == TextFormat.text:
-            require(c.weights is None or len(weights) == 1,
-                    f"{key}.weights={weights}: {key}.format=text makes one dataset of all {key}.text_files; expected "
-                    "one weight (or weights=null)")
+            require(
+                c.weights is None or len(weights) == 1,
+                f"{key}.weights={weights}: {key}.format=text makes one dataset of all {key}.text_files; expected "
+                "one weight (or weights=null)",
+            )
 
 
 def tensor_parallel_size(c) -> int:

@@ -41,6 +41,7 @@ def megatron_datasets():
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 
     from recipes.gpt import token_ids
+
     return gpt_dataset, BlendedMegatronDatasetBuilder, token_ids
 
 
@@ -86,20 +87,35 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
     files = [Path(f) for f in data.text_files]
     for f in files:
         if not f.is_file():
-            raise DataError(f"data.text_files: {f} does not exist" + (" (a folder: give its files)" if f.is_dir()
-                                                                      else ""))
-    key = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
-                     + [dict(tokenizer.unique_identifiers), data.text_document, data.text_key])
+            raise DataError(
+                f"data.text_files: {f} does not exist" + (" (a folder: give its files)" if f.is_dir() else "")
+            )
+    key = json.dumps(
+        [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+        + [dict(tokenizer.unique_identifiers), data.text_document, data.text_key]
+    )
     prefix = Path(data.cache_dir) / "tokenized" / f"{files[0].stem}-{hashlib.md5(key.encode()).hexdigest()[:12]}"
     prefix.parent.mkdir(parents=True, exist_ok=True)
     with open(f"{prefix}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not Path(f"{prefix}.json").exists():  # written last by preprocess: the files are whole
-            log.info("tokenizing %s with the %s tokenizer into %s.bin/.idx", ", ".join(map(str, files)),
-                     data.tokenizer, prefix)
+            log.info(
+                "tokenizing %s with the %s tokenizer into %s.bin/.idx",
+                ", ".join(map(str, files)),
+                data.tokenizer,
+                prefix,
+            )
             try:
-                preprocess(files, prefix, data.tokenizer, data.text_key, data.text_document, data.eod_token,
-                           replace=True, options=DATA_CONFIG)
+                preprocess(
+                    files,
+                    prefix,
+                    data.tokenizer,
+                    data.text_key,
+                    data.text_document,
+                    data.eod_token,
+                    replace=True,
+                    options=DATA_CONFIG,
+                )
             except Stopped as e:  # its partial files removed: the signal does now what it would have done
                 signal.raise_signal(e.signum)
                 raise SystemExit(128 + e.signum) from None
@@ -122,8 +138,10 @@ def check_prefix(prefix: str, tokenizer) -> None:
         raise DataError(f"data.prefixes: {prefix}.idx: unreadable ({type(e).__name__}: {e})") from None
     size = Path(f"{prefix}.bin").stat().st_size
     if size != expected:
-        raise DataError(f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
-                        "short, or not the .idx's own .bin")
+        raise DataError(
+            f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
+            "short, or not the .idx's own .bin"
+        )
     record = Path(f"{prefix}.json")
     try:
         made = json.loads(read_small_file(record, 1 << 24, follow_symlinks=True)) if record.is_file() else None
@@ -134,22 +152,34 @@ def check_prefix(prefix: str, tokenizer) -> None:
     if isinstance(made.get("tokens"), int):
         dtype = DType.optimal_dtype(made["vocab_size"])
         if index.dtype != dtype or int(lengths.sum()) != made["tokens"]:
-            raise DataError(f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
-                            f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's")
-    ours = {"vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod, "tokenizer_sha256": getattr(tokenizer, "sha256", None)}
-    differ = [f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items()
-              if made.get(k) is not None and made.get(k) != v]
+            raise DataError(
+                f"data.prefixes: {prefix}.idx holds {int(lengths.sum())} tokens of {index.dtype.__name__}, "
+                f"its .json says {made['tokens']} of {dtype.__name__}: the .idx is damaged or another's"
+            )
+    ours = {
+        "vocab_size": tokenizer.vocab_size,
+        "eod": tokenizer.eod,
+        "tokenizer_sha256": getattr(tokenizer, "sha256", None),
+    }
+    differ = [
+        f"{k} {made[k]!r} there, {v!r} now" for k, v in ours.items() if made.get(k) is not None and made.get(k) != v
+    ]
     if differ:
-        raise ConfigError(f"data.tokenizer={tokenizer.name}: {prefix}.bin/.idx were tokenized with "
-                          f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again")
+        raise ConfigError(
+            f"data.tokenizer={tokenizer.name}: {prefix}.bin/.idx were tokenized with "
+            f"{made.get('tokenizer')!r} ({'; '.join(differ)}); give that tokenizer, or preprocess again"
+        )
 
 
 def index_cache_dir(cache_dir: str, prefixes: list[str], tokenizer) -> str:
     """Megatron-Core's sample-index cache, in a folder named by what the index depends on beyond its own key
     (which names the prefixes by path only): the files' sizes and times, and the tokenizer. A prefix made
     again, or a tokenizer replaced in its folder, gets a fresh index instead of a stale one."""
-    files = [[str(Path(f"{p}{s}").resolve()), Path(f"{p}{s}").stat().st_size, Path(f"{p}{s}").stat().st_mtime_ns]
-             for p in prefixes for s in (".bin", ".idx")]
+    files = [
+        [str(Path(f"{p}{s}").resolve()), Path(f"{p}{s}").stat().st_size, Path(f"{p}{s}").stat().st_mtime_ns]
+        for p in prefixes
+        for s in (".bin", ".idx")
+    ]
     key = json.dumps([files, dict(tokenizer.unique_identifiers)])
     return str(Path(cache_dir) / "megatron_index" / hashlib.md5(key.encode()).hexdigest()[:16])
 
@@ -158,8 +188,9 @@ def padded_vocab_size(vocab: int, multiple: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_train_samples: int,
-                       vocab_size: Optional[int]) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
+def build_gpt_datasets(
+    data: GPTDataConfig, seq_length: int, seed: int, num_train_samples: int, vocab_size: Optional[int]
+) -> tuple[Dataset, Optional[Dataset], Optional[Dataset]]:
     """(train, validation, test) for `num_train_samples` training samples of `seq_length` tokens."""
     gpt_dataset, builder, token_ids = megatron_datasets()
     if data.format == "mock":
@@ -174,8 +205,10 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         for p in prefixes:
             missing = [f"{p}{s}" for s in (".bin", ".idx") if not Path(f"{p}{s}").is_file()]
             if missing:
-                raise DataError(f"data.prefixes: {' and '.join(missing)} not found (a prefix names <prefix>.bin and "
-                                "<prefix>.idx: python -m recipes.gpt.preprocess writes them)")
+                raise DataError(
+                    f"data.prefixes: {' and '.join(missing)} not found (a prefix names <prefix>.bin and "
+                    "<prefix>.idx: python -m recipes.gpt.preprocess writes them)"
+                )
             check_prefix(p, tokenizer)
         weights = list(data.weights) if data.weights is not None else None
         blend, split, cls = (prefixes, weights), data.split, token_ids.CheckedGPTDataset
@@ -190,8 +223,11 @@ def build_gpt_datasets(data: GPTDataConfig, seq_length: int, seed: int, num_trai
         reset_attention_mask=False,
         eod_mask_loss=data.eod_mask_loss,
         create_attention_mask=False,  # the attention is causal by construction
-        path_to_cache=(str(Path(data.cache_dir) / "megatron_index") if data.format == "mock"
-                       else index_cache_dir(data.cache_dir, prefixes, tokenizer)),
+        path_to_cache=(
+            str(Path(data.cache_dir) / "megatron_index")
+            if data.format == "mock"
+            else index_cache_dir(data.cache_dir, prefixes, tokenizer)
+        ),
         mmap_bin_files=True,
     )
     with warnings.catch_warnings():
@@ -236,8 +272,8 @@ class DocumentWindows(Dataset):
         n = min(self.seq_length, len(sequence) - start)
         tokens = torch.full((self.seq_length,), self.eod, dtype=torch.long)
         labels = torch.zeros(self.seq_length, dtype=torch.long)
-        tokens[:n] = torch.from_numpy(inputs[start:start + n])
-        labels[:n] = torch.from_numpy(sequence[start:start + n])
+        tokens[:n] = torch.from_numpy(inputs[start : start + n])
+        labels[:n] = torch.from_numpy(sequence[start : start + n])
         loss_mask = torch.zeros(self.seq_length)
         loss_mask[:n] = 1.0
         if self.eod_mask_loss and start == 0:
@@ -245,8 +281,9 @@ class DocumentWindows(Dataset):
         return {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "idx": idx, "document": document}
 
 
-def document_windows(split_dataset: Optional[Samples], split: str, seq_length: int, eod: int,
-                     eod_mask_loss: bool) -> DocumentWindows:
+def document_windows(
+    split_dataset: Optional[Samples], split: str, seq_length: int, eod: int, eod_mask_loss: bool
+) -> DocumentWindows:
     """The documents Megatron-Core assigned to `split` (data.split), from every blended source."""
     if split_dataset is None:
         raise ConfigError(f"predict.split={split}: the split has no documents (data.split shares them out)")
@@ -254,5 +291,6 @@ def document_windows(split_dataset: Optional[Samples], split: str, seq_length: i
     sources = getattr(dataset, "datasets", [dataset])  # a blend, or one GPTDataset
     if not all(hasattr(s, "indices") and hasattr(s, "dataset") for s in sources):
         raise ConfigError("per-document scores need documents: data.format=text or indexed, not mock")
-    return DocumentWindows([(s.dataset_path, s.dataset, np.sort(s.indices)) for s in sources], seq_length, eod,
-                           eod_mask_loss)
+    return DocumentWindows(
+        [(s.dataset_path, s.dataset, np.sort(s.indices)) for s in sources], seq_length, eod, eod_mask_loss
+    )

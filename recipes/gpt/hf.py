@@ -33,16 +33,30 @@ from typing import Annotated, Any, Optional
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from core.checkpointing.hf_folders import (layer_count, override, read_hf_folder, read_run, weight_mismatches,
-                                            write_weights)
+from core.checkpointing.hf_folders import (
+    layer_count,
+    override,
+    read_hf_folder,
+    read_run,
+    weight_mismatches,
+    write_weights,
+)
 from core.config.file_shape import problems
 from recipes.gpt.config import GPTModelConfig
 
 # The config.json model_type values import_from_hf reads (checkpoint.py from-hf picks the recipe by them).
 HF_MODEL_TYPES = ("llama",)
 SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_groups", "ffn_hidden_size")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
-                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
 
 
 def _heads(m: dict) -> tuple[int, int, int]:
@@ -55,8 +69,11 @@ def _qkv_rows(m: dict) -> list[tuple[str, int, int]]:
     """(which, group, rows) blocks of the fused QKV weight, top to bottom."""
     heads, groups, head_dim = _heads(m)
     per_group = heads // groups
-    return [block for g in range(groups)
-            for block in (("q", g, per_group * head_dim), ("k", g, head_dim), ("v", g, head_dim))]
+    return [
+        block
+        for g in range(groups)
+        for block in (("q", g, per_group * head_dim), ("k", g, head_dim), ("v", g, head_dim))
+    ]
 
 
 def to_llama(weights: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tensor]:
@@ -71,8 +88,9 @@ def to_llama(weights: dict[str, torch.Tensor], m: dict) -> dict[str, torch.Tenso
         attention = ours + "self_attention."
         if attention + "layernorm_qkv.weight" in weights:
             parts = {"q": [], "k": [], "v": []}
-            for (which, _, rows), block in zip(_qkv_rows(m), weights[attention + "layernorm_qkv.weight"].split(
-                    [rows for _, _, rows in _qkv_rows(m)])):
+            for (which, _, rows), block in zip(
+                _qkv_rows(m), weights[attention + "layernorm_qkv.weight"].split([rows for _, _, rows in _qkv_rows(m)])
+            ):
                 parts[which].append(block)
             q, k, v = (torch.cat(parts[w]) for w in "qkv")
         else:
@@ -117,13 +135,17 @@ def llama_shapes(m: dict) -> dict[str, tuple[int, ...]]:
         shapes["lm_head.weight"] = (vocab, h)
     for i in range(m["num_layers"]):
         layer = f"model.layers.{i}."
-        shapes |= {layer + "input_layernorm.weight": (h,), layer + "post_attention_layernorm.weight": (h,),
-                   layer + "self_attn.q_proj.weight": (heads * head_dim, h),
-                   layer + "self_attn.k_proj.weight": (groups * head_dim, h),
-                   layer + "self_attn.v_proj.weight": (groups * head_dim, h),
-                   layer + "self_attn.o_proj.weight": (h, heads * head_dim),
-                   layer + "mlp.gate_proj.weight": (ffn, h), layer + "mlp.up_proj.weight": (ffn, h),
-                   layer + "mlp.down_proj.weight": (h, ffn)}
+        shapes |= {
+            layer + "input_layernorm.weight": (h,),
+            layer + "post_attention_layernorm.weight": (h,),
+            layer + "self_attn.q_proj.weight": (heads * head_dim, h),
+            layer + "self_attn.k_proj.weight": (groups * head_dim, h),
+            layer + "self_attn.v_proj.weight": (groups * head_dim, h),
+            layer + "self_attn.o_proj.weight": (h, heads * head_dim),
+            layer + "mlp.gate_proj.weight": (ffn, h),
+            layer + "mlp.up_proj.weight": (ffn, h),
+            layer + "mlp.down_proj.weight": (h, ffn),
+        }
     return shapes
 
 
@@ -132,12 +154,15 @@ def check_llama_weights(hf: dict[str, torch.Tensor], m: dict) -> None:
     them; the layer count is checked first, so a config.json of absurd size builds no table."""
     layers = layer_count(hf, "model.layers.")
     if layers != m["num_layers"]:
-        raise ValueError(f"the weights do not fit config.json as a Llama: it gives {m['num_layers']} layers, the "
-                         f"weights hold {layers}")
+        raise ValueError(
+            f"the weights do not fit config.json as a Llama: it gives {m['num_layers']} layers, the "
+            f"weights hold {layers}"
+        )
     # Tied models may still store lm_head (a copy of the embedding); old exports stored RoPE's inv_freq.
     tied_copy = "lm_head.weight" if m["tie_embeddings"] else None
-    problems = weight_mismatches(hf, llama_shapes(m), lambda k: k == tied_copy or k.endswith("rotary_emb.inv_freq"),
-                                 "config.json")
+    problems = weight_mismatches(
+        hf, llama_shapes(m), lambda k: k == tied_copy or k.endswith("rotary_emb.inv_freq"), "config.json"
+    )
     if problems:
         raise ValueError("the weights do not fit config.json as a Llama: " + "; ".join(problems))
 
@@ -146,8 +171,11 @@ def from_llama(hf: dict[str, torch.Tensor], m: dict, fuse_qkv: bool = True) -> d
     """Llama's weights -> ours (canonical names), for the model settings `m` (see `model_settings`)."""
     check_llama_weights(hf, m)
     heads, groups, head_dim = _heads(m)
-    out = {"embedding.weight": hf["model.embed_tokens.weight"], "final_norm.weight": hf["model.norm.weight"],
-           "rotary.inv_freq": 1.0 / m["rotary_base"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)}
+    out = {
+        "embedding.weight": hf["model.embed_tokens.weight"],
+        "final_norm.weight": hf["model.norm.weight"],
+        "rotary.inv_freq": 1.0 / m["rotary_base"] ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim),
+    }
     if not m["tie_embeddings"]:
         out["output_layer.weight"] = hf["lm_head.weight"]
     for i in range(m["num_layers"]):
@@ -157,16 +185,18 @@ def from_llama(hf: dict[str, torch.Tensor], m: dict, fuse_qkv: bool = True) -> d
         if fuse_qkv:  # TE's fused layout: per KV group, its query heads, then its key and value head
             per_group = heads // groups
             q_groups, k_groups, v_groups = q.split(per_group * head_dim), k.split(head_dim), v.split(head_dim)
-            out[attention + "weight"] = torch.cat([t for g in range(groups)
-                                                   for t in (q_groups[g], k_groups[g], v_groups[g])])
+            out[attention + "weight"] = torch.cat(
+                [t for g in range(groups) for t in (q_groups[g], k_groups[g], v_groups[g])]
+            )
         else:
             out |= {attention + "query_weight": q, attention + "key_weight": k, attention + "value_weight": v}
         out |= {
             attention + "layer_norm_weight": hf[theirs + "input_layernorm.weight"],
             ours + "self_attention.proj.weight": hf[theirs + "self_attn.o_proj.weight"],
             ours + "layernorm_mlp.layer_norm_weight": hf[theirs + "post_attention_layernorm.weight"],
-            ours + "layernorm_mlp.fc1_weight": torch.cat([hf[theirs + "mlp.gate_proj.weight"],
-                                                          hf[theirs + "mlp.up_proj.weight"]]),
+            ours + "layernorm_mlp.fc1_weight": torch.cat(
+                [hf[theirs + "mlp.gate_proj.weight"], hf[theirs + "mlp.up_proj.weight"]]
+            ),
             ours + "layernorm_mlp.fc2_weight": hf[theirs + "mlp.down_proj.weight"],
         }
     return {k: v.contiguous() for k, v in out.items()}
@@ -176,19 +206,34 @@ def llama_config(m: dict, vocab_size: int, specials: dict[str, Optional[int]], d
     """config.json of a LlamaForCausalLM with our model settings `m`."""
     heads, groups, head_dim = _heads(m)
     return {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "vocab_size": vocab_size, "hidden_size": m["hidden_size"], "intermediate_size": m["ffn_hidden_size"],
-        "num_hidden_layers": m["num_layers"], "num_attention_heads": heads, "num_key_value_heads": groups,
-        "head_dim": head_dim, "hidden_act": "silu", "max_position_embeddings": m["seq_length"],
-        "rms_norm_eps": m["norm_epsilon"], "tie_word_embeddings": bool(m["tie_embeddings"]),
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": vocab_size,
+        "hidden_size": m["hidden_size"],
+        "intermediate_size": m["ffn_hidden_size"],
+        "num_hidden_layers": m["num_layers"],
+        "num_attention_heads": heads,
+        "num_key_value_heads": groups,
+        "head_dim": head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": m["seq_length"],
+        "rms_norm_eps": m["norm_epsilon"],
+        "tie_word_embeddings": bool(m["tie_embeddings"]),
         # transformers 5 reads rope_parameters; older readers (transformers 4, vLLM) rope_theta.
-        "rope_parameters": {"rope_type": "default", "rope_theta": m["rotary_base"]}, "rope_theta": m["rotary_base"],
-        "attention_bias": False, "attention_dropout": 0.0, "mlp_bias": False, "initializer_range": m["init_std"],
-        "bos_token_id": specials.get("bos"), "eos_token_id": specials.get("eos"), "pad_token_id": specials.get("pad"),
+        "rope_parameters": {"rope_type": "default", "rope_theta": m["rotary_base"]},
+        "rope_theta": m["rotary_base"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "mlp_bias": False,
+        "initializer_range": m["init_std"],
+        "bos_token_id": specials.get("bos"),
+        "eos_token_id": specials.get("eos"),
+        "pad_token_id": specials.get("pad"),
         # transformers 5 reads dtype; older readers torch_dtype.
-        "use_cache": True, "dtype": dtype, "torch_dtype": dtype,
+        "use_cache": True,
+        "dtype": dtype,
+        "torch_dtype": dtype,
     }
-
 
 
 Count = Annotated[int, Field(ge=1, le=2**31 - 1)]  # a size: what an int32 holds
@@ -234,6 +279,7 @@ class LlamaConfigFields(BaseModel):
 def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, Any]:
     """A Llama config.json (`file`, for messages) -> our model settings; refuses a field of the wrong type or
     out of range, and what our model does not compute, naming the field."""
+
     def refuse(field: str, value, want) -> None:
         raise ValueError(f"{file}: {field}={value!r}, but the GPT recipe's model needs {want}")
 
@@ -261,10 +307,16 @@ def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, 
         refuse("num_key_value_heads", groups, f"a divisor of num_attention_heads={heads}")
     rope_theta = next((t for t in (rope.rope_theta, fields.rope_theta) if t is not None), 10000.0)
     settings = {
-        "vocab_size": fields.vocab_size, "seq_length": fields.max_position_embeddings,
-        "hidden_size": hidden, "num_layers": fields.num_hidden_layers, "num_attention_heads": heads,
-        "num_query_groups": groups, "ffn_hidden_size": fields.intermediate_size, "rotary_base": float(rope_theta),
-        "norm_epsilon": fields.rms_norm_eps, "tie_embeddings": fields.tie_word_embeddings,
+        "vocab_size": fields.vocab_size,
+        "seq_length": fields.max_position_embeddings,
+        "hidden_size": hidden,
+        "num_layers": fields.num_hidden_layers,
+        "num_attention_heads": heads,
+        "num_query_groups": groups,
+        "ffn_hidden_size": fields.intermediate_size,
+        "rotary_base": float(rope_theta),
+        "norm_epsilon": fields.rms_norm_eps,
+        "tie_embeddings": fields.tie_word_embeddings,
         "init_std": fields.initializer_range,
     }
     # The settings become model.<key> on the command line printed for training, which applies the GPT schema's
@@ -277,10 +329,18 @@ def model_settings(config: dict, file: Path | str = "config.json") -> dict[str, 
 
 
 # Our model settings and the config.json fields they come from.
-LLAMA_FIELDS = {"vocab_size": "vocab_size", "seq_length": "max_position_embeddings", "hidden_size": "hidden_size",
-                "num_layers": "num_hidden_layers", "num_attention_heads": "num_attention_heads",
-                "num_query_groups": "num_key_value_heads", "ffn_hidden_size": "intermediate_size",
-                "rotary_base": "rope_theta", "norm_epsilon": "rms_norm_eps", "init_std": "initializer_range"}
+LLAMA_FIELDS = {
+    "vocab_size": "vocab_size",
+    "seq_length": "max_position_embeddings",
+    "hidden_size": "hidden_size",
+    "num_layers": "num_hidden_layers",
+    "num_attention_heads": "num_attention_heads",
+    "num_query_groups": "num_key_value_heads",
+    "ffn_hidden_size": "intermediate_size",
+    "rotary_base": "rope_theta",
+    "norm_epsilon": "rms_norm_eps",
+    "init_std": "initializer_range",
+}
 
 
 def overrides(settings: dict[str, Any]) -> list[str]:
@@ -318,9 +378,19 @@ def write_byte_tokenizer(out: Path, eod: int, pad: int) -> list[str]:
     if [tokenizer.token_to_id(specials[i]) for i in sorted(specials)] != sorted(specials):
         raise RuntimeError(f"the byte tokenizer's special tokens did not get ids {sorted(specials)}")
     tokenizer.save(str(out / "tokenizer.json"))
-    (out / "tokenizer_config.json").write_text(json.dumps({
-        "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": specials[eod], "pad_token": specials[pad],
-        "model_max_length": 1 << 30, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": specials[eod],
+                "pad_token": specials[pad],
+                "model_max_length": 1 << 30,
+                "clean_up_tokenization_spaces": False,
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     return ["tokenizer.json", "tokenizer_config.json"]
 
 
@@ -353,8 +423,10 @@ def declared_special_ids(file: Path) -> dict[str, int]:
 
 # --- the two commands -------------------------------------------------------------------------------
 
-def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32",
-                 config: Optional[str] = None) -> dict:
+
+def export_to_hf(
+    source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32", config: Optional[str] = None
+) -> dict:
     """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
     LlamaForCausalLM.from_pretrained loads. Returns the written config.json."""
     from core.checkpointing.layout import CheckpointError
@@ -376,8 +448,10 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
         specials["eos"] = tokenizer.eod
         if data["tokenizer"] == "byte":
             specials["pad"] = tokenizer.pad  # a real id of the byte tokenizer.json written below
-            tokenizer_note = (f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
-                              f"padding = id {tokenizer.pad})")
+            tokenizer_note = (
+                f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
+                f"padding = id {tokenizer.pad})"
+            )
         else:  # the folder's own bos/pad tokens; its pad id in the data pipeline is no token at all
             specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
             tokenizer_note = f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
@@ -396,8 +470,10 @@ def export_to_hf(source: str, out_dir: str, verify_checksums: bool = True, dtype
             if (folder / name).is_file():
                 shutil.copyfile(folder / name, out / name)  # the umask's mode, not the source's
                 copied.append(name)
-    print(f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
-          f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else ""))
+    print(
+        f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
+        f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else "")
+    )
     return written
 
 
@@ -407,12 +483,17 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     folder, target, config, hf = read_hf_folder(hf_dir, out)
     settings = model_settings(config, folder / "config.json")
     weights = from_llama(hf, settings, fuse_qkv)
-    if settings["tie_embeddings"] and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"],
-                                                                                  hf["model.embed_tokens.weight"]):
+    if (
+        settings["tie_embeddings"]
+        and "lm_head.weight" in hf
+        and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"])
+    ):
         raise ValueError("config.json says tie_word_embeddings, but lm_head.weight differs from the embedding")
     write_weights(weights, target, str(folder))
     settings_line = " ".join(overrides(settings) + ([] if fuse_qkv else ["model.fuse_qkv_params=false"]))
     tokenizer = f" {override('data.tokenizer', folder)}" if (folder / "tokenizer.json").is_file() else ""
-    print(f"wrote {len(weights)} tensors to {target}\n"
-          f"train, predict or generate with: {override('checkpoint.init_from', target)} {settings_line}{tokenizer}")
+    print(
+        f"wrote {len(weights)} tensors to {target}\n"
+        f"train, predict or generate with: {override('checkpoint.init_from', target)} {settings_line}{tokenizer}"
+    )
     return overrides(settings)

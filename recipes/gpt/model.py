@@ -23,11 +23,16 @@ class GPT(nn.Module):
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         groups = cfg.num_query_groups or heads
         if h % heads or heads % groups:
-            raise ValueError(f"hidden_size={h}, num_attention_heads={heads}, num_query_groups={groups}: the hidden "
-                             "size must divide into the heads and the heads into the groups")
+            raise ValueError(
+                f"hidden_size={h}, num_attention_heads={heads}, num_query_groups={groups}: the hidden "
+                "size must divide into the heads and the heads into the groups"
+            )
         tp = layers.tp.size
-        for what, n in (("num_attention_heads", heads), ("num_query_groups", groups),
-                        ("ffn_hidden_size", cfg.ffn_hidden_size)):
+        for what, n in (
+            ("num_attention_heads", heads),
+            ("num_query_groups", groups),
+            ("ffn_hidden_size", cfg.ffn_hidden_size),
+        ):
             if n % tp:
                 raise ConfigError(f"model.{what}={n} is not divisible by distributed.tp={tp}")
         self.cfg, self.vocab_size = cfg, vocab_size
@@ -90,5 +95,10 @@ class GPT(nn.Module):
     def new_kv_cache(self, batch_size: int, max_length: int, dtype: torch.dtype):
         """An empty key/value cache for `batch_size` sequences of up to `max_length` tokens (TE's
         InferenceParams, or the twin's): generation then feeds each new token alone."""
-        return self.kv_cache_class(max_batch_size=batch_size, max_sequence_length=max_length,
-                                   num_heads_kv=self.kv_heads, head_dim_k=self.head_dim, dtype=dtype)
+        return self.kv_cache_class(
+            max_batch_size=batch_size,
+            max_sequence_length=max_length,
+            num_heads_kv=self.kv_heads,
+            head_dim_k=self.head_dim,
+            dtype=dtype,
+        )

@@ -37,9 +37,12 @@ def remove_leftovers(prefix: Path) -> None:
             path.unlink(missing_ok=True)
             gone.setdefault(writer.pid, []).append(path)
     if gone:
-        log.warning("removed what an interrupted preprocess left (process%s %s gone from this host): %s",
-                    "es" if len(gone) > 1 else "", ", ".join(map(str, gone)),
-                    ", ".join(str(p) for paths in gone.values() for p in paths))
+        log.warning(
+            "removed what an interrupted preprocess left (process%s %s gone from this host): %s",
+            "es" if len(gone) > 1 else "",
+            ", ".join(map(str, gone)),
+            ", ".join(str(p) for paths in gone.values() for p in paths),
+        )
 
 
 @contextlib.contextmanager

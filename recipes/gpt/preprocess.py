@@ -40,8 +40,9 @@ BATCH_CHARACTERS = 1 << 20  # text tokenized at a time (the tokenizer's batch en
 BATCH_DOCUMENTS = 4096
 
 
-def read_documents(path: Path, text_key: str = "text", text_document: str = "paragraph",
-                   options: Options = COMMAND_LINE) -> Iterator[str]:
+def read_documents(
+    path: Path, text_key: str = "text", text_document: str = "paragraph", options: Options = COMMAND_LINE
+) -> Iterator[str]:
     """The documents of one input file, by its suffix; `options` name what gave the file and key in errors."""
     suffix, named = path.suffix.lower(), given(options.input, path)
     try:
@@ -63,8 +64,9 @@ def read_jsonl(path: Path, text_key: str, named: str, key_named: str) -> Iterato
             try:
                 line = raw_line.decode("utf-8")
             except UnicodeDecodeError as e:
-                raise DataError(f"{named}:{number}: not UTF-8 text (byte {e.start} of the line: {e.reason}); is it a "
-                                "binary file?") from None
+                raise DataError(
+                    f"{named}:{number}: not UTF-8 text (byte {e.start} of the line: {e.reason}); is it a binary file?"
+                ) from None
             if not line.strip():
                 continue
             try:
@@ -75,8 +77,10 @@ def read_jsonl(path: Path, text_key: str, named: str, key_named: str) -> Iterato
                 raise DataError(f"{named}:{number}: no text under the key {text_key!r} ({key_named})")
             text = record[text_key]
             if lone_surrogate(text):
-                raise DataError(f"{named}:{number}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff): not "
-                                "text any tokenizer encodes")
+                raise DataError(
+                    f"{named}:{number}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff): not "
+                    "text any tokenizer encodes"
+                )
             yield text
 
 
@@ -90,8 +94,9 @@ def read_parquet(path: Path, text_key: str, named: str, key_named: str) -> Itera
     except Exception as e:  # noqa: BLE001 (pyarrow's errors are of its own types)
         raise DataError(f"{named}: unreadable as parquet ({type(e).__name__}: {e})") from None
     if text_key not in table.schema_arrow.names:
-        raise DataError(f"{named}: no column {text_key!r} ({key_named}; columns: "
-                        f"{', '.join(table.schema_arrow.names)})")
+        raise DataError(
+            f"{named}: no column {text_key!r} ({key_named}; columns: {', '.join(table.schema_arrow.names)})"
+        )
     row = 0
     for batch in table.iter_batches(columns=[text_key]):
         for text in batch.column(0).to_pylist():
@@ -114,8 +119,9 @@ def check_inputs(inputs: list[Path], output_prefix: Path, replace: bool, options
     times = Counter(p.resolve() for p in inputs)
     repeated = sorted({str(p) for p in inputs if times[p.resolve()] > 1})
     if repeated:
-        raise DataError(f"{options.input}: {', '.join(repeated)}: given twice (its documents would be trained on "
-                        "twice)")
+        raise DataError(
+            f"{options.input}: {', '.join(repeated)}: given twice (its documents would be trained on twice)"
+        )
     existing = [f"{output_prefix}{s}" for s in (".bin", ".idx", ".json") if Path(f"{output_prefix}{s}").exists()]
     if existing and not replace:
         raise DataError(f"{', '.join(existing)} exist; choose another {options.output_prefix} (or remove them)")
@@ -149,9 +155,16 @@ def write_documents(builder, tokenizer, documents: Iterable[str]) -> tuple[int, 
     return count, tokens
 
 
-def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "byte", text_key: str = "text",
-               text_document: str = "paragraph", eod_token: Optional[str] = None, replace: bool = False,
-               options: Options = COMMAND_LINE) -> dict:
+def preprocess(
+    inputs: list[Path],
+    output_prefix: Path,
+    tokenizer_spec: str = "byte",
+    text_key: str = "text",
+    text_document: str = "paragraph",
+    eod_token: Optional[str] = None,
+    replace: bool = False,
+    options: Options = COMMAND_LINE,
+) -> dict:
     """Write <output_prefix>.bin/.idx/.json; return the summary that goes into the .json. Existing outputs are
     refused unless `replace` (the tokenize-on-first-use cache, which owns its prefix). `options` name the command
     line's options or the config's settings in errors. SIGTERM or SIGHUP meanwhile raise Stopped, and leave
@@ -171,10 +184,17 @@ def preprocess(inputs: list[Path], output_prefix: Path, tokenizer_spec: str = "b
         builder.finalize(f"{tmp}.idx")
         if documents == 0:
             raise DataError(f"{options.input}: no documents in {', '.join(map(str, inputs))}")
-        summary = {"tokenizer": tokenizer.name, "vocab_size": tokenizer.vocab_size, "eod": tokenizer.eod,
-                   "tokenizer_sha256": getattr(tokenizer, "sha256", None),
-                   "documents": documents, "tokens": tokens, "sources": [str(p) for p in inputs],
-                   "text_key": text_key, "text_document": text_document}
+        summary = {
+            "tokenizer": tokenizer.name,
+            "vocab_size": tokenizer.vocab_size,
+            "eod": tokenizer.eod,
+            "tokenizer_sha256": getattr(tokenizer, "sha256", None),
+            "documents": documents,
+            "tokens": tokens,
+            "sources": [str(p) for p in inputs],
+            "text_key": text_key,
+            "text_document": text_document,
+        }
         Path(f"{tmp}.json").write_text(json.dumps(summary, indent=1))
         commit(output_prefix)
     return summary
@@ -214,12 +234,17 @@ def main(argv: Optional[list[str]] = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--input", nargs="+", type=Path, help=".txt, .jsonl or .parquet files")
     parser.add_argument("--output-prefix", type=Path, help="writes <prefix>.bin, <prefix>.idx, <prefix>.json")
-    parser.add_argument("--tokenizer", default=None, help="byte (the default), or a local Hugging Face tokenizer "
-                        "folder; with --decode: the one the <prefix>.json names by default")
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        help="byte (the default), or a local Hugging Face tokenizer "
+        "folder; with --decode: the one the <prefix>.json names by default",
+    )
     parser.add_argument("--eod-token", default=None, help="HF tokenizers: end-of-document token (default: eos)")
     parser.add_argument("--text-key", default="text", help=".jsonl key / .parquet column holding the text")
-    parser.add_argument("--text-document", default="paragraph", choices=TEXT_DOCUMENTS,
-                        help=".txt files: what one document is")
+    parser.add_argument(
+        "--text-document", default="paragraph", choices=TEXT_DOCUMENTS, help=".txt files: what one document is"
+    )
     parser.add_argument("--decode", type=Path, metavar="PREFIX", help="print a document of PREFIX as text")
     parser.add_argument("--document", type=int, default=0)
     args = parser.parse_args(argv)
@@ -230,8 +255,9 @@ def main(argv: Optional[list[str]] = None) -> None:
             return
         if not args.input or not args.output_prefix:
             parser.error("--input and --output-prefix are needed (or --decode PREFIX)")
-        summary = preprocess(args.input, args.output_prefix, args.tokenizer or "byte", args.text_key, args.text_document,
-                             args.eod_token)
+        summary = preprocess(
+            args.input, args.output_prefix, args.tokenizer or "byte", args.text_key, args.text_document, args.eod_token
+        )
     except ConfigError as e:  # a bad input, option or tokenizer: named in one line
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
@@ -244,6 +270,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         print(f"error: stopped by {signum.name}{written}", file=sys.stderr)
         raise SystemExit(128 + signum) from None  # the shell's code for an end by this signal
     print(f"wrote {summary['documents']} documents, {summary['tokens']} tokens to {args.output_prefix}.bin/.idx")
+
 
 if __name__ == "__main__":
     main()

@@ -1,7 +1,7 @@
 """The GPT recipe: decoder-only language model pretraining on Megatron-Core datasets.
 
-    torchrun --nproc-per-node 2 train.py --config-name gpt_sanity          # the shipped corpus, a CPU is enough
-    torchrun --nproc-per-node 8 train.py --config-name gpt_125m data=gpt_indexed data.prefixes=[/data/corpus]
+torchrun --nproc-per-node 2 train.py --config-name gpt_sanity          # the shipped corpus, a CPU is enough
+torchrun --nproc-per-node 8 train.py --config-name gpt_125m data=gpt_indexed data.prefixes=[/data/corpus]
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ import torch
 from torch import nn
 
 from core.config.errors import ConfigError
-from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
+from core.layers.weight_init import init_parameters, standard_rule
 from recipes.base import Datasets, Recipe
 from recipes.gpt.config import GPTDataConfig, GPTModelConfig
 from recipes.gpt.data import build_gpt_datasets, document_windows, padded_vocab_size
@@ -30,33 +30,50 @@ class GPTRecipe(Recipe):
     data_schema = GPTDataConfig
     model_data_keys = ("tokenizer", "eod_token")  # the token ids
     predict_config = "gpt_sanity"
-    tiny_configs = {"": ("gpt_sanity", ("data=gpt_mock", "data.cache_dir={tmp}", "model.vocab_size=64",
-                                        "model.seq_length=8", "model.num_layers=1"))}
+    tiny_configs = {
+        "": (
+            "gpt_sanity",
+            (
+                "data=gpt_mock",
+                "data.cache_dir={tmp}",
+                "model.vocab_size=64",
+                "model.seq_length=8",
+                "model.num_layers=1",
+            ),
+        )
+    }
 
     @functools.cached_property
     def vocab_size(self) -> int:
         """The model's vocabulary: model.vocab_size, or the tokenizer's rounded up for fast GEMMs."""
         model_cfg, data_cfg = self.cfg.model, self.cfg.data
         if model_cfg.vocab_size is not None:
-            needed = (None if data_cfg.format == "mock"
-                      else build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size)
+            needed = (
+                None
+                if data_cfg.format == "mock"
+                else build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size
+            )
             if needed is not None and model_cfg.vocab_size < needed:
-                raise ConfigError(f"model.vocab_size={model_cfg.vocab_size} is smaller than the vocabulary of "
-                                  f"data.tokenizer={data_cfg.tokenizer} ({needed} tokens): its ids would have no "
-                                  f"embedding; give at least {needed}, or null (the tokenizer's, rounded up)")
+                raise ConfigError(
+                    f"model.vocab_size={model_cfg.vocab_size} is smaller than the vocabulary of "
+                    f"data.tokenizer={data_cfg.tokenizer} ({needed} tokens): its ids would have no "
+                    f"embedding; give at least {needed}, or null (the tokenizer's, rounded up)"
+                )
             return model_cfg.vocab_size
         if data_cfg.format == "mock":
             raise ConfigError("data.format=mock needs model.vocab_size (mock data has no tokenizer to take it from)")
-        return padded_vocab_size(build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size,
-                                 model_cfg.make_vocab_size_divisible_by)
+        return padded_vocab_size(
+            build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token).vocab_size, model_cfg.make_vocab_size_divisible_by
+        )
 
     @functools.cached_property
     def tokenizer(self):
         """The tokenizer the data was made with (data.tokenizer): text in and out of generate.py."""
         data_cfg = self.cfg.data
         if data_cfg.format == "mock":
-            raise ConfigError("data.format=mock has no tokenizer: give the data config the model was trained "
-                              "with (data.tokenizer)")
+            raise ConfigError(
+                "data.format=mock has no tokenizer: give the data config the model was trained with (data.tokenizer)"
+            )
         return build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token)
 
     # generate.py (core/generation/decoding.py) runs the model through these two.
@@ -90,17 +107,24 @@ class GPTRecipe(Recipe):
     def _splits(self) -> dict:
         training = self.cfg.training
         if training.steps is None:  # Megatron's indexed datasets are built for a number of samples
-            raise ConfigError("training.epochs: the GPT recipe's datasets are built for a number of samples; give "
-                              "training.steps")
-        datasets = build_gpt_datasets(self.cfg.data, self.cfg.model.seq_length, self.cfg.seed,
-                                      training.steps * training.global_batch_size, self.vocab_size)
+            raise ConfigError(
+                "training.epochs: the GPT recipe's datasets are built for a number of samples; give training.steps"
+            )
+        datasets = build_gpt_datasets(
+            self.cfg.data,
+            self.cfg.model.seq_length,
+            self.cfg.seed,
+            training.steps * training.global_batch_size,
+            self.vocab_size,
+        )
         return dict(zip(("train", "val", "test"), datasets))
 
     def build_datasets(self) -> Datasets:
         splits = self._splits()
         if splits["train"] is None:
-            raise ConfigError(f"data.split={self.cfg.data.split}: the training split is empty: more data, or a larger "
-                              "training share")
+            raise ConfigError(
+                f"data.split={self.cfg.data.split}: the training split is empty: more data, or a larger training share"
+            )
         return Datasets(splits["train"], splits["val"])
 
     def default_split(self) -> str:
@@ -113,18 +137,25 @@ class GPTRecipe(Recipe):
         if name not in ("train", "val", "test"):
             raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
         if self.cfg.data.format == "mock":
-            raise ConfigError("predict.py scores documents, and data.format=mock (synthetic tokens, for throughput) "
-                              "has none: give the text to score, e.g. data=moby_dick, or data=gpt_indexed "
-                              "data.prefixes=[<prefix>] data.tokenizer=<the tokenizer the model was trained with>")
-        return document_windows(self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod,
-                                self.cfg.data.eod_mask_loss)
+            raise ConfigError(
+                "predict.py scores documents, and data.format=mock (synthetic tokens, for throughput) "
+                "has none: give the text to score, e.g. data=moby_dick, or data=gpt_indexed "
+                "data.prefixes=[<prefix>] data.tokenizer=<the tokenizer the model was trained with>"
+            )
+        return document_windows(
+            self._splits()[name], name, self.cfg.model.seq_length, self.tokenizer.eod, self.cfg.data.eod_mask_loss
+        )
 
     def predict(self, model: nn.Module, batch: dict) -> dict[str, torch.Tensor]:
         """Per window: its document, the summed negative log-likelihood of its predicted tokens, their number."""
         mask = batch["loss_mask"].float()
         token_loss = model(batch["tokens"], labels=batch["labels"])
-        return {"idx": batch["idx"], "document": batch["document"], "nll": (token_loss.float() * mask).sum(dim=1),
-                "tokens": mask.sum(dim=1)}
+        return {
+            "idx": batch["idx"],
+            "document": batch["document"],
+            "nll": (token_loss.float() * mask).sum(dim=1),
+            "tokens": mask.sum(dim=1),
+        }
 
     def finish_predictions(self, windows, columns: dict[str, torch.Tensor]) -> dict:
         """Windows (of `windows`, what split() gave) -> one row per document, in split order: its source and
@@ -133,18 +164,27 @@ class GPTRecipe(Recipe):
         tokens = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["tokens"].double())
         nll = torch.zeros(n, dtype=torch.float64).index_add_(0, columns["document"], columns["nll"].double())
         parts = windows.parts
-        return {"document": torch.arange(n),
-                "source": [parts[p][0] for p, _ in windows.documents],
-                "sequence": torch.tensor([seq for _, seq in windows.documents]),
-                "tokens": tokens.long(), "nll": nll, "perplexity": (nll / tokens.clamp(min=1)).exp(),
-                "opening": [self.tokenizer.decode(windows.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
-                            for d in range(n)]}
+        return {
+            "document": torch.arange(n),
+            "source": [parts[p][0] for p, _ in windows.documents],
+            "sequence": torch.tensor([seq for _, seq in windows.documents]),
+            "tokens": tokens.long(),
+            "nll": nll,
+            "perplexity": (nll / tokens.clamp(min=1)).exp(),
+            "opening": [
+                self.tokenizer.decode(windows.document_tokens(d)[:48]).replace("\n", " ").rstrip("\ufffd")
+                for d in range(n)
+            ],
+        }
 
     def summarize_predictions(self, columns: dict) -> dict[str, float | int]:
         """The split's perplexity: exp(total NLL / total tokens), documents weighted by their length."""
         total = columns["tokens"].sum().item()
-        return {"documents": len(columns["tokens"]), "tokens": int(total),
-                "perplexity": math.exp(min(columns["nll"].sum().item() / max(total, 1), 50.0))}
+        return {
+            "documents": len(columns["tokens"]),
+            "tokens": int(total),
+            "perplexity": math.exp(min(columns["nll"].sum().item() / max(total, 1), 50.0)),
+        }
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()

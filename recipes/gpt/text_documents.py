@@ -50,8 +50,9 @@ def decoded(piece: bytearray, at_start: bool, named: str, start_line: int, offse
     except UnicodeDecodeError as e:
         at = e.start + (3 if at_start and piece.startswith(b"\xef\xbb\xbf") else 0)  # utf-8-sig counts past it
         line = start_line + piece.count(b"\n", 0, at)
-        raise DataError(f"{named}:{line}: not UTF-8 text (byte {offset + at} of the file: {e.reason}); is it a "
-                        "binary file?") from None
+        raise DataError(
+            f"{named}:{line}: not UTF-8 text (byte {offset + at} of the file: {e.reason}); is it a binary file?"
+        ) from None
 
 
 def blank(line: str) -> bool:

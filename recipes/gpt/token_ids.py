@@ -45,10 +45,12 @@ class VocabularyChecked:
         ids = self.indexed.get(idx, offset, length)
         if ids.size and int(ids.max()) >= self.vocab_size:
             position = int(np.argmax(ids >= self.vocab_size))
-            raise DataError(f"{self.source}: {self.indexed.path_prefix}.bin: document {int(idx)} holds the token id "
-                            f"{int(ids[position])} at position {offset + position}, beyond the vocabulary of "
-                            f"data.tokenizer={self.tokenizer} ({self.vocab_size} ids): the files were made with "
-                            "another tokenizer, or are damaged; give that tokenizer, or preprocess the text again")
+            raise DataError(
+                f"{self.source}: {self.indexed.path_prefix}.bin: document {int(idx)} holds the token id "
+                f"{int(ids[position])} at position {offset + position}, beyond the vocabulary of "
+                f"data.tokenizer={self.tokenizer} ({self.vocab_size} ids): the files were made with "
+                "another tokenizer, or are damaged; give that tokenizer, or preprocess the text again"
+            )
         return ids
 
 

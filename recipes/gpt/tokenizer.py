@@ -55,21 +55,24 @@ class HFTokenizer:
         folder, named = Path(path), given(options.tokenizer, path)
         file = folder / "tokenizer.json" if folder.is_dir() else folder
         if not file.is_file():
-            raise DataError(f"{named}: no tokenizer.json there (give a local Hugging Face tokenizer folder, or "
-                            "'byte')")
+            raise DataError(f"{named}: no tokenizer.json there (give a local Hugging Face tokenizer folder, or 'byte')")
         self.name = str(folder)
         try:
             raw = file.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
-            raise DataError(f"{named}: {file}: not a tokenizer.json the tokenizers library reads ({type(e).__name__}: "
-                            f"{str(e)[:200]}); a Git LFS pointer or a truncated download?") from None
+            raise DataError(
+                f"{named}: {file}: not a tokenizer.json the tokenizers library reads ({type(e).__name__}: "
+                f"{str(e)[:200]}); a Git LFS pointer or a truncated download?"
+            ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
         given_eod = eod_token
         eod_token = eod_token or _eos_token(file.parent, named, options.eod_token)
         if eod_token is None:
-            raise DataError(f"{named}: no eos_token in its tokenizer_config.json or special_tokens_map.json; give "
-                            f"the end-of-document token ({options.eod_token}, e.g. '</s>' or '<|endoftext|>')")
+            raise DataError(
+                f"{named}: no eos_token in its tokenizer_config.json or special_tokens_map.json; give "
+                f"the end-of-document token ({options.eod_token}, e.g. '</s>' or '<|endoftext|>')"
+            )
         eod = self._tok.token_to_id(eod_token)
         if eod is None:
             said = given(options.eod_token, given_eod) if given_eod else "its eos_token"
@@ -105,11 +108,14 @@ def read_settings_file(file: Path, named: str = "") -> dict:
     try:
         settings = json.loads(file.read_bytes())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise DataError(f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then "
-                        "run again") from None
+        raise DataError(
+            f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then run again"
+        ) from None
     if not isinstance(settings, dict):
-        raise DataError(f"{where}: a JSON {type(settings).__name__}, expected an object of the tokenizer's settings "
-                        "(eos_token, ...); fix or remove it, then run again")
+        raise DataError(
+            f"{where}: a JSON {type(settings).__name__}, expected an object of the tokenizer's settings "
+            "(eos_token, ...); fix or remove it, then run again"
+        )
     return settings
 
 
@@ -121,8 +127,10 @@ def _eos_token(folder: Path, named: str, eod_option: str) -> Optional[str]:
             if isinstance(token, dict):  # an AddedToken
                 token = token.get("content")
             if token is not None and not isinstance(token, str):
-                raise DataError(f"{named}: {file}: eos_token is {shown(token)}, expected a token's text (or an object "
-                                f"with its \"content\"); fix it, or give the end-of-document token ({eod_option})")
+                raise DataError(
+                    f"{named}: {file}: eos_token is {shown(token)}, expected a token's text (or an object "
+                    f'with its "content"); fix it, or give the end-of-document token ({eod_option})'
+                )
             if token:
                 return token
     return None

@@ -43,8 +43,10 @@ class MNISTSamples(Dataset):
         return {"data": self.images[row].unsqueeze(0).float().div(255.0), "label": int(self.labels[row]), "idx": row}
 
 
-FILES = {True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
-         False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte")}
+FILES = {
+    True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
+    False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
+}
 
 
 def read_idx(path: Path) -> torch.Tensor:
@@ -66,8 +68,10 @@ def read_idx(path: Path) -> torch.Tensor:
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a damaged or cut gzip stream
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
     if len(body) != math.prod(shape):
-        raise DataError(f"{path}: {len(body)}{'+' if len(body) > math.prod(shape) else ''} bytes of data, but the "
-                        f"header says {shape} (truncated?)")
+        raise DataError(
+            f"{path}: {len(body)}{'+' if len(body) > math.prod(shape) else ''} bytes of data, but the "
+            f"header says {shape} (truncated?)"
+        )
     return torch.frombuffer(body, dtype=torch.uint8).reshape(shape)
 
 
@@ -103,14 +107,16 @@ def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tenso
         raise MissingDataError(
             f"data.root={root}: no MNIST {'training' if train else 'test'} files ({names[0]}[.gz], {names[1]}[.gz]) "
             f"in {raw}: point data.root at a folder that has them, or set data.download=true to fetch the real "
-            "MNIST there")
+            "MNIST there"
+        )
     try:
         images, labels = read_idx(paths[0]), read_idx(paths[1])
     except DataError as e:
         raise DataError(f"data.root={root}: {e}") from None
     if images.dim() != 3 or labels.dim() != 1 or len(images) != len(labels):
-        raise DataError(f"data.root={root}: {raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} "
-                        "labels")
+        raise DataError(
+            f"data.root={root}: {raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} labels"
+        )
     return images, labels.long()
 
 
@@ -118,8 +124,9 @@ def train_val_rows(n: int, val_size: int | None, seed: int) -> tuple[torch.Tenso
     """A fixed random split of n training-file rows into (train rows, validation rows), neither empty."""
     n_val = round(n * DEFAULT_VAL_FRACTION) if val_size is None else val_size
     if not 1 <= n_val < n:
-        raise ConfigError(f"data.val_size={val_size}: expected 1 <= val_size < {n} (the training file's samples; "
-                          f"null: 1/12 of them)")
+        raise ConfigError(
+            f"data.val_size={val_size}: expected 1 <= val_size < {n} (the training file's samples; null: 1/12 of them)"
+        )
     order = torch.randperm(n, generator=torch.Generator().manual_seed(seed))
     return order[n_val:], order[:n_val]
 
@@ -131,11 +138,14 @@ def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dat
         raise ConfigError(f"predict.split={split}: expected one of {', '.join(SPLITS)}")
     images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
     if tuple(images.shape[1:]) != (image_size, image_size):  # the model takes any size the files hold
-        raise ConfigError(f"model.image_size={image_size}, but the images under data.root={data.root} are "
-                          f"{images.shape[1]} x {images.shape[2]}")
+        raise ConfigError(
+            f"model.image_size={image_size}, but the images under data.root={data.root} are "
+            f"{images.shape[1]} x {images.shape[2]}"
+        )
     if split == "test":
-        return PRNGResampleDataset(MNISTSamples(images, labels, torch.arange(len(images))), seed=data.test_seed,
-                                   replacement=False)
+        return PRNGResampleDataset(
+            MNISTSamples(images, labels, torch.arange(len(images))), seed=data.test_seed, replacement=False
+        )
     train_rows, val_rows = train_val_rows(len(images), data.val_size, data.split_seed)
     if split == "train":
         return MNISTSamples(images, labels, train_rows)

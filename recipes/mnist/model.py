@@ -17,6 +17,7 @@ from torch import nn
 from core.layers.namespace import Layers
 from recipes.mnist.config import MNISTModelConfig
 
+
 class MLP(nn.Module):
     """fc1 -> ReLU -> fc2."""
 

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.data import Dataset
 
-from core.layers.weight_init import init_parameters, linear_default_rule
 from core.layers.namespace import Layers
+from core.layers.weight_init import init_parameters, linear_default_rule
 from recipes.base import Datasets, Recipe
 from recipes.mnist.config import MNISTDataConfig, MNISTModelConfig
 from recipes.mnist.data import build_mnist_split
@@ -53,8 +53,10 @@ class MNISTRecipe(Recipe):
             loss = (out["reconstruction"].float() - images.flatten(1)).square().mean(dim=1)
             return {"loss": loss, "count": torch.ones_like(loss)}
         logits = out["logits"].float()
-        result = {"loss": F.cross_entropy(logits, labels, reduction="none"),
-                  "count": torch.ones_like(labels, dtype=torch.float32)}
+        result = {
+            "loss": F.cross_entropy(logits, labels, reduction="none"),
+            "count": torch.ones_like(labels, dtype=torch.float32),
+        }
         if not training:
             result["accuracy"] = (logits.argmax(dim=-1) == labels).float()
         return result
@@ -89,8 +91,11 @@ class MNISTRecipe(Recipe):
         model_cfg = self.cfg.model
         pixels = model_cfg.image_size * model_cfg.image_size
         trunk = pixels * model_cfg.hidden_size + model_cfg.hidden_size * model_cfg.latent_size
-        head = (model_cfg.latent_size * model_cfg.hidden_size + model_cfg.hidden_size * pixels
-                if model_cfg.task == "autoencoder" else model_cfg.latent_size * model_cfg.num_classes)
+        head = (
+            model_cfg.latent_size * model_cfg.hidden_size + model_cfg.hidden_size * pixels
+            if model_cfg.task == "autoencoder"
+            else model_cfg.latent_size * model_cfg.num_classes
+        )
         return 3.0 * 2 * (trunk + head)
 
 

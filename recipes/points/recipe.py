@@ -1,6 +1,6 @@
 """The points recipe: regression of y = w . x + b on points x seen with fresh noise in every epoch.
 
-    torchrun --nproc-per-node 2 train.py --config-name points
+torchrun --nproc-per-node 2 train.py --config-name points
 """
 
 from __future__ import annotations
@@ -40,8 +40,10 @@ def make_points(data: PointsDataConfig) -> Datasets:
     points = torch.randn(data.train_points + data.val_points, data.dims, generator=g)
     targets = points @ w + b
     n = data.train_points
-    return Datasets(NoisyPoints(points[:n], targets[:n], data.noise, data.seed),
-                    NoisyPoints(points[n:], targets[n:], data.noise, data.seed + 1))
+    return Datasets(
+        NoisyPoints(points[:n], targets[:n], data.noise, data.seed),
+        NoisyPoints(points[n:], targets[n:], data.noise, data.seed + 1),
+    )
 
 
 class PointsModel(nn.Module):

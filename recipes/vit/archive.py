@@ -35,8 +35,9 @@ def extract_beside(root: str) -> Path:
         return path
     archive = next((Path(root + s) for s in ARCHIVE_SUFFIXES if Path(root + s).exists()), None)
     if archive is None:
-        raise MissingDataError(f"no such folder, and no {root}.tar.gz (.tgz, .tar) beside it to extract; give your "
-                               "dataset's folder")
+        raise MissingDataError(
+            f"no such folder, and no {root}.tar.gz (.tgz, .tar) beside it to extract; give your dataset's folder"
+        )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(f"{root}.lock", "w") as lock:
@@ -62,8 +63,9 @@ def _extract(archive: Path, path: Path) -> None:
         source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
         os.rename(source, path)
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # cut short, damaged, not an archive, refused
-        raise DataError(f"{archive}: cannot be extracted ({type(e).__name__}: {e}); replace it, or extract it "
-                        f"to {path} yourself") from None
+        raise DataError(
+            f"{archive}: cannot be extracted ({type(e).__name__}: {e}); replace it, or extract it to {path} yourself"
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # what a failed extraction left (after success: nothing)
 

@@ -19,7 +19,8 @@ class ImageFormat(StrEnum):
     imagefolder = "imagefolder"  # <root>/<train_split>/<class>/**/*.png|jpg ...
     tiny_imagenet = "tiny_imagenet"  # <root>/train/<wnid>/images/*.JPEG, <root>/val/images + val_annotations.txt
     synthetic = "synthetic"  # random images and labels, for throughput measurements
-    # <root>/index.json, <root>/<split>-NNNNNN.tar: tar shards that scripts/shard_images.py wrote (recipes/vit/shards.py)
+    # <root>/index.json, <root>/<split>-NNNNNN.tar: tar shards that scripts/shard_images.py wrote
+    # (recipes/vit/shards.py)
     shards = "shards"
 
 
@@ -82,15 +83,21 @@ class ViTModelConfig(ModelConfig):
     @staticmethod
     def check(c, key: str) -> None:
         """What recipes/vit/model.py builds from these sizes."""
-        require(c.hidden_size % c.num_heads == 0,
-                f"{key}.hidden_size={c.hidden_size} and {key}.num_heads={c.num_heads}: expected hidden_size divisible "
-                "by num_heads (each head takes hidden_size / num_heads of it)")
-        require(c.img_size % c.patch_size == 0,
-                f"{key}.img_size={c.img_size} and {key}.patch_size={c.patch_size}: expected img_size divisible by "
-                "patch_size (the image is cut into whole patches)")
-        require(int(c.hidden_size * c.mlp_ratio) >= 1,
-                f"{key}.mlp_ratio={c.mlp_ratio} and {key}.hidden_size={c.hidden_size}: the MLP's width "
-                f"int(hidden_size * mlp_ratio) is {int(c.hidden_size * c.mlp_ratio)}; expected at least 1")
+        require(
+            c.hidden_size % c.num_heads == 0,
+            f"{key}.hidden_size={c.hidden_size} and {key}.num_heads={c.num_heads}: expected hidden_size divisible "
+            "by num_heads (each head takes hidden_size / num_heads of it)",
+        )
+        require(
+            c.img_size % c.patch_size == 0,
+            f"{key}.img_size={c.img_size} and {key}.patch_size={c.patch_size}: expected img_size divisible by "
+            "patch_size (the image is cut into whole patches)",
+        )
+        require(
+            int(c.hidden_size * c.mlp_ratio) >= 1,
+            f"{key}.mlp_ratio={c.mlp_ratio} and {key}.hidden_size={c.hidden_size}: the MLP's width "
+            f"int(hidden_size * mlp_ratio) is {int(c.hidden_size * c.mlp_ratio)}; expected at least 1",
+        )
 
 
 @dataclass
@@ -157,11 +164,17 @@ class ImageDataConfig(DataConfig):
 
     @staticmethod
     def check(c, key: str) -> None:
-        require(len(c.mean) == len(c.std),
-                f"{key}.mean={list(c.mean)} and {key}.std={list(c.std)}: expected one value per channel in each")
-        require(c.num_classes is not None or c.format != ImageFormat.synthetic,
-                f"{key}.format=synthetic needs {key}.num_classes (random labels come from no folder)")
+        require(
+            len(c.mean) == len(c.std),
+            f"{key}.mean={list(c.mean)} and {key}.std={list(c.std)}: expected one value per channel in each",
+        )
+        require(
+            c.num_classes is not None or c.format != ImageFormat.synthetic,
+            f"{key}.format=synthetic needs {key}.num_classes (random labels come from no folder)",
+        )
         mixes = c.mixup_alpha > 0 or c.cutmix_alpha > 0
-        require(not (c.decode_on == DecodeOn.device and (c.format == ImageFormat.synthetic or mixes)),
-                f"{key}.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
-                f"use {key}.decode_on=workers")
+        require(
+            not (c.decode_on == DecodeOn.device and (c.format == ImageFormat.synthetic or mixes)),
+            f"{key}.decode_on=device needs JPEG files and no mixup/cutmix (they mix decoded images); "
+            f"use {key}.decode_on=workers",
+        )

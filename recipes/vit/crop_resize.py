@@ -23,8 +23,9 @@ def resized_shape(height: int, width: int, shorter: int) -> tuple[int, int]:
     return (new_long, shorter) if width <= height else (shorter, new_long)
 
 
-def window_params(crops: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], size: int,
-                  shorter: int) -> list[list[int]]:
+def window_params(
+    crops: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]], size: int, shorter: int
+) -> list[list[int]]:
     """Per image: source window (top, left, height, width), resized size (height, width), the output's offset
     in the resized image (top, left), flip. A crop of height -1 is the validation geometry."""
     rows = []
@@ -33,18 +34,33 @@ def window_params(crops: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
             rows.append([top, left, h, w, size, size, 0, 0, flip])
         else:
             new_h, new_w = resized_shape(height, width, shorter)
-            rows.append([0, 0, height, width, new_h, new_w, int(round((new_h - size) / 2.0)),
-                         int(round((new_w - size) / 2.0)), 0])
+            rows.append(
+                [
+                    0,
+                    0,
+                    height,
+                    width,
+                    new_h,
+                    new_w,
+                    int(round((new_h - size) / 2.0)),
+                    int(round((new_w - size) / 2.0)),
+                    0,
+                ]
+            )
     return rows
 
 
 @functools.cache
 def _statistics(device: torch.device, mean: tuple[float, ...], std: tuple[float, ...]):
-    return (torch.tensor(mean, dtype=torch.float32, device=device), torch.tensor(std, dtype=torch.float32, device=device))
+    return (
+        torch.tensor(mean, dtype=torch.float32, device=device),
+        torch.tensor(std, dtype=torch.float32, device=device),
+    )
 
 
-def crop_resize_normalize(images: Sequence[torch.Tensor], crops: Sequence[Sequence[int]], transform,
-                          use_kernel: bool | None = None) -> torch.Tensor:
+def crop_resize_normalize(
+    images: Sequence[torch.Tensor], crops: Sequence[Sequence[int]], transform, use_kernel: bool | None = None
+) -> torch.Tensor:
     """uint8 [3, H, W] images -> normalized float [N, 3, S, S]: the Transform's geometry, flip and
     normalization with the given crops. use_kernel: the Triton kernel (default: on CUDA)."""
     if use_kernel is None:
@@ -64,8 +80,10 @@ def crop_resize_normalize(images: Sequence[torch.Tensor], crops: Sequence[Sequen
     flat = torch.cat([image.reshape(-1) for image in images])
     starts = itertools.accumulate((image.numel() for image in images[:-1]), initial=0)
     rows = window_params(crops, [image.shape[1:] for image in images], size, transform.resize)
-    windows = torch.tensor([[start, image.shape[1], image.shape[2], *row] for start, image, row in
-                            zip(starts, images, rows)], dtype=torch.int64)
+    windows = torch.tensor(
+        [[start, image.shape[1], image.shape[2], *row] for start, image, row in zip(starts, images, rows)],
+        dtype=torch.int64,
+    )
     windows = windows.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else windows
     mean, std = _statistics(device, tuple(transform.mean), tuple(transform.std))
     out = torch.empty(len(images), 3, size, size, dtype=torch.float32, device=device)

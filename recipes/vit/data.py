@@ -26,8 +26,14 @@ from core.config.errors import ConfigError, DataError, MissingDataError
 from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.archive import extract_beside
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.folders import (imagefolder_classes, imagefolder_files, readable, tiny_imagenet_classes,
-                                 tiny_imagenet_files, unlabeled_files)
+from recipes.vit.folders import (
+    imagefolder_classes,
+    imagefolder_files,
+    readable,
+    tiny_imagenet_classes,
+    tiny_imagenet_files,
+    unlabeled_files,
+)
 from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
@@ -67,8 +73,14 @@ class ImageSamples(Dataset):
     idx), so a sample is the same on every call, rank and loader worker, and differs between epochs.
     """
 
-    def __init__(self, files: Sequence[tuple[str, int]], transform: Transform, seed: int,
-                 reader: Optional[Callable[[int], bytes]] = None, given: Optional[str] = None):
+    def __init__(
+        self,
+        files: Sequence[tuple[str, int]],
+        transform: Transform,
+        seed: int,
+        reader: Optional[Callable[[int], bytes]] = None,
+        given: Optional[str] = None,
+    ):
         self.files, self.transform, self.seed, self.reader, self.given = files, transform, seed, reader, given
 
     def __len__(self) -> int:
@@ -80,8 +92,9 @@ class ImageSamples(Dataset):
         try:
             return Path(self.files[idx][0]).read_bytes()
         except OSError as e:  # gone or changed since the folder was listed
-            raise DataError(f"cannot read the image {self.files[idx][0]} ({e.strerror}); remove or replace "
-                            "it") from None
+            raise DataError(
+                f"cannot read the image {self.files[idx][0]} ({e.strerror}); remove or replace it"
+            ) from None
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
@@ -91,8 +104,9 @@ class ImageSamples(Dataset):
                 with Image.open(io.BytesIO(self.read(idx))) as img:
                     image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
             except DECODE_ERRORS as e:  # header fine, pixels not (truncated, corrupt)
-                raise DataError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace "
-                                "it") from None
+                raise DataError(
+                    f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it"
+                ) from None
         return {"image": image, "label": label, "idx": idx}
 
 
@@ -109,12 +123,16 @@ class SyntheticImages(Dataset):
     def __getitem__(self, index: EpochIndex | int) -> dict:
         idx = epoch_index(index).idx  # the same image in every epoch
         g = torch.Generator().manual_seed(self.seed * 1_000_003 + idx)
-        return {"image": torch.randn(self.shape, generator=g),
-                "label": int(torch.randint(self.num_classes, (), generator=g)), "idx": idx}
+        return {
+            "image": torch.randn(self.shape, generator=g),
+            "label": int(torch.randint(self.num_classes, (), generator=g)),
+            "idx": idx,
+        }
 
 
-def random_resized_crop_box(height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float],
-                            g: torch.Generator) -> tuple[int, int, int, int]:
+def random_resized_crop_box(
+    height: int, width: int, scale: tuple[float, float], ratio: tuple[float, float], g: torch.Generator
+) -> tuple[int, int, int, int]:
     """(top, left, h, w) of a crop covering a random fraction of the area in `scale` with an aspect
     ratio in `ratio` (log-uniform), up to 10 tries, else the largest central crop within `ratio`."""
     area = height * width
@@ -202,26 +220,38 @@ class EncodedImageSamples(ImageSamples):
         with named(self.given):
             raw = self.read(idx)
             if raw[:2] != b"\xff\xd8":
-                raise DataError(f"data.decode_on=device decodes JPEG files only, and {path} is not one "
-                                "(use data.decode_on=workers for other formats)")
+                raise DataError(
+                    f"data.decode_on=device decodes JPEG files only, and {path} is not one "
+                    "(use data.decode_on=workers for other formats)"
+                )
             try:
                 with Image.open(io.BytesIO(raw)) as img:  # parses the header only
                     width, height = img.size
             except DECODE_ERRORS as e:
-                raise DataError(f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace "
-                                "it") from None
+                raise DataError(
+                    f"cannot decode the image {path} ({type(e).__name__}: {e}); remove or replace it"
+                ) from None
         data = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
         crop = self.transform.draw(height, width, sample_generator(self.seed, epoch, idx))
-        return {"jpeg": data, "crop": torch.tensor(crop), "size": torch.tensor([height, width]), "path": str(path),
-                "label": label, "idx": idx}
+        return {
+            "jpeg": data,
+            "crop": torch.tensor(crop),
+            "size": torch.tensor([height, width]),
+            "path": str(path),
+            "label": label,
+            "idx": idx,
+        }
 
 
 def collate_encoded(samples: list[dict]) -> dict:
     """Encoded samples -> a batch: the JPEG byte strings joined into one tensor (one shared-memory block
     from a loader worker, not one per image) with their lengths; the rest collated as usual (paths: a list)."""
     rest = default_collate([{k: v for k, v in s.items() if k != "jpeg"} for s in samples])
-    return {"jpeg": torch.cat([s["jpeg"] for s in samples]),
-            "jpeg_sizes": torch.tensor([s["jpeg"].numel() for s in samples]), **rest}
+    return {
+        "jpeg": torch.cat([s["jpeg"] for s in samples]),
+        "jpeg_sizes": torch.tensor([s["jpeg"].numel() for s in samples]),
+        **rest,
+    }
 
 
 HOST_ONLY = ("jpeg", "jpeg_sizes", "crop", "size", "path")
@@ -237,7 +267,7 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
 
     ends = batch["jpeg_sizes"].cumsum(0).tolist()  # host tensors: no device sync
     joined = batch["jpeg"].numpy()
-    files = [joined[end - size:end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
+    files = [joined[end - size : end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
     crops, sizes = batch["crop"].tolist(), batch["size"].tolist()
     images = decoder_for(device, backend).decode(files, batch["path"], sizes)
     pixels = crop_resize_normalize(images, crops, transform)  # one kernel for the batch on a GPU
@@ -245,23 +275,32 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
     return {"image": pixels, **rest}
 
 
-def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig,
-                         seed: int) -> tuple[Dataset, Optional[Dataset]]:
+def build_image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
     """Training and validation sets."""
     ImageDataConfig.check(data, "data")  # also for configs that did not come through validation
     train, val = _image_datasets(data, model, seed)
     if data.mixup_alpha > 0 or data.cutmix_alpha > 0:
         normalize = Transform(data, model.img_size, train=True).normalize
-        train = MixupCutmix(train, model.num_classes, data.mixup_alpha, data.cutmix_alpha, data.mix_prob,
-                            data.mix_switch_prob, seed, normalize)
+        train = MixupCutmix(
+            train,
+            model.num_classes,
+            data.mixup_alpha,
+            data.cutmix_alpha,
+            data.mix_prob,
+            data.mix_switch_prob,
+            seed,
+            normalize,
+        )
     return train, val
 
 
 def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> tuple[Dataset, Optional[Dataset]]:
     size = model.img_size
     if data.format == "synthetic":
-        return (SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
-                SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1))
+        return (
+            SyntheticImages(data.synthetic_train_size, size, model.in_chans, model.num_classes, seed),
+            SyntheticImages(data.synthetic_val_size, size, model.in_chans, model.num_classes, seed + 1),
+        )
     classes = image_classes(data)
     if len(classes) != model.num_classes:
         raise DataError(f"data.root={data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
@@ -280,8 +319,9 @@ def _root_setting(data: ImageDataConfig, given: Optional[str]) -> str:
     return given or f"data.root={data.root}"
 
 
-def split_samples(samples: type[ImageSamples], data: ImageDataConfig, split: str, classes: list[str],
-                  transform: Transform, seed: int) -> Optional[ImageSamples]:
+def split_samples(
+    samples: type[ImageSamples], data: ImageDataConfig, split: str, classes: list[str], transform: Transform, seed: int
+) -> Optional[ImageSamples]:
     """One split's samples (None if the data has no such split): from its files, or from tar shards."""
     given = _root_setting(data, None)
     if data.format != "shards":
@@ -310,8 +350,9 @@ def image_classes(data: ImageDataConfig, given: Optional[str] = None) -> list[st
     if data.root is None:
         raise MissingDataError(f"data.root is not set (data.format={data.format} reads its images from it)")
     if data.format not in ("imagefolder", "tiny_imagenet", "shards"):
-        raise ConfigError(f"data.format={data.format!r} has no class names (expected imagefolder, tiny_imagenet "
-                          "or shards)")
+        raise ConfigError(
+            f"data.format={data.format!r} has no class names (expected imagefolder, tiny_imagenet or shards)"
+        )
     with named(_root_setting(data, given)):
         root = ensure_extracted(data.root, given)
         if data.format == "imagefolder":
@@ -321,8 +362,9 @@ def image_classes(data: ImageDataConfig, given: Optional[str] = None) -> list[st
         return read_index(root)[0]
 
 
-def split_files(data: ImageDataConfig, split: str, classes: list[str],
-                given: Optional[str] = None) -> Optional[list[tuple[str, int]]]:
+def split_files(
+    data: ImageDataConfig, split: str, classes: list[str], given: Optional[str] = None
+) -> Optional[list[tuple[str, int]]]:
     """(image, label) of one split, unreadable files left out (data.verify_images); None if it does not exist."""
     with named(_root_setting(data, given)):
         root = ensure_extracted(data.root, given)
@@ -343,13 +385,15 @@ def split_files(data: ImageDataConfig, split: str, classes: list[str],
             labels = {label for _, label in files}
             empty = [c for i, c in enumerate(classes) if i not in labels]
             if empty:
-                raise DataError(f"{root / split}: {len(empty)} classes have no readable images: "
-                                f"{', '.join(empty[:5])} (replace the files or remove the class folders)")
+                raise DataError(
+                    f"{root / split}: {len(empty)} classes have no readable images: "
+                    f"{', '.join(empty[:5])} (replace the files or remove the class folders)"
+                )
     return files
 
 
 def default_prediction_split(data: ImageDataConfig) -> str:
-    """"test" where the data has that split (a folder of the root holding labelled images, a split of the shards),
+    """ "test" where the data has that split (a folder of the root holding labelled images, a split of the shards),
     else "val". Tiny ImageNet's test images carry no labels: its default is val."""
     if data.format == "tiny_imagenet" or data.root is None:  # (without a root, the split says what is missing)
         return "val"
@@ -358,15 +402,22 @@ def default_prediction_split(data: ImageDataConfig) -> str:
     return "test" if has_test else "val"
 
 
-def prediction_samples(data: ImageDataConfig, model: ViTModelConfig, seed: int, split: Optional[str],
-                       folder: Optional[str], classes: Optional[list[str]] = None) -> ImageSamples:
+def prediction_samples(
+    data: ImageDataConfig,
+    model: ViTModelConfig,
+    seed: int,
+    split: Optional[str],
+    folder: Optional[str],
+    classes: Optional[list[str]] = None,
+) -> ImageSamples:
     """predict.py's images, with the validation transform: a split of the data (labels in `classes` order,
     read from the data when not given), or every image under `folder` (unlabeled, label -1)."""
     transform = Transform(data, model.img_size, train=False)
     if folder is None:
         split = {"train": data.train_split, "val": data.val_split}.get(split, split)  # the names predict.py knows
-        found = split_samples(ImageSamples, data, split, classes if classes is not None else image_classes(data),
-                              transform, seed)
+        found = split_samples(
+            ImageSamples, data, split, classes if classes is not None else image_classes(data), transform, seed
+        )
         if found is None:
             raise DataError(f"predict.split={split}: {data.root} has no such split")
         return found
@@ -406,11 +457,22 @@ class MixupCutmix(Dataset):
     (one_hot(label) for unmixed samples). Costs a second image decode for each mixed sample. Images are mixed
     as floats: uint8 ones are made so by `normalize` first (every sample, mixed or not: one dtype per batch)."""
 
-    def __init__(self, dataset: Dataset, num_classes: int, mixup_alpha: float, cutmix_alpha: float,
-                 prob: float, switch_prob: float, seed: int, normalize: Optional[Callable] = None):
+    def __init__(
+        self,
+        dataset: Dataset,
+        num_classes: int,
+        mixup_alpha: float,
+        cutmix_alpha: float,
+        prob: float,
+        switch_prob: float,
+        seed: int,
+        normalize: Optional[Callable] = None,
+    ):
         if mixup_alpha < 0 or cutmix_alpha < 0 or not 0 <= prob <= 1 or not 0 <= switch_prob <= 1:
-            raise ValueError(f"mixup_alpha={mixup_alpha}, cutmix_alpha={cutmix_alpha} must be >= 0 and "
-                             f"mix_prob={prob}, mix_switch_prob={switch_prob} in [0, 1]")
+            raise ValueError(
+                f"mixup_alpha={mixup_alpha}, cutmix_alpha={cutmix_alpha} must be >= 0 and "
+                f"mix_prob={prob}, mix_switch_prob={switch_prob} in [0, 1]"
+            )
         self.dataset, self.num_classes, self.seed = dataset, num_classes, seed
         self.mixup_alpha, self.cutmix_alpha, self.prob, self.switch_prob = mixup_alpha, cutmix_alpha, prob, switch_prob
         self.normalize = normalize

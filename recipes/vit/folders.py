@@ -82,12 +82,19 @@ def readable(files: Files, where: str, threads: int = 16) -> Files:
     bad = [(path, error) for (path, _), error in zip(files, errors) if error]
     if bad:
         shown = "; ".join(f"{p} ({e})" for p, e in bad[:3])
-        log.warning("%s: left out %d of %d image files that cannot be read: %s%s", where, len(bad), len(files), shown,
-                    " ..." if len(bad) > 3 else "")
+        log.warning(
+            "%s: left out %d of %d image files that cannot be read: %s%s",
+            where,
+            len(bad),
+            len(files),
+            shown,
+            " ..." if len(bad) > 3 else "",
+        )
     return [f for f, error in zip(files, errors) if not error]
 
 
 # --- ImageFolder -------------------------------------------------------------------------------------
+
 
 def imagefolder_classes(split_dir: Path) -> list[str]:
     """The class folders of `split_dir` that hold images, sorted by name."""
@@ -99,8 +106,10 @@ def imagefolder_classes(split_dir: Path) -> list[str]:
     if empty:
         log.warning("%s: left out %d class folders without images: %s", split_dir, len(empty), ", ".join(empty[:5]))
     if not classes:
-        raise DataError(f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
-                        f"image files ending in {', '.join(IMAGE_EXTENSIONS)})")
+        raise DataError(
+            f"{split_dir} has no class folders with images (expected <split>/<class>/<image>, "
+            f"image files ending in {', '.join(IMAGE_EXTENSIONS)})"
+        )
     return classes
 
 
@@ -110,12 +119,17 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
     index = {c: i for i, c in enumerate(classes)}
     others = [f.name for f in _subfolders(split_dir) if f.name not in index and _has_images(f)]
     if others:
-        log.warning("%s: left out %d class folders that the training split does not have: %s", split_dir,
-                    len(others), ", ".join(others[:5]))
+        log.warning(
+            "%s: left out %d class folders that the training split does not have: %s",
+            split_dir,
+            len(others),
+            ", ".join(others[:5]),
+        )
     return [(str(p), index[c]) for c in classes if (split_dir / c).is_dir() for p in images_under(split_dir / c)]
 
 
 # --- Tiny-ImageNet -----------------------------------------------------------------------------------
+
 
 def tiny_imagenet_classes(root: Path) -> list[str]:
     """The wnids with training images, in wnids.txt order (sorted when there is no wnids.txt; wnids that
@@ -127,17 +141,26 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
         raise MissingDataError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
     present = {f.name for f in _subfolders(train) if _has_images(f / "images")}
     if not present:
-        raise DataError(f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: "
-                        "train/<wnid>/images/<image>)")
+        raise DataError(
+            f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: train/<wnid>/images/<image>)"
+        )
     listed = [w.strip() for w in _lines(root / "wnids.txt")] if (root / "wnids.txt").is_file() else []
     ordered = [w for w in dict.fromkeys(listed) if w in present]
     unlisted = sorted(present - set(ordered))
     if listed and unlisted:
-        log.warning("%s: %d training classes are not in wnids.txt and come after its classes: %s", root,
-                    len(unlisted), ", ".join(unlisted[:5]))
+        log.warning(
+            "%s: %d training classes are not in wnids.txt and come after its classes: %s",
+            root,
+            len(unlisted),
+            ", ".join(unlisted[:5]),
+        )
     if len(ordered) < len(listed):
-        log.info("%s: %d of the %d classes in wnids.txt have training images (a subset)", root, len(ordered),
-                 len(set(listed)))
+        log.info(
+            "%s: %d of the %d classes in wnids.txt have training images (a subset)",
+            root,
+            len(ordered),
+            len(set(listed)),
+        )
     return ordered + unlisted
 
 
@@ -169,12 +192,20 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
         else:
             files.append((str(folder / "images" / name), index[wnid]))
     if missing or other_class or malformed:
-        log.info("%s: %d annotated images; left out %d lines of classes without training images, %d of files "
-                 "that are missing%s", annotations, len(files), other_class, missing,
-                 f", {malformed} malformed" if malformed else "")
+        log.info(
+            "%s: %d annotated images; left out %d lines of classes without training images, %d of files "
+            "that are missing%s",
+            annotations,
+            len(files),
+            other_class,
+            missing,
+            f", {malformed} malformed" if malformed else "",
+        )
     if not files:
-        raise DataError(f"{annotations}: none of its lines names an existing file of a training class "
-                        f"({other_class} other classes, {missing} missing files)")
+        raise DataError(
+            f"{annotations}: none of its lines names an existing file of a training class "
+            f"({other_class} other classes, {missing} missing files)"
+        )
     return files
 
 
@@ -187,6 +218,7 @@ def _lines(path: Path) -> list[str]:
 
 
 # --- unlabeled ---------------------------------------------------------------------------------------
+
 
 def unlabeled_files(folder: Path) -> Files:
     """Every image under `folder` (any depth), in sorted path order, label -1."""

@@ -49,9 +49,11 @@ def nvimgcodec():
                 captured.seek(0)
                 printed = captured.read().decode(errors="replace").strip()
     except ImportError as e:
-        raise ImportError("data.decode_on=device decodes with NVIDIA nvImageCodec: pip install "
-                          "nvidia-nvimgcodec-cu13 nvidia-nvjpeg (CUDA 12: nvidia-nvimgcodec-cu12), or use "
-                          f"data.decode_on=workers ({e})") from None
+        raise ImportError(
+            "data.decode_on=device decodes with NVIDIA nvImageCodec: pip install "
+            "nvidia-nvimgcodec-cu13 nvidia-nvjpeg (CUDA 12: nvidia-nvimgcodec-cu12), or use "
+            f"data.decode_on=workers ({e})"
+        ) from None
     finally:
         os.close(saved)
     if printed:
@@ -79,8 +81,9 @@ class JpegDecoder:
         codec = nvimgcodec()
         self.device = device
         self.params = codec.DecodeParams(sample_format=codec.P_RGB, apply_exif_orientation=False)
-        self.cpu = codec.Decoder(device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                 backends=[codec.Backend(codec.BackendKind.CPU_ONLY)])
+        self.cpu = codec.Decoder(
+            device_id=codec.NVIMGCODEC_DEVICE_CPU_ONLY, backends=[codec.Backend(codec.BackendKind.CPU_ONLY)]
+        )
         self.gpu, self.backend = None, "cpu"
         if device.type == "cuda":
             self.gpu, self.backend = self._gpu_decoder(codec, device, backend)
@@ -90,7 +93,7 @@ class JpegDecoder:
     def _gpu_decoder(codec, device: torch.device, backend: str):
         index = device.index if device.index is not None else torch.cuda.current_device()
         kinds = {"hardware": codec.BackendKind.HW_GPU_ONLY, "cuda": codec.BackendKind.HYBRID_CPU_GPU}
-        for name in (["hardware", "cuda"] if backend == "auto" else [backend]):
+        for name in ["hardware", "cuda"] if backend == "auto" else [backend]:
             try:
                 decoder = codec.Decoder(device_id=index, backends=[codec.Backend(kinds[name])])
                 with torch.cuda.device(index):
@@ -100,11 +103,14 @@ class JpegDecoder:
                 works = False
             if works:
                 return decoder, name
-        raise RuntimeError(f"data.device_decoder={backend}: this GPU ({torch.cuda.get_device_name(index)}) cannot "
-                           "decode JPEGs that way (no hardware JPEG engines?); use data.device_decoder=auto")
+        raise RuntimeError(
+            f"data.device_decoder={backend}: this GPU ({torch.cuda.get_device_name(index)}) cannot "
+            "decode JPEGs that way (no hardware JPEG engines?); use data.device_decoder=auto"
+        )
 
-    def decode(self, files: Sequence[np.ndarray], names: Sequence[str],
-               sizes: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+    def decode(
+        self, files: Sequence[np.ndarray], names: Sequence[str], sizes: Sequence[Sequence[int]]
+    ) -> list[torch.Tensor]:
         """One uint8 [3, H, W] tensor per file, on the device; on CUDA ordered on the current stream. `sizes`:
         each file's (height, width) as PIL read its header in the loader worker (its decompression-bomb check
         bounds them); a file whose header reads otherwise here is refused before anything is allocated, one
@@ -118,8 +124,10 @@ class JpegDecoder:
             except RuntimeError as e:  # not even a readable header
                 raise DataError(f"cannot decode the image {name} ({e}); remove or replace it") from None
             if found != list(size):
-                raise DataError(f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
-                                f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it")
+                raise DataError(
+                    f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
+                    f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it"
+                )
             streams.append(stream)
         images: list = [None] * len(streams)
         on_gpu = [i for i, data in enumerate(files) if self.gpu is not None and ends_whole(data)]
@@ -134,8 +142,10 @@ class JpegDecoder:
             out[i] = self._on_cpu(streams[i], names[i])
         for image, size, name in zip(out, sizes, names):
             if list(image.shape[1:]) != list(size):  # the crop was drawn for the size in the header
-                raise DataError(f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, "
-                                f"the decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it")
+                raise DataError(
+                    f"cannot decode the image {name}: its header says {size[0]} x {size[1]} pixels, "
+                    f"the decoder gave {image.shape[1]} x {image.shape[2]}; remove or replace it"
+                )
         return out
 
     def _on_cpu(self, stream, name: str) -> torch.Tensor:

@@ -14,13 +14,20 @@ from torch import nn
 
 from core.checkpointing.layout import resolve_checkpoint
 from core.config.errors import ConfigError
-from core.layers.weight_init import init_parameters, standard_rule
 from core.layers.namespace import Layers
+from core.layers.weight_init import init_parameters, standard_rule
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import (ImagesToPredict, Transform, build_image_datasets, collate_encoded, decode_batch,
-                              default_prediction_split,
-                              image_classes, prediction_samples)
+from recipes.vit.data import (
+    ImagesToPredict,
+    Transform,
+    build_image_datasets,
+    collate_encoded,
+    decode_batch,
+    default_prediction_split,
+    image_classes,
+    prediction_samples,
+)
 from recipes.vit.model import VisionTransformer
 
 log = logging.getLogger("train")
@@ -32,8 +39,20 @@ class ViTRecipe(Recipe):
     model_data_keys = ("num_classes", "val_crop_fraction", "mean", "std")  # the head, the crop, the normalization
     data_schema = ImageDataConfig
     predict_config = "vit_predict"
-    tiny_configs = {"": ("vit_sanity", ("data=synthetic", "data.num_classes=10", "data.synthetic_val_size=4",
-                                        "model.hidden_size=32", "model.depth=1", "model.num_heads=2"))}
+    tiny_configs = {
+        "": (
+            "vit_sanity",
+            (
+                "data=synthetic",
+                "data.num_classes=10",
+                "data.synthetic_val_size=4",
+                "model.hidden_size=32",
+                "model.depth=1",
+                "model.num_heads=2",
+            ),
+        )
+    }
+
     @classmethod
     def resolve_config(cls, cfg, is_main: bool = True):
         """data.num_classes: null -> the number of classes the data holds (and the model's head with it);
@@ -42,8 +61,10 @@ class ViTRecipe(Recipe):
         if data_cfg.format == "synthetic":
             return cfg
         if len(data_cfg.mean) != model_cfg.in_chans:  # the images are normalized channel by channel
-            raise ConfigError(f"data.mean and data.std have {len(data_cfg.mean)} values, but "
-                              f"model.in_chans={model_cfg.in_chans}: expected one per channel")
+            raise ConfigError(
+                f"data.mean and data.std have {len(data_cfg.mean)} values, but "
+                f"model.in_chans={model_cfg.in_chans}: expected one per channel"
+            )
         try:
             found, data_found = len(image_classes(data_cfg)), True
         except FileNotFoundError as e:  # e.g. predict.py on a folder of new images, with the checkpoint only
@@ -76,8 +97,10 @@ class ViTRecipe(Recipe):
             trained = read_saved_config(saved, get_recipe, expected_recipe=ViTRecipe.name)  # read as plain data
             given, source = trained.settings["model.num_classes"], f"from {saved}"
         if given is None:
-            raise ConfigError(f"data.num_classes=null takes the count from the data, but {missing}; "
-                              "give data.num_classes (the trained model's) or a data.root that exists")
+            raise ConfigError(
+                f"data.num_classes=null takes the count from the data, but {missing}; "
+                "give data.num_classes (the trained model's) or a data.root that exists"
+            )
         if is_main:
             log.warning("%s; num_classes=%d %s", missing, given, source)
         return int(given)
@@ -123,8 +146,10 @@ class ViTRecipe(Recipe):
         smoothing = self.cfg.model.label_smoothing if training else 0.0
         # Mixup / CutMix samples carry a label distribution ("target") to train on instead.
         targets = batch["target"] if training and "target" in batch else labels
-        out = {"loss": F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing),
-               "count": torch.ones_like(labels, dtype=torch.float32)}
+        out = {
+            "loss": F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing),
+            "count": torch.ones_like(labels, dtype=torch.float32),
+        }
         if not training:
             top5 = logits.topk(min(5, logits.shape[-1]), dim=-1).indices
             out["top1"] = (top5[:, 0] == labels).float()
@@ -141,8 +166,10 @@ class ViTRecipe(Recipe):
 
     def split(self, name: str):
         if self.cfg.data.format == "synthetic":
-            raise ConfigError(f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
-                              "the data the model was trained on (data=imagefolder data.root=...) or predict.folder")
+            raise ConfigError(
+                f"predict.split={name}: data.format=synthetic has no image files to predict on; give "
+                "the data the model was trained on (data=imagefolder data.root=...) or predict.folder"
+            )
         classes = image_classes(self.cfg.data)
         samples = prediction_samples(self.cfg.data, self.cfg.model, self.cfg.seed, name, None, classes)
         return ImagesToPredict(samples, Path(self.cfg.data.root), classes)
@@ -163,8 +190,13 @@ class ViTRecipe(Recipe):
         names, where they are known."""
         paths = [Path(images.samples.files[i][0]) for i in columns["idx"].tolist()]
         files = [str(p.relative_to(images.base)) if p.is_relative_to(images.base) else str(p) for p in paths]
-        out = {"idx": columns["idx"], "file": files, "label": columns["label"],
-               "top": columns["top"], "prob": columns["prob"]}
+        out = {
+            "idx": columns["idx"],
+            "file": files,
+            "label": columns["label"],
+            "top": columns["top"],
+            "prob": columns["prob"],
+        }
         if images.class_names is not None:
             out["top_name"] = [[images.class_names[i] for i in row] for row in columns["top"].tolist()]
         return out
@@ -202,8 +234,12 @@ class ViTRecipe(Recipe):
         model_cfg = self.cfg.model
         patches = (model_cfg.img_size // model_cfg.patch_size) ** 2
         s, h, f = patches + 1, model_cfg.hidden_size, int(model_cfg.hidden_size * model_cfg.mlp_ratio)
-        forward = (2 * s * model_cfg.depth * (4 * h * h + 2 * h * f) + 4 * s * s * h * model_cfg.depth
-                   + 2 * patches * model_cfg.in_chans * model_cfg.patch_size**2 * h + 2 * h * model_cfg.num_classes)
+        forward = (
+            2 * s * model_cfg.depth * (4 * h * h + 2 * h * f)
+            + 4 * s * s * h * model_cfg.depth
+            + 2 * patches * model_cfg.in_chans * model_cfg.patch_size**2 * h
+            + 2 * h * model_cfg.num_classes
+        )
         return 3.0 * forward
 
 

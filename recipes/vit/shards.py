@@ -106,8 +106,9 @@ def read_index(root: str | Path) -> tuple[list[str], dict[str, ShardSplit]]:
     try:  # links are followed, as for the shards (a dataset linked together from another place is common)
         raw = read_small_file(index_path, 64 << 20, follow_symlinks=True)
     except FileNotFoundError:
-        raise MissingDataError(f"{index_path}: no such file (data.format=shards reads a folder that "
-                               "scripts/shard_images.py wrote)") from None
+        raise MissingDataError(
+            f"{index_path}: no such file (data.format=shards reads a folder that scripts/shard_images.py wrote)"
+        ) from None
     except (ValueError, OSError) as e:
         raise DataError(f"{index_path}: {e}") from None
     try:
@@ -152,22 +153,32 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
     except (ValueError, EOFError, OSError) as e:
         raise DataError(f"{table_path}: not a table of this format ({e})") from None
     if table.dtype != np.int64 or table.ndim != 2 or table.shape[1] != len(COLUMNS):
-        raise DataError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} "
-                        f"{table.shape}")
+        raise DataError(f"{table_path}: expected int64 rows of {', '.join(COLUMNS)}; found {table.dtype} {table.shape}")
     if len(table) != sum(s.samples for s in entry.shards):
-        raise DataError(f"{table_path}: {len(table)} rows, but {where} counts "
-                        f"{sum(s.samples for s in entry.shards)} samples in split {split!r}")
+        raise DataError(
+            f"{table_path}: {len(table)} rows, but {where} counts "
+            f"{sum(s.samples for s in entry.shards)} samples in split {split!r}"
+        )
     shard, header, data, size, label = (np.asarray(table[:, i]) for i in range(len(COLUMNS)))
     ends = np.asarray([s.bytes for s in entry.shards], dtype=np.int64)
     expected_shard = np.repeat(np.arange(len(entry.shards)), [s.samples for s in entry.shards])
-    bad = ~((shard == expected_shard) & (header >= 0) & (header % BLOCK == 0) & (data == header + BLOCK)
-            & (size >= 0) & (label >= 0) & (label < num_classes))
+    bad = ~(
+        (shard == expected_shard)
+        & (header >= 0)
+        & (header % BLOCK == 0)
+        & (data == header + BLOCK)
+        & (size >= 0)
+        & (label >= 0)
+        & (label < num_classes)
+    )
     if not bad.any():  # the shard ids are right: each member must lie inside its shard (no sum that can wrap)
         bad = (header > ends[shard]) | (size > ends[shard]) | (data + size > ends[shard])
     if bad.any():
         row = int(np.flatnonzero(bad)[0])
-        raise DataError(f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
-                        f"at a member of its shard (or its label is not one of the {num_classes} classes)")
+        raise DataError(
+            f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
+            f"at a member of its shard (or its label is not one of the {num_classes} classes)"
+        )
     return ShardSplit(root, split, list(entry.shards), entry.table, table)
 
 
@@ -198,8 +209,10 @@ def _expect_regular(path: Path, size: Optional[int]) -> None:
     if not stat.S_ISREG(status.st_mode):
         raise DataError(f"{path}: not a regular file")
     if size is not None and status.st_size != size:
-        raise DataError(f"{path}: {status.st_size} bytes, but {path.parent / INDEX} says {size} (a copy cut "
-                        "short or changed since it was written)")
+        raise DataError(
+            f"{path}: {status.st_size} bytes, but {path.parent / INDEX} says {size} (a copy cut "
+            "short or changed since it was written)"
+        )
 
 
 class ShardReader:
@@ -241,19 +254,28 @@ class ShardReader:
         try:
             info = tarfile.TarInfo.frombuf(block[:BLOCK], "utf-8", "surrogateescape")
         except tarfile.HeaderError as e:
-            raise DataError(f"{where}: no tar header where the index points ({e}); the shard is damaged or "
-                            "the index is not its own") from None
+            raise DataError(
+                f"{where}: no tar header where the index points ({e}); the shard is damaged or the index is not its own"
+            ) from None
         stem, _, _ = info.name.partition(".")
         if stem != _member_key(position) or info.name.endswith(".cls") or info.size != size or not info.isreg():
-            raise DataError(f"{where}: the index points at member {info.name!r} of {info.size} bytes, not this "
-                            f"sample's image of {size} bytes; the index is not this shard's")
+            raise DataError(
+                f"{where}: the index points at member {info.name!r} of {info.size} bytes, not this "
+                f"sample's image of {size} bytes; the index is not this shard's"
+            )
         if len(block) != BLOCK + size:
             raise DataError(f"{where}: the shard ends inside the member (cut short)")
         return block[BLOCK:]
 
 
-def write_shards(out: Path, classes: list[str], splits: dict[str, list[tuple[str, int]]], max_samples: int = 5000,
-                 shorter_side: Optional[int] = None, quality: int = 90) -> dict[str, ShardSplit]:
+def write_shards(
+    out: Path,
+    classes: list[str],
+    splits: dict[str, list[tuple[str, int]]],
+    max_samples: int = 5000,
+    shorter_side: Optional[int] = None,
+    quality: int = 90,
+) -> dict[str, ShardSplit]:
     """Write `splits` ({split: [(image file, label)]}) into tar shards of at most `max_samples` samples under
     `out` (a new or empty folder), with the index. Images keep their bytes, or with `shorter_side` are
     resized so (never enlarged) and stored as JPEG at `quality`. Returns the splits as read back. ValueError
@@ -284,8 +306,15 @@ def write_shards(out: Path, classes: list[str], splits: dict[str, list[tuple[str
         raise
 
 
-def _write_split(out: Path, split: str, files: list[tuple[str, int]], max_samples: int, shorter_side: Optional[int],
-                 quality: int, written: list[Path]) -> list[Path]:
+def _write_split(
+    out: Path,
+    split: str,
+    files: list[tuple[str, int]],
+    max_samples: int,
+    shorter_side: Optional[int],
+    quality: int,
+    written: list[Path],
+) -> list[Path]:
     """The split's shards, written with WebDataset's TarWriter on files opened here (its ShardWriter would
     read the folder's name as a URL pattern)."""
     import webdataset
@@ -324,14 +353,16 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
             img = img.convert("RGB")
             scale = shorter_side / min(img.size)
             if scale < 1:
-                img = img.resize((max(1, round(img.width * scale)), max(1, round(img.height * scale))),
-                                 Image.Resampling.BICUBIC)
+                img = img.resize(
+                    (max(1, round(img.width * scale)), max(1, round(img.height * scale))), Image.Resampling.BICUBIC
+                )
             buffer = io.BytesIO()
             img.save(buffer, format="JPEG", quality=quality)
         return buffer.getvalue(), "jpg"
     except (OSError, ValueError, Image.DecompressionBombError) as e:  # read, decoded or resized: a bad file
-        raise DataError(f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace "
-                        "it") from None
+        raise DataError(
+            f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace it"
+        ) from None
 
 
 def _index_shards(shard_files: list[Path], labels: list[int]) -> tuple[list[dict], list[list[int]]]:

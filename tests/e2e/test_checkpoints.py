@@ -25,17 +25,19 @@ from core.training.callbacks import Callback
 from tests.support.checkpoint_harness import TINY, phase, run_phases, train_losses
 from tests.support.helpers import REPO, _worker, free_port, read_records, run_python, run_workers, torchrun
 
-
-
 # ----------------------------------------------------------------------------- real signals and kill -9
 
 
 def _start(args: list[str], cwd: Path, run_dir: str) -> subprocess.Popen:
     cwd.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(torchrun(2, "train.py", "--config-name", "vit_sanity", *args,
-                                        f"hydra.run.dir={run_dir}"),
-                            cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
+    return subprocess.Popen(
+        torchrun(2, "train.py", "--config-name", "vit_sanity", *args, f"hydra.run.dir={run_dir}"),
+        cwd=cwd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _wait_for(condition, proc: subprocess.Popen, timeout: float = 120) -> None:
@@ -78,8 +80,13 @@ def test_sigterm_and_kill9_then_the_same_command_resumes_exactly(tmp_path):
     its own>/checkpoints): SIGTERM to torchrun saves and stops; kill -9 right after a save loses only the steps
     since. Running the same command again continues with the uninterrupted run's losses, bit for bit."""
     # A loader worker too: torchrun signals it as well, and it must outlive the signal save.
-    args = TINY + ["distributed=fsdp2", "training.steps=30", "checkpoint.save_every_n_steps=5",
-                   "model.hidden_dropout=0.1", "data.num_workers=1"]
+    args = TINY + [
+        "distributed=fsdp2",
+        "training.steps=30",
+        "checkpoint.save_every_n_steps=5",
+        "model.hidden_dropout=0.1",
+        "data.num_workers=1",
+    ]
     ref = _start(args, tmp_path / "ref", "run")
     ref_out = _finish(ref)
     assert ref.returncode == 0, ref_out[-3000:]
@@ -136,9 +143,13 @@ def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     sentinel = tmp_path / "sentinel"
     first = [phase(tmp_path, "first", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"])]
     ctx, port = mp.get_context("spawn"), free_port()
-    procs = [ctx.Process(target=_worker, args=(r, 2, port, _slow_marker, (first, str(sentinel), 4), {}, dict(os.environ),
-                                               os.getcwd()))
-             for r in range(2)]
+    procs = [
+        ctx.Process(
+            target=_worker,
+            args=(r, 2, port, _slow_marker, (first, str(sentinel), 4), {}, dict(os.environ), os.getcwd()),
+        )
+        for r in range(2)
+    ]
     for p in procs:
         p.start()
     deadline = time.time() + 300
@@ -151,10 +162,14 @@ def test_kill9_during_a_save_resumes_from_the_previous_checkpoint(tmp_path):
     assert (ckpt / "step_4" / ".metadata").exists() and not (ckpt / "step_4" / "COMPLETE").exists()
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_2"]
 
-    ref, resumed = run_workers(2, run_phases, [
-        phase(tmp_path, "ref", "ckpt_ref", ["distributed=fsdp2"]),
-        phase(tmp_path, "second", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"]),
-    ])[0]
+    ref, resumed = run_workers(
+        2,
+        run_phases,
+        [
+            phase(tmp_path, "ref", "ckpt_ref", ["distributed=fsdp2"]),
+            phase(tmp_path, "second", "ckpt", ["distributed=fsdp2", "checkpoint.save_every_n_steps=2"]),
+        ],
+    )[0]
     assert resumed["resumed_from"] == str(ckpt / "step_2")
     assert resumed["losses"] == {s: ref["losses"][s] for s in range(3, 9)}
     assert [p.name for p in step_dirs(ckpt)] == ["step_2", "step_4", "step_6", "step_8"]
@@ -177,15 +192,41 @@ def test_corrupt_missing_and_incomplete_checkpoints(tmp_path):
     shutil.copytree(ckpt / "step_2", incomplete)
     (incomplete / "COMPLETE").unlink()  # as a save cut short leaves it: SAVING, no COMPLETE
     (incomplete / "SAVING").write_text("")
-    results = run_workers(1, run_phases, [
-        phase(tmp_path, "explicit", "ckpt", ["training.steps=4", f"checkpoint.resume={ckpt}/step_4"], expect_error=True),
-        phase(tmp_path, "missing", "ckpt", ["training.steps=4", f"checkpoint.resume={tmp_path}/nowhere"], expect_error=True),
-        phase(tmp_path, "incomplete", "ckpt", ["training.steps=4", f"checkpoint.resume={incomplete}"], expect_error=True),
-        phase(tmp_path, "fresh", "ckpt", ["training.steps=4", "checkpoint.resume=false"], expect_error=True),
-        phase(tmp_path, "auto", "ckpt", ["training.steps=4"]),
-    ])[0]
+    results = run_workers(
+        1,
+        run_phases,
+        [
+            phase(
+                tmp_path,
+                "explicit",
+                "ckpt",
+                ["training.steps=4", f"checkpoint.resume={ckpt}/step_4"],
+                expect_error=True,
+            ),
+            phase(
+                tmp_path,
+                "missing",
+                "ckpt",
+                ["training.steps=4", f"checkpoint.resume={tmp_path}/nowhere"],
+                expect_error=True,
+            ),
+            phase(
+                tmp_path,
+                "incomplete",
+                "ckpt",
+                ["training.steps=4", f"checkpoint.resume={incomplete}"],
+                expect_error=True,
+            ),
+            phase(tmp_path, "fresh", "ckpt", ["training.steps=4", "checkpoint.resume=false"], expect_error=True),
+            phase(tmp_path, "auto", "ckpt", ["training.steps=4"]),
+        ],
+    )[0]
     explicit, missing, incomplete_result, fresh, auto = results
-    assert "CheckpointError" in explicit["error"] and "__0_0.distcp" in explicit["error"] and "truncated" in explicit["error"]
+    assert (
+        "CheckpointError" in explicit["error"]
+        and "__0_0.distcp" in explicit["error"]
+        and "truncated" in explicit["error"]
+    )
     assert "no such checkpoint folder" in missing["error"]
     assert "incomplete checkpoint" in incomplete_result["error"]
     assert "checkpoint.overwrite=true" in fresh["error"]
@@ -194,8 +235,11 @@ def test_corrupt_missing_and_incomplete_checkpoints(tmp_path):
     assert auto["losses"] == {3: first["losses"][3], 4: first["losses"][4]}
     verify(ckpt / "step_4")  # saved again, whole
 
-    (overwritten,) = run_workers(1, run_phases, [
-        phase(tmp_path, "over", "ckpt", ["training.steps=1", "checkpoint.resume=false", "checkpoint.overwrite=true"])])[0]
+    (overwritten,) = run_workers(
+        1,
+        run_phases,
+        [phase(tmp_path, "over", "ckpt", ["training.steps=1", "checkpoint.resume=false", "checkpoint.overwrite=true"])],
+    )[0]
     assert overwritten["resumed_from"] is None and [p.name for p in step_dirs(ckpt)] == ["step_1"]
 
 
@@ -216,8 +260,12 @@ def _disk_full_at(phases: list[dict], failing_step: int) -> list[dict]:
 @pytest.mark.slow
 def test_a_failing_save_fails_loudly_and_keeps_earlier_checkpoints(tmp_path):
     ckpt = tmp_path / "ckpt"
-    (result,) = run_workers(1, _disk_full_at, [
-        phase(tmp_path, "run", "ckpt", ["training.steps=6", "checkpoint.save_every_n_steps=2"], expect_error=True)], 4)[0]
+    (result,) = run_workers(
+        1,
+        _disk_full_at,
+        [phase(tmp_path, "run", "ckpt", ["training.steps=6", "checkpoint.save_every_n_steps=2"], expect_error=True)],
+        4,
+    )[0]
     assert "saving" in result["error"] and "step_4" in result["error"] and "No space left" in result["error"]
     assert [p.name for p in complete_checkpoints(ckpt)] == ["step_2"]
     verify(ckpt / "step_2")
@@ -247,10 +295,15 @@ def _nan_at_step(phases: list[dict], bad_step: int) -> list[dict]:
 def test_nonfinite_loss_stops_or_skips_and_is_never_saved(tmp_path):
     # 1 rank: 4 micro-batches per step; step 3 gets a NaN loss.
     common = ["training.steps=6", "checkpoint.save_every_n_steps=2", "training.log_every_n_steps=5"]
-    stop, skip = run_workers(1, _nan_at_step, [
-        phase(tmp_path, "stop", "ckpt_stop", common, expect_error=True),
-        phase(tmp_path, "skip", "ckpt_skip", common + ["training.on_nonfinite=skip"], state=True),
-    ], 3)[0]
+    stop, skip = run_workers(
+        1,
+        _nan_at_step,
+        [
+            phase(tmp_path, "stop", "ckpt_stop", common, expect_error=True),
+            phase(tmp_path, "skip", "ckpt_skip", common + ["training.on_nonfinite=skip"], state=True),
+        ],
+        3,
+    )[0]
     assert "NonFiniteError" in stop["error"] and "at step 3" in stop["error"]
     assert [p.name for p in step_dirs(tmp_path / "ckpt_stop")] == ["step_2"]  # step 4 was never saved
     assert skip["skipped_steps"] == 1
@@ -286,8 +339,15 @@ def _fake_step(folder: Path, step: int, complete: bool, extra: tuple[str, ...] =
     (folder / ".metadata").write_bytes(b"")
     (folder / "__0_0.distcp").write_bytes(b"x" * 10)
     if complete:
-        (folder / "COMPLETE").write_text(json.dumps({"step": step, "metrics": {}, "files": {
-            ".metadata": {"size": 0, "crc32": 0}, "__0_0.distcp": {"size": 10, "crc32": 0}}}))
+        (folder / "COMPLETE").write_text(
+            json.dumps(
+                {
+                    "step": step,
+                    "metrics": {},
+                    "files": {".metadata": {"size": 0, "crc32": 0}, "__0_0.distcp": {"size": 10, "crc32": 0}},
+                }
+            )
+        )
     else:
         (folder / "SAVING").write_text("a save in progress\n")
     for name in extra:
@@ -316,21 +376,41 @@ def test_retention_deletes_set_aside_folders_of_this_tool_only(tmp_path, keep_la
     (root / "step_5.superseded").symlink_to(root / "elsewhere" / "step_5")
     _fake_step(root / "mine.superseded", 1, complete=False)
     Checkpointer(CheckpointConfig(path=str(root), keep_last_n=keep_last_n), 0, torch.device("cpu"))._apply_retention()
-    kept = {"step_2", "step_4", "step_6.superseded-2", "step_1.superseded", "step_2.superseded", "step_5.superseded",
-            "mine.superseded", "elsewhere"} | ({"step_3.superseded"} if keep_last_n < 0 else set())
+    kept = {
+        "step_2",
+        "step_4",
+        "step_6.superseded-2",
+        "step_1.superseded",
+        "step_2.superseded",
+        "step_5.superseded",
+        "mine.superseded",
+        "elsewhere",
+    } | ({"step_3.superseded"} if keep_last_n < 0 else set())
     assert {p.name for p in root.iterdir()} == kept
     assert (root / "elsewhere" / "step_5" / "SAVING").exists()
 
 
 @pytest.mark.slow
 def test_retention_keeps_exactly_the_right_folders_and_async_equals_sync(tmp_path):
-    keep = ["training.steps=6", "checkpoint.save_every_n_steps=1", "training.val_every_n_steps=1",
-            "checkpoint.keep_last_n=2", "checkpoint.keep_every_n_steps=3", "checkpoint.monitor=val/loss",
-            "checkpoint.keep_best_k=1"]
+    keep = [
+        "training.steps=6",
+        "checkpoint.save_every_n_steps=1",
+        "training.val_every_n_steps=1",
+        "checkpoint.keep_last_n=2",
+        "checkpoint.keep_every_n_steps=3",
+        "checkpoint.monitor=val/loss",
+        "checkpoint.keep_best_k=1",
+    ]
     both = ["training.steps=4", "checkpoint.save_every_n_steps=2"]
-    run_workers(1, run_phases, [phase(tmp_path, "keep", "ckpt_keep", keep),
-                                phase(tmp_path, "sync", "ckpt_sync", both),
-                                phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"])])
+    run_workers(
+        1,
+        run_phases,
+        [
+            phase(tmp_path, "keep", "ckpt_keep", keep),
+            phase(tmp_path, "sync", "ckpt_sync", both),
+            phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"]),
+        ],
+    )
     rows = read_records(tmp_path / "keep")
     val = {r["step"]: r["loss"] for r in rows if r.get("split") == "val"}
     best = min(val, key=val.get)
@@ -352,8 +432,15 @@ def test_async_saves_of_megatron_fsdp_equal_sync_ones(tmp_path):
     """Megatron-FSDP (ZeRO-3, 2 ranks, CPU shim) state is copied shard by shard for the background
     writer; the checkpoints are identical to synchronous ones."""
     both = ["distributed=mfsdp", "training.steps=4", "checkpoint.save_every_n_steps=2"]
-    run_workers(2, run_phases, [phase(tmp_path, "sync", "ckpt_sync", both),
-                                phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"])], True)
+    run_workers(
+        2,
+        run_phases,
+        [
+            phase(tmp_path, "sync", "ckpt_sync", both),
+            phase(tmp_path, "async", "ckpt_async", both + ["checkpoint.async_save=true"]),
+        ],
+        True,
+    )
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
     for step in (2, 4):
@@ -415,8 +502,11 @@ def test_conversion_round_trips(tmp_path):
 
     (trained,) = run_workers(2, run_phases, [phase(tmp_path, "train", "ckpt", ["training.steps=2"], state=True)])[0]
     step_dir = tmp_path / "ckpt" / "step_2"
-    subprocess.run([sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(step_dir), str(tmp_path / "cli.pt")],
-                   check=True, capture_output=True)
+    subprocess.run(
+        [sys.executable, str(REPO / "checkpoint.py"), "to-torch", str(step_dir), str(tmp_path / "cli.pt")],
+        check=True,
+        capture_output=True,
+    )
     format_utils.dcp_to_torch_save(step_dir, tmp_path / "format_utils.pt")  # what its command line calls
     _export(str(step_dir), str(tmp_path))
 
@@ -424,15 +514,20 @@ def test_conversion_round_trips(tmp_path):
     reference.load_state_dict(trained["state"], strict=True)
     images = torch.randn(3, 3, 28, 28)
     expected = reference(images)
-    for weights in (torch.load(tmp_path / "cli.pt"), torch.load(tmp_path / "weights.pt"),
-                    load_file(str(tmp_path / "weights.safetensors")), torch.load(tmp_path / "format_utils.pt")["model"]):
+    for weights in (
+        torch.load(tmp_path / "cli.pt"),
+        torch.load(tmp_path / "weights.pt"),
+        load_file(str(tmp_path / "weights.safetensors")),
+        torch.load(tmp_path / "format_utils.pt")["model"],
+    ):
         model = _unsharded_vit()
         model.load_state_dict(weights, strict=True)
         assert torch.equal(model(images), expected)
 
     # Resuming from the converted folder: weights only, so a fresh optimizer at step 0; TINY_LR keeps them.
-    (resumed,) = run_workers(2, run_phases, [
-        phase(tmp_path, "resume", "converted", ["training.steps=1", f"optim.lr={TINY_LR}"], state=True)])[0]
+    (resumed,) = run_workers(
+        2, run_phases, [phase(tmp_path, "resume", "converted", ["training.steps=1", f"optim.lr={TINY_LR}"], state=True)]
+    )[0]
     assert resumed["resumed_from"] == str(tmp_path / "converted" / "step_0") and resumed["start_step"] == 0
     _assert_equal(resumed["state"], trained["state"], atol=TINY_LR_ATOL)
 
@@ -448,16 +543,30 @@ def test_init_from_loads_weights_only_and_skips_prefixes(tmp_path):
     format_utils.dcp_to_torch_save(step_dir, tmp_path / "all.pt")
     format_utils.torch_save_to_dcp(tmp_path / "all.pt", tmp_path / "dcp_nested")
     lr0 = ["training.steps=1", f"optim.lr={TINY_LR}"]  # the loaded weights stay as they are
-    fresh, from_dir, from_file, from_flat, from_nested, wrong = run_workers(1, run_phases, [
-        phase(tmp_path, "fresh", "ckpt_fresh", lr0, state=True),
-        phase(tmp_path, "dir", "ckpt_dir", lr0 + [f"checkpoint.init_from={step_dir}", "checkpoint.init_skip_prefixes=[head]"],
-              state=True),
-        phase(tmp_path, "file", "ckpt_file", lr0 + [f"checkpoint.init_from={tmp_path}/src.pt"], state=True),
-        phase(tmp_path, "flat", "ckpt_flat", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_flat"], state=True),
-        phase(tmp_path, "nested", "ckpt_nested", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_nested"], state=True),
-        phase(tmp_path, "wrong", "ckpt_wrong", lr0 + [f"checkpoint.init_from={step_dir}", "model.num_classes=5"],
-              expect_error=True),
-    ])[0]
+    fresh, from_dir, from_file, from_flat, from_nested, wrong = run_workers(
+        1,
+        run_phases,
+        [
+            phase(tmp_path, "fresh", "ckpt_fresh", lr0, state=True),
+            phase(
+                tmp_path,
+                "dir",
+                "ckpt_dir",
+                lr0 + [f"checkpoint.init_from={step_dir}", "checkpoint.init_skip_prefixes=[head]"],
+                state=True,
+            ),
+            phase(tmp_path, "file", "ckpt_file", lr0 + [f"checkpoint.init_from={tmp_path}/src.pt"], state=True),
+            phase(tmp_path, "flat", "ckpt_flat", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_flat"], state=True),
+            phase(tmp_path, "nested", "ckpt_nested", lr0 + [f"checkpoint.init_from={tmp_path}/dcp_nested"], state=True),
+            phase(
+                tmp_path,
+                "wrong",
+                "ckpt_wrong",
+                lr0 + [f"checkpoint.init_from={step_dir}", "model.num_classes=5"],
+                expect_error=True,
+            ),
+        ],
+    )[0]
     assert from_dir["start_step"] == 0 and from_dir["resumed_from"] is None
     for name, value in from_dir["state"].items():
         origin = fresh if name.startswith("head.") else source  # the head keeps its fresh init
@@ -472,20 +581,52 @@ def test_retention_by_training_loss_and_a_checkpoint_root_for_init_from_and_resu
     """checkpoint.monitor=train/loss keeps the checkpoint of the lowest training loss; a checkpoint root, or
     <root>/last, names its newest complete step folder wherever a checkpoint is taken (init_from, resume,
     checkpoint.py); a root without one is a clear error."""
-    keep = ["training.steps=6", "checkpoint.save_every_n_steps=1", "checkpoint.keep_last_n=1",
-            "checkpoint.monitor=train/loss", "checkpoint.monitor_mode=min", "checkpoint.keep_best_k=1"]
-    (trained, last, root, resumed, empty, unknown), = run_workers(1, run_phases, [
-        phase(tmp_path, "keep", "ckpt", keep, state=True),
-        phase(tmp_path, "last", "ckpt_last", ["training.steps=1", f"optim.lr={TINY_LR}",
-                                               f"checkpoint.init_from={tmp_path}/ckpt/last"], state=True),
-        phase(tmp_path, "root", "ckpt_root", ["training.steps=1", f"optim.lr={TINY_LR}",
-                                               f"checkpoint.init_from={tmp_path}/ckpt"], state=True),
-        phase(tmp_path, "resumed", "ckpt_other", ["training.steps=8", f"checkpoint.resume={tmp_path}/ckpt"] + keep[1:]),
-        phase(tmp_path, "empty", "ckpt_empty", ["training.steps=1", f"checkpoint.init_from={tmp_path}/ckpt_none/last"],
-              expect_error=True),
-        phase(tmp_path, "unknown", "ckpt_unknown", keep[:-1] + ["checkpoint.monitor=train/loss_typo"],
-              expect_error=True),
-    ])
+    keep = [
+        "training.steps=6",
+        "checkpoint.save_every_n_steps=1",
+        "checkpoint.keep_last_n=1",
+        "checkpoint.monitor=train/loss",
+        "checkpoint.monitor_mode=min",
+        "checkpoint.keep_best_k=1",
+    ]
+    ((trained, last, root, resumed, empty, unknown),) = run_workers(
+        1,
+        run_phases,
+        [
+            phase(tmp_path, "keep", "ckpt", keep, state=True),
+            phase(
+                tmp_path,
+                "last",
+                "ckpt_last",
+                ["training.steps=1", f"optim.lr={TINY_LR}", f"checkpoint.init_from={tmp_path}/ckpt/last"],
+                state=True,
+            ),
+            phase(
+                tmp_path,
+                "root",
+                "ckpt_root",
+                ["training.steps=1", f"optim.lr={TINY_LR}", f"checkpoint.init_from={tmp_path}/ckpt"],
+                state=True,
+            ),
+            phase(
+                tmp_path, "resumed", "ckpt_other", ["training.steps=8", f"checkpoint.resume={tmp_path}/ckpt"] + keep[1:]
+            ),
+            phase(
+                tmp_path,
+                "empty",
+                "ckpt_empty",
+                ["training.steps=1", f"checkpoint.init_from={tmp_path}/ckpt_none/last"],
+                expect_error=True,
+            ),
+            phase(
+                tmp_path,
+                "unknown",
+                "ckpt_unknown",
+                keep[:-1] + ["checkpoint.monitor=train/loss_typo"],
+                expect_error=True,
+            ),
+        ],
+    )
     losses = trained["losses"]
     best = min(losses, key=losses.get)
     kept = {p.name for p in step_dirs(tmp_path / "ckpt")}
@@ -496,8 +637,10 @@ def test_retention_by_training_loss_and_a_checkpoint_root_for_init_from_and_resu
         _assert_equal(loaded["state"], trained["state"], atol=TINY_LR_ATOL)
     assert resumed["resumed_from"] == str(tmp_path / "ckpt" / "step_6") and resumed["start_step"] == 6
     assert "no complete checkpoint under" in empty["error"]
-    assert "checkpoint.monitor='train/loss_typo' is not a metric of this run; there are: train/grad_norm, " \
-           "train/loss, train/lr" in unknown["error"]
+    assert (
+        "checkpoint.monitor='train/loss_typo' is not a metric of this run; there are: train/grad_norm, "
+        "train/loss, train/lr" in unknown["error"]
+    )
     with_root = run_python(REPO / "checkpoint.py", "to-torch", tmp_path / "ckpt" / "last", tmp_path / "last.pt")
     assert with_root.returncode == 0, with_root.stderr
     assert torch.equal(torch.load(tmp_path / "last.pt")["head.weight"], trained["state"]["head.weight"])

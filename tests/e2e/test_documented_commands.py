@@ -40,6 +40,7 @@ def test_readme_quick_start_then_the_shard_command_then_more_steps_then_predict(
     start (not "resuming from outputs/vit_sanity/checkpoints/step_300, but these settings
     differ"); `training.steps` raised continues the plain run in its run directory; predict.py finds its config in
     the checkpoint (no --config-name needed)."""
+
     def train(*overrides: str) -> str:
         return _ok(run_python(REPO / "train.py", "--config-name", "vit_sanity", *overrides, *SHORT, cwd=tmp_path))
 
@@ -47,52 +48,98 @@ def test_readme_quick_start_then_the_shard_command_then_more_steps_then_predict(
     plain_out = train("training.steps=2")
     (first_run,) = _run_dirs(plain.parent)
     shards = tmp_path / "digits_shards"
-    _ok(run_python(REPO / "scripts" / "shard_images.py", "--root", REPO / "data" / "digits", "--out", shards,
-                   "--samples-per-shard", "600", cwd=tmp_path))
+    _ok(
+        run_python(
+            REPO / "scripts" / "shard_images.py",
+            "--root",
+            REPO / "data" / "digits",
+            "--out",
+            shards,
+            "--samples-per-shard",
+            "600",
+            cwd=tmp_path,
+        )
+    )
     sharded = ["data=shards", f"data.root={shards}", "data.num_classes=10"]  # README's command
     out = train(*sharded, "training.steps=2")
     own = plain.parent / run_name(sharded)  # data.num_classes@10+data.root@%2F...%2Fdigits_shards+data@shards
     assert f"checkpoints: {own.relative_to(tmp_path)}/checkpoints, a run of its own" in out
     assert "resuming from" not in out and (own / "checkpoints" / "step_2" / "COMPLETE").is_file()
-    assert "checkpoints: outputs/vit_sanity/checkpoints (vit_sanity's own folder: the same command again resumes the " \
-           "run)" in plain_out
+    assert (
+        "checkpoints: outputs/vit_sanity/checkpoints (vit_sanity's own folder: the same command again resumes the "
+        "run)" in plain_out
+    )
     (shard_run,) = _run_dirs(own)  # its run directory beside its checkpoints
     assert json.loads((own / "checkpoints" / "run.json").read_text())["run_dir"] == str(shard_run)
     out = train(*sharded, "training.steps=2")  # the same command again: its own run, resumed, nothing to do
-    assert f"the checkpoint {own.relative_to(tmp_path)}/checkpoints/step_2 is at step 2 of 2: nothing left to do. To " \
-           "train this run longer, raise training.steps" in out and "checkpoint.path=<a new folder>" in out
+    assert (
+        f"the checkpoint {own.relative_to(tmp_path)}/checkpoints/step_2 is at step 2 of 2: nothing left to do. To "
+        "train this run longer, raise training.steps"
+        in out
+        and "checkpoint.path=<a new folder>" in out
+    )
     # README: "with training.steps=600 it continues from step 300, in the same run directory".
     out = train("training.steps=3")
     assert "resumed from outputs/vit_sanity/checkpoints/step_2 (step 2" in out
     assert _run_dirs(plain.parent) == [first_run]
     assert [r["step"] for r in read_records(first_run) if "loss" in r and "split" not in r][-1] == 3
     # A resume with another data setting in a folder given explicitly stays refused, saying how to start a new run.
-    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", *sharded, "training.steps=4",
-                      f"checkpoint.path={plain}", *SHORT, cwd=tmp_path)
+    proc = run_python(
+        REPO / "train.py",
+        "--config-name",
+        "vit_sanity",
+        *sharded,
+        "training.steps=4",
+        f"checkpoint.path={plain}",
+        *SHORT,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2 and "give it a folder of its own: checkpoint.path=<a new folder>" in proc.stdout
     # README's predict command without --config-name: the checkpoint names its config.
-    out = _ok(run_python(REPO / "predict.py", "checkpoint.init_from=outputs/vit_sanity/checkpoints",
-                         "predict.split=val", cwd=tmp_path))
+    out = _ok(
+        run_python(
+            REPO / "predict.py",
+            "checkpoint.init_from=outputs/vit_sanity/checkpoints",
+            "predict.split=val",
+            cwd=tmp_path,
+        )
+    )
     assert "--config-name vit_sanity: the config outputs/vit_sanity/checkpoints/step_3 was trained with" in out
     assert "wrote 359 rows to" in out
 
 
 @pytest.mark.slow
 def test_gpt_md_tensor_parallel_after_gpt_sanity_trains_then_generate_without_a_config(tmp_path):
-    """gpt.md: `gpt_sanity`, then `gpt_sanity distributed.tp=2`: the second trains (a run of its own), not "distributed.tp:
-    1 -> 2 ... nothing left to do"; generate.py takes the config from the checkpoint."""
+    """gpt.md: `gpt_sanity`, then `gpt_sanity distributed.tp=2`: the second trains (a run of its own), not
+    "distributed.tp: 1 -> 2 ... nothing left to do"; generate.py takes the config from the checkpoint."""
     _ok(run_python(REPO / "train.py", "--config-name", "gpt_sanity", "training.steps=1", *SHORT, cwd=tmp_path))
-    proc = subprocess.run(torchrun(2, "train.py", "--config-name", "gpt_sanity", "distributed.tp=2", "training.steps=1",
-                                   *SHORT), cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        torchrun(2, "train.py", "--config-name", "gpt_sanity", "distributed.tp=2", "training.steps=1", *SHORT),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     out = _ok(proc)
     assert "nothing left to do" not in out and "step 1 | loss" in out and "mesh dp_outer=1 x dp_shard=1 x tp=2" in out
     assert "checkpoints: outputs/gpt_sanity/distributed.tp@2/checkpoints, a run of its own" in out
-    assert [p.name for p in complete_checkpoints(tmp_path / "outputs/gpt_sanity/distributed.tp@2/checkpoints")] == \
-        ["step_1"]
-    out = _ok(run_python(REPO / "generate.py", "checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints",
-                         'generate.prompt="The whale"', "generate.max_new_tokens=4", cwd=tmp_path))
-    assert "--config-name gpt_sanity: the config outputs/gpt_sanity/distributed.tp@2/checkpoints/step_1 was trained " \
-           "with" in out and "--- prompt 1 (length, 4 tokens)\nThe whale" in out
+    assert [p.name for p in complete_checkpoints(tmp_path / "outputs/gpt_sanity/distributed.tp@2/checkpoints")] == [
+        "step_1"
+    ]
+    out = _ok(
+        run_python(
+            REPO / "generate.py",
+            "checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints",
+            'generate.prompt="The whale"',
+            "generate.max_new_tokens=4",
+            cwd=tmp_path,
+        )
+    )
+    assert (
+        "--config-name gpt_sanity: the config outputs/gpt_sanity/distributed.tp@2/checkpoints/step_1 was trained with"
+        in out
+        and "--- prompt 1 (length, 4 tokens)\nThe whale" in out
+    )
 
 
 @pytest.mark.slow
@@ -104,16 +151,22 @@ def test_entry_points_without_a_config_answer_in_one_line(tmp_path):
     shipped = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != "train_defaults")
     assert {"esm2_sanity", "gpt_sanity", "mnist_pretrain", "vit_predict", "vit_sanity"} <= set(shipped)
     assert proc.stderr.strip().splitlines() == [
-        f"config error: train.py needs a config: --config-name <name>, one of {', '.join(shipped)}"]
+        f"config error: train.py needs a config: --config-name <name>, one of {', '.join(shipped)}"
+    ]
     proc = run_python(REPO / "train.py", "--help", cwd=tmp_path)
-    assert proc.returncode == 0 and proc.stdout.startswith("usage: python train.py --config-name <name> [key=value ...]")
+    assert proc.returncode == 0 and proc.stdout.startswith(
+        "usage: python train.py --config-name <name> [key=value ...]"
+    )
     assert "vit_sanity" in proc.stdout and "_schema" not in proc.stdout and "== Config ==" not in proc.stdout
     proc = run_python(REPO / "predict.py", "predict.split=val", cwd=tmp_path)
     assert proc.returncode == 2 and "(or checkpoint.init_from=<step folder" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
     proc = run_python(REPO / "predict.py", f"checkpoint.init_from={tmp_path}/model.pt", cwd=tmp_path)
-    assert proc.stderr.strip().splitlines() == [f"config error: checkpoint.init_from={tmp_path}/model.pt: no such file "
-                                                "or folder"] and proc.returncode == 2
+    assert (
+        proc.stderr.strip().splitlines()
+        == [f"config error: checkpoint.init_from={tmp_path}/model.pt: no such file or folder"]
+        and proc.returncode == 2
+    )
     assert not (tmp_path / "outputs").exists()
 
 
@@ -123,13 +176,22 @@ def test_another_recipes_data_and_an_unresolvable_value_are_one_line_config_erro
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
         "config error: data=moby_dick is data of the gpt recipe, but this config trains the vit recipe: choose "
         "data=<one of digits, imagefolder, shards, synthetic, tiny_imagenet>, or a config of the gpt recipe "
-        "(--config-name)"]
-    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "checkpoint.path=${oc.env:NO_SUCH_VARIABLE}",
-                      cwd=tmp_path, env={"PATH": "/usr/bin"})
+        "(--config-name)"
+    ]
+    proc = run_python(
+        REPO / "train.py",
+        "--config-name",
+        "vit_sanity",
+        "checkpoint.path=${oc.env:NO_SUCH_VARIABLE}",
+        cwd=tmp_path,
+        env={"PATH": "/usr/bin"},
+    )
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert lines[-1].endswith("config error: invalid config at 'checkpoint.path': KeyError raised while resolving "
-                              "interpolation: \"Environment variable 'NO_SUCH_VARIABLE' not found\"")
+    assert lines[-1].endswith(
+        "config error: invalid config at 'checkpoint.path': KeyError raised while resolving "
+        "interpolation: \"Environment variable 'NO_SUCH_VARIABLE' not found\""
+    )
 
 
 # --- Every shell block of README.md and docs/*.md, run in order as a newcomer reads them ---------------------------
@@ -138,8 +200,12 @@ PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]  # README fi
 NOT_RUN = re.compile(r"<!-- not run by tests/e2e/test_documented_commands\.py: (.+?) -->")
 SHELL_FENCE = re.compile(r"```(bash|sh|shell)\s*$")
 # Parts of a command the test does not run, and why (the suite runs in the environment they make).
-SETUP = {("python3", "-m", "venv"): "the environment is installed", (".",): "the environment is installed",
-         ("pip", "install"): "the environment is installed (network)", ("python", "-m", "pytest"): "the suite itself"}
+SETUP = {
+    ("python3", "-m", "venv"): "the environment is installed",
+    (".",): "the environment is installed",
+    ("pip", "install"): "the environment is installed (network)",
+    ("python", "-m", "pytest"): "the suite itself",
+}
 NUMBER = r"[-+]?\d[\d,]*(?:\.\d+)?(?:e[-+]?\d+)?"
 QUIET = ("CUDA_HOME", "Apex", "Transformer Engine and Apex", "TransformerEngine is not installed")
 
@@ -160,7 +226,7 @@ def shell_blocks(page: Path) -> list[Block]:
             end = lines.index("```", i + 1)
             before = next((x for x in reversed(lines[:i]) if x.strip()), "")
             reason = NOT_RUN.fullmatch(before.strip())
-            blocks.append(Block(page, i + 1, lines[i + 1:end], reason.group(1) if reason else None))
+            blocks.append(Block(page, i + 1, lines[i + 1 : end], reason.group(1) if reason else None))
             i = end
         i += 1
     return blocks
@@ -196,7 +262,7 @@ def expected_line(text: str, numbers_exact: bool) -> re.Pattern:
             continue
         pos = 0
         for m in re.finditer(NUMBER, piece):
-            out.append(re.escape(piece[pos:m.start()]))
+            out.append(re.escape(piece[pos : m.start()]))
             whole = re.fullmatch(r"\d[\d,]*", m.group())
             out.append(re.escape(m.group()) if whole and numbers_exact else NUMBER)
             pos = m.end()
@@ -244,7 +310,7 @@ class Reader:
 
     def run(self, command: str, shows: list[str], where: str) -> None:
         for part in _split_and(shlex.split(command, comments=True)):
-            reason = next((why for start, why in SETUP.items() if tuple(part[:len(start)]) == start), None)
+            reason = next((why for start, why in SETUP.items() if tuple(part[: len(start)]) == start), None)
             if reason:
                 self.skipped.append(f"{where}: `{' '.join(part)}` ({reason})")
                 continue
@@ -259,8 +325,10 @@ class Reader:
                 text = text.replace("%2Ftmp%2F", quote(f"{self.tmp}/", safe="")).replace("/tmp/", f"{self.tmp}/")
                 pattern = expected_line(text, numbers_exact=not shortened)
                 at = next((i for i, line in enumerate(lines) if pattern.search(line)), None)
-                assert at is not None, f"{where}: `{command}` printed no line like\n  {text}\nit printed:\n{output[-4000:]}"
-                lines = lines[at + 1:]
+                assert at is not None, (
+                    f"{where}: `{command}` printed no line like\n  {text}\nit printed:\n{output[-4000:]}"
+                )
+                lines = lines[at + 1 :]
             noisy = [line for line in output.splitlines() if any(q in line for q in QUIET)]
             assert not noisy, f"{where}: `{command}` warned on a CPU: {noisy}"
             notes = [line.split(" - ", 1)[-1] for line in output.splitlines() if " - note: " in line]
@@ -270,14 +338,21 @@ class Reader:
         if argv[0] == "torchrun":
             nproc = int(argv[argv.index("--nproc-per-node") + 1])
             script_at = argv.index("--nproc-per-node") + 2
-            proc = subprocess.run(torchrun(nproc, argv[script_at], *argv[script_at + 1:]), cwd=self.work,
-                                  capture_output=True, text=True, timeout=600)
+            proc = subprocess.run(
+                torchrun(nproc, argv[script_at], *argv[script_at + 1 :]),
+                cwd=self.work,
+                capture_output=True,
+                text=True,
+                timeout=600,
+            )
         elif argv[0] in ("python", "python3"):
             args = argv[1:] if argv[1] == "-m" else [str((self.work / argv[1]).resolve()), *argv[2:]]
             proc = run_python(*args, cwd=self.work)
         else:
-            raise AssertionError(f"{where}: `{' '.join(argv)}`: the test runs python and torchrun commands only; "
-                                 "mark the block with the reason it is not run")
+            raise AssertionError(
+                f"{where}: `{' '.join(argv)}`: the test runs python and torchrun commands only; "
+                "mark the block with the reason it is not run"
+            )
         output = proc.stdout + proc.stderr
         assert proc.returncode == 0, f"{where}: `{' '.join(argv)}` exited {proc.returncode}:\n{output[-4000:]}"
         return output
@@ -297,12 +372,14 @@ def test_every_shell_block_says_whether_it_runs_on_a_cpu_and_why_not():
         if block.not_run is None:
             for command, _ in commands(block):
                 for part in _split_and(shlex.split(command, comments=True)):
-                    assert part[0] in {"python", "python3", "torchrun", ".", "pip"}, \
+                    assert part[0] in {"python", "python3", "torchrun", ".", "pip"}, (
                         f"{block.page.name}:{block.line}: `{command}`: not a command the test runs; mark the block"
+                    )
 
 
 def test_intra_doc_links_and_anchors_resolve():
     """Every relative link of README.md and docs/*.md names a file that exists, and an anchor a heading of it."""
+
     def anchors(page: Path) -> set[str]:
         heads = re.findall(r"^#+ (.+)$", page.read_text(), flags=re.M)
         return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}

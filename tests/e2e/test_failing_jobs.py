@@ -46,9 +46,22 @@ def _kill(pids: list[int]) -> None:
 
 def _start(tmp_path: Path, overrides: list[str], fault: dict, tag: str) -> subprocess.Popen:
     env = {**os.environ, "FAULT_TEST_TAG": tag, **fault}
-    return subprocess.Popen(torchrun(2, "tests/support/fault_run.py", "--config-name", "vit_sanity", *overrides,
-                                        f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run"),
-                            cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        torchrun(
+            2,
+            "tests/support/fault_run.py",
+            "--config-name",
+            "vit_sanity",
+            *overrides,
+            f"checkpoint.path={tmp_path}/ckpt",
+            f"hydra.run.dir={tmp_path}/run",
+        ),
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
 
 
 def _ends_in_bound(proc: subprocess.Popen, tag: str, started: float) -> str:
@@ -96,8 +109,11 @@ def _digits_with_bad_images(root: Path) -> Path:
 @pytest.mark.slow
 def test_a_corrupt_image_ends_the_job(tmp_path):
     root = _digits_with_bad_images(tmp_path / "images")
-    overrides = [o for o in TINY if not o.startswith("data")] + WORKERS + [
-        f"data.root={root}", "data.num_classes=2", "training.steps=40"]
+    overrides = (
+        [o for o in TINY if not o.startswith("data")]
+        + WORKERS
+        + [f"data.root={root}", "data.num_classes=2", "training.steps=40"]
+    )
     out = _failing_run(tmp_path, overrides, {})
     assert "left out 1 of 24 image files that cannot be read" in out and "3.png" in out, out[-3000:]
     assert "cannot decode the image" in out and "7.png" in out, out[-3000:]

@@ -18,12 +18,29 @@ from tests.support.helpers import compose_config, run_workers
 
 STEPS, GLOBAL, MICRO, LR, WD, CLIP, EPS = 4, 16, 4, 3e-3, 0.1, 0.5, 1e-5
 COMMON = [
-    "data=synthetic", "data.synthetic_train_size=48", "data.synthetic_val_size=8", "data.num_classes=10",
-    "data.num_workers=0", "model.backend=torch", "precision=fp32", "model.hidden_size=32", "model.depth=2",
-    "model.num_heads=2", f"training.steps={STEPS}", f"training.global_batch_size={GLOBAL}",
-    f"training.micro_batch_size={MICRO}", "training.log_every_n_steps=1", "training.val_every_n_steps=0",
-    "training.val_at_end=false", f"optim.lr={LR}", f"optim.weight_decay={WD}", f"optim.max_grad_norm={CLIP}", f"optim.eps={EPS}",
-    "scheduler.warmup_steps=2", "logger.progress_bar=never", "checkpoint.save_final=false",
+    "data=synthetic",
+    "data.synthetic_train_size=48",
+    "data.synthetic_val_size=8",
+    "data.num_classes=10",
+    "data.num_workers=0",
+    "model.backend=torch",
+    "precision=fp32",
+    "model.hidden_size=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    f"training.steps={STEPS}",
+    f"training.global_batch_size={GLOBAL}",
+    f"training.micro_batch_size={MICRO}",
+    "training.log_every_n_steps=1",
+    "training.val_every_n_steps=0",
+    "training.val_at_end=false",
+    f"optim.lr={LR}",
+    f"optim.weight_decay={WD}",
+    f"optim.max_grad_norm={CLIP}",
+    f"optim.eps={EPS}",
+    "scheduler.warmup_steps=2",
+    "logger.progress_bar=never",
+    "checkpoint.save_final=false",
 ]
 
 
@@ -36,7 +53,8 @@ def _train_worker(overrides: list[str], run_dir: str, shim: bool, graphed_step: 
         from core.training import cuda_graphs
 
         cuda_graphs.forward_backward = lambda parallel, recipe, autocast, graphs, te_layers: (
-            cuda_graphs.GraphedForwardBackward(parallel, recipe, autocast, warmup=10**9))
+            cuda_graphs.GraphedForwardBackward(parallel, recipe, autocast, warmup=10**9)
+        )
     from tests.support.helpers import train_run
 
     cfg = compose_config("vit_sanity", overrides + [f"checkpoint.path={run_dir}/ckpt"])
@@ -66,7 +84,9 @@ def reference_run(device: torch.device = torch.device("cpu"), layers: str = "tor
     model = recipe.build_model(get_layers(layers), device)
     decay = [p for n, p in model.named_parameters() if p.dim() >= 2 and n not in ("cls_token", "pos_embed")]
     no_decay = [p for n, p in model.named_parameters() if p.dim() < 2 or n in ("cls_token", "pos_embed")]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS)
+    opt = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": WD}, {"params": no_decay, "weight_decay": 0.0}], lr=LR, eps=EPS
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: lr_multiplier(s, STEPS, cfg.scheduler))
     train_set = MultiEpochDatasetResampler(recipe.build_datasets().train, num_samples=STEPS * GLOBAL, seed=cfg.seed)
     batches = iter(GlobalBatchSampler(GLOBAL, GLOBAL, 1, 0))
@@ -103,11 +123,16 @@ def assert_matches(result: dict, reference: dict, rtol: float = 1e-6) -> None:
 BACKENDS = [
     pytest.param(["distributed=fsdp2"], False, id="fsdp2"),
     pytest.param(["distributed=ddp"], False, id="ddp"),
-    *[pytest.param(["distributed=mfsdp", f"distributed.mfsdp.zero_dp_strategy={z}"], True, id=f"mfsdp-zero{z}")
-      for z in (0, 1, 2, 3)],
+    *[
+        pytest.param(["distributed=mfsdp", f"distributed.mfsdp.zero_dp_strategy={z}"], True, id=f"mfsdp-zero{z}")
+        for z in (0, 1, 2, 3)
+    ],
     # No accumulation: ZeRO-0/1 reduce only when told that a micro-batch is the last one.
-    pytest.param(["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=1", f"training.micro_batch_size={GLOBAL // 2}"],
-                 True, id="mfsdp-zero1-no-accumulation"),
+    pytest.param(
+        ["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=1", f"training.micro_batch_size={GLOBAL // 2}"],
+        True,
+        id="mfsdp-zero1-no-accumulation",
+    ),
 ]
 
 
@@ -134,9 +159,11 @@ def test_gradients_reduced_after_the_last_micro_batch_match_the_reference(zero, 
     assert_matches(results[0], reference)
 
 
-@pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False),
-                                            (["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=3"], True)],
-                         ids=["fsdp2", "mfsdp-one-rank-runs-zero0"])
+@pytest.mark.parametrize(
+    "overrides,shim",
+    [(["distributed=fsdp2"], False), (["distributed=mfsdp", "distributed.mfsdp.zero_dp_strategy=3"], True)],
+    ids=["fsdp2", "mfsdp-one-rank-runs-zero0"],
+)
 @pytest.mark.slow
 def test_single_process_loop_matches_reference(overrides, shim, reference, tmp_path):
     # 1 rank x micro-batch 4 x 4 accumulation steps.
@@ -151,13 +178,17 @@ def _save_worker(overrides: list[str], run_dir: str, shim: bool) -> list[str]:
     return sorted(dcp.FileSystemReader(f"{run_dir}/ckpt/step_{1}").read_metadata().state_dict_metadata)
 
 
-@pytest.mark.parametrize("overrides,shim", [(["distributed=fsdp2"], False), (["distributed=ddp"], False),
-                                            (["distributed=mfsdp"], True)], ids=["fsdp2", "ddp", "mfsdp"])
+@pytest.mark.parametrize(
+    "overrides,shim",
+    [(["distributed=fsdp2"], False), (["distributed=ddp"], False), (["distributed=mfsdp"], True)],
+    ids=["fsdp2", "ddp", "mfsdp"],
+)
 @pytest.mark.slow
 def test_final_checkpoint_uses_canonical_names(overrides, shim, tmp_path):
     """Every backend writes the same key layout: model.<name>, optim.state.<name>.<state>."""
-    keys = run_workers(2, _save_worker, COMMON + overrides + ["training.steps=1", "checkpoint.save_final=true"],
-                       str(tmp_path), shim)[0]
+    keys = run_workers(
+        2, _save_worker, COMMON + overrides + ["training.steps=1", "checkpoint.save_final=true"], str(tmp_path), shim
+    )[0]
     assert "model.patch_embed.proj.weight" in keys and "model.blocks.1.layernorm_mlp.fc2_bias" in keys
     assert "optim.state.patch_embed.proj.weight.exp_avg" in keys
     assert "optim.state.blocks.0.self_attention.layernorm_qkv.weight.exp_avg_sq" in keys

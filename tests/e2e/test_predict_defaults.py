@@ -17,18 +17,39 @@ from tests.support.helpers import REPO, compose_config, run_python, train_run, v
 # (recipes/base.py: tiny_configs), here on the shipped data they predict on where those train on generated data.
 ON_SHIPPED_DATA = {
     "vit": ("vit_sanity", ["model.hidden_size=32", "model.depth=1", "model.num_heads=2"]),
-    "gpt": ("gpt_sanity", ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
-                           "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
-    "gpt mock": ("gpt_1b", ["model.hidden_size=32", "model.num_layers=1", "model.num_attention_heads=2",
-                            "model.num_query_groups=2", "model.ffn_hidden_size=64", "model.seq_length=32"]),
+    "gpt": (
+        "gpt_sanity",
+        [
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.num_attention_heads=2",
+            "model.num_query_groups=2",
+            "model.ffn_hidden_size=64",
+            "model.seq_length=32",
+        ],
+    ),
+    "gpt mock": (
+        "gpt_1b",
+        [
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.num_attention_heads=2",
+            "model.num_query_groups=2",
+            "model.ffn_hidden_size=64",
+            "model.seq_length=32",
+        ],
+    ),
 }
 
 
 def _tiny() -> dict[str, tuple[str, list[str]]]:
     from recipes.registry import all_recipes
 
-    declared = {case: (config, list(overrides)) for recipe in all_recipes()
-                for case, (config, overrides) in recipe.test_configs().items()}
+    declared = {
+        case: (config, list(overrides))
+        for recipe in all_recipes()
+        for case, (config, overrides) in recipe.test_configs().items()
+    }
     return {**declared, **ON_SHIPPED_DATA}
 
 
@@ -53,10 +74,24 @@ def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path)
     try:
         for kind, (config, model) in TINY.items():
             cache = [f"data.cache_dir={tmp_path}/cache"] if kind.startswith("gpt") else []
-            train_run(validated_config(config, [
-                *(o.format(tmp=tmp_path) for o in model), *cache, "training.steps=1", "training.global_batch_size=4", "training.micro_batch_size=4",
-                "training.val_every_n_steps=0", "training.val_at_end=false", "data.num_workers=0",
-                "logger.progress_bar=never", f"checkpoint.path={tmp_path}/{kind}"]), tmp_path / f"train {kind}")
+            train_run(
+                validated_config(
+                    config,
+                    [
+                        *(o.format(tmp=tmp_path) for o in model),
+                        *cache,
+                        "training.steps=1",
+                        "training.global_batch_size=4",
+                        "training.micro_batch_size=4",
+                        "training.val_every_n_steps=0",
+                        "training.val_at_end=false",
+                        "data.num_workers=0",
+                        "logger.progress_bar=never",
+                        f"checkpoint.path={tmp_path}/{kind}",
+                    ],
+                ),
+                tmp_path / f"train {kind}",
+            )
     finally:
         torch.set_num_threads(threads)
     failed = []
@@ -64,13 +99,21 @@ def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path)
     for name in SHIPPED:
         kind = _kind(compose_config(name, ["checkpoint.path=unused"]))
         given = compose_config(name, ["checkpoint.path=unused"]).predict.split
-        proc = run_python(REPO / "predict.py", "--config-name", name, f"checkpoint.init_from={tmp_path}/{kind}/step_1",
-                          cwd=tmp_path / "cwd", env={**os.environ, "OMP_NUM_THREADS": "1"})
+        proc = run_python(
+            REPO / "predict.py",
+            "--config-name",
+            name,
+            f"checkpoint.init_from={tmp_path}/{kind}/step_1",
+            cwd=tmp_path / "cwd",
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
         out = proc.stdout + proc.stderr
         recipe = compose_config(name, ["checkpoint.path=unused"]).recipe
         if lacking(get_recipe(recipe), PREDICTION):  # a recipe that does not opt into prediction: one line says so
-            ok = proc.returncode == 2 and f"config error: predict.py needs a recipe with split and predict; the " \
-                                          f"{recipe} recipe has no" in out
+            ok = (
+                proc.returncode == 2
+                and f"config error: predict.py needs a recipe with split and predict; the {recipe} recipe has no" in out
+            )
         elif kind == "gpt mock":
             ok = proc.returncode == 2 and "config error: predict.py scores documents, and data.format=mock" in out
         else:

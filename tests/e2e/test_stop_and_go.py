@@ -13,28 +13,38 @@ from tests.support.helpers import run_workers
 DROPOUT = ["model.hidden_dropout=0.1", "model.attention_dropout=0.1"]  # so the RNG state matters too
 
 
-@pytest.mark.parametrize("backend,shim,extra", [
-    pytest.param("fsdp2", False, ["checkpoint.async_save=true", "checkpoint.save_every_n_steps=3"], id="fsdp2-async"),
-    pytest.param("ddp", False, [], id="ddp"),
-    pytest.param("mfsdp", True, ["distributed.mfsdp.zero_dp_strategy=3"], id="mfsdp-zero3"),
-])
+@pytest.mark.parametrize(
+    "backend,shim,extra",
+    [
+        pytest.param(
+            "fsdp2", False, ["checkpoint.async_save=true", "checkpoint.save_every_n_steps=3"], id="fsdp2-async"
+        ),
+        pytest.param("ddp", False, [], id="ddp"),
+        pytest.param("mfsdp", True, ["distributed.mfsdp.zero_dp_strategy=3"], id="mfsdp-zero3"),
+    ],
+)
 @pytest.mark.slow
 def test_stop_and_go_equals_uninterrupted_run(backend, shim, extra, tmp_path):
     """Stopped by SIGTERM (sent to rank 0 only) after step 4 and started again with the same config:
     steps 5-8 cross the end of warmup (step 5) and an epoch boundary (step 6) and match exactly."""
     common = DROPOUT + [f"distributed={backend}"] + extra
-    ranks = run_workers(2, run_phases, [
-        phase(tmp_path, "ref", "ckpt_ref", common),
-        phase(tmp_path, "stopped", "ckpt", common, signal_at=3),
-        phase(tmp_path, "resumed", "ckpt", common),
-    ], shim)
+    ranks = run_workers(
+        2,
+        run_phases,
+        [
+            phase(tmp_path, "ref", "ckpt_ref", common),
+            phase(tmp_path, "stopped", "ckpt", common, signal_at=3),
+            phase(tmp_path, "resumed", "ckpt", common),
+        ],
+        shim,
+    )
     ref, stopped, resumed = ranks[0]
     assert sorted(ref["losses"]) == list(range(1, 9))
     assert stopped["stopped_by"] == "SIGTERM" and max(stopped["losses"]) == 4
     assert ranks[1][1]["stopped_by"] == "a signal on another rank"  # it agreed to stop at the same step
     # The samples the 2 ranks trained on in steps 1-3 and 4-6 (2 micro-batches each per step) are
     # each a permutation of the 48 images: epoch 0, then epoch 1, in another order.
-    epochs = [[i for r in ranks for batch in r[0]["idx"][6 * e:6 * e + 6] for i in batch] for e in range(2)]
+    epochs = [[i for r in ranks for batch in r[0]["idx"][6 * e : 6 * e + 6] for i in batch] for e in range(2)]
     assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(48)) and epochs[0] != epochs[1]
     assert (tmp_path / "ckpt" / "step_4" / "COMPLETE").exists()
     assert resumed["start_step"] == 4
@@ -57,10 +67,14 @@ def test_resume_on_another_world_size(before, after, tmp_path):
     """Saved on `before` ranks after step 4, resumed on `after`: every sample of the stream is trained
     on exactly once (positions of the stream: 2 epochs + 2 steps), and the losses continue those of an
     uninterrupted run."""
-    ref_and_first = run_workers(before, run_phases, [
-        phase(tmp_path, "ref", "ckpt_ref", ["distributed=fsdp2"]),
-        phase(tmp_path, "first", "ckpt", ["distributed=fsdp2"], signal_at=3),
-    ])
+    ref_and_first = run_workers(
+        before,
+        run_phases,
+        [
+            phase(tmp_path, "ref", "ckpt_ref", ["distributed=fsdp2"]),
+            phase(tmp_path, "first", "ckpt", ["distributed=fsdp2"], signal_at=3),
+        ],
+    )
     second = run_workers(after, run_phases, [phase(tmp_path, "second", "ckpt", ["distributed=fsdp2"])])
     ref, first = ref_and_first[0]
     assert max(first["losses"]) == 4 and second[0][0]["start_step"] == 4
@@ -77,13 +91,18 @@ def test_checkpoints_move_between_mfsdp_and_fsdp2(tmp_path):
     """An mfsdp (ZeRO-3) checkpoint resumes under fsdp2 and an fsdp2 one under mfsdp; both continue the
     uninterrupted mfsdp run's losses (the backends agree to rounding)."""
     mfsdp, fsdp2 = ["distributed=mfsdp"], ["distributed=fsdp2"]
-    ref, _, m_to_f, _, f_to_m = run_workers(2, run_phases, [
-        phase(tmp_path, "ref", "ckpt_ref", mfsdp),
-        phase(tmp_path, "m", "ckpt_m", mfsdp, signal_at=3),
-        phase(tmp_path, "m_to_f", "ckpt_m", fsdp2),
-        phase(tmp_path, "f", "ckpt_f", fsdp2, signal_at=3),
-        phase(tmp_path, "f_to_m", "ckpt_f", mfsdp),
-    ], True)[0]
+    ref, _, m_to_f, _, f_to_m = run_workers(
+        2,
+        run_phases,
+        [
+            phase(tmp_path, "ref", "ckpt_ref", mfsdp),
+            phase(tmp_path, "m", "ckpt_m", mfsdp, signal_at=3),
+            phase(tmp_path, "m_to_f", "ckpt_m", fsdp2),
+            phase(tmp_path, "f", "ckpt_f", fsdp2, signal_at=3),
+            phase(tmp_path, "f_to_m", "ckpt_f", mfsdp),
+        ],
+        True,
+    )[0]
     for resumed in (m_to_f, f_to_m):
         assert resumed["start_step"] == 4 and sorted(resumed["losses"]) == [5, 6, 7, 8]
         for step, loss in resumed["losses"].items():

@@ -13,21 +13,45 @@ import yaml
 from core.distributed.launch import configuration_name
 from tests.support.helpers import REPO, read_records, run_python
 
-TINY = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2", "training.steps=4",
-        "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
-        "training.limit_val_batches=4", "logger.progress_bar=never"]
+TINY = [
+    "data.num_workers=0",
+    "model.hidden_size=32",
+    "model.depth=1",
+    "model.num_heads=2",
+    "training.steps=4",
+    "training.global_batch_size=8",
+    "training.micro_batch_size=8",
+    "training.log_every_n_steps=1",
+    "training.limit_val_batches=4",
+    "logger.progress_bar=never",
+]
 
 
 def _sweep(tmp_path, *overrides: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return run_python(REPO / "train.py", "-m", "--config-name", "vit_sanity", *TINY, f"hydra.sweep.dir={tmp_path / 'sweep'}",
-                      *overrides, cwd=tmp_path, timeout=600, env={**os.environ, **(env or {})})
+    return run_python(
+        REPO / "train.py",
+        "-m",
+        "--config-name",
+        "vit_sanity",
+        *TINY,
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        *overrides,
+        cwd=tmp_path,
+        timeout=600,
+        env={**os.environ, **(env or {})},
+    )
 
 
 @pytest.mark.slow
 def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
-    proc = _sweep(tmp_path, "hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=3",
-                  "optim.lr=tag(log,interval(1e-4,1e-2))", "training.objective.metric=val/top1",
-                  "training.objective.direction=maximize")
+    proc = _sweep(
+        tmp_path,
+        "hydra/sweeper=optuna_objective",
+        "hydra.sweeper.n_trials=3",
+        "optim.lr=tag(log,interval(1e-4,1e-2))",
+        "training.objective.metric=val/top1",
+        "training.objective.direction=maximize",
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     sweep = tmp_path / "sweep"
     top1, lrs = {}, set()
@@ -45,15 +69,27 @@ def test_three_optuna_trials_run_and_report_their_objectives(tmp_path):
     assert "Directions: [<Direction.maximize" in proc.stderr + proc.stdout
 
 
-@pytest.mark.parametrize("overrides, env, message", [
-    (["hydra/sweeper=optuna", "training.objective.direction=maximize"], {},
-     "hydra.sweeper.direction=minimize but training.objective.direction=maximize"),
-    (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1"], {"SLURM_NTASKS": "2"},
-     "every rank would run its own sampler"),
-    (["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1", "training.objective.metric=val/top9"], {},
-     "training.objective.metric='val/top9' is not a metric of this run; there are: train/grad_norm, train/loss, "
-     "train/lr, val/loss, val/top1, val/top5"),
-])
+@pytest.mark.parametrize(
+    "overrides, env, message",
+    [
+        (
+            ["hydra/sweeper=optuna", "training.objective.direction=maximize"],
+            {},
+            "hydra.sweeper.direction=minimize but training.objective.direction=maximize",
+        ),
+        (
+            ["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1"],
+            {"SLURM_NTASKS": "2"},
+            "every rank would run its own sampler",
+        ),
+        (
+            ["hydra/sweeper=optuna_objective", "hydra.sweeper.n_trials=1", "training.objective.metric=val/top9"],
+            {},
+            "training.objective.metric='val/top9' is not a metric of this run; there are: train/grad_norm, train/loss, "
+            "train/lr, val/loss, val/top1, val/top5",
+        ),
+    ],
+)
 @pytest.mark.slow
 def test_sweeps_that_cannot_work_are_refused(tmp_path, overrides, env, message):
     proc = _sweep(tmp_path, *overrides, env=env)
@@ -78,8 +114,18 @@ def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(
     key names each job's folder, so each trains its own length from scratch."""
     ckpts = tmp_path / "shared"
     tiny = [o for o in TINY if not o.startswith("training.steps=")]
-    proc = run_python(REPO / "train.py", "-m", "--config-name", "vit_sanity", *tiny, "training.steps=6,4",
-                      f"checkpoint.path={ckpts}", f"hydra.sweep.dir={tmp_path / 'sweep'}", cwd=tmp_path, timeout=600)
+    proc = run_python(
+        REPO / "train.py",
+        "-m",
+        "--config-name",
+        "vit_sanity",
+        *tiny,
+        "training.steps=6,4",
+        f"checkpoint.path={ckpts}",
+        f"hydra.sweep.dir={tmp_path / 'sweep'}",
+        cwd=tmp_path,
+        timeout=600,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     assert "nothing left to do" not in out and "resumed from" not in out
@@ -96,13 +142,17 @@ def test_jobs_that_differ_only_in_a_swept_key_that_keeps_the_result_train_apart(
 def test_a_swept_key_names_the_folder_and_a_sweep_over_result_keys_keeps_its_names():
     job = ["model.hidden_size=32", "training.micro_batch_size=8", "logger.progress_bar=never"]
     # Not swept, training.steps and the micro-batch leave the name (a run again with other values resumes) ...
-    assert configuration_name([*job, "training.steps=6"]) == configuration_name([*job, "training.steps=4"]) == \
-        "model.hidden_size=32"
+    assert (
+        configuration_name([*job, "training.steps=6"])
+        == configuration_name([*job, "training.steps=4"])
+        == "model.hidden_size=32"
+    )
     # ... swept, they name it, and only they: two jobs, two folders.
-    assert configuration_name([*job, "training.steps=6"], {"training.steps"}) == \
-        "model.hidden_size=32,training.steps=6"
-    assert configuration_name([*job, "+training.steps=4"], {"training.steps", "training.micro_batch_size"}) == \
-        "model.hidden_size=32,training.micro_batch_size=8,training.steps=4"
+    assert configuration_name([*job, "training.steps=6"], {"training.steps"}) == "model.hidden_size=32,training.steps=6"
+    assert (
+        configuration_name([*job, "+training.steps=4"], {"training.steps", "training.micro_batch_size"})
+        == "model.hidden_size=32,training.micro_batch_size=8,training.steps=4"
+    )
     # A sweep over result-changing keys only is named as before: running it again resumes its jobs.
     assert configuration_name(["optim.lr=0.001", "training.steps=4"], {"optim.lr"}) == "optim.lr=0.001"
 
@@ -113,12 +163,30 @@ def test_the_swept_keys_are_read_from_the_command_line_and_the_sweeper(monkeypat
 
     from core.distributed import launch
 
-    argv = ["-m", "--config-name", "vit_sanity", "training.steps=6,4", "optim.lr=0.1", "+training.epochs=range(1,3)",
-            "optim.weight_decay=tag(log,interval(1e-4,1e-2))", "model=vit_tiny,vit_base_patch16_224",
-            "data.root='a,b'", "optim.betas=[0.9,0.95]", "hydra.sweeper.n_trials=3", "hydra.launcher.nodes=1,2",
-            "model@x=a,b", "broken=[", "--config-dir=a=b"]
-    assert launch.swept_on_command_line(argv) == ["training.steps", "training.epochs", "optim.weight_decay", "model",
-                                                  "model@x"]
+    argv = [
+        "-m",
+        "--config-name",
+        "vit_sanity",
+        "training.steps=6,4",
+        "optim.lr=0.1",
+        "+training.epochs=range(1,3)",
+        "optim.weight_decay=tag(log,interval(1e-4,1e-2))",
+        "model=vit_tiny,vit_base_patch16_224",
+        "data.root='a,b'",
+        "optim.betas=[0.9,0.95]",
+        "hydra.sweeper.n_trials=3",
+        "hydra.launcher.nodes=1,2",
+        "model@x=a,b",
+        "broken=[",
+        "--config-dir=a=b",
+    ]
+    assert launch.swept_on_command_line(argv) == [
+        "training.steps",
+        "training.epochs",
+        "optim.weight_decay",
+        "model",
+        "model@x",
+    ]
     # The launching process hands them to its jobs (submitit's run in other processes, with other command lines).
     for name in ("PYTHONPATH", launch.RUN_ID_ENV, launch.SWEPT_KEYS_ENV):
         monkeypatch.setenv(name, os.environ.get(name, ""))
@@ -128,8 +196,14 @@ def test_the_swept_keys_are_read_from_the_command_line_and_the_sweeper(monkeypat
     monkeypatch.setattr(sys, "argv", ["submitit_job.py"])
     sweeper = OmegaConf.create({"sweeper": {"params": {"optim.lr": "interval(1e-4, 1e-2)"}}})  # Optuna's, in a config
     monkeypatch.setattr(HydraConfig, "get", staticmethod(lambda: sweeper))
-    assert launch.swept_keys() == {"training.steps", "training.epochs", "optim.weight_decay", "model", "model@x",
-                                   "optim.lr"}
+    assert launch.swept_keys() == {
+        "training.steps",
+        "training.epochs",
+        "optim.weight_decay",
+        "model",
+        "model@x",
+        "optim.lr",
+    }
 
 
 @pytest.mark.slow
@@ -146,6 +220,6 @@ def test_a_failing_job_is_named_and_the_sweep_goes_on(tmp_path):
         overrides = yaml.safe_load((sweep / job / ".hydra" / "overrides.yaml").read_text())
         assert (sweep / "checkpoints" / configuration_name(overrides) / "step_4" / "COMPLETE").exists()
     assert "config error: optim.lr=-1.0: expected 1e-30 <= lr <= 10" in out
-    summary = proc.stderr[proc.stderr.index("multirun: 1 job(s) failed"):].splitlines()
+    summary = proc.stderr[proc.stderr.index("multirun: 1 job(s) failed") :].splitlines()
     assert summary[1] == "  job 1 (optim.lr=-1): config error: optim.lr=-1.0: expected 1e-30 <= lr <= 10"
     assert not (sweep / "0" / "job_failed.json").exists() and (sweep / "1" / "job_failed.json").exists()

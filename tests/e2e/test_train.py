@@ -11,13 +11,18 @@ import pytest
 
 from tests.support.helpers import REPO, read_records, torchrun
 
-QUICK = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "data.num_workers=0",
-         "logger.progress_bar=never"]
+QUICK = [
+    "training.log_every_n_steps=1",
+    "training.val_every_n_steps=0",
+    "data.num_workers=0",
+    "logger.progress_bar=never",
+]
 
 
 def run(cmd: list[str], cwd: Path, timeout: int = 300, env: dict | None = None) -> subprocess.CompletedProcess:
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+    proc = subprocess.run(
+        cmd, cwd=cwd, capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})}
+    )
     assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     return proc
 
@@ -28,8 +33,18 @@ def records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_vit_sanity_on_two_processes_learns(tmp_path):
-    proc = run(torchrun(2, "train.py", "--config-name", "vit_sanity", "training.steps=150",
-                           "training.val_every_n_steps=75", "logger.progress_bar=never"), cwd=tmp_path)
+    proc = run(
+        torchrun(
+            2,
+            "train.py",
+            "--config-name",
+            "vit_sanity",
+            "training.steps=150",
+            "training.val_every_n_steps=75",
+            "logger.progress_bar=never",
+        ),
+        cwd=tmp_path,
+    )
     # One run directory for both ranks, with Hydra's files written once (by rank 0).
     (run_dir,) = [p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "resolved_config.yaml").exists()
@@ -48,8 +63,20 @@ def test_vit_sanity_on_two_processes_learns(tmp_path):
 
 @pytest.mark.slow
 def test_plain_python_single_process_with_wandb_offline(tmp_path):
-    run([sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "logger=wandb", "training.steps=2",
-         f"hydra.run.dir={tmp_path}/run", *QUICK], cwd=tmp_path, env={"WANDB_MODE": "offline"})
+    run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--config-name",
+            "vit_sanity",
+            "logger=wandb",
+            "training.steps=2",
+            f"hydra.run.dir={tmp_path}/run",
+            *QUICK,
+        ],
+        cwd=tmp_path,
+        env={"WANDB_MODE": "offline"},
+    )
     rows = [(r["step"], r.get("split")) for r in records(tmp_path / "run")]
     assert rows == [(1, None), (2, None), (2, "val"), (2, "checkpoint")]  # two steps, validation, the save
     runs = list((tmp_path / "run" / "wandb").glob("offline-run-*"))
@@ -58,8 +85,20 @@ def test_plain_python_single_process_with_wandb_offline(tmp_path):
 
 @pytest.mark.slow
 def test_multirun_sweep_on_two_processes(tmp_path):
-    run(torchrun(2, "train.py", "-m", "--config-name", "vit_sanity", "optim.lr=1e-3,3e-4",
-                    "training.steps=3", "training.limit_val_batches=1", *QUICK), cwd=tmp_path)
+    run(
+        torchrun(
+            2,
+            "train.py",
+            "-m",
+            "--config-name",
+            "vit_sanity",
+            "optim.lr=1e-3,3e-4",
+            "training.steps=3",
+            "training.limit_val_batches=1",
+            *QUICK,
+        ),
+        cwd=tmp_path,
+    )
     (sweep,) = list((tmp_path / "multirun" / "vit_sanity").iterdir())
     for job, lr in (("0", "0.001"), ("1", "0.0003")):  # checkpoints by configuration, not by job number
         assert (sweep / "checkpoints" / f"optim.lr={lr}" / "step_3" / "COMPLETE").exists()

@@ -1,4 +1,5 @@
-"""training.cuda_graphs=forward_backward on one GPU and on two: the graphed loop against the eager one, and its resume."""
+"""training.cuda_graphs=forward_backward on one GPU and on two: the graphed loop against the eager one, and its
+resume."""
 
 from __future__ import annotations
 
@@ -10,32 +11,55 @@ from tests.support.helpers import case_result, each_case, run_workers, selected_
 
 pytestmark = pytest.mark.gpu
 
-EVERY_STEP = ["training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
-              "logger.progress_bar=never"]
+EVERY_STEP = [
+    "training.log_every_n_steps=1",
+    "training.val_every_n_steps=0",
+    "training.val_at_end=false",
+    "logger.progress_bar=never",
+]
 # A 4-block ViT-B on synthetic images, two accumulated micro-batches per step: the graph is captured in the
 # middle of step 2 (after two eager micro-batches) and replayed for both micro-batches of later steps.
-SMALL_VIT = ["data=synthetic", "data.synthetic_train_size=1024", "data.num_classes=16", "model.depth=4",
-             "training.micro_batch_size=32", "training.global_batch_size=64", *EVERY_STEP]
+SMALL_VIT = [
+    "data=synthetic",
+    "data.synthetic_train_size=1024",
+    "data.num_classes=16",
+    "model.depth=4",
+    "training.micro_batch_size=32",
+    "training.global_batch_size=64",
+    *EVERY_STEP,
+]
 # GPT blocks (RoPE, grouped-query causal attention, TE's fused cross-entropy) on mock tokens, bf16; a sequence
 # length that is not a multiple of 128 takes the padding-mask form of causal attention.
-SMALL_GPT = ["data=gpt_mock", "model.vocab_size=512", "precision=bf16", "distributed=mfsdp", "model.backend=te", "training.micro_batch_size=8",
-             "training.global_batch_size=16", *EVERY_STEP]
+SMALL_GPT = [
+    "data=gpt_mock",
+    "model.vocab_size=512",
+    "precision=bf16",
+    "distributed=mfsdp",
+    "model.backend=te",
+    "training.micro_batch_size=8",
+    "training.global_batch_size=16",
+    *EVERY_STEP,
+]
 # ESM-2 blocks on packed sequences (TE's thd attention with cu_seqlens: their contents change every micro-batch,
 # their shape does not), two micro-batch rows of 1,024 tokens each.
 SMALL_ESM = ["precision=bf16", "distributed=mfsdp", "model.backend=te", "data.num_workers=2", *EVERY_STEP]
 FP8 = ["model.backend=te", "precision.param_dtype=bf16"]
-CASES = {"vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
-         "vit-torch": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=torch"]),
-         # Delayed scaling: the amax history and scales live in the layers and are updated by captured kernels; a
-         # resume that lost them would scale differently and give other losses.
-         "vit-te-fp8-delayed": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_delayed"]),
-         "vit-te-fp8-current": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_current"]),
-         # Each block's activations recomputed in the backward pass, inside the graph.
-         "vit-te-recompute": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te",
-                                                       "training.activation_checkpointing=true"]),
-         "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
-         "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"]),
-         "esm2-te-packed": ("esm2_sanity", SMALL_ESM)}
+CASES = {
+    "vit-te": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te"]),
+    "vit-torch": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=torch"]),
+    # Delayed scaling: the amax history and scales live in the layers and are updated by captured kernels; a
+    # resume that lost them would scale differently and give other losses.
+    "vit-te-fp8-delayed": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_delayed"]),
+    "vit-te-fp8-current": ("vit_base_patch16_224", [*SMALL_VIT, *FP8, "precision=fp8_current"]),
+    # Each block's activations recomputed in the backward pass, inside the graph.
+    "vit-te-recompute": (
+        "vit_base_patch16_224",
+        [*SMALL_VIT, "model.backend=te", "training.activation_checkpointing=true"],
+    ),
+    "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
+    "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"]),
+    "esm2-te-packed": ("esm2_sanity", SMALL_ESM),
+}
 GRAPHED = "training.cuda_graphs=forward_backward"
 # Where graphs change the attention kernel (the padding-mask form of causal attention, core/layers/
 # te_transformer_layer.py 4.); ViT-B's no-mask attention in that form gave the same bits as without it.
@@ -50,24 +74,34 @@ def _phases(phases: list[dict]) -> list[dict]:
 
     out = []
     for phase in phases:
-        result = train_run(compose_config(phase["config"], phase["overrides"]), phase["run_dir"],
-                           callbacks=(Recorder(phase.get("signal_at")),))["result"]
-        out.append({"losses": train_losses(phase["run_dir"]), "stopped_by": result.stopped_by,
-                    "start_step": result.start_step})
+        result = train_run(
+            compose_config(phase["config"], phase["overrides"]),
+            phase["run_dir"],
+            callbacks=(Recorder(phase.get("signal_at")),),
+        )["result"]
+        out.append(
+            {"losses": train_losses(phase["run_dir"]), "stopped_by": result.stopped_by, "start_step": result.start_step}
+        )
     return out
 
 
 def _run(tmp_path, case: str, name: str, overrides: list[str], **phase) -> dict:
     config, common = CASES[case]
-    return {"config": config, "overrides": [*common, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
-            "run_dir": f"{tmp_path}/{name}/run", **phase}
+    return {
+        "config": config,
+        "overrides": [*common, *overrides, f"checkpoint.path={tmp_path}/{name}/ckpt"],
+        "run_dir": f"{tmp_path}/{name}/run",
+        **phase,
+    }
 
 
 def _case_phases(tmp_path, case: str) -> list[dict]:
-    return [_run(tmp_path, case, "eager", ["training.cuda_graphs=none", "training.steps=12"]),
-            _run(tmp_path, case, "graphed", [GRAPHED, "training.steps=12"]),
-            _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"], signal_at=5),
-            _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"])]  # the same command again
+    return [
+        _run(tmp_path, case, "eager", ["training.cuda_graphs=none", "training.steps=12"]),
+        _run(tmp_path, case, "graphed", [GRAPHED, "training.steps=12"]),
+        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"], signal_at=5),
+        _run(tmp_path, case, "job", [GRAPHED, "training.steps=12"]),
+    ]  # the same command again
 
 
 @pytest.fixture(scope="module")
@@ -83,8 +117,10 @@ def test_graphed_training_matches_eager_and_resumes_exactly(case, graph_runs):
     eager, graphed, stopped, resumed = case_result(graph_runs, case)
     assert sorted(graphed["losses"]) == list(range(1, 13))
     diffs = {s: abs(graphed["losses"][s] - eager["losses"][s]) / abs(eager["losses"][s]) for s in eager["losses"]}
-    print(f"GRAPHS {case}: eager {eager['losses']}\nGRAPHS {case}: graphed {graphed['losses']}\n"
-          f"GRAPHS {case}: largest relative difference {max(diffs.values()):.2e}")
+    print(
+        f"GRAPHS {case}: eager {eager['losses']}\nGRAPHS {case}: graphed {graphed['losses']}\n"
+        f"GRAPHS {case}: largest relative difference {max(diffs.values()):.2e}"
+    )
     if case in PADDING_FORM:  # causal attention as a padding mask: another cuDNN kernel, rounding differs
         assert max(diffs.values()) < 1e-3
     else:  # graphed and eager micro-batches run the same kernels on the same inputs: bit for bit
@@ -93,7 +129,9 @@ def test_graphed_training_matches_eager_and_resumes_exactly(case, graph_runs):
     # captured again after the resume: one history, equal to the uninterrupted graphed run's.
     assert stopped["stopped_by"] == "SIGTERM" and 5 <= resumed["start_step"] < 12
     assert sorted(resumed["losses"]) == list(range(1, 13))
-    resume_diffs = {s: abs(resumed["losses"][s] - graphed["losses"][s]) / abs(graphed["losses"][s]) for s in graphed["losses"]}
+    resume_diffs = {
+        s: abs(resumed["losses"][s] - graphed["losses"][s]) / abs(graphed["losses"][s]) for s in graphed["losses"]
+    }
     print(f"GRAPHS {case}: resumed vs uninterrupted, largest relative difference {max(resume_diffs.values()):.2e}")
     if case in PADDING_FORM:  # not bitwise reproducible from run to run (docs/performance.md)
         assert max(resume_diffs.values()) < 1e-3
@@ -107,18 +145,22 @@ needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GP
 ZERO0 = ["distributed.mfsdp.zero_dp_strategy=0"]  # no collective inside a micro-batch (core/runtime.py)
 # Each rank: two accumulated micro-batches per step (the graph replayed for both, the gradients all-reduced after
 # the second), or one (a step's only micro-batch replayed, as the shipped ViT config runs on 8 GPUs).
-TWO_RANKS = {"vit-te-2ranks": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0,
-                                                        "training.global_batch_size=128"]),
-             "vit-te-2ranks-1micro": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0]),
-             "gpt-te-2ranks": ("gpt_sanity", [*SMALL_GPT, *ZERO0, "training.global_batch_size=32"]),
-             # Packed sequences (thd attention, cu_seqlens changing every micro-batch), 2 micro-batches per rank.
-             "esm2-te-2ranks": ("esm2_sanity", [*SMALL_ESM, *ZERO0, "training.global_batch_size=8"])}
+TWO_RANKS = {
+    "vit-te-2ranks": (
+        "vit_base_patch16_224",
+        [*SMALL_VIT, "model.backend=te", *ZERO0, "training.global_batch_size=128"],
+    ),
+    "vit-te-2ranks-1micro": ("vit_base_patch16_224", [*SMALL_VIT, "model.backend=te", *ZERO0]),
+    "gpt-te-2ranks": ("gpt_sanity", [*SMALL_GPT, *ZERO0, "training.global_batch_size=32"]),
+    # Packed sequences (thd attention, cu_seqlens changing every micro-batch), 2 micro-batches per rank.
+    "esm2-te-2ranks": ("esm2_sanity", [*SMALL_ESM, *ZERO0, "training.global_batch_size=8"]),
+}
 TWO_RANK_RESUMED = {"vit-te-2ranks"}  # also stopped by SIGTERM and resumed
 
 
 def _torchrun_losses(tmp_path, case: str, name: str, *overrides: str, fault: dict | None = None) -> dict:
-    """A 2-process torchrun of train.py (tests/support/fault_run.py with `fault`: its FAULT* variables); its logged losses
-    by step, and its output."""
+    """A 2-process torchrun of train.py (tests/support/fault_run.py with `fault`: its FAULT* variables); its logged
+    losses by step, and its output."""
     import os
     import subprocess
 
@@ -126,11 +168,20 @@ def _torchrun_losses(tmp_path, case: str, name: str, *overrides: str, fault: dic
 
     config, common = TWO_RANKS[case]
     run = tmp_path / case / name
-    cmd = torchrun(2, "tests/support/fault_run.py" if fault else "train.py", "--config-name", config,
-                   f"hydra.run.dir={run}/run", f"checkpoint.path={tmp_path / case / name.split('_')[0]}/ckpt",
-                   "training.steps=12", *common, *overrides)
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=600,
-                          env={**os.environ, **(fault or {})})
+    cmd = torchrun(
+        2,
+        "tests/support/fault_run.py" if fault else "train.py",
+        "--config-name",
+        config,
+        f"hydra.run.dir={run}/run",
+        f"checkpoint.path={tmp_path / case / name.split('_')[0]}/ckpt",
+        "training.steps=12",
+        *common,
+        *overrides,
+    )
+    proc = subprocess.run(
+        cmd, cwd=REPO, capture_output=True, text=True, timeout=600, env={**os.environ, **(fault or {})}
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return {"losses": train_losses(run / "run"), "out": proc.stdout + proc.stderr}
 
@@ -144,16 +195,22 @@ def test_graphed_two_ranks_match_eager_and_resume_exactly(case, tmp_path):
     command continues them."""
     eager = _torchrun_losses(tmp_path, case, "eager", "training.cuda_graphs=none")["losses"]
     graphed = _torchrun_losses(tmp_path, case, "graphed", GRAPHED)
-    assert "micro-batches replayed as CUDA graphs" in graphed["out"] and "captured the forward and backward" in graphed["out"]
+    assert (
+        "micro-batches replayed as CUDA graphs" in graphed["out"]
+        and "captured the forward and backward" in graphed["out"]
+    )
     graphed = graphed["losses"]
     assert sorted(graphed) == list(range(1, 13))
     diffs = {s: abs(graphed[s] - eager[s]) / abs(eager[s]) for s in eager}
-    print(f"GRAPHS2 {case}: eager {eager}\nGRAPHS2 {case}: graphed {graphed}\n"
-          f"GRAPHS2 {case}: largest relative difference {max(diffs.values()):.2e}")
+    print(
+        f"GRAPHS2 {case}: eager {eager}\nGRAPHS2 {case}: graphed {graphed}\n"
+        f"GRAPHS2 {case}: largest relative difference {max(diffs.values()):.2e}"
+    )
     assert graphed == eager
     if case in TWO_RANK_RESUMED:
-        stopped = _torchrun_losses(tmp_path, case, "job_1", GRAPHED,
-                                   fault={"FAULT": "sigterm", "FAULT_RANK": "0", "FAULT_STEP": "5"})
+        stopped = _torchrun_losses(
+            tmp_path, case, "job_1", GRAPHED, fault={"FAULT": "sigterm", "FAULT_RANK": "0", "FAULT_STEP": "5"}
+        )
         assert "stopping after step" in stopped["out"], stopped["out"][-3000:]
         resumed = _torchrun_losses(tmp_path, case, "job_2", GRAPHED)  # the same command again
         assert "resumed from" in resumed["out"]

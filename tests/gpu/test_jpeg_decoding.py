@@ -74,7 +74,7 @@ def test_gpu_decoding_names_a_damaged_file(jpegs, tmp_path):
         shutil.copytree(jpegs, root)
         bad = root / "train" / "class1" / "005.jpg"
         raw = bad.read_bytes()
-        bad.write_bytes(raw[:len(raw) // 2] if damage == "truncated" else raw[:400] + bytes(range(256)) * 64)
+        bad.write_bytes(raw[: len(raw) // 2] if damage == "truncated" else raw[:400] + bytes(range(256)) * 64)
         train = datasets(root, "device", verify_images=False)[0]
         with pytest.raises(ValueError, match=f"cannot decode the image {bad}"):
             decode_batch(collate_encoded([train[i] for i in range(len(train))]), train.transform, torch.device("cuda"))
@@ -85,12 +85,28 @@ def test_training_decodes_on_the_gpu_beside_graphed_steps(jpegs, tmp_path):
     with PIL in the workers: the same batches, so close losses (not equal: the decoders round differently)."""
     losses = {}
     for decode_on in ("device", "workers"):
-        cmd = [sys.executable, str(REPO / "train.py"), "--config-name", "vit_base_patch16_224", "data=imagefolder",
-               f"data.root={jpegs}", "data.num_classes=2", f"data.decode_on={decode_on}", "data.num_workers=2",
-               "model.depth=2", "training.steps=4", "training.micro_batch_size=4", "training.global_batch_size=8",
-               "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
-               "checkpoint.save_final=false", f"hydra.run.dir={tmp_path}/{decode_on}",
-               f"checkpoint.path={tmp_path}/{decode_on}_ckpt", "logger.progress_bar=never"]
+        cmd = [
+            sys.executable,
+            str(REPO / "train.py"),
+            "--config-name",
+            "vit_base_patch16_224",
+            "data=imagefolder",
+            f"data.root={jpegs}",
+            "data.num_classes=2",
+            f"data.decode_on={decode_on}",
+            "data.num_workers=2",
+            "model.depth=2",
+            "training.steps=4",
+            "training.micro_batch_size=4",
+            "training.global_batch_size=8",
+            "training.log_every_n_steps=1",
+            "training.val_every_n_steps=0",
+            "training.val_at_end=false",
+            "checkpoint.save_final=false",
+            f"hydra.run.dir={tmp_path}/{decode_on}",
+            f"checkpoint.path={tmp_path}/{decode_on}_ckpt",
+            "logger.progress_bar=never",
+        ]
         proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
         assert proc.returncode == 0, proc.stderr[-3000:]
         rows = read_records(tmp_path / decode_on)

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.e2e.test_parity import COMMON, _train_worker, assert_matches, reference_run
 from tests.support.checkpoint_harness import run_phases, train_losses
 from tests.support.helpers import REPO, case_result, each_case, read_records, run_workers, selected_cases, torchrun
-from tests.e2e.test_parity import COMMON, _train_worker, assert_matches, reference_run
 
 pytestmark = pytest.mark.gpu
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
@@ -50,18 +50,36 @@ def test_te_and_torch_vit_agree(autocast_dtype, rtol):
 
 
 def train_cli(nproc: int, tmp: Path, *overrides: str) -> list[dict]:
-    cmd = torchrun(nproc, "train.py",
-           "--config-name", "vit_base_patch16_224", f"hydra.run.dir={tmp}/run", f"checkpoint.path={tmp}/ckpt",
-           "logger.progress_bar=never", *overrides)
+    cmd = torchrun(
+        nproc,
+        "train.py",
+        "--config-name",
+        "vit_base_patch16_224",
+        f"hydra.run.dir={tmp}/run",
+        f"checkpoint.path={tmp}/ckpt",
+        "logger.progress_bar=never",
+        *overrides,
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     return read_records(tmp / "run")
 
 
-MEMORIZE = ["data=synthetic", "data.synthetic_train_size=256", "data.synthetic_val_size=64", "data.num_classes=10",
-            "training.steps=40", "training.log_every_n_steps=5", "training.val_every_n_steps=0",
-            "training.micro_batch_size=32", "training.global_batch_size=64", "optim.lr=3e-4", "optim.weight_decay=0",
-            "scheduler.warmup_steps=5", "model.label_smoothing=0"]
+MEMORIZE = [
+    "data=synthetic",
+    "data.synthetic_train_size=256",
+    "data.synthetic_val_size=64",
+    "data.num_classes=10",
+    "training.steps=40",
+    "training.log_every_n_steps=5",
+    "training.val_every_n_steps=0",
+    "training.micro_batch_size=32",
+    "training.global_batch_size=64",
+    "optim.lr=3e-4",
+    "optim.weight_decay=0",
+    "scheduler.warmup_steps=5",
+    "model.label_smoothing=0",
+]
 
 
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
@@ -77,11 +95,25 @@ def test_mfsdp_te_vit_base_learns_synthetic(nproc, tmp_path):
 def test_multirun_sweep_on_2_gpus(tmp_path):
     """Two jobs of a Hydra multirun in one torchrun on 2 GPUs (mfsdp + TE): the second job starts a process group
     of its own in the same processes (torch's NCCL crashed splitting it into the mesh's groups: env.py)."""
-    cmd = torchrun(2, "train.py", "-m", "--config-name", "vit_base_patch16_224", "model.depth=2", "data=synthetic",
-                   "data.synthetic_train_size=64", "data.num_classes=10", "training.micro_batch_size=8",
-                   "training.global_batch_size=16", "training.steps=3", "training.log_every_n_steps=1",
-                   "training.val_every_n_steps=0", "training.val_at_end=false", "logger.progress_bar=never",
-                   "optim.lr=1e-3,3e-4")
+    cmd = torchrun(
+        2,
+        "train.py",
+        "-m",
+        "--config-name",
+        "vit_base_patch16_224",
+        "model.depth=2",
+        "data=synthetic",
+        "data.synthetic_train_size=64",
+        "data.num_classes=10",
+        "training.micro_batch_size=8",
+        "training.global_batch_size=16",
+        "training.steps=3",
+        "training.log_every_n_steps=1",
+        "training.val_every_n_steps=0",
+        "training.val_at_end=false",
+        "logger.progress_bar=never",
+        "optim.lr=1e-3,3e-4",
+    )
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (sweep,) = list((tmp_path / "multirun" / "vit_base_patch16_224").iterdir())
@@ -96,17 +128,30 @@ def test_multirun_sweep_on_2_gpus(tmp_path):
 def fp8_runs(request, tmp_path_factory) -> dict:
     """test_fp8_trains' runs, in one worker process (the command line is test_mfsdp_te_vit_base_learns_synthetic's)."""
     root = tmp_path_factory.mktemp("fp8")
-    cases = {c["precision"]: ([{"config": "vit_base_patch16_224", "run_dir": f"{root}/{c['precision']}/run",
-                                "overrides": [*MEMORIZE, f"precision={c['precision']}", "logger.progress_bar=never",
-                                              f"checkpoint.path={root}/{c['precision']}/ckpt"]}],)
-             for c in selected_cases(request, "test_fp8_trains")}
+    cases = {
+        c["precision"]: (
+            [
+                {
+                    "config": "vit_base_patch16_224",
+                    "run_dir": f"{root}/{c['precision']}/run",
+                    "overrides": [
+                        *MEMORIZE,
+                        f"precision={c['precision']}",
+                        "logger.progress_bar=never",
+                        f"checkpoint.path={root}/{c['precision']}/ckpt",
+                    ],
+                }
+            ],
+        )
+        for c in selected_cases(request, "test_fp8_trains")
+    }
     return run_workers(1, each_case, run_phases, cases)[0]
 
 
 @pytest.mark.parametrize("precision", ["fp8_delayed", "fp8_current"])
 def test_fp8_trains(precision, fp8_runs):
     losses = list(case_result(fp8_runs, precision)[0]["losses"].values())
-    assert len(losses) == 8 and all(l == l for l in losses) and losses[-1] < 0.7 * losses[0], losses
+    assert len(losses) == 8 and all(loss == loss for loss in losses) and losses[-1] < 0.7 * losses[0], losses
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +163,20 @@ def mfsdp_runs(request, tmp_path_factory):
 
     @functools.cache
     def runs(nproc: int) -> dict:
-        cases = {(c["layers"], c["fused_wgrad"]): (
-                     [o for o in COMMON if not o.startswith("model.backend")]
-                     + [f"model.backend={c['layers']}", "distributed=mfsdp",
-                        f"distributed.mfsdp.te_fuse_wgrad_accumulation={c['fused_wgrad']}"],
-                     f"{root}/{nproc}-{c['layers']}-{c['fused_wgrad']}", False)
-                 for c in selected if c["nproc"] == nproc}
+        cases = {
+            (c["layers"], c["fused_wgrad"]): (
+                [o for o in COMMON if not o.startswith("model.backend")]
+                + [
+                    f"model.backend={c['layers']}",
+                    "distributed=mfsdp",
+                    f"distributed.mfsdp.te_fuse_wgrad_accumulation={c['fused_wgrad']}",
+                ],
+                f"{root}/{nproc}-{c['layers']}-{c['fused_wgrad']}",
+                False,
+            )
+            for c in selected
+            if c["nproc"] == nproc
+        }
         return run_workers(nproc, each_case, _train_worker, cases)[0]
 
     return runs
@@ -136,8 +189,9 @@ def _gpu_reference(layers: str) -> dict:
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("layers,fused_wgrad", [("torch", False), ("te", False), ("te", True)],
-                         ids=["torch", "te", "te-fused-wgrad"])
+@pytest.mark.parametrize(
+    "layers,fused_wgrad", [("torch", False), ("te", False), ("te", True)], ids=["torch", "te", "te-fused-wgrad"]
+)
 @pytest.mark.parametrize("nproc", [1, pytest.param(2, marks=needs_two)])
 def test_mfsdp_matches_single_gpu_reference(nproc, layers, fused_wgrad, mfsdp_runs):
     """Megatron-FSDP on 1 or 2 GPUs vs a plain loop on one GPU with the same layers (fp32), with 4 (1 GPU,
@@ -154,14 +208,25 @@ def test_mfsdp_matches_single_gpu_reference(nproc, layers, fused_wgrad, mfsdp_ru
 
 # ----------------------------------------------------------------------------- checkpoints on GPUs
 
-CKPT = MEMORIZE + ["precision=fp8_delayed", "training.steps=20", "training.log_every_n_steps=1",
-                   "checkpoint.save_every_n_steps=10"]
+CKPT = MEMORIZE + [
+    "precision=fp8_delayed",
+    "training.steps=20",
+    "training.log_every_n_steps=1",
+    "checkpoint.save_every_n_steps=10",
+]
 
 
 def _cli(nproc: int, cwd: Path, run: str, *overrides: str) -> subprocess.Popen:
-    cmd = torchrun(nproc, "train.py",
-           "--config-name", "vit_base_patch16_224", f"hydra.run.dir={cwd}/{run}", f"checkpoint.path={cwd}/ckpt",
-           "logger.progress_bar=never", *overrides)
+    cmd = torchrun(
+        nproc,
+        "train.py",
+        "--config-name",
+        "vit_base_patch16_224",
+        f"hydra.run.dir={cwd}/{run}",
+        f"checkpoint.path={cwd}/ckpt",
+        "logger.progress_bar=never",
+        *overrides,
+    )
     cwd.mkdir(parents=True, exist_ok=True)
     return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
@@ -205,16 +270,25 @@ def test_mfsdp_te_fp8_checkpoint_resumes_on_2_and_1_gpus(tmp_path):
     resumed = train_losses(job / "run2")
     assert min(resumed) == stopped + 1 and max(resumed) == 20
 
-    one = _cli(1, tmp_path / "one", "run", *CKPT, f"checkpoint.resume={tmp_path}/ref/ckpt/step_10",
-               "checkpoint.async_save=true", "checkpoint.save_every_n_steps=5")
+    one = _cli(
+        1,
+        tmp_path / "one",
+        "run",
+        *CKPT,
+        f"checkpoint.resume={tmp_path}/ref/ckpt/step_10",
+        "checkpoint.async_save=true",
+        "checkpoint.save_every_n_steps=5",
+    )
     out = one.communicate(timeout=900)[0]
     assert one.returncode == 0, out[-4000:]
     _report("2 -> 1 GPU (async saves)", out)
     on_one = train_losses(tmp_path / "one" / "run")
     assert sorted(on_one) == list(range(11, 21))
     for label, got in (("2 GPUs", resumed), ("1 GPU", on_one)):
-        diffs = {s: abs(l - expected[s]) / abs(expected[s]) for s, l in got.items()}
-        print(f"CKPT resumed on {label}: max relative loss difference to the uninterrupted run {max(diffs.values()):.2e}")
+        diffs = {s: abs(loss - expected[s]) / abs(expected[s]) for s, loss in got.items()}
+        print(
+            f"CKPT resumed on {label}: max relative loss difference to the uninterrupted run {max(diffs.values()):.2e}"
+        )
         assert max(diffs.values()) < 5e-2, diffs
 
 
@@ -251,16 +325,31 @@ def _capture_amax(phases: list[dict]) -> list[dict]:
 
 def test_fp8_amax_history_survives_resume(tmp_path):
     """Megatron-FSDP drops TE's _extra_state from its state dict; our checkpoint keeps it."""
-    common = ["data=synthetic", "data.synthetic_train_size=128", "data.num_classes=16", "model.depth=2",
-              "training.micro_batch_size=16", "training.global_batch_size=16", "training.val_at_end=false",
-              "training.val_every_n_steps=0", "logger.progress_bar=never", "precision=fp8_delayed",
-              "distributed=mfsdp", "model.backend=te", f"checkpoint.path={tmp_path}/ckpt",
-              # Eager micro-batches; FP8 state across a graphed resume: tests/gpu/test_cuda_graphs.py.
-              "training.cuda_graphs=none"]
-    saved, restored = run_workers(1, _capture_amax, [
-        {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=6"], "run_dir": f"{tmp_path}/a"},
-        {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=8"], "run_dir": f"{tmp_path}/b"},
-    ])[0]
+    common = [
+        "data=synthetic",
+        "data.synthetic_train_size=128",
+        "data.num_classes=16",
+        "model.depth=2",
+        "training.micro_batch_size=16",
+        "training.global_batch_size=16",
+        "training.val_at_end=false",
+        "training.val_every_n_steps=0",
+        "logger.progress_bar=never",
+        "precision=fp8_delayed",
+        "distributed=mfsdp",
+        "model.backend=te",
+        f"checkpoint.path={tmp_path}/ckpt",
+        # Eager micro-batches; FP8 state across a graphed resume: tests/gpu/test_cuda_graphs.py.
+        "training.cuda_graphs=none",
+    ]
+    saved, restored = run_workers(
+        1,
+        _capture_amax,
+        [
+            {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=6"], "run_dir": f"{tmp_path}/a"},
+            {"config": "vit_base_patch16_224", "overrides": common + ["training.steps=8"], "run_dir": f"{tmp_path}/b"},
+        ],
+    )[0]
     assert saved and saved.keys() == restored.keys()
     assert sum(float(v.abs().sum()) for v in saved.values()) > 0  # a real history, not zeros
     for name in saved:
@@ -277,12 +366,24 @@ def mnist_workflow(root: str, overrides: list[str], pretrain_steps: int = 1000) 
     import predict
     from tests.support.helpers import compose_config, train_run
 
-    train_run(compose_config("mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre",
-                                                f"training.steps={pretrain_steps}"]), f"{root}/pre")
-    finetune = [*overrides, f"checkpoint.init_from={root}/ckpt/pre/step_{pretrain_steps}", f"checkpoint.path={root}/ckpt/ft"]
+    train_run(
+        compose_config(
+            "mnist_pretrain", [*overrides, f"checkpoint.path={root}/ckpt/pre", f"training.steps={pretrain_steps}"]
+        ),
+        f"{root}/pre",
+    )
+    finetune = [
+        *overrides,
+        f"checkpoint.init_from={root}/ckpt/pre/step_{pretrain_steps}",
+        f"checkpoint.path={root}/ckpt/ft",
+    ]
     tuned = train_run(compose_config("mnist_finetune", finetune), f"{root}/ft")["result"]
-    predicting = [*overrides, f"checkpoint.init_from={root}/ckpt/ft/step_{tuned.steps}", f"predict.output={root}/pred.csv",
-                  f"checkpoint.path={root}/ckpt/unused"]
+    predicting = [
+        *overrides,
+        f"checkpoint.init_from={root}/ckpt/ft/step_{tuned.steps}",
+        f"predict.output={root}/pred.csv",
+        f"checkpoint.path={root}/ckpt/unused",
+    ]
     predicted = predict.predict(compose_config("mnist_predict", predicting), Path(f"{root}/predict"), predicting)
     return {"val": tuned.val, "rows": predicted.rows, "metrics": predicted.metrics}
 
@@ -338,10 +439,19 @@ def test_te_and_torch_gpt_agree(autocast_dtype, rtol):
 
 def gpt_cli(nproc: int, tmp: Path, name: str, *overrides: str) -> list[dict]:
     """train.py on gpt_125m (TE + Megatron-FSDP, bf16, mock data) through torchrun; the training rows."""
-    cmd = torchrun(nproc, "train.py",
-           "--config-name", "gpt_125m", f"hydra.run.dir={tmp}/{name}", f"data.cache_dir={tmp}/cache",
-           "logger.progress_bar=never", "training.log_every_n_steps=1", "training.val_every_n_steps=0",
-           "training.val_at_end=false", *overrides)
+    cmd = torchrun(
+        nproc,
+        "train.py",
+        "--config-name",
+        "gpt_125m",
+        f"hydra.run.dir={tmp}/{name}",
+        f"data.cache_dir={tmp}/cache",
+        "logger.progress_bar=never",
+        "training.log_every_n_steps=1",
+        "training.val_every_n_steps=0",
+        "training.val_at_end=false",
+        *overrides,
+    )
     proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_records(tmp / name)
@@ -354,13 +464,27 @@ def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path
     within bf16 tolerance (losses and gradient norms); the TP=2 checkpoint resumes at DP=2 and continues."""
     # A gentle learning rate: at gpt_125m's 6e-4 these short runs spike (gradient norms of 20-40), and
     # even two 1-GPU runs then part after a few steps (bf16 kernels are not bitwise deterministic).
-    common = ["training.steps=12", "training.global_batch_size=32", "training.micro_batch_size=8",
-              "optim.lr=1e-4", "scheduler.warmup_steps=4", "checkpoint.save_every_n_steps=6"]
-    runs = {"1 GPU": gpt_cli(1, tmp_path, "one", *common, f"checkpoint.path={tmp_path}/one"),
-            "TP=2": gpt_cli(2, tmp_path, "tp2", *common, "distributed.tp=2", f"checkpoint.path={tmp_path}/tp2"),
-            "DP=2": gpt_cli(2, tmp_path, "dp2", *common, f"checkpoint.path={tmp_path}/dp2")}
-    resumed = gpt_cli(2, tmp_path, "resumed", *common, f"checkpoint.resume={tmp_path}/tp2/step_6",
-                      f"checkpoint.path={tmp_path}/resumed")
+    common = [
+        "training.steps=12",
+        "training.global_batch_size=32",
+        "training.micro_batch_size=8",
+        "optim.lr=1e-4",
+        "scheduler.warmup_steps=4",
+        "checkpoint.save_every_n_steps=6",
+    ]
+    runs = {
+        "1 GPU": gpt_cli(1, tmp_path, "one", *common, f"checkpoint.path={tmp_path}/one"),
+        "TP=2": gpt_cli(2, tmp_path, "tp2", *common, "distributed.tp=2", f"checkpoint.path={tmp_path}/tp2"),
+        "DP=2": gpt_cli(2, tmp_path, "dp2", *common, f"checkpoint.path={tmp_path}/dp2"),
+    }
+    resumed = gpt_cli(
+        2,
+        tmp_path,
+        "resumed",
+        *common,
+        f"checkpoint.resume={tmp_path}/tp2/step_6",
+        f"checkpoint.path={tmp_path}/resumed",
+    )
     rel = lambda a, b: abs(a - b) / abs(b)  # noqa: E731
     reference = runs["1 GPU"]
     for i, row in enumerate(reference):
@@ -374,7 +498,9 @@ def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path
     assert [r["step"] for r in resumed] == list(range(7, 13))
     for row in resumed:
         tp2 = runs["TP=2"][row["step"] - 1]
-        print(f"step {row['step']}: resumed at DP=2 from the TP=2 step_6 loss {row['loss']:.5f}, TP=2 {tp2['loss']:.5f}")
+        print(
+            f"step {row['step']}: resumed at DP=2 from the TP=2 step_6 loss {row['loss']:.5f}, TP=2 {tp2['loss']:.5f}"
+        )
         assert rel(row["loss"], tp2["loss"]) < 2e-2
     assert runs["TP=2"][-1]["loss"] < runs["TP=2"][0]["loss"] - 0.5  # it learns
     print("tokens/s per GPU at the last step:", {k: round(r[-1]["tokens_per_sec_per_gpu"]) for k, r in runs.items()})
@@ -382,17 +508,29 @@ def test_te_tensor_parallel_gpt_125m_matches_one_gpu_and_resumes_at_dp2(tmp_path
 
 VIT_BLOCK = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, self_attn_mask_type="no_mask")
 # Grouped-query attention with RoPE, RMSNorm and SwiGLU, as in the GPT recipe.
-GPT_BLOCK = dict(hidden_size=256, ffn_hidden_size=512, num_attention_heads=4, num_gqa_groups=2, bias=False,
-                 normalization="RMSNorm", activation="swiglu", self_attn_mask_type="causal")
+GPT_BLOCK = dict(
+    hidden_size=256,
+    ffn_hidden_size=512,
+    num_attention_heads=4,
+    num_gqa_groups=2,
+    bias=False,
+    normalization="RMSNorm",
+    activation="swiglu",
+    self_attn_mask_type="causal",
+)
 # Packed sequences with RoPE, as in the ESM-2 recipe: one sequence empty, one at the angles' full length.
-ESM2_BLOCK = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, self_attn_mask_type="padding",
-                  attn_input_format="thd")
+ESM2_BLOCK = dict(
+    hidden_size=256, ffn_hidden_size=1024, num_attention_heads=4, self_attn_mask_type="padding", attn_input_format="thd"
+)
 PACKED_LENGTHS = [1, 97, 0, 256, 30, 2, 126]
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("block,fp8", [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True), (ESM2_BLOCK, False)],
-                         ids=["vit", "gpt", "gpt-fp8", "esm2-thd"])
+@pytest.mark.parametrize(
+    "block,fp8",
+    [(VIT_BLOCK, False), (GPT_BLOCK, False), (GPT_BLOCK, True), (ESM2_BLOCK, False)],
+    ids=["vit", "gpt", "gpt-fp8", "esm2-thd"],
+)
 def test_tuned_transformer_layer_matches_te(block, fp8):
     """Our TransformerLayer (copy-free packed-QKV gradient, fused QKV split + RoPE, bias+GELU in the GEMM
     epilogues) computes exactly what te.TransformerLayer does in its epilogue mode, and within bf16
@@ -403,8 +541,17 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
     from core.layers import qkv_rope
     from core.layers.namespace import get_layers, te_autocast
 
-    kwargs = dict(hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd", fuse_qkv_params=True,
-                  params_dtype=torch.bfloat16, device="cuda") | block
+    kwargs = (
+        dict(
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            attn_input_format="bshd",
+            fuse_qkv_params=True,
+            params_dtype=torch.bfloat16,
+            device="cuda",
+        )
+        | block
+    )
     ours, stock, default = get_layers("te").TransformerLayer(**kwargs), *(te.TransformerLayer(**kwargs) for _ in "ab")
     assert type(ours.self_attention.core_attention) is not te.DotProductAttention
     assert type(ours.self_attention) is not te.MultiheadAttention
@@ -419,8 +566,9 @@ def test_tuned_transformer_layer_matches_te(block, fp8):
         cu = torch.tensor([0, *PACKED_LENGTHS], device="cuda").cumsum(0).to(torch.int32)
         x = torch.randn(int(cu[-1]), 256, device="cuda", dtype=torch.bfloat16)
         rope = te.RotaryPositionEmbedding(256 // 4)(max(PACKED_LENGTHS)).cuda()
-        packed = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(PACKED_LENGTHS),
-                      max_seqlen_kv=max(PACKED_LENGTHS))
+        packed = dict(
+            cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max(PACKED_LENGTHS), max_seqlen_kv=max(PACKED_LENGTHS)
+        )
     results, fused = [], []
     for layer in (ours, stock, default):
         inp = x.clone().requires_grad_()
@@ -453,12 +601,15 @@ def _autograd_nodes(output: torch.Tensor, name: str) -> int:
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("tensor_format,outer,groups,per_group,head_dim,dtype", [
-    ("bshd", (4, 2048), 8, 2, 128, torch.bfloat16),  # gpt_1b's heads
-    ("sbhd", (197, 3), 12, 1, 64, torch.bfloat16),   # no GQA; rows not a multiple of the block
-    ("bshd", (2, 300), 3, 4, 32, torch.float16),
-    ("sbhd", (33, 2), 2, 2, 16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "tensor_format,outer,groups,per_group,head_dim,dtype",
+    [
+        ("bshd", (4, 2048), 8, 2, 128, torch.bfloat16),  # gpt_1b's heads
+        ("sbhd", (197, 3), 12, 1, 64, torch.bfloat16),  # no GQA; rows not a multiple of the block
+        ("bshd", (2, 300), 3, 4, 32, torch.float16),
+        ("sbhd", (33, 2), 2, 2, 16, torch.float32),
+    ],
+)
 def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head_dim, dtype):
     """Our Q/K/V split with RoPE computes TE's apply_fused_qkv_rotary_pos_emb bit for bit, both ways,
     with angles for more positions than the sequence has and different angles for Q and K."""
@@ -472,9 +623,12 @@ def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head
     q_freqs = te.RotaryPositionEmbedding(head_dim)(seq + 7).cuda()
     k_freqs = te.RotaryPositionEmbedding(head_dim, rotary_base=500.0)(seq + 7).cuda()
     assert qkv_rope.kernel_applies(qkv, q_freqs, k_freqs, per_group, head_dim, tensor_format, False)
-    splits = (lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, tensor_format),
-              lambda x: apply_fused_qkv_rotary_pos_emb(x, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim],
-                                                       tensor_format=tensor_format))
+    splits = (
+        lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, tensor_format),
+        lambda x: apply_fused_qkv_rotary_pos_emb(
+            x, q_freqs, k_freqs, [per_group * head_dim, head_dim, head_dim], tensor_format=tensor_format
+        ),
+    )
     results = []
     for split in splits:
         x = qkv.clone().requires_grad_()
@@ -488,11 +642,14 @@ def test_qkv_rope_kernels_match_te(tensor_format, outer, groups, per_group, head
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("groups,per_group,head_dim,dtype", [
-    (20, 1, 64, torch.bfloat16),  # esm2_650m's heads
-    (2, 4, 32, torch.float16),
-    (3, 2, 16, torch.float32),
-])
+@pytest.mark.parametrize(
+    "groups,per_group,head_dim,dtype",
+    [
+        (20, 1, 64, torch.bfloat16),  # esm2_650m's heads
+        (2, 4, 32, torch.float16),
+        (3, 2, 16, torch.float32),
+    ],
+)
 def test_qkv_rope_kernels_match_te_on_packed_sequences(groups, per_group, head_dim, dtype):
     """On packed sequences (thd) our Q/K/V split with RoPE computes what TE's split and its fused RoPE of Q
     and of K compute (positions restarting at each sequence, empty sequences between), bit for bit, both ways."""
@@ -513,8 +670,10 @@ def test_qkv_rope_kernels_match_te_on_packed_sequences(groups, per_group, head_d
         return rotate(query.reshape(x.shape[0], -1, head_dim), q_freqs), rotate(key, k_freqs), value
 
     results = []
-    for split in (lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, "thd", cu_seqlens=cu),
-                  te_split):
+    for split in (
+        lambda x: qkv_rope.split_rotate(x, q_freqs, k_freqs, per_group, head_dim, "thd", cu_seqlens=cu),
+        te_split,
+    ):
         x = qkv.clone().requires_grad_()
         outputs = split(x)
         torch.manual_seed(1)

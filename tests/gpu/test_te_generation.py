@@ -42,7 +42,7 @@ def test_te_kv_cache_gives_the_logits_of_a_whole_pass(dtype):
             parts = [model(tokens[:, :20], kv_cache=cache)]
             for i in range(20, 32):
                 cache.pre_step(OrderedDict({0: 1}))
-                parts.append(model(tokens[:, i:i + 1], kv_cache=cache))
+                parts.append(model(tokens[:, i : i + 1], kv_cache=cache))
             torch.testing.assert_close(torch.cat(parts, dim=1).float(), whole, **tolerance)
 
 
@@ -51,16 +51,34 @@ def test_generate_with_te_greedy_cache_equals_recomputing(tmp_path):
     text from recomputing the whole sequence for every token."""
     import generate
 
-    cfg = validated_config("gpt_sanity", ["training.steps=80", "training.val_every_n_steps=80", "data.num_workers=0",
-                                          "logger.progress_bar=never", f"data.cache_dir={tmp_path}/cache",
-                                          f"checkpoint.path={tmp_path}/ckpt", "model.backend=te"])
+    cfg = validated_config(
+        "gpt_sanity",
+        [
+            "training.steps=80",
+            "training.val_every_n_steps=80",
+            "data.num_workers=0",
+            "logger.progress_bar=never",
+            f"data.cache_dir={tmp_path}/cache",
+            f"checkpoint.path={tmp_path}/ckpt",
+            "model.backend=te",
+        ],
+    )
     train_run(cfg, tmp_path / "run")
     texts = []
     for kv in ("true", "false"):
-        gen = compose_config("gpt_sanity", [f"checkpoint.init_from={tmp_path}/ckpt/step_80", "model.backend=te",
-                                            f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={tmp_path}/unused",
-                                            "generate.prompt='Call me Ishmael. '", "generate.greedy=true",
-                                            "generate.max_new_tokens=200", f"generate.kv_cache={kv}"])
+        gen = compose_config(
+            "gpt_sanity",
+            [
+                f"checkpoint.init_from={tmp_path}/ckpt/step_80",
+                "model.backend=te",
+                f"data.cache_dir={tmp_path}/cache",
+                f"checkpoint.path={tmp_path}/unused",
+                "generate.prompt='Call me Ishmael. '",
+                "generate.greedy=true",
+                "generate.max_new_tokens=200",
+                f"generate.kv_cache={kv}",
+            ],
+        )
         texts.append(generate.generate(gen, tmp_path / f"gen_{kv}")[0].text)
     print("greedy continuation:", repr(texts[0][:120]))
     assert texts[0] == texts[1]

@@ -19,8 +19,9 @@ def function_lengths(path: Path) -> list[tuple[str, int]]:
 
 
 def test_no_product_function_is_longer_than_80_lines():
-    files = [f for root in PRODUCT
-             for f in ([REPO / root] if root.endswith(".py") else sorted((REPO / root).rglob("*.py")))]
+    files = [
+        f for root in PRODUCT for f in ([REPO / root] if root.endswith(".py") else sorted((REPO / root).rglob("*.py")))
+    ]
     assert len(files) > 50  # the roots exist: a moved folder must not make this pass by finding nothing
     long = [f"{where}: {lines} lines" for f in files for where, lines in function_lengths(f) if lines > MAX_LINES]
     assert not long, "split these into parts of one concept each:\n" + "\n".join(long)

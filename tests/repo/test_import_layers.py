@@ -39,7 +39,9 @@ def runtime_imports(tree: ast.Module) -> list[tuple[str, int]]:
             found += [(alias.name, node.lineno) for alias in node.names]
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             # `from core.parallel import mfsdp` imports core.parallel.mfsdp
-            found += [(node.module, node.lineno)] + [(f"{node.module}.{alias.name}", node.lineno) for alias in node.names]
+            found += [(node.module, node.lineno)] + [
+                (f"{node.module}.{alias.name}", node.lineno) for alias in node.names
+            ]
     return found
 
 
@@ -51,8 +53,10 @@ def violations(root: Path, order: list[str]) -> list[str]:
         for imported, line in runtime_imports(ast.parse(file.read_text(), str(file))):
             theirs = layer_of(imported, order)
             if mine is not None and theirs is not None and theirs > mine:
-                found.append(f"{file.relative_to(root)}:{line} imports {imported} ({order[theirs]} is listed "
-                             f"after {order[mine]})")
+                found.append(
+                    f"{file.relative_to(root)}:{line} imports {imported} ({order[theirs]} is listed "
+                    f"after {order[mine]})"
+                )
     return found
 
 
@@ -74,9 +78,11 @@ def test_the_check_sees_an_import_from_a_later_layer_and_lets_type_only_ones_pas
     (tmp_path / "core" / "low").mkdir(parents=True)
     (tmp_path / "core" / "high").mkdir()
     (tmp_path / "core" / "low" / "a.py").write_text(
-        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core.high.b import B\n")
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from core.high.b import B\n"
+    )
     assert violations(tmp_path, ["core.low", "core.high"]) == []
     (tmp_path / "core" / "low" / "a.py").write_text("from core.high import b\n")
     assert violations(tmp_path, ["core.low", "core.high"]) == [
         "core/low/a.py:1 imports core.high (core.high is listed after core.low)",
-        "core/low/a.py:1 imports core.high.b (core.high is listed after core.low)"]
+        "core/low/a.py:1 imports core.high.b (core.high is listed after core.low)",
+    ]

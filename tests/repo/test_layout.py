@@ -15,8 +15,10 @@ FOLDERS = {"unit", "recipes", "e2e", "gpu", "support", "repo"}
 
 def layout_problems(tests: Path, repo: Path) -> list[str]:
     """What breaks the layout in the tests folder `tests` of the repository `repo`, one line each."""
-    problems = [f"{p.relative_to(repo)}: a test file directly under tests/ (it goes in one of {sorted(FOLDERS)})"
-                for p in sorted(tests.glob("test_*.py"))]
+    problems = [
+        f"{p.relative_to(repo)}: a test file directly under tests/ (it goes in one of {sorted(FOLDERS)})"
+        for p in sorted(tests.glob("test_*.py"))
+    ]
     for p in sorted(tests.iterdir()):
         if p.is_dir() and p.name not in FOLDERS and p.name != "__pycache__":
             problems.append(f"{p.relative_to(repo)}: not one of the folders {sorted(FOLDERS)}")

@@ -14,11 +14,27 @@ from core.training.callbacks import Callback
 # A tiny ViT on 48 synthetic images: global batch 16 = 2 ranks x micro-batch 4 x 2 accumulation steps
 # (or 1 rank x 4 x 4), so one epoch is 3 steps; warmup ends at step 5.
 TINY = [
-    "data=synthetic", "data.synthetic_train_size=48", "data.synthetic_val_size=8", "data.num_classes=10",
-    "data.num_workers=0", "model.backend=torch", "precision=fp32", "model.hidden_size=32", "model.depth=2",
-    "model.num_heads=2", "training.steps=8", "training.global_batch_size=16", "training.micro_batch_size=4",
-    "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false", "optim.lr=3e-3",
-    "optim.weight_decay=0.1", "optim.eps=1e-5", "scheduler.warmup_steps=5", "logger.progress_bar=never",
+    "data=synthetic",
+    "data.synthetic_train_size=48",
+    "data.synthetic_val_size=8",
+    "data.num_classes=10",
+    "data.num_workers=0",
+    "model.backend=torch",
+    "precision=fp32",
+    "model.hidden_size=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "training.steps=8",
+    "training.global_batch_size=16",
+    "training.micro_batch_size=4",
+    "training.log_every_n_steps=1",
+    "training.val_every_n_steps=0",
+    "training.val_at_end=false",
+    "optim.lr=3e-3",
+    "optim.weight_decay=0.1",
+    "optim.eps=1e-5",
+    "scheduler.warmup_steps=5",
+    "logger.progress_bar=never",
 ]
 
 
@@ -76,15 +92,25 @@ def run_phases(phases: list[dict], shim: bool = False, callbacks: tuple = ()) ->
         seen = Recorder(phase.get("signal_at"))
         cfg = compose_config(phase.get("config", "vit_sanity"), phase["overrides"])
         try:
-            trained_run = train_run(cfg, phase["run_dir"], full_state=phase.get("state", False),
-                                    callbacks=(seen, *callbacks))
+            trained_run = train_run(
+                cfg, phase["run_dir"], full_state=phase.get("state", False), callbacks=(seen, *callbacks)
+            )
         except Exception as e:  # noqa: BLE001
             if not phase.get("expect_error"):
                 raise
             out.append({"error": f"{type(e).__name__}: {e}", "losses": train_losses(phase["run_dir"])})
             continue
         result = trained_run["result"]
-        out.append({"losses": train_losses(phase["run_dir"]), "start_step": result.start_step,
-                    "resumed_from": result.resumed_from, "stopped_by": result.stopped_by, "samples": seen.samples,
-                    "idx": seen.idx, "skipped_steps": result.skipped_steps, "state": trained_run["state"]})
+        out.append(
+            {
+                "losses": train_losses(phase["run_dir"]),
+                "start_step": result.start_step,
+                "resumed_from": result.resumed_from,
+                "stopped_by": result.stopped_by,
+                "samples": seen.samples,
+                "idx": seen.idx,
+                "skipped_steps": result.skipped_steps,
+                "state": trained_run["state"],
+            }
+        )
     return out

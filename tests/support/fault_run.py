@@ -1,9 +1,10 @@
-"""train.py with one fault injected (tests/e2e/test_failing_jobs.py): FAULT=<name> on rank FAULT_RANK at step FAULT_STEP.
+"""train.py with one fault injected (tests/e2e/test_failing_jobs.py): FAULT=<name> on rank FAULT_RANK at step
+FAULT_STEP.
 
-  crash       the rank's process dies (os._exit) in the middle of a step, as a crashed peer does
-  log_error   an exception once the step is logged, on that rank only (a callback: training.callbacks)
-  disk_full   the rank's checkpoint write fails with ENOSPC, as on a full disk
-  sigterm     the rank gets SIGTERM once it has logged the step, as from a scheduler ending the job (a callback)
+crash       the rank's process dies (os._exit) in the middle of a step, as a crashed peer does
+log_error   an exception once the step is logged, on that rank only (a callback: training.callbacks)
+disk_full   the rank's checkpoint write fails with ENOSPC, as on a full disk
+sigterm     the rank gets SIGTERM once it has logged the step, as from a scheduler ending the job (a callback)
 """
 
 import errno
@@ -50,6 +51,7 @@ def inject() -> None:
 
         train.train_step = train_step
     elif MINE and FAULT == "disk_full":
+
         def write_data(self, plan, planner):
             raise OSError(errno.ENOSPC, "No space left on device (injected)")
 
@@ -59,8 +61,9 @@ def inject() -> None:
 
 
 # train.main's body under a Hydra entry point of this file (Hydra finds configs/ beside the entry's file).
-main = hydra.main(version_base="1.3", config_path=str(Path(train.__file__).parent / "configs"),
-                  config_name=None)(train.main.__wrapped__)
+main = hydra.main(version_base="1.3", config_path=str(Path(train.__file__).parent / "configs"), config_name=None)(
+    train.main.__wrapped__
+)
 
 if __name__ == "__main__":
     inject()

@@ -24,8 +24,17 @@ CONFIGS = REPO / "configs"
 def torchrun(nproc: int, script: str, *args: str) -> list[str]:
     """The command `torchrun --nproc-per-node <nproc> --master-port <a free port> <repository>/<script> <args>`,
     with this Python's torchrun: a port of its own, as tests run side by side (pytest -n)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-port", str(free_port()), str(REPO / script), *args]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-port",
+        str(free_port()),
+        str(REPO / script),
+        *args,
+    ]
 
 
 def read_records(run_dir: Path | str) -> list[dict]:
@@ -101,8 +110,11 @@ def selected_cases(request, test_name: str) -> list[dict]:
     """The parameters of each case of `test_name` (in the requesting module) that this session runs, in order:
     for a module fixture that computes every selected case in one process (each process pays seconds of
     imports and CUDA start-up) and hands each test its own result."""
-    cases = [item.callspec.params for item in request.session.items
-             if item.module is request.module and item.originalname == test_name]
+    cases = [
+        item.callspec.params
+        for item in request.session.items
+        if item.module is request.module and item.originalname == test_name
+    ]
     return [dict(c) for i, c in enumerate(cases) if c not in cases[:i]]
 
 
@@ -137,7 +149,15 @@ def free_port() -> int:
 # Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
 # per process). Nothing here touches CUDA: a forked child could not use a CUDA context its parent holds. On machines
 # without GPUs tests/support/preloaded.py adds the training stack and the recipes.
-FORK_SERVER_PRELOAD = ["torch", "torch.distributed", "numpy", "omegaconf", "hydra", "tests.support.helpers", "tests.support.preloaded"]
+FORK_SERVER_PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "numpy",
+    "omegaconf",
+    "hydra",
+    "tests.support.helpers",
+    "tests.support.preloaded",
+]
 
 
 def _fork_server():
@@ -161,10 +181,18 @@ def _take_callers_context(environ: dict, cwd: str) -> None:
     mp.set_start_method("fork", force=True)
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict,
-            cwd: str) -> None:
-    _take_callers_context({**environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-                           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}, cwd)
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, results, environ: dict, cwd: str) -> None:
+    _take_callers_context(
+        {
+            **environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        },
+        cwd,
+    )
     # The machine's cores shared out, as torchrun does (one thread per process there): ranks that each ran as many
     # threads as there are cores would wait on one another's spinning threads, several times slower.
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
@@ -183,9 +211,10 @@ def run_workers(world_size: int, fn: Callable, *args) -> list:
     with ctx.Manager() as manager:
         results = manager.dict()
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(os.environ),
-                                                   os.getcwd()))
-                 for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, fn, args, results, dict(os.environ), os.getcwd()))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -233,8 +262,9 @@ def _script_worker(argv: list[str], cwd: str, environ: dict, out_path: str, err_
     os._exit(code)
 
 
-def run_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None,
-               timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python(
+    *argv: str, cwd: Path | str = REPO, env: dict | None = None, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """`python <argv>` (a script path, or "-m", module, args), run as __main__ in a process forked from the test
     fork server, where the training stack is already imported: seconds less than a fresh interpreter per command.
     Its output and exit code come back as subprocess.run(..., capture_output=True, text=True) gives them; past
@@ -263,11 +293,15 @@ class StartedPython:
             if self.proc.is_alive():
                 self.proc.kill()
                 self.proc.join()
-                raise subprocess.TimeoutExpired(["python", *self.argv], timeout, Path(self.out).read_text(),
-                                                Path(self.err).read_text())
-            return subprocess.CompletedProcess(["python", *self.argv], self.proc.exitcode,
-                                               Path(self.out).read_text(errors="replace"),
-                                               Path(self.err).read_text(errors="replace"))
+                raise subprocess.TimeoutExpired(
+                    ["python", *self.argv], timeout, Path(self.out).read_text(), Path(self.err).read_text()
+                )
+            return subprocess.CompletedProcess(
+                ["python", *self.argv],
+                self.proc.exitcode,
+                Path(self.out).read_text(errors="replace"),
+                Path(self.err).read_text(errors="replace"),
+            )
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
 
@@ -277,8 +311,9 @@ def start_python(*argv: str, cwd: Path | str = REPO, env: dict | None = None) ->
     return StartedPython([str(a) for a in argv], cwd, env)
 
 
-def run_python_ranks(world_size: int, *argv: str, cwd: Path | str = REPO,
-                     timeout: float = 600) -> subprocess.CompletedProcess:
+def run_python_ranks(
+    world_size: int, *argv: str, cwd: Path | str = REPO, timeout: float = 600
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc-per-node <world_size> <argv>` with each rank a run_python process (RANK, WORLD_SIZE,
     LOCAL_RANK, MASTER_ADDR/PORT and one thread per core share as torchrun gives them, and one run id for all):
     seconds less than torchrun's fresh interpreters. For tests of what a script does on several processes, not of
@@ -287,11 +322,21 @@ def run_python_ranks(world_size: int, *argv: str, cwd: Path | str = REPO,
 
     from core.distributed.launch import RUN_ID_ENV
 
-    common = {**os.environ, "WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()),
-              RUN_ID_ENV: time.strftime("%Y-%m-%d_%H-%M-%S"),
-              "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size))}
-    ranks = [start_python(*argv, cwd=cwd, env={**common, "RANK": str(r), "LOCAL_RANK": str(r)})
-             for r in range(world_size)]
+    common = {
+        **os.environ,
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(free_port()),
+        RUN_ID_ENV: time.strftime("%Y-%m-%d_%H-%M-%S"),
+        "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // world_size)),
+    }
+    ranks = [
+        start_python(*argv, cwd=cwd, env={**common, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(world_size)
+    ]
     done = [rank.finish(timeout) for rank in ranks]
-    return subprocess.CompletedProcess(["python", *argv], next((d.returncode for d in done if d.returncode), 0),
-                                       "".join(d.stdout for d in done), "".join(d.stderr for d in done))
+    return subprocess.CompletedProcess(
+        ["python", *argv],
+        next((d.returncode for d in done if d.returncode), 0),
+        "".join(d.stdout for d in done),
+        "".join(d.stderr for d in done),
+    )

@@ -30,6 +30,7 @@ def main() -> None:
     report, mib, *argv = sys.argv[1:]
     limit = mapped_bytes() + (int(mib) << 20)
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     def write_report() -> None:
         Path(report).write_text(json.dumps({"peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 

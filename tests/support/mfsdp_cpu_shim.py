@@ -73,4 +73,5 @@ def install() -> None:
     # The product refuses mfsdp without CUDA; the shimmed worker is the one place it may run.
     original_resolve = core.runtime.resolve_parallel_backend
     core.runtime.resolve_parallel_backend = lambda backend, machine: (
-        ParallelBackend.mfsdp if backend == ParallelBackend.mfsdp else original_resolve(backend, machine))
+        ParallelBackend.mfsdp if backend == ParallelBackend.mfsdp else original_resolve(backend, machine)
+    )

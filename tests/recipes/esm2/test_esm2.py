@@ -31,17 +31,30 @@ SAMPLE = REPO / "data" / "uniref90_sample" / "uniref90_1000.parquet"
 
 
 def model_config(**changes):
-    cfg = dict(hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64, max_seq_length=40,
-               activation="gelu_erf", token_dropout=True, rotary_base=10000.0, norm_epsilon=1e-5, init_std=0.02,
-               hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True)
+    cfg = dict(
+        hidden_size=32,
+        num_layers=2,
+        num_attention_heads=4,
+        ffn_hidden_size=64,
+        max_seq_length=40,
+        activation="gelu_erf",
+        token_dropout=True,
+        rotary_base=10000.0,
+        norm_epsilon=1e-5,
+        init_std=0.02,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        fuse_qkv_params=True,
+    )
     return SimpleNamespace(**(cfg | changes))
 
 
 def small_store(n=30, seed=0, longest=60):
     rng = np.random.default_rng(seed)
     letters = np.array(list("LAGVSERTIDPKQNFYMHWC"))
-    return build_store(((f"s{i}", "".join(rng.choice(letters, int(rng.integers(1, longest)))))
-                        for i in range(n)), "test")
+    return build_store(
+        ((f"s{i}", "".join(rng.choice(letters, int(rng.integers(1, longest))))) for i in range(n)), "test"
+    )
 
 
 # --- vocabulary ---------------------------------------------------------------------------------
@@ -49,7 +62,12 @@ def test_vocabulary_is_hugging_faces_esm2_vocabulary():
     from transformers.models.esm.configuration_esm import get_default_vocab_list
 
     assert list(VOCABULARY) == list(get_default_vocab_list())
-    assert (VOCABULARY[CLS], VOCABULARY[PAD], VOCABULARY[EOS], VOCABULARY[MASK]) == ("<cls>", "<pad>", "<eos>", "<mask>")
+    assert (VOCABULARY[CLS], VOCABULARY[PAD], VOCABULARY[EOS], VOCABULARY[MASK]) == (
+        "<cls>",
+        "<pad>",
+        "<eos>",
+        "<mask>",
+    )
     assert encode_residues("MKtay\nIAK").tolist() == [20, 15, 11, 5, 19, 12, 5, 15]  # HF: "MKTAYIAK" -> 20 15 11 ...
     assert decode(encode_residues("J*é")) == "<unk><unk><unk>"
 
@@ -58,8 +76,14 @@ def test_vocabulary_is_hugging_faces_esm2_vocabulary():
 def write_sources(folder: Path, named: list[tuple[str, str]]) -> dict[str, Path]:
     """The same sequences as FASTA (plain and gzipped), parquet, CSV, TSV and a `datasets` save_to_disk folder."""
     fasta = "".join(f">{n} some description\n{s[:7]}\n{s[7:]}\n\n" for n, s in named)
-    paths = {"fasta": folder / "a.fasta", "fasta.gz": folder / "b.fa.gz", "parquet": folder / "c.parquet",
-             "csv": folder / "d.csv", "tsv": folder / "e.tsv", "datasets": folder / "saved"}
+    paths = {
+        "fasta": folder / "a.fasta",
+        "fasta.gz": folder / "b.fa.gz",
+        "parquet": folder / "c.parquet",
+        "csv": folder / "d.csv",
+        "tsv": folder / "e.tsv",
+        "datasets": folder / "saved",
+    }
     paths["fasta"].write_text("; a comment line\n" + fasta)
     with gzip.open(paths["fasta.gz"], "wt") as f:
         f.write(fasta)
@@ -224,8 +248,9 @@ def test_packs_planned_a_chunk_at_a_time_are_the_plain_rules_at_under_12_bytes_a
 
 def test_packs_hold_every_sequence_once_with_fixed_shapes():
     store = small_store(40, longest=90)
-    packs = PackedSequences(store, np.arange(40), budget=128, max_length=48, max_sequences=6, masking=Masking(),
-                            seed=3, shuffle_seed=11)
+    packs = PackedSequences(
+        store, np.arange(40), budget=128, max_length=48, max_sequences=6, masking=Masking(), seed=3, shuffle_seed=11
+    )
     seen = []
     for k in range(len(packs)):
         item = packs[EpochIndex(0, k)]
@@ -237,8 +262,8 @@ def test_packs_hold_every_sequence_once_with_fixed_shapes():
         for j, i in enumerate(real):  # each sequence framed in place, the rest padding with no labels
             assert item["tokens"][cu[j]] == CLS and item["tokens"][cu[j + 1] - 1] == EOS
             assert cu[j + 1] - cu[j] == min(len(store.sequence(i)), 46) + 2
-        tail = item["tokens"][cu[len(real)]:]
-        assert (tail == PAD).all() and (item["labels"][cu[len(real)]:] == IGNORE).all()
+        tail = item["tokens"][cu[len(real)] :]
+        assert (tail == PAD).all() and (item["labels"][cu[len(real)] :] == IGNORE).all()
     assert sorted(seen) == list(range(40))
     assert packs.real_tokens == sum(min(len(store.sequence(i)), 46) + 2 for i in range(40))
 
@@ -259,8 +284,8 @@ def test_a_sequence_looks_the_same_in_any_pack():
             cu = item["cu_seqlens"]
             for j, i in enumerate(item["sequences"][item["sequences"] >= 0].tolist()):
                 tokens, labels = by_sequence[i]
-                assert torch.equal(item["tokens"][cu[j]:cu[j + 1]], tokens)
-                assert torch.equal(item["labels"][cu[j]:cu[j + 1]], labels)
+                assert torch.equal(item["tokens"][cu[j] : cu[j + 1]], tokens)
+                assert torch.equal(item["labels"][cu[j] : cu[j + 1]], labels)
 
 
 # --- the model ----------------------------------------------------------------------------------
@@ -331,7 +356,7 @@ def test_our_model_equals_hugging_faces_both_ways(fuse_qkv_params):
     width = max(map(len, sequences))
     ids = torch.full((len(sequences), width), PAD)
     for row, s in enumerate(sequences):
-        ids[row, :len(s)] = torch.tensor(s)
+        ids[row, : len(s)] = torch.tensor(s)
     attention = (ids != PAD).long()
     packed = torch.tensor([[t for s in sequences for t in s] + [PAD] * 3])
     cu = torch.tensor([[0, 7, 17, 21, 24]], dtype=torch.int32)
@@ -340,7 +365,7 @@ def test_our_model_equals_hugging_faces_both_ways(fuse_qkv_params):
         theirs = hf(input_ids=ids, attention_mask=attention).logits
         mine = model(packed, cu)[0]
         for row, (s, start) in enumerate(zip(sequences, cu[0].tolist())):
-            torch.testing.assert_close(mine[start:start + len(s)], theirs[row, :len(s)], rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mine[start : start + len(s)], theirs[row, : len(s)], rtol=1e-5, atol=1e-5)
 
     hf = hf_model(cfg)
     result = hf.load_state_dict(esm_hf.to_hf(ours.state_dict(), cfg), strict=False)
@@ -387,8 +412,16 @@ def masked_losses_against_residue_frequencies(step_dir: Path, val_fraction: floa
     log_frequency = torch.tensor(np.log((counts + 1.0) / (counts + 1.0).sum()))
     rows = []
     for draw in range(draws):
-        packs = PackedSequences(store, np.sort(order[:held_out]), 1024, cfg.model.max_seq_length, 16, Masking(),
-                                seed=1000 + draw, shuffle_seed=None)
+        packs = PackedSequences(
+            store,
+            np.sort(order[:held_out]),
+            1024,
+            cfg.model.max_seq_length,
+            16,
+            Masking(),
+            seed=1000 + draw,
+            shuffle_seed=None,
+        )
         for k in range(len(packs)):
             item = packs[k]
             with torch.no_grad():
@@ -406,8 +439,12 @@ def test_esm2_sanity_learns_more_than_residue_frequencies_on_two_processes(tmp_p
     from tests.support.checkpoint_harness import run_phases
     from tests.support.helpers import read_records, run_workers
 
-    overrides = ["training.steps=100", "training.val_every_n_steps=50", "logger.progress_bar=never",
-                 f"checkpoint.path={tmp_path}/ckpt"]
+    overrides = [
+        "training.steps=100",
+        "training.val_every_n_steps=50",
+        "logger.progress_bar=never",
+        f"checkpoint.path={tmp_path}/ckpt",
+    ]
     run_workers(2, run_phases, [{"config": "esm2_sanity", "run_dir": str(tmp_path / "run"), "overrides": overrides}])
     rows = read_records(tmp_path / "run")
     val = [r for r in rows if r.get("split") == "val"]
@@ -417,15 +454,25 @@ def test_esm2_sanity_learns_more_than_residue_frequencies_on_two_processes(tmp_p
     pairs = masked_losses_against_residue_frequencies(tmp_path / "ckpt" / "step_100", val_fraction=0.05)
     gain = pairs[:, 1] - pairs[:, 0]
     standard_error = gain.std().item() / math.sqrt(len(gain))
-    print(f"masked residues {len(gain)}: model perplexity {pairs[:, 0].mean().exp():.3f}, residue frequencies "
-          f"{pairs[:, 1].mean().exp():.3f}, gain {gain.mean():.4f} +- {standard_error:.4f} nats")
+    print(
+        f"masked residues {len(gain)}: model perplexity {pairs[:, 0].mean().exp():.3f}, residue frequencies "
+        f"{pairs[:, 1].mean().exp():.3f}, gain {gain.mean():.4f} +- {standard_error:.4f} nats"
+    )
     assert gain.mean() > 3 * standard_error
 
 
-TINY_ESM = ["training.steps=6", "training.global_batch_size=4", "training.micro_batch_size=1",
-            "training.log_every_n_steps=1", "training.val_every_n_steps=0", "training.val_at_end=false",
-            "data.tokens_per_pack=256", "model.max_seq_length=64", "scheduler.warmup_steps=2",
-            "logger.progress_bar=never"]
+TINY_ESM = [
+    "training.steps=6",
+    "training.global_batch_size=4",
+    "training.micro_batch_size=1",
+    "training.log_every_n_steps=1",
+    "training.val_every_n_steps=0",
+    "training.val_at_end=false",
+    "data.tokens_per_pack=256",
+    "model.max_seq_length=64",
+    "scheduler.warmup_steps=2",
+    "logger.progress_bar=never",
+]
 DROPOUT = ["model.hidden_dropout=0.1"]  # so that the RNG state matters too
 
 
@@ -439,12 +486,23 @@ def test_a_packed_run_stopped_by_sigterm_resumes_bit_for_bit_and_on_another_rank
     from tests.support.helpers import run_workers
 
     def phase(name, ckpt, extra=(), **kw):
-        return {"config": "esm2_sanity", "run_dir": str(tmp_path / name),
-                "overrides": TINY_ESM + list(extra) + [f"checkpoint.path={tmp_path}/{ckpt}"], **kw}
+        return {
+            "config": "esm2_sanity",
+            "run_dir": str(tmp_path / name),
+            "overrides": TINY_ESM + list(extra) + [f"checkpoint.path={tmp_path}/{ckpt}"],
+            **kw,
+        }
 
-    ref, stopped, resumed, plain = run_workers(2, run_phases, [
-        phase("ref", "a", DROPOUT), phase("stopped", "b", DROPOUT, signal_at=3), phase("resumed", "b", DROPOUT),
-        phase("plain", "c", ["checkpoint.save_every_n_steps=4"])])[0]
+    ref, stopped, resumed, plain = run_workers(
+        2,
+        run_phases,
+        [
+            phase("ref", "a", DROPOUT),
+            phase("stopped", "b", DROPOUT, signal_at=3),
+            phase("resumed", "b", DROPOUT),
+            phase("plain", "c", ["checkpoint.save_every_n_steps=4"]),
+        ],
+    )[0]
     assert sorted(ref["losses"]) == list(range(1, 7))
     assert stopped["stopped_by"] == "SIGTERM" and max(stopped["losses"]) == 4 and resumed["start_step"] == 4
     assert stopped["losses"] | resumed["losses"] == ref["losses"]
@@ -458,15 +516,20 @@ def test_a_packed_run_stopped_by_sigterm_resumes_bit_for_bit_and_on_another_rank
 def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
     """A trained esm2_sanity step folder -> `checkpoint.py to-hf` -> EsmForMaskedLM and EsmTokenizer load it and
     give our logits (fp32, 1e-5) -> `checkpoint.py from-hf` -> the same weights as the run's."""
-    import checkpoint
     from transformers import EsmForMaskedLM, EsmTokenizer
 
+    import checkpoint
     from core.checkpointing.weights import load_weights_file, read_model_weights
     from tests.support.checkpoint_harness import run_phases
     from tests.support.helpers import run_workers
 
-    overrides = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
-                 "model.activation=gelu_erf", f"checkpoint.path={tmp_path}/ckpt"]
+    overrides = [
+        "training.steps=2",
+        "training.val_at_end=false",
+        "logger.progress_bar=never",
+        "model.activation=gelu_erf",
+        f"checkpoint.path={tmp_path}/ckpt",
+    ]
     run_workers(1, run_phases, [{"config": "esm2_sanity", "run_dir": str(tmp_path / "run"), "overrides": overrides}])
     step = tmp_path / "ckpt" / "step_2"
     checkpoint.main(["to-hf", str(step), str(tmp_path / "hf")])
@@ -487,14 +550,17 @@ def test_checkpoint_to_hf_and_back_through_the_command_line(tmp_path):
     with torch.no_grad():
         mine = ours(packed, cu)[0]
     for i, (start, n) in enumerate(zip(cu[0].tolist(), lengths)):
-        torch.testing.assert_close(mine[start:start + n], theirs[i, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine[start : start + n], theirs[i, :n], rtol=1e-5, atol=1e-5)
     checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "back.safetensors")])
     back = load_weights_file(tmp_path / "back.safetensors")
     assert sorted(back) == sorted(weights)  # all checkpoint.init_from needs, the rotary buffer too
     for name, value in back.items():
-        torch.testing.assert_close(value[:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias") else value,
-                                   weights[name][:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias")
-                                   else weights[name], rtol=0, atol=0)
+        torch.testing.assert_close(
+            value[:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias") else value,
+            weights[name][:VOCAB_SIZE] if name in ("embedding.weight", "lm_head.bias") else weights[name],
+            rtol=0,
+            atol=0,
+        )
     with pytest.raises(SystemExit, match="not 'rotary'"):
         config = json.loads((tmp_path / "hf" / "config.json").read_text())
         (tmp_path / "hf" / "config.json").write_text(json.dumps(config | {"position_embedding_type": "absolute"}))
@@ -520,12 +586,22 @@ def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_pat
     from tests.support.checkpoint_harness import run_phases
     from tests.support.helpers import run_workers
 
-    train = ["training.steps=2", "training.val_at_end=false", "logger.progress_bar=never",
-             f"checkpoint.path={tmp_path}/ckpt"]
+    train = [
+        "training.steps=2",
+        "training.val_at_end=false",
+        "logger.progress_bar=never",
+        f"checkpoint.path={tmp_path}/ckpt",
+    ]
     run_workers(1, run_phases, [{"config": "esm2_sanity", "run_dir": str(tmp_path / "run"), "overrides": train}])
     step = tmp_path / "ckpt" / "step_2"
-    overrides = ["predict.split=val", "predict.micro_batch_size=2", f"predict.output={tmp_path}/out/p.csv",
-                 f"checkpoint.init_from={step}", f"checkpoint.path={tmp_path}/unused", "logger.progress_bar=never"]
+    overrides = [
+        "predict.split=val",
+        "predict.micro_batch_size=2",
+        f"predict.output={tmp_path}/out/p.csv",
+        f"checkpoint.init_from={step}",
+        f"checkpoint.path={tmp_path}/unused",
+        "logger.progress_bar=never",
+    ]
     run_workers(2, _predict_worker, overrides, str(tmp_path / "predict"))
     with open(tmp_path / "out" / "p.csv") as f:
         rows = list(csv.DictReader(f))
@@ -551,10 +627,13 @@ def test_predict_writes_one_row_per_sequence_in_order_with_its_embedding(tmp_pat
     assert metrics["sequences"] == metrics["rows"] == 50
 
 
-@pytest.mark.parametrize("overrides,key,suggested", [
-    (["data.tokens_per_pack=1000"], "data.tokens_per_pack=1000", "data.tokens_per_pack=1008"),
-    (["data.packing=false", "model.max_seq_length=100"], "model.max_seq_length=100", "model.max_seq_length=112"),
-])
+@pytest.mark.parametrize(
+    "overrides,key,suggested",
+    [
+        (["data.tokens_per_pack=1000"], "data.tokens_per_pack=1000", "data.tokens_per_pack=1008"),
+        (["data.packing=false", "model.max_seq_length=100"], "model.max_seq_length=100", "model.max_seq_length=112"),
+    ],
+)
 def test_fp8_refuses_rows_that_are_not_a_multiple_of_16_tokens(overrides, key, suggested):
     from recipes.esm2.recipe import ESM2Recipe
     from tests.support.helpers import validated_config
@@ -562,5 +641,8 @@ def test_fp8_refuses_rows_that_are_not_a_multiple_of_16_tokens(overrides, key, s
     fp8 = ["checkpoint.path=unused", "precision=fp8_delayed"]
     with pytest.raises(ConfigError, match=f"{key} with precision.fp8.enabled=true: .* multiple of 16 .*{suggested}"):
         ESM2Recipe(validated_config("esm2_sanity", fp8 + overrides)).pack_shape()
-    assert ESM2Recipe(validated_config("esm2_sanity", overrides + ["checkpoint.path=unused"])).pack_shape()[0] in (1000, 100)
+    assert ESM2Recipe(validated_config("esm2_sanity", overrides + ["checkpoint.path=unused"])).pack_shape()[0] in (
+        1000,
+        100,
+    )
     assert ESM2Recipe(validated_config("esm2_sanity", fp8 + ["data.tokens_per_pack=1024"])).pack_shape()[0] == 1024

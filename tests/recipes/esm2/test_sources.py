@@ -77,7 +77,9 @@ def write_datasets_folder(folder: Path, splits: dict[str, list[tuple[str, str]]]
         for name in ("data-00000-of-00001.arrow", "cache-0123456789abcdef.arrow"):
             with pa.ipc.new_stream(folder / split / name, table.schema) as writer:
                 writer.write_table(table)
-        (folder / split / "state.json").write_text(json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]}))
+        (folder / split / "state.json").write_text(
+            json.dumps({"_data_files": [{"filename": "data-00000-of-00001.arrow"}]})
+        )
 
 
 def test_a_folder_reads_one_split_and_no_cache_files(tmp_path):
@@ -90,8 +92,10 @@ def test_a_folder_reads_one_split_and_no_cache_files(tmp_path):
     data.mkdir(parents=True)
     for split, (name, sequence) in {"train": ("a", "MKV"), "validation": ("v", "LLA"), "test": ("t", "WWW")}.items():
         for shard in range(2):
-            pq.write_table(pa.table({"id": [f"{name}{shard}"], "sequence": [sequence]}),
-                           data / f"{split}-0000{shard}-of-00002.parquet")
+            pq.write_table(
+                pa.table({"id": [f"{name}{shard}"], "sequence": [sequence]}),
+                data / f"{split}-0000{shard}-of-00002.parquet",
+            )
     with pytest.raises(ConfigError, match=r"several splits .*test: data/test-00000-of-00002.parquet.*data.val_path"):
         read_store(tmp_path / "repo")
     assert sequences(data / "train-*.parquet") == [("a0", "MKV"), ("a1", "MKV")]
@@ -153,11 +157,16 @@ def test_preprocess_says_what_tokenizing_left_out(tmp_path, capsys):
     preprocess.main(["--input", str(tmp_path / "odd.fasta"), "--out", str(tmp_path / "store")])
     out = capsys.readouterr().out
     assert "wrote 3 sequences" in out
-    assert ("note: 1 empty sequences left out (first: 'none'); 2 residues outside the ESM-2 vocabulary read as "
-            "<unk> (first: 'stop'); 1 sequences of nucleotide letters only") in out
+    assert (
+        "note: 1 empty sequences left out (first: 'none'); 2 residues outside the ESM-2 vocabulary read as "
+        "<unk> (first: 'stop'); 1 sequences of nucleotide letters only"
+    ) in out
     index = json.loads((tmp_path / "store" / "index.json").read_text())
-    assert (index["empty_sequences_left_out"], index["unknown_residues"], index["nucleotide_like_sequences"]) == (1, 2, 1)
-
+    assert (index["empty_sequences_left_out"], index["unknown_residues"], index["nucleotide_like_sequences"]) == (
+        1,
+        2,
+        1,
+    )
 
 
 def test_errors_name_the_setting_that_gave_the_path(tmp_path, capsys):
@@ -174,26 +183,40 @@ def test_errors_name_the_setting_that_gave_the_path(tmp_path, capsys):
     write_datasets_folder(tmp_path / "saved", {"train": [("a", "MKV")]})
     (tmp_path / "saved" / "dataset_dict.json").write_text('{"splits": 5}')
     recipe = ESM2Recipe(validated_config("esm2_sanity", [f"data.val_path={tmp_path / 'saved'}", "checkpoint.path=x"]))
-    with pytest.raises(DataError, match=f"^data.val_path={re.escape(str(tmp_path / 'saved'))}: .*dataset_dict.json "
-                                        "is not what this recipe reads \\(splits=5: Input should be a valid array\\)"):
+    with pytest.raises(
+        DataError,
+        match=f"^data.val_path={re.escape(str(tmp_path / 'saved'))}: .*dataset_dict.json "
+        "is not what this recipe reads \\(splits=5: Input should be a valid array\\)",
+    ):
         recipe.build_datasets()
     (tmp_path / "t.csv").write_text("name,seq\na,MKV\n")
-    for argv, says in ((["--input", str(missing)], f"--input {missing}: no such file or folder"),
-                       (["--input", str(tmp_path / "t.csv")],
-                        f"--column sequence: {tmp_path / 't.csv'} has no such column (it has name, seq)")):
+    for argv, says in (
+        (["--input", str(missing)], f"--input {missing}: no such file or folder"),
+        (
+            ["--input", str(tmp_path / "t.csv")],
+            f"--column sequence: {tmp_path / 't.csv'} has no such column (it has name, seq)",
+        ),
+    ):
         with pytest.raises(SystemExit) as stop:
             preprocess.main(argv + ["--out", str(tmp_path / "store")])
         assert stop.value.code == 2 and capsys.readouterr().err == f"error: {says}\n"
 
 
-@pytest.mark.parametrize("file,content,says", [
-    ("dataset_dict.json", '{"splits": 5}', "splits=5: Input should be a valid array"),
-    ("dataset_dict.json", '{"splits": ["../../etc"]}', "should be the name of a file in the folder"),
-    ("dataset_dict.json", "[" * 100_000, "recursion limit exceeded"),
-    ("train/state.json", "not JSON", "Invalid JSON"),
-    ("train/state.json", '{"_data_files": "data.arrow"}', "_data_files='data.arrow': Input should be a valid array"),
-    ("train/state.json", '{"_data_files": []}', "_data_files=\\[\\]: List should have at least 1 item"),
-])
+@pytest.mark.parametrize(
+    "file,content,says",
+    [
+        ("dataset_dict.json", '{"splits": 5}', "splits=5: Input should be a valid array"),
+        ("dataset_dict.json", '{"splits": ["../../etc"]}', "should be the name of a file in the folder"),
+        ("dataset_dict.json", "[" * 100_000, "recursion limit exceeded"),
+        ("train/state.json", "not JSON", "Invalid JSON"),
+        (
+            "train/state.json",
+            '{"_data_files": "data.arrow"}',
+            "_data_files='data.arrow': Input should be a valid array",
+        ),
+        ("train/state.json", '{"_data_files": []}', "_data_files=\\[\\]: List should have at least 1 item"),
+    ],
+)
 def test_a_damaged_datasets_folder_is_one_line_naming_the_file(tmp_path, file, content, says):
     """Its JSON files of any wrong shape: a DataError naming the setting and the file (not the Hugging Face
     importer's "nothing was imported", not a TypeError)."""
@@ -202,8 +225,11 @@ def test_a_damaged_datasets_folder_is_one_line_naming_the_file(tmp_path, file, c
     with pytest.raises(DataError) as refused:
         read_store(tmp_path / "saved")
     message = str(refused.value)
-    assert re.match(f"data.path={re.escape(str(tmp_path / 'saved'))}: {re.escape(str(tmp_path / 'saved' / file))} "
-                    f"is not what this recipe reads \\(.*{says}.*\\); save the dataset again", message), message
+    assert re.match(
+        f"data.path={re.escape(str(tmp_path / 'saved'))}: {re.escape(str(tmp_path / 'saved' / file))} "
+        f"is not what this recipe reads \\(.*{says}.*\\); save the dataset again",
+        message,
+    ), message
     assert "\n" not in message and "imported" not in message
 
 
@@ -236,8 +262,14 @@ def test_a_folder_with_link_loops_reads_each_file_once(tmp_path):
     (data / "a" / "up").symlink_to("..")
     (data / "up").symlink_to("..")
     (data / "linked").symlink_to(other)
-    proc = subprocess.run([sys.executable, "-c", READ_FOLDER, str(data)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)))
+    proc = subprocess.run(
+        [sys.executable, "-c", READ_FOLDER, str(data)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_AS, (2 << 30, 2 << 30)),
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == [["P1", "MKV"], ["P2", "WWW"]]
     assert "a/self -> ." in proc.stderr and "a/up -> .." in proc.stderr

@@ -75,13 +75,19 @@ DAMAGE = {  # (damage, what the one line says after "data.path=<store>: ")
     "offsets of objects": (_object_typed, "offsets.npy is not a NumPy array of offsets .*(pickle|objects)"),
     "offsets not increasing": (_not_increasing, "offsets.npy does not increase at sequence 3"),
     "offsets past the residues": (_past_the_residues, "offsets.npy runs from 0 to \\d+, not from 0 to index.json's"),
-    "sequences 1e400": (lambda s: (s / "index.json").write_text(
-        (s / "index.json").read_text().replace('"sequences": 40', '"sequences": 1e400')), "sequences=inf"),
+    "sequences 1e400": (
+        lambda s: (s / "index.json").write_text(
+            (s / "index.json").read_text().replace('"sequences": 40', '"sequences": 1e400')
+        ),
+        "sequences=inf",
+    ),
     "sequences negative": (lambda s: rewrite_index(s, sequences=-1), "sequences=-1"),
     "sequences a float": (lambda s: rewrite_index(s, sequences=40.0), "sequences=40.0"),
     "sequences huge": (lambda s: rewrite_index(s, sequences=10**30), "sequences=1000000000000000000000000000000"),
-    "sequences inconsistent": (lambda s: rewrite_index(s, sequences=39),
-                               r"offsets.npy holds int64 \(41,\), expected int64 \(40,\) for index.json's sequences=39"),
+    "sequences inconsistent": (
+        lambda s: rewrite_index(s, sequences=39),
+        r"offsets.npy holds int64 \(41,\), expected int64 \(40,\) for index.json's sequences=39",
+    ),
     "index nested deep": (lambda s: (s / "index.json").write_text("[" * 100_000), "recursion limit"),
 }
 
@@ -104,13 +110,22 @@ def test_a_damaged_store_ends_train_with_one_line_and_exit_2(tmp_path):
     """Through train.py (data.val_path: the setting is named): `data error: ...`, exit code 2, no traceback."""
     store = make_store(tmp_path / "val_store")
     _garbage(store)
-    result = run_python("train.py", "--config-name", "esm2_sanity", f"data.val_path={store}",
-                        f"checkpoint.path={tmp_path}/ckpt", "training.steps=1", "logger.progress_bar=never",
-                        f"hydra.run.dir={tmp_path}/run", timeout=300)
+    result = run_python(
+        "train.py",
+        "--config-name",
+        "esm2_sanity",
+        f"data.val_path={store}",
+        f"checkpoint.path={tmp_path}/ckpt",
+        "training.steps=1",
+        "logger.progress_bar=never",
+        f"hydra.run.dir={tmp_path}/run",
+        timeout=300,
+    )
     assert result.returncode == 2, result.stderr[-3000:]
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "Traceback" in line or "error" in line]
-    assert len(errors) == 1 and re.search(f"data error: data.val_path={re.escape(str(store))}: offsets.npy is not a "
-                                          "NumPy array", errors[0]), errors
+    assert len(errors) == 1 and re.search(
+        f"data error: data.val_path={re.escape(str(store))}: offsets.npy is not a NumPy array", errors[0]
+    ), errors
 
 
 def test_a_preprocessed_store_pickles_as_its_folder_and_refuses_one_written_again(tmp_path):
@@ -126,14 +141,16 @@ def test_a_preprocessed_store_pickles_as_its_folder_and_refuses_one_written_agai
     assert again.name(7) == "L7" and again.source == f"data.path={store}"
     packs = PackedSequences(opened, np.arange(len(opened)), 256, 64, 8, Masking(), seed=1, shuffle_seed=2)
     assert len(pickle.dumps(packs)) < 3000
-    assert all(np.array_equal(pickle.loads(pickle.dumps(packs))[k]["tokens"], packs[k]["tokens"])
-               for k in range(len(packs)))
+    assert all(
+        np.array_equal(pickle.loads(pickle.dumps(packs))[k]["tokens"], packs[k]["tokens"]) for k in range(len(packs))
+    )
 
     import shutil
 
     shutil.rmtree(store)
-    with pytest.raises(DataError, match=f"data.path={re.escape(str(store))}: the store was removed after this run "
-                                        "opened it"):
+    with pytest.raises(
+        DataError, match=f"data.path={re.escape(str(store))}: the store was removed after this run opened it"
+    ):
         pickle.loads(payload).sequence(0)
     write_store(iter(NAMED[::-1]), store, "test")  # the same folder name, other contents
     with pytest.raises(DataError, match=f"data.path={re.escape(str(store))}: the store was written again"):
@@ -158,8 +175,10 @@ def test_a_loader_worker_refuses_a_store_written_again_in_one_line(tmp_path):
     write_store(iter(NAMED[::-1]), store, "test")
     with pytest.raises(DataError) as refused:
         next(iter(loader))
-    assert message_of(refused.value) == (f"data.path={store}: the store was written again (its files changed) after "
-                                         "this run opened it; start the run again (in a data loader worker)")
+    assert message_of(refused.value) == (
+        f"data.path={store}: the store was written again (its files changed) after "
+        "this run opened it; start the run again (in a data loader worker)"
+    )
 
 
 # --- preprocess runs that meet at one --out --------------------------------------------------------
@@ -172,17 +191,34 @@ def test_a_second_run_to_the_same_out_is_refused_while_the_first_writes(tmp_path
 
     def records_meanwhile_a_second_run():
         yield "first", "MKTAYIAK"
-        second.append(subprocess.run([sys.executable, "-m", "recipes.esm2.preprocess", "--input",
-                                      str(tmp_path / "x.fasta"), "--out", str(out)], cwd=REPO, capture_output=True,
-                                     text=True, timeout=120))
+        second.append(
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "recipes.esm2.preprocess",
+                    "--input",
+                    str(tmp_path / "x.fasta"),
+                    "--out",
+                    str(out),
+                ],
+                cwd=REPO,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        )
         yield "second", "LLAGG"
 
     index = write_store(records_meanwhile_a_second_run(), out, "test")
     refused = second[0]
     assert refused.returncode == 2, refused
-    assert re.fullmatch(f"error: --out {re.escape(str(out))}: another run is writing it \\(pid {os.getpid()} on "
-                        f".*into {re.escape(str(out))}.partial-{os.getpid()}\\); wait for it, or give another "
-                        "folder\n", refused.stderr), refused.stderr
+    assert re.fullmatch(
+        f"error: --out {re.escape(str(out))}: another run is writing it \\(pid {os.getpid()} on "
+        f".*into {re.escape(str(out))}.partial-{os.getpid()}\\); wait for it, or give another "
+        "folder\n",
+        refused.stderr,
+    ), refused.stderr
     assert index["sequences"] == 2 and read_store(out).name(1) == "second"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store", "x.fasta"]
 
@@ -191,8 +227,13 @@ def _writer(pid: int, **changes) -> str:
     """writer.json of a run with `pid` on this host (as recipes/esm2/partial_output.py writes it), changed."""
     import socket
 
-    record = {"host": socket.gethostname(), "pid": pid, "pidns": str(os.stat("/proc/self/ns/pid").st_ino),
-              "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(), "since_ns": time.time_ns()}
+    record = {
+        "host": socket.gethostname(),
+        "pid": pid,
+        "pidns": str(os.stat("/proc/self/ns/pid").st_ino),
+        "boot": Path("/proc/sys/kernel/random/boot_id").read_text().strip(),
+        "since_ns": time.time_ns(),
+    }
     return json.dumps(record | changes)
 
 
@@ -242,9 +283,12 @@ def test_a_partial_output_that_cannot_be_judged_is_left_and_refused(tmp_path, ca
     with pytest.raises(SystemExit) as stop:
         preprocess.main(["--input", str(tmp_path / "x.fasta"), "--out", str(out)])
     assert stop.value.code == 2
-    assert re.fullmatch(f"error: --out {re.escape(str(out))}: another run is writing it \\(pid 4242 on node-17, "
-                        f"since .*, into {re.escape(str(other))}\\) \\(if that run has ended, remove "
-                        f"{re.escape(str(other))}\\); wait for it, or give another folder\n", capsys.readouterr().err)
+    assert re.fullmatch(
+        f"error: --out {re.escape(str(out))}: another run is writing it \\(pid 4242 on node-17, "
+        f"since .*, into {re.escape(str(other))}\\) \\(if that run has ended, remove "
+        f"{re.escape(str(other))}\\); wait for it, or give another folder\n",
+        capsys.readouterr().err,
+    )
     assert (other / "writer.json").exists() and not out.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["store.partial-4242", "x.fasta"]
 
@@ -287,8 +331,9 @@ def test_sigterm_while_writing_removes_the_partial_output(tmp_path):
         preprocess.records = slow_records
         preprocess.main(["--input", {str(tmp_path / "x.fasta")!r}, "--out", {str(out)!r}])
     """)
-    process = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE, text=True)
+    process = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
     deadline = time.monotonic() + 60
     while not list(tmp_path.glob("store.partial*/residues.bin")) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -37,8 +37,17 @@ def corpus(n: int) -> str:
 
 
 def indexed(tmp_path: Path, prefix: Path, tokenizer: str = "byte") -> SimpleNamespace:
-    return SimpleNamespace(format="indexed", prefixes=[str(prefix)], weights=None, tokenizer=tokenizer, eod_token=None,
-                           split="100,0,0", cache_dir=str(tmp_path / "cache"), eod_mask_loss=False, val_num_samples=None)
+    return SimpleNamespace(
+        format="indexed",
+        prefixes=[str(prefix)],
+        weights=None,
+        tokenizer=tokenizer,
+        eod_token=None,
+        split="100,0,0",
+        cache_dir=str(tmp_path / "cache"),
+        eod_mask_loss=False,
+        val_num_samples=None,
+    )
 
 
 def test_a_prefix_made_again_gets_a_fresh_sample_index(tmp_path):
@@ -124,9 +133,10 @@ def test_odd_text_and_settings_are_named_not_tracebacks(tmp_path, capsys):
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": ["</s>"]}))
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: eos_token is \['</s>'\], expected a token's text"):
         build_tokenizer(str(folder))
-    for name, content, says in (("n.jsonl", '{"prompt": null}\n', 'n.jsonl:1: expected a JSON object with a "prompt" '
-                                                                   "string"),
-                                ("bad.txt", b"The whale \xff\n", "bad.txt: not UTF-8 text")):
+    for name, content, says in (
+        ("n.jsonl", '{"prompt": null}\n', 'n.jsonl:1: expected a JSON object with a "prompt" string'),
+        ("bad.txt", b"The whale \xff\n", "bad.txt: not UTF-8 text"),
+    ):
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
         with pytest.raises(DataError, match=f"^generate.prompt_file={re.escape(str(tmp_path))}/{says}"):
             generate.read_prompts(tmp_path / name)
@@ -151,8 +161,10 @@ def test_a_damaged_bin_or_idx_is_named_before_training(tmp_path):
         build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, None, None)
     (tmp_path / "p.bin").write_bytes(whole)
     original = (tmp_path / "p.idx").read_bytes()
-    for code, says in ((4, r"p.bin holds 10500 bytes, its .idx describes 11026"),  # uint16 -> int32: sizes differ
-                       (3, r"p.idx holds 5250 tokens of int16, its .json says 5250 of uint16")):  # same size
+    for code, says in (
+        (4, r"p.bin holds 10500 bytes, its .idx describes 11026"),  # uint16 -> int32: sizes differ
+        (3, r"p.idx holds 5250 tokens of int16, its .json says 5250 of uint16"),
+    ):  # same size
         index = bytearray(original)
         index[17] = code  # the token type's code, after the 9-byte magic and the 8-byte version
         (tmp_path / "p.idx").write_bytes(bytes(index))
@@ -201,8 +213,9 @@ def start_preprocess_held_open(folder: Path, *options: str):
     (folder / "READY").unlink(missing_ok=True)
     (folder / "GO").unlink(missing_ok=True)
     (folder / "slow_input.py").write_text(SLOW_INPUT)
-    started = start_python(folder / "slow_input.py", folder, "--input", folder / "a.txt", "--output-prefix",
-                           folder / "out" / "p", *options)
+    started = start_python(
+        folder / "slow_input.py", folder, "--input", folder / "a.txt", "--output-prefix", folder / "out" / "p", *options
+    )
     deadline = time.time() + 300
     while not (folder / "READY").exists():
         assert time.time() < deadline, started.finish(1)
@@ -223,8 +236,9 @@ def test_a_stopped_preprocess_leaves_nothing_and_a_killed_ones_leftovers_go_with
         os.kill(started.pid, sig)
         proc = started.finish(60)
         assert proc.returncode == 128 + sig, proc.stderr[-2000:]
-        assert proc.stderr.strip().splitlines() == [f"error: stopped by {sig.name}; nothing was written to "
-                                                    f"{tmp_path / 'out' / 'p'}"]
+        assert proc.stderr.strip().splitlines() == [
+            f"error: stopped by {sig.name}; nothing was written to {tmp_path / 'out' / 'p'}"
+        ]
         assert outputs(tmp_path) == []
     # Under nohup SIGHUP stays ignored: the run goes on and writes its outputs
     started = start_preprocess_held_open(tmp_path, "--nohup")
@@ -242,8 +256,9 @@ def test_a_stopped_preprocess_leaves_nothing_and_a_killed_ones_leftovers_go_with
     assert started.finish(60).returncode == -signal.SIGKILL
     left = outputs(tmp_path)
     assert left and all(name.startswith("p.tmp-") for name in left)
-    proc = run_python("-m", "recipes.gpt.preprocess", "--input", tmp_path / "a.txt", "--output-prefix",
-                      tmp_path / "out" / "p")
+    proc = run_python(
+        "-m", "recipes.gpt.preprocess", "--input", tmp_path / "a.txt", "--output-prefix", tmp_path / "out" / "p"
+    )
     assert proc.returncode == 0 and outputs(tmp_path) == ["p.bin", "p.idx", "p.json"], proc.stderr[-2000:]
     said = [line for line in proc.stderr.splitlines() if "removed" in line]
     assert len(said) == 1 and f"process {started.pid} gone" in said[0] and all(name in said[0] for name in left)
@@ -257,9 +272,12 @@ def test_leftovers_of_gone_processes_on_this_host_are_removed_and_no_others(tmp_
     host = socket.gethostname()
     try:
         removed = [f"p.tmp-{host}-{gone.pid}.bin", f"p.tmp-{host}-{gone.pid}.idx", f"p.tmp-{gone.pid}.bin"]
-        kept = [f"p.tmp-{host}-{live.pid}.bin",  # a run that is writing now
-                f"p.tmp-{host}x-{gone.pid}.bin",  # another host's (a shared file system): its process is unknown here
-                "p.tmp-notes.txt", "q.tmp-1.bin"]  # not ours
+        kept = [
+            f"p.tmp-{host}-{live.pid}.bin",  # a run that is writing now
+            f"p.tmp-{host}x-{gone.pid}.bin",  # another host's (a shared file system): its process is unknown here
+            "p.tmp-notes.txt",
+            "q.tmp-1.bin",
+        ]  # not ours
         for name in removed + kept:
             (tmp_path / name).write_bytes(b"partial")
         with caplog.at_level(logging.WARNING):
@@ -293,16 +311,20 @@ def test_token_ids_beyond_the_vocabulary_are_refused_by_file_document_and_positi
 
     prefix = with_token_ids(tmp_path, 20, {(7, 11): 300})  # below the model's padded 384 rows: no IndexError
     train = build_gpt_datasets(indexed(tmp_path, prefix), 32, 0, None, None)[0]
-    says = (rf"^data.prefixes: {re.escape(str(prefix))}.bin: document 7 holds the token id 300 at position 11, "
-            r"beyond the vocabulary of data.tokenizer=byte \(258 ids\)")
+    says = (
+        rf"^data.prefixes: {re.escape(str(prefix))}.bin: document 7 holds the token id 300 at position 11, "
+        r"beyond the vocabulary of data.tokenizer=byte \(258 ids\)"
+    )
     for dataset in (train, pickle.loads(pickle.dumps(train)), document_windows(train, "train", 32, 256, False)):
         with pytest.raises(DataError, match=says):  # whichever sample holds it, as read (a loader worker: pickled)
             for i in range(len(dataset)):
                 dataset[i]
     (tmp_path / "fine").mkdir()
     with_token_ids(tmp_path / "fine", 20, {(7, 11): 257})  # the byte tokenizer's padding id: in the vocabulary
-    assert len([sample for sample in build_gpt_datasets(indexed(tmp_path, tmp_path / "fine" / "p"), 32, 0, None,
-                                                        None)[0]]) > 0
+    assert (
+        len([sample for sample in build_gpt_datasets(indexed(tmp_path, tmp_path / "fine" / "p"), 32, 0, None, None)[0]])
+        > 0
+    )
 
 
 @pytest.mark.slow
@@ -310,16 +332,30 @@ def test_training_on_ids_beyond_the_vocabulary_ends_in_one_line_naming_the_file(
     """An id past the embedding's rows, met by a loader worker: one line and exit 2, not an IndexError's traceback
     from the model (a device-side assert on a GPU)."""
     prefix = with_token_ids(tmp_path, 60, {(d, p): 5000 for d in range(60) for p in range(0, 250, 40)})
-    proc = run_python("train.py", "--config-name", "gpt_sanity", "data=gpt_indexed", f"data.prefixes=[{prefix}]",
-                      f"data.cache_dir={tmp_path}/cache", "data.num_workers=1", "training.steps=2",
-                      "training.micro_batch_size=2", "training.global_batch_size=2", f"checkpoint.path={tmp_path}/ck",
-                      f"hydra.run.dir={tmp_path}/run", timeout=300)
+    proc = run_python(
+        "train.py",
+        "--config-name",
+        "gpt_sanity",
+        "data=gpt_indexed",
+        f"data.prefixes=[{prefix}]",
+        f"data.cache_dir={tmp_path}/cache",
+        "data.num_workers=1",
+        "training.steps=2",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=2",
+        f"checkpoint.path={tmp_path}/ck",
+        f"hydra.run.dir={tmp_path}/run",
+        timeout=300,
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2, output[-3000:]
     said = [line for line in output.splitlines() if "error" in line.lower()]
     assert len(said) == 1 and "Traceback" not in output, output[-3000:]
-    assert re.search(rf"data error: data.prefixes: {re.escape(str(prefix))}.bin: document \d+ holds the token id 5000 "
-                     r"at position \d+, beyond the vocabulary of data.tokenizer=byte \(258 ids\)", said[0]), said
+    assert re.search(
+        rf"data error: data.prefixes: {re.escape(str(prefix))}.bin: document \d+ holds the token id 5000 "
+        r"at position \d+, beyond the vocabulary of data.tokenizer=byte \(258 ids\)",
+        said[0],
+    ), said
 
 
 @pytest.mark.slow
@@ -330,14 +366,27 @@ def test_gpt_data_files_training_cannot_use_end_in_one_line_naming_file_and_sett
     (tmp_path / "good.txt").write_text(corpus(20))
     (tmp_path / "p.bin").write_bytes(b"\0" * 64)
     overrides, says = {
-        "text file": ([f"data.text_files=[{tmp_path}/bad.txt]"],
-                      f"data.text_files={tmp_path}/bad.txt:3: not UTF-8 text (byte 28 of the file"),
-        "tokenizer folder": ([f"data.text_files=[{tmp_path}/good.txt]", f"data.tokenizer={tmp_path}/tok"],
-                             f"data.tokenizer={tmp_path}/tok: no tokenizer.json there"),
+        "text file": (
+            [f"data.text_files=[{tmp_path}/bad.txt]"],
+            f"data.text_files={tmp_path}/bad.txt:3: not UTF-8 text (byte 28 of the file",
+        ),
+        "tokenizer folder": (
+            [f"data.text_files=[{tmp_path}/good.txt]", f"data.tokenizer={tmp_path}/tok"],
+            f"data.tokenizer={tmp_path}/tok: no tokenizer.json there",
+        ),
         "prefix": (["data=gpt_indexed", f"data.prefixes=[{tmp_path}/p]"], f"data.prefixes: {tmp_path}/p.idx not found"),
     }[case]
-    proc = run_python("train.py", "--config-name", "gpt_sanity", *overrides, f"data.cache_dir={tmp_path}/cache",
-                      "training.steps=2", f"checkpoint.path={tmp_path}/ck", f"hydra.run.dir={tmp_path}/run", timeout=300)
+    proc = run_python(
+        "train.py",
+        "--config-name",
+        "gpt_sanity",
+        *overrides,
+        f"data.cache_dir={tmp_path}/cache",
+        "training.steps=2",
+        f"checkpoint.path={tmp_path}/ck",
+        f"hydra.run.dir={tmp_path}/run",
+        timeout=300,
+    )
     output = proc.stdout + proc.stderr
     said = [line for line in output.splitlines() if "error" in line.lower()]
     assert proc.returncode == 2 and len(said) == 1 and "Traceback" not in output, output[-3000:]

@@ -14,8 +14,11 @@ PROMPTS = ["Call me Ishmael.", "The whale", "Queequeg"]
 
 
 def _settings(prompts=PROMPTS, **generate) -> dict:
-    return {"checkpoint": {"init_from": "/ckpt/step_80", "bytes": 10, "modified_ns": 1},
-            "prompts": prompts_identity(prompts), "generate": {"seed": 0, "temperature": 1.0, **generate}}
+    return {
+        "checkpoint": {"init_from": "/ckpt/step_80", "bytes": 10, "modified_ns": 1},
+        "prompts": prompts_identity(prompts),
+        "generate": {"seed": 0, "temperature": 1.0, **generate},
+    }
 
 
 def _record(prompt: str, sample: int) -> dict:
@@ -46,16 +49,28 @@ def test_a_new_output_then_a_continued_one(tmp_path, caplog):
     assert continue_output(output, _settings(), PROMPTS, 2) == 6  # complete: nothing left to do
 
 
-@pytest.mark.parametrize("change, says", [
-    (dict(settings=_settings(temperature=0.5)), r"generate\.temperature: 1\.0 there, 0\.5 now"),
-    (dict(settings=_settings(prompts=PROMPTS[:2])), r"the prompts \(generate\.prompt or generate\.prompt_file\): "
-                                                    r"3 there, 2 now"),
-    (dict(settings=_settings(prompts=["a", "b", "c"])), r"3 there, 3 now, not the same"),
-    (dict(records=[_record(PROMPTS[0], 0), _record(PROMPTS[1], 0)]), r"line 2 is not the record of prompt 1, "
-                                                                      r"sample 2"),
-    (dict(records=[_record(PROMPTS[0], 0), {"prompt": PROMPTS[0]}]), r"line 2 is not the record"),
-    (dict(records=[_record(p, s) for p in PROMPTS for s in (0, 1)] + [_record("x", 0)]), r"more records than the 6"),
-])
+@pytest.mark.parametrize(
+    "change, says",
+    [
+        (dict(settings=_settings(temperature=0.5)), r"generate\.temperature: 1\.0 there, 0\.5 now"),
+        (
+            dict(settings=_settings(prompts=PROMPTS[:2])),
+            r"the prompts \(generate\.prompt or generate\.prompt_file\): "
+            r"3 there, 2 now",
+        ),
+        (dict(settings=_settings(prompts=["a", "b", "c"])), r"3 there, 3 now, not the same"),
+        (
+            dict(records=[_record(PROMPTS[0], 0), _record(PROMPTS[1], 0)]),
+            r"line 2 is not the record of prompt 1, "
+            r"sample 2",
+        ),
+        (dict(records=[_record(PROMPTS[0], 0), {"prompt": PROMPTS[0]}]), r"line 2 is not the record"),
+        (
+            dict(records=[_record(p, s) for p in PROMPTS for s in (0, 1)] + [_record("x", 0)]),
+            r"more records than the 6",
+        ),
+    ],
+)
 def test_an_output_made_otherwise_is_refused_and_kept(tmp_path, change, says):
     output = tmp_path / "generations.jsonl"
     continue_output(output, _settings(), PROMPTS, 2)
@@ -69,8 +84,11 @@ def test_an_output_made_otherwise_is_refused_and_kept(tmp_path, change, says):
 def test_a_file_generate_did_not_write_is_refused(tmp_path):
     output = tmp_path / "mine.jsonl"
     output.write_text("my own notes\n")
-    with pytest.raises(DataError, match=r"generate\.output=.*mine\.jsonl exists and is not an output of generate\.py "
-                                        r"\(no mine\.jsonl\.settings\.json beside it\)"):
+    with pytest.raises(
+        DataError,
+        match=r"generate\.output=.*mine\.jsonl exists and is not an output of generate\.py "
+        r"\(no mine\.jsonl\.settings\.json beside it\)",
+    ):
         continue_output(output, _settings(), PROMPTS, 1)
     assert output.read_text() == "my own notes\n" and not settings_file(output).exists()
     settings_file(output).write_text("[" * 100_000)

@@ -33,23 +33,44 @@ def test_preprocess_round_trips_text_to_tokens_to_text(tmp_path):
     from recipes.gpt.preprocess import decode_document
 
     inputs = _write_inputs(tmp_path)
-    proc = subprocess.run([sys.executable, "-m", "recipes.gpt.preprocess", "--input", *map(str, inputs),
-                           "--output-prefix", str(tmp_path / "out" / "corpus")], cwd=REPO, capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "recipes.gpt.preprocess",
+            "--input",
+            *map(str, inputs),
+            "--output-prefix",
+            str(tmp_path / "out" / "corpus"),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     expected = [DOCS[0], DOCS[1], DOCS[2], *DOCS]
     meta = json.loads((tmp_path / "out" / "corpus.json").read_text())
     assert meta["documents"] == 6 and meta["tokens"] == sum(len(d.encode()) + 1 for d in expected)
     assert [decode_document(tmp_path / "out" / "corpus", i) for i in range(6)] == expected
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["corpus.bin", "corpus.idx", "corpus.json"]
-    shown = run_python("-m", "recipes.gpt.preprocess", "--decode", tmp_path / "out" / "corpus", "--document", "1",
-                       cwd=REPO, timeout=300)
+    shown = run_python(
+        "-m",
+        "recipes.gpt.preprocess",
+        "--decode",
+        tmp_path / "out" / "corpus",
+        "--document",
+        "1",
+        cwd=REPO,
+        timeout=300,
+    )
     assert shown.stdout == DOCS[1] + "\n"
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"body": "no text key"}\n')
-    proc = run_python("-m", "recipes.gpt.preprocess", "--input", bad, "--output-prefix", tmp_path / "bad", cwd=REPO,
-                      timeout=300)
+    proc = run_python(
+        "-m", "recipes.gpt.preprocess", "--input", bad, "--output-prefix", tmp_path / "bad", cwd=REPO, timeout=300
+    )
     assert proc.returncode != 0 and "bad.jsonl:2: no text under the key 'text'" in proc.stderr
     assert not list(tmp_path.glob("bad.*.bin")) and not (tmp_path / "bad.bin").exists()  # nothing half-written
 
@@ -63,8 +84,12 @@ def test_a_local_hugging_face_tokenizer_works_too(tmp_path):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(DOCS * 20, trainers.BpeTrainer(vocab_size=300, special_tokens=["<|endoftext|>"],
-                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        DOCS * 20,
+        trainers.BpeTrainer(
+            vocab_size=300, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     folder = tmp_path / "tok"
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
@@ -109,9 +134,21 @@ def test_mock_data_masks_do_not_depend_on_the_first_sample_read(tmp_path):
     """Megatron-Core caches one loss mask per dataset, taken from the first sample read after masking that
     sample's pad labels in place: with a pad id the mock data produces, every later sample's mask depended on
     which sample a process (or loader worker) read first, and a resumed run trained on other masks."""
+
     def dataset():
-        return gpt_recipe([f"data.cache_dir={tmp_path}/cache", "data=gpt_mock", "model.vocab_size=64",
-                           "model.seq_length=64", "training.steps=4"]).build_datasets().train
+        return (
+            gpt_recipe(
+                [
+                    f"data.cache_dir={tmp_path}/cache",
+                    "data=gpt_mock",
+                    "model.vocab_size=64",
+                    "model.seq_length=64",
+                    "training.steps=4",
+                ]
+            )
+            .build_datasets()
+            .train
+        )
 
     in_order, other_first = dataset(), dataset()
     other_first[EpochIndex(0, 9)]
@@ -147,10 +184,19 @@ def test_model_shapes_parameter_count_and_flops():
 
 @pytest.mark.slow
 def test_gpt_sanity_learns_on_two_processes(tmp_path):
-    cmd = torchrun(2, "train.py",
-           "--config-name", "gpt_sanity", "training.steps=40", "training.val_every_n_steps=40",
-           "training.log_every_n_steps=10", "logger.progress_bar=never", f"data.cache_dir={tmp_path}/cache",
-           f"hydra.run.dir={tmp_path}/run", f"checkpoint.path={tmp_path}/ckpt")
+    cmd = torchrun(
+        2,
+        "train.py",
+        "--config-name",
+        "gpt_sanity",
+        "training.steps=40",
+        "training.val_every_n_steps=40",
+        "training.log_every_n_steps=10",
+        "logger.progress_bar=never",
+        f"data.cache_dir={tmp_path}/cache",
+        f"hydra.run.dir={tmp_path}/run",
+        f"checkpoint.path={tmp_path}/ckpt",
+    )
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_records(tmp_path / "run")
@@ -161,8 +207,14 @@ def test_gpt_sanity_learns_on_two_processes(tmp_path):
     assert train[-1]["tokens_per_sec_per_gpu"] == pytest.approx(train[-1]["samples_per_sec_per_gpu"] * 128)
 
 
-STEPS4 = ["training.steps=4", "training.log_every_n_steps=1", "training.val_at_end=false",
-          "training.val_every_n_steps=0", "data.num_workers=0", "logger.progress_bar=never"]
+STEPS4 = [
+    "training.steps=4",
+    "training.log_every_n_steps=1",
+    "training.val_at_end=false",
+    "training.val_every_n_steps=0",
+    "data.num_workers=0",
+    "logger.progress_bar=never",
+]
 
 
 def _close(a: float, b: float) -> bool:
@@ -179,12 +231,19 @@ def test_tensor_and_data_parallel_match_one_process(tmp_path):
     from tests.support.helpers import run_workers
 
     runs = {}
-    for label, nproc, extra in (("1 process", 1, []), ("DP=2", 2, []), ("TP=2", 2, ["distributed.tp=2"]),
-                                ("DP=2 x TP=2", 4, ["distributed.tp=2"]),
-                                ("TP=2 recomputed", 2, ["distributed.tp=2", "training.activation_checkpointing=true"])):
+    for label, nproc, extra in (
+        ("1 process", 1, []),
+        ("DP=2", 2, []),
+        ("TP=2", 2, ["distributed.tp=2"]),
+        ("DP=2 x TP=2", 4, ["distributed.tp=2"]),
+        ("TP=2 recomputed", 2, ["distributed.tp=2", "training.activation_checkpointing=true"]),
+    ):
         folder = tmp_path / label.replace(" ", "_").replace("=", "")
-        phase = {"config": "gpt_sanity", "run_dir": str(folder),
-                 "overrides": STEPS4 + extra + [f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={folder}/c"]}
+        phase = {
+            "config": "gpt_sanity",
+            "run_dir": str(folder),
+            "overrides": STEPS4 + extra + [f"data.cache_dir={tmp_path}/cache", f"checkpoint.path={folder}/c"],
+        }
         run_workers(nproc, run_phases, [phase])
         rows = read_records(folder)
         runs[label] = {r["step"]: (r["loss"], r["grad_norm"]) for r in rows if "split" not in r}
@@ -208,14 +267,44 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
     from tests.support.helpers import run_workers
 
     common = STEPS4 + [f"data.cache_dir={tmp_path}/cache", "checkpoint.save_every_n_steps=2"]
-    written = run_workers(2, run_phases, [{"config": "gpt_sanity", "run_dir": f"{tmp_path}/tp2", "state": True,
-                                           "overrides": common + ["distributed.tp=2", f"checkpoint.path={tmp_path}/a"]}])
+    written = run_workers(
+        2,
+        run_phases,
+        [
+            {
+                "config": "gpt_sanity",
+                "run_dir": f"{tmp_path}/tp2",
+                "state": True,
+                "overrides": common + ["distributed.tp=2", f"checkpoint.path={tmp_path}/a"],
+            }
+        ],
+    )
     tp2 = written[0][0]
     resume = [f"checkpoint.resume={tmp_path}/a/step_2"]
-    dp2 = run_workers(2, run_phases, [{"config": "gpt_sanity", "run_dir": f"{tmp_path}/dp2", "state": True,
-                                       "overrides": common + resume + [f"checkpoint.path={tmp_path}/b"]}])[0][0]
-    one = run_workers(1, run_phases, [{"config": "gpt_sanity", "run_dir": f"{tmp_path}/one", "state": True,
-                                       "overrides": common + resume + [f"checkpoint.path={tmp_path}/c"]}])[0][0]
+    dp2 = run_workers(
+        2,
+        run_phases,
+        [
+            {
+                "config": "gpt_sanity",
+                "run_dir": f"{tmp_path}/dp2",
+                "state": True,
+                "overrides": common + resume + [f"checkpoint.path={tmp_path}/b"],
+            }
+        ],
+    )[0][0]
+    one = run_workers(
+        1,
+        run_phases,
+        [
+            {
+                "config": "gpt_sanity",
+                "run_dir": f"{tmp_path}/one",
+                "state": True,
+                "overrides": common + resume + [f"checkpoint.path={tmp_path}/c"],
+            }
+        ],
+    )[0][0]
     for run in (dp2, one):
         assert run["start_step"] == 2 and sorted(run["losses"]) == [3, 4]
         for step in (3, 4):
@@ -234,10 +323,11 @@ def test_a_tensor_parallel_checkpoint_resumes_on_other_layouts(tmp_path):
 
 
 def test_tensor_parallel_is_refused_where_it_cannot_work():
+    from dataclasses import replace
+
     from core.config.errors import ConfigError
     from core.layers.namespace import TORCH_LAYERS
     from core.layers.tensor_parallel import TensorParallel
-    from dataclasses import replace
 
     recipe = gpt_recipe(["model.num_query_groups=3", "model.num_attention_heads=6", "model.hidden_size=96"])
     with pytest.raises(ConfigError, match="num_query_groups=3 is not divisible by distributed.tp=2"):
@@ -245,8 +335,8 @@ def test_tensor_parallel_is_refused_where_it_cannot_work():
 
 
 def test_activation_checkpointing_recomputes_each_block_and_keeps_the_names():
-    from core.parallel import activation_checkpointing
     from core.layers.namespace import TORCH_LAYERS
+    from core.parallel import activation_checkpointing
 
     recipe = gpt_recipe()
     model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
@@ -274,9 +364,21 @@ def _glu_layer_step(tmp: str, tp: int):
 
     env = distributed.setup(1, -1, tp, 5, "cpu")
     try:
-        layer = torch.nn.Sequential(TransformerLayer(
-            16, 24, 4, num_gqa_groups=2, hidden_dropout=0.0, attention_dropout=0.0, bias=True, activation="swiglu",
-            normalization="RMSNorm", attn_input_format="bshd", **env.tensor_parallel().layer_kwargs()))
+        layer = torch.nn.Sequential(
+            TransformerLayer(
+                16,
+                24,
+                4,
+                num_gqa_groups=2,
+                hidden_dropout=0.0,
+                attention_dropout=0.0,
+                bias=True,
+                activation="swiglu",
+                normalization="RMSNorm",
+                attn_input_format="bshd",
+                **env.tensor_parallel().layer_kwargs(),
+            )
+        )
         init_parameters(layer, 0, standard_rule(0.5), env.tensor_parallel())
         runtime = Runtime("cpu", ParallelBackend.fsdp2, TORCH_LAYERS.name, None, torch.float32)
         par = parallelize(layer, runtime, env, DistributedConfig(), TORCH_LAYERS, [TransformerLayer])
@@ -284,8 +386,10 @@ def _glu_layer_step(tmp: str, tp: int):
         torch.manual_seed(0)
         par.wrapped(torch.randn(2, 5, 16)).square().mean().backward()
         optimizer.step()
-        dcp.save({"model": par.model_state_dict(), "optim": par.optimizer_state_dict(optimizer)},
-                 checkpoint_id=f"{tmp}/tp{tp}")
+        dcp.save(
+            {"model": par.model_state_dict(), "optim": par.optimizer_state_dict(optimizer)},
+            checkpoint_id=f"{tmp}/tp{tp}",
+        )
     finally:
         distributed.teardown()
 
@@ -293,11 +397,11 @@ def _glu_layer_step(tmp: str, tp: int):
 @pytest.mark.slow
 def test_glu_bias_and_its_adam_moments_are_saved_in_the_tp1_layout(tmp_path):
     """A biased SwiGLU block: fc1 weight, fc1 bias and their Adam moments saved at TP=2 equal those saved at TP=1."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
     from core.checkpointing.layout import empty_like_saved
     from tests.support.helpers import run_workers
-    import torch.distributed.checkpoint as dcp
 
     run_workers(1, _glu_layer_step, str(tmp_path), 1)
     run_workers(2, _glu_layer_step, str(tmp_path), 2)

@@ -20,10 +20,22 @@ from recipes.gpt.model import GPT
 from recipes.registry import get_recipe
 from tests.support.helpers import full_state_dict, run_workers, train_run, validated_config
 
-SMALL = ["model.hidden_size=64", "model.num_layers=2", "model.num_attention_heads=4", "model.num_query_groups=2",
-         "model.ffn_hidden_size=96", "model.seq_length=32", "training.micro_batch_size=4",
-         "training.global_batch_size=8", "training.steps=3", "training.val_every_n_steps=0", "training.val_at_end=false",
-         "data.num_workers=0", "logger.progress_bar=never", "optim.lr=0.05"]  # a large lr: weights far from init
+SMALL = [
+    "model.hidden_size=64",
+    "model.num_layers=2",
+    "model.num_attention_heads=4",
+    "model.num_query_groups=2",
+    "model.ffn_hidden_size=96",
+    "model.seq_length=32",
+    "training.micro_batch_size=4",
+    "training.global_batch_size=8",
+    "training.steps=3",
+    "training.val_every_n_steps=0",
+    "training.val_at_end=false",
+    "data.num_workers=0",
+    "logger.progress_bar=never",
+    "optim.lr=0.05",
+]  # a large lr: weights far from init
 
 
 @pytest.fixture(scope="module")
@@ -61,9 +73,11 @@ def _assert_llama_parity(step: Path, cfg, out: Path) -> float:
     return relative
 
 
-@pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true"], ["model.fuse_qkv_params=false"],
-                                       ["model.num_query_groups=null"]],
-                         ids=["gqa_untied", "gqa_tied", "unfused_qkv", "mha"])
+@pytest.mark.parametrize(
+    "overrides",
+    [[], ["model.tie_embeddings=true"], ["model.fuse_qkv_params=false"], ["model.num_query_groups=null"]],
+    ids=["gqa_untied", "gqa_tied", "unfused_qkv", "mha"],
+)
 def test_to_hf_gives_llama_our_logits(overrides, cache, tmp_path):
     step, cfg = _train(tmp_path, cache, *overrides)
     _assert_llama_parity(step, cfg, tmp_path / "hf")
@@ -76,13 +90,25 @@ def test_a_weights_file_exports_with_its_runs_config(cache, tmp_path):
     checkpoint_cli(["to-safetensors", str(step), str(tmp_path / "weights.safetensors")])
     with pytest.raises(SystemExit, match="--config"):
         checkpoint_cli(["to-hf", str(tmp_path / "weights.safetensors"), str(tmp_path / "from_file")])
-    checkpoint_cli(["to-hf", str(tmp_path / "weights.safetensors"), str(tmp_path / "from_file"),
-                    "--config", str(step / "config.yaml"), "--dtype", "bfloat16"])
+    checkpoint_cli(
+        [
+            "to-hf",
+            str(tmp_path / "weights.safetensors"),
+            str(tmp_path / "from_file"),
+            "--config",
+            str(step / "config.yaml"),
+            "--dtype",
+            "bfloat16",
+        ]
+    )
     configs = [json.loads((tmp_path / d / "config.json").read_text()) for d in ("from_step", "from_file")]
     assert configs[1]["dtype"] == configs[1]["torch_dtype"] == "bfloat16"
-    assert {k: v for k, v in configs[0].items() if "dtype" not in k} == {k: v for k, v in configs[1].items()
-                                                                         if "dtype" not in k}
-    assert (tmp_path / "from_file" / "tokenizer.json").read_text() == (tmp_path / "from_step" / "tokenizer.json").read_text()
+    assert {k: v for k, v in configs[0].items() if "dtype" not in k} == {
+        k: v for k, v in configs[1].items() if "dtype" not in k
+    }
+    assert (tmp_path / "from_file" / "tokenizer.json").read_text() == (
+        tmp_path / "from_step" / "tokenizer.json"
+    ).read_text()
     a, b = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("from_step", "from_file"))
     assert a.keys() == b.keys() and all(torch.equal(a[k].bfloat16(), b[k]) for k in a)
 
@@ -93,16 +119,24 @@ def _train_a_rank(overrides: list[str], run_dir: str) -> None:
 
 @pytest.mark.slow
 def test_a_tensor_parallel_checkpoint_exports_the_same_way(cache, tmp_path):
-    run_workers(2, _train_a_rank, [*SMALL, "distributed.tp=2", f"data.cache_dir={cache}",
-                                   f"checkpoint.path={tmp_path}/ckpt"], str(tmp_path / "run"))
+    run_workers(
+        2,
+        _train_a_rank,
+        [*SMALL, "distributed.tp=2", f"data.cache_dir={cache}", f"checkpoint.path={tmp_path}/ckpt"],
+        str(tmp_path / "run"),
+    )
     cfg = validated_config("gpt_sanity", [*SMALL, "checkpoint.path=unused"])
     _assert_llama_parity(tmp_path / "ckpt" / "step_3", cfg, tmp_path / "hf")
 
 
-@pytest.mark.parametrize("overrides,out,flags", [
-    ([], "back.safetensors", []),
-    (["model.fuse_qkv_params=false", "model.num_query_groups=null"], "back_step", ["--unfused-qkv"]),
-], ids=["gqa_fused_to_file", "mha_unfused_to_step_folder"])
+@pytest.mark.parametrize(
+    "overrides,out,flags",
+    [
+        ([], "back.safetensors", []),
+        (["model.fuse_qkv_params=false", "model.num_query_groups=null"], "back_step", ["--unfused-qkv"]),
+    ],
+    ids=["gqa_fused_to_file", "mha_unfused_to_step_folder"],
+)
 def test_from_hf_brings_back_the_same_weights(overrides, out, flags, cache, tmp_path, capsys):
     step, cfg = _train(tmp_path, cache, *overrides)
     checkpoint_cli(["to-hf", str(step), str(tmp_path / "hf")])
@@ -167,11 +201,21 @@ def test_the_tokenizer_goes_along(cache, tmp_path):
         assert (config["bos_token_id"], config["eos_token_id"], config["pad_token_id"]) == (None, 256, 257), folder
     model = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf_b", dtype=torch.float32)
     prompt = tokenizer("The whale", return_tensors="pt")
-    theirs = model.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1]:]
-    cfg = validated_config("gpt_sanity", [*SMALL, f"data.tokenizer={tmp_path}/hf", f"data.cache_dir={cache}",
-                                          f"checkpoint.init_from={step}", "checkpoint.path=unused",
-                                          "generate.prompt=The whale", "generate.greedy=true",
-                                          "generate.max_new_tokens=20", "generate.stop_at_eod=false"])
+    theirs = model.generate(**prompt, max_new_tokens=20, do_sample=False)[0, prompt["input_ids"].shape[1] :]
+    cfg = validated_config(
+        "gpt_sanity",
+        [
+            *SMALL,
+            f"data.tokenizer={tmp_path}/hf",
+            f"data.cache_dir={cache}",
+            f"checkpoint.init_from={step}",
+            "checkpoint.path=unused",
+            "generate.prompt=The whale",
+            "generate.greedy=true",
+            "generate.max_new_tokens=20",
+            "generate.stop_at_eod=false",
+        ],
+    )
     ours = generate.generate(cfg, tmp_path / "gen")[0].text
     assert tokenizer.decode(theirs) == ours
 
@@ -181,19 +225,25 @@ def test_from_hf_refuses_what_our_model_does_not_compute(cache, tmp_path):
     hf = tmp_path / "hf"
     checkpoint_cli(["to-hf", str(step), str(hf)])
     config = json.loads((hf / "config.json").read_text())
-    for change, named in (({"attention_bias": True}, "attention_bias=True"), ({"mlp_bias": True}, "mlp_bias=True"),
-                          ({"model_type": "qwen2"}, "model_type='qwen2'"),
-                          ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-                          ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type='llama3'"),
-                          ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
-                          ({"head_dim": 32}, "head_dim=32"), ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
-                          ({"hidden_size": None}, "hidden_size missing"),
-                          ({"num_hidden_layers": 3}, "it gives 3 layers, the weights hold 2"),
-                          ({"num_hidden_layers": 2**31 - 1}, "it gives 2147483647 layers, the weights hold 2"),
-                          ({"quantization_config": {"quant_method": "bitsandbytes"}}, "a quantized model"),
-                          ({"intermediate_size": 128},
-                           r"other shape: model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(config.json: \(64, 128\)\)"),
-                          ({"tie_word_embeddings": True}, "lm_head.weight differs")):
+    for change, named in (
+        ({"attention_bias": True}, "attention_bias=True"),
+        ({"mlp_bias": True}, "mlp_bias=True"),
+        ({"model_type": "qwen2"}, "model_type='qwen2'"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5}}, "rope_type='llama3'"),
+        ({"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5"),
+        ({"head_dim": 32}, "head_dim=32"),
+        ({"num_key_value_heads": 3}, "num_key_value_heads=3"),
+        ({"hidden_size": None}, "hidden_size missing"),
+        ({"num_hidden_layers": 3}, "it gives 3 layers, the weights hold 2"),
+        ({"num_hidden_layers": 2**31 - 1}, "it gives 2147483647 layers, the weights hold 2"),
+        ({"quantization_config": {"quant_method": "bitsandbytes"}}, "a quantized model"),
+        (
+            {"intermediate_size": 128},
+            r"other shape: model\.layers\.0\.mlp\.down_proj\.weight \(64, 96\) \(config.json: \(64, 128\)\)",
+        ),
+        ({"tie_word_embeddings": True}, "lm_head.weight differs"),
+    ):
         (hf / "config.json").write_text(json.dumps(config | change))
         with pytest.raises(SystemExit, match=named):
             checkpoint_cli(["from-hf", str(hf), str(tmp_path / "x.safetensors")])

@@ -38,12 +38,64 @@ def whole_text_documents(path: Path, text_document: str) -> list[str]:
 
 # Line ends of three systems, blank and whitespace-only lines, whitespace that ends no line (form feed, U+2028,
 # NEL, no-break and ideographic spaces, file separators), byte-order marks inside, several scripts.
-PIECES = ["\n", "\r\n", "\r", "\n\n", "\r\n\r\n", "\r\r", "\n \n", "\n\t\n", " ", "  ", "\t", "\x0c", "\x0b",
-          "\u2028", "\u2029", "\x85", "\xa0", "\u3000", "\x1c", "\ufeff", "word", "Call me Ishmael.", "é", "鯨", "🐋",
-          "ab", "-"]
-EDGES = ["", "\n", "\r", "\r\n", " ", " \n", "\n ", "a", "a\n", "a\n ", " \na", "\na", "a\n\n", "a\n \n", "\n\na",
-         " \n\na", "a\n\n ", "a\r\n \r\nb", "\ufeff", "\ufeff\n", "\ufeffa\n\nb", "\ufeff\ufeff", " \n ", "\n\n\n",
-         "a\x0c\nb", "a\u2028\u2028b", "\x85\n\x85a\x85\n\x85"]
+PIECES = [
+    "\n",
+    "\r\n",
+    "\r",
+    "\n\n",
+    "\r\n\r\n",
+    "\r\r",
+    "\n \n",
+    "\n\t\n",
+    " ",
+    "  ",
+    "\t",
+    "\x0c",
+    "\x0b",
+    "\u2028",
+    "\u2029",
+    "\x85",
+    "\xa0",
+    "\u3000",
+    "\x1c",
+    "\ufeff",
+    "word",
+    "Call me Ishmael.",
+    "é",
+    "鯨",
+    "🐋",
+    "ab",
+    "-",
+]
+EDGES = [
+    "",
+    "\n",
+    "\r",
+    "\r\n",
+    " ",
+    " \n",
+    "\n ",
+    "a",
+    "a\n",
+    "a\n ",
+    " \na",
+    "\na",
+    "a\n\n",
+    "a\n \n",
+    "\n\na",
+    " \n\na",
+    "a\n\n ",
+    "a\r\n \r\nb",
+    "\ufeff",
+    "\ufeff\n",
+    "\ufeffa\n\nb",
+    "\ufeff\ufeff",
+    " \n ",
+    "\n\n\n",
+    "a\x0c\nb",
+    "a\u2028\u2028b",
+    "\x85\n\x85a\x85\n\x85",
+]
 
 
 def random_text(rng: random.Random) -> bytes:
@@ -63,8 +115,11 @@ def test_reading_a_block_at_a_time_gives_the_documents_of_the_whole_text(tmp_pat
         for block in (1, rng.randrange(2, 64), 1 << 20):  # a line, a \r\n or a character cut by a block's end
             monkeypatch.setattr(text_documents, "BLOCK_BYTES", block)
             for mode in TEXT_DOCUMENTS:
-                assert list(read_documents(path, text_document=mode)) == whole_text_documents(path, mode), \
-                    (raw, block, mode)
+                assert list(read_documents(path, text_document=mode)) == whole_text_documents(path, mode), (
+                    raw,
+                    block,
+                    mode,
+                )
                 compared += 1
     assert compared == len(texts) * 3 * 3
 
@@ -86,8 +141,11 @@ def test_text_that_is_not_utf8_is_named_by_line_and_byte(tmp_path, monkeypatch):
             line, byte = raw.count(b"\n", 0, e.start) + 1, e.start
         for block in (1, 5, 1 << 20):
             monkeypatch.setattr(text_documents, "BLOCK_BYTES", block)
-            with pytest.raises(DataError, match=rf"^--input {re.escape(str(path))}:{line}: not UTF-8 text \(byte "
-                                                rf"{byte} of the file"):
+            with pytest.raises(
+                DataError,
+                match=rf"^--input {re.escape(str(path))}:{line}: not UTF-8 text \(byte "
+                rf"{byte} of the file",
+            ):
                 list(read_documents(path, text_document="line"))
 
 
@@ -120,8 +178,12 @@ def bpe_tokenizer(folder: Path, texts: list[str]) -> str:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=2000, special_tokens=["<|endoftext|>"],
-                                                       initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        texts,
+        trainers.BpeTrainer(
+            vocab_size=2000, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     folder.mkdir()
     tok.save(str(folder / "tokenizer.json"))
     (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": "<|endoftext|>"}))

@@ -47,7 +47,9 @@ def test_splits_are_fixed_disjoint_and_deterministic():
     images, labels = read_mnist_file(str(REPO / "data" / "mnist_5k"), False, False)
     sample = test[3]
     assert sample["data"].shape == (1, 28, 28) and 0 <= sample["data"].min() and sample["data"].max() <= 1
-    assert torch.equal(sample["data"][0], images[sample["idx"]].float() / 255) and sample["label"] == labels[sample["idx"]]
+    assert (
+        torch.equal(sample["data"][0], images[sample["idx"]].float() / 255) and sample["label"] == labels[sample["idx"]]
+    )
 
     stream = MultiEpochDatasetResampler(train, num_epochs=2, seed=1)  # as the training loop reads it
     assert_dataset_deterministic(stream, indices=[0, 17, len(train) + 17, 2 * len(train) - 1])
@@ -62,7 +64,9 @@ def test_missing_truncated_and_foreign_files_give_clear_errors(tmp_path):
         read_mnist_file(str(tmp_path / "nothing"), True, False)
     cut = tmp_path / "t10k-images-idx3-ubyte.gz"
     cut.write_bytes(gzip.compress(gzip.decompress((RAW / "t10k-images-idx3-ubyte.gz").read_bytes())[:5000]))
-    with pytest.raises(ValueError, match=r"t10k-images-idx3-ubyte.gz: 4984 bytes of data, but the header says \(1000, 28, 28\)"):
+    with pytest.raises(
+        ValueError, match=r"t10k-images-idx3-ubyte.gz: 4984 bytes of data, but the header says \(1000, 28, 28\)"
+    ):
         read_idx(cut)
     other = tmp_path / "t10k-labels-idx1-ubyte"
     other.write_bytes(b"PK\x03\x04 not an idx file")
@@ -71,8 +75,12 @@ def test_missing_truncated_and_foreign_files_give_clear_errors(tmp_path):
 
 
 def _phase(config: str, tmp: Path, name: str, extra: list[str], **kw) -> dict:
-    return {"config": config, "overrides": QUICK + [f"checkpoint.path={tmp}/{name}", *extra],
-            "run_dir": f"{tmp}/{name}_run", **kw}
+    return {
+        "config": config,
+        "overrides": QUICK + [f"checkpoint.path={tmp}/{name}", *extra],
+        "run_dir": f"{tmp}/{name}_run",
+        **kw,
+    }
 
 
 @pytest.mark.slow
@@ -83,15 +91,30 @@ def test_finetune_takes_the_pretrained_trunk_and_a_fresh_head(tmp_path):
     # An lr of 1e-30 moves a weight by ~1e-30: the loaded weights stay (a zero one becomes ~1e-30).
     lr0 = ["training.steps=1", "optim.lr=1e-30", "training.val_at_end=false"]
     step_dir = tmp_path / "pre" / "step_20"
-    pre, fresh, tuned, strict = run_workers(1, run_phases, [
-        _phase("mnist_pretrain", tmp_path, "pre", ["training.steps=20", "training.val_at_end=false"], state=True),
-        _phase("mnist_finetune", tmp_path, "fresh", lr0, state=True),
-        _phase("mnist_finetune", tmp_path, "tuned", lr0 + [f"checkpoint.init_from={step_dir}"], state=True),
-        _phase("mnist_finetune", tmp_path, "strict", lr0 + [f"checkpoint.init_from={step_dir}",
-                                                            "checkpoint.init_ignore_unexpected=false"], expect_error=True),
-    ])[0]
-    assert sorted(tuned["state"]) == ["digit_classifier.bias", "digit_classifier.weight", "trunk.fc1.bias",
-                                      "trunk.fc1.weight", "trunk.fc2.bias", "trunk.fc2.weight"]
+    pre, fresh, tuned, strict = run_workers(
+        1,
+        run_phases,
+        [
+            _phase("mnist_pretrain", tmp_path, "pre", ["training.steps=20", "training.val_at_end=false"], state=True),
+            _phase("mnist_finetune", tmp_path, "fresh", lr0, state=True),
+            _phase("mnist_finetune", tmp_path, "tuned", lr0 + [f"checkpoint.init_from={step_dir}"], state=True),
+            _phase(
+                "mnist_finetune",
+                tmp_path,
+                "strict",
+                lr0 + [f"checkpoint.init_from={step_dir}", "checkpoint.init_ignore_unexpected=false"],
+                expect_error=True,
+            ),
+        ],
+    )[0]
+    assert sorted(tuned["state"]) == [
+        "digit_classifier.bias",
+        "digit_classifier.weight",
+        "trunk.fc1.bias",
+        "trunk.fc1.weight",
+        "trunk.fc2.bias",
+        "trunk.fc2.weight",
+    ]
     for name, value in tuned["state"].items():
         origin = fresh if name.startswith("digit_classifier.") else pre
         assert torch.allclose(value, origin["state"][name], rtol=0, atol=1e-25), name
@@ -111,16 +134,31 @@ def test_pretrain_finetune_predict_commands(tmp_path):
     """docs/mnist.md's three commands on the shipped digits: pretrain and fine-tune on 2 processes, predict
     on 3 (1,000 test samples do not divide by 3): one row per test sample, accuracy well above chance;
     the same fine-tune command again finds its checkpoint and has nothing left to do."""
-    _on_ranks(2, "train.py", "mnist_pretrain", tmp_path, "checkpoint.path=ckpt/pre", "training.steps=200",
-              "scheduler.warmup_steps=40", *QUICK)
+    _on_ranks(
+        2,
+        "train.py",
+        "mnist_pretrain",
+        tmp_path,
+        "checkpoint.path=ckpt/pre",
+        "training.steps=200",
+        "scheduler.warmup_steps=40",
+        *QUICK,
+    )
     finetune = ["checkpoint.init_from=ckpt/pre/step_200", "checkpoint.path=ckpt/ft", "training.steps=150", *QUICK]
     out = _on_ranks(2, "train.py", "mnist_finetune", tmp_path, *finetune)
     assert "kept the fresh init of ['digit_classifier.bias', 'digit_classifier.weight']" in out
     again = _on_ranks(2, "train.py", "mnist_finetune", tmp_path, *finetune)
     assert "resumed from ckpt/ft/step_150" in again and "nothing left to do" in again
 
-    out = _on_ranks(3, "predict.py", "mnist_predict", tmp_path, "checkpoint.init_from=ckpt/ft/step_150",
-                    "predict.output=predictions.csv", "predict.micro_batch_size=64")
+    out = _on_ranks(
+        3,
+        "predict.py",
+        "mnist_predict",
+        tmp_path,
+        "checkpoint.init_from=ckpt/ft/step_150",
+        "predict.output=predictions.csv",
+        "predict.micro_batch_size=64",
+    )
     with open(tmp_path / "predictions.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["idx"]) for r in rows] == list(range(1000))  # exactly one row per test sample, in file order
@@ -138,6 +176,12 @@ def test_pretrain_finetune_predict_commands(tmp_path):
 
 
 def test_predict_refuses_without_weights(tmp_path):
-    proc = run_python(REPO / "predict.py", "--config-name", "mnist_predict", f"hydra.run.dir={tmp_path}/run",
-                      cwd=tmp_path, timeout=120)
+    proc = run_python(
+        REPO / "predict.py",
+        "--config-name",
+        "mnist_predict",
+        f"hydra.run.dir={tmp_path}/run",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2 and "predict.py needs checkpoint.init_from" in proc.stdout + proc.stderr

@@ -26,10 +26,22 @@ def test_a_sample_is_the_same_every_time_and_its_noise_new_every_epoch():
 
 @pytest.mark.slow
 def test_two_processes_learn_it_and_predict_py_says_it_does_not_predict(tmp_path):
-    proc = subprocess.run(torchrun(2, "train.py", "--config-name", "points", "training.steps=100",
-                                   "training.log_every_n_steps=10", f"checkpoint.path={tmp_path}/ckpt",
-                                   f"hydra.run.dir={tmp_path}/run"),
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        torchrun(
+            2,
+            "train.py",
+            "--config-name",
+            "points",
+            "training.steps=100",
+            "training.log_every_n_steps=10",
+            f"checkpoint.path={tmp_path}/ckpt",
+            f"hydra.run.dir={tmp_path}/run",
+        ),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     records = read_records(tmp_path / "run")
     train = [r for r in records if "split" not in r and "loss" in r]
@@ -42,5 +54,6 @@ def test_two_processes_learn_it_and_predict_py_says_it_does_not_predict(tmp_path
     out = proc.stdout + proc.stderr
     assert proc.returncode == 2 and out.strip().splitlines()[-1].endswith(
         "config error: predict.py needs a recipe with split and predict; the points recipe has no split and no "
-        "predict (recipes/base.py)"), out
+        "predict (recipes/base.py)"
+    ), out
     assert "predicting" not in out and "Traceback" not in out

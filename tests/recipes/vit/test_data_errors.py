@@ -25,8 +25,10 @@ DIGITS = REPO / "data" / "digits"
 
 def _digit_subset(per_class: int) -> dict[str, list[tuple[str, int]]]:
     """`per_class` of the shipped digits of each class, per split: (file, label)."""
-    return {split: [(str(p), c) for c in range(10) for p in sorted((DIGITS / split / str(c)).glob("*.png"))[:per_class]]
-            for split in ("train", "val")}
+    return {
+        split: [(str(p), c) for c in range(10) for p in sorted((DIGITS / split / str(c)).glob("*.png"))[:per_class]]
+        for split in ("train", "val")
+    }
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +67,7 @@ def _shard_data(root: Path) -> ImageDataConfig:
 
 
 # --- each refusal: its type and its message -------------------------------------------------------------
+
 
 def test_a_damaged_shard_index_names_the_file_and_data_root(shards, tmp_path):
     root = _copy(shards, tmp_path / "s")
@@ -126,9 +129,11 @@ def test_a_predict_folder_that_cannot_be_used_is_named(tmp_path, kind):
         (folder / "README.txt").write_text("no images")
     if kind == "unreadable":
         (folder / "empty.png").write_bytes(b"")
-    error, message = {"missing": (MissingDataError, f"{folder}: no such folder"),
-                      "empty": (DataError, f"{folder} holds no image files"),
-                      "unreadable": (DataError, f"{folder}: no readable images")}[kind]
+    error, message = {
+        "missing": (MissingDataError, f"{folder}: no such folder"),
+        "empty": (DataError, f"{folder} holds no image files"),
+        "unreadable": (DataError, f"{folder}: no readable images"),
+    }[kind]
     with pytest.raises(error, match=rf"^predict.folder={folder}: {message}"):
         prediction_samples(ImageDataConfig(root=str(DIGITS)), ViTModelConfig(img_size=28), 0, None, str(folder))
 
@@ -136,22 +141,31 @@ def test_a_predict_folder_that_cannot_be_used_is_named(tmp_path, kind):
 def test_an_image_folder_of_the_wrong_layout_is_named(tmp_path):
     (tmp_path / "flat" / "train").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "train" / "0.png")  # no class folders
-    with pytest.raises(DataError, match=rf"^data.root={tmp_path / 'flat'}: {tmp_path / 'flat' / 'train'} has no class "
-                                        "folders with images"):
+    with pytest.raises(
+        DataError,
+        match=rf"^data.root={tmp_path / 'flat'}: {tmp_path / 'flat' / 'train'} has no class "
+        "folders with images",
+    ):
         image_classes(ImageDataConfig(root=str(tmp_path / "flat")))
     with pytest.raises(MissingDataError, match=rf"^data.root={tmp_path}: {tmp_path / 'train'}: no such folder"):
         image_classes(ImageDataConfig(root=str(tmp_path)))
     (tmp_path / "tiny" / "train" / "n01" / "images").mkdir(parents=True)
     Image.new("RGB", (8, 8)).save(tmp_path / "tiny" / "train" / "n01" / "images" / "0.png")
     (tmp_path / "tiny" / "wnids.txt").write_bytes(b"\xff\xfe\x00garbage")
-    with pytest.raises(DataError, match=rf"^data.root={tmp_path / 'tiny'}: {tmp_path / 'tiny' / 'wnids.txt'}: cannot "
-                                        "be read as a text file"):
+    with pytest.raises(
+        DataError,
+        match=rf"^data.root={tmp_path / 'tiny'}: {tmp_path / 'tiny' / 'wnids.txt'}: cannot "
+        "be read as a text file",
+    ):
         image_classes(ImageDataConfig(root=str(tmp_path / "tiny"), format=ImageFormat.tiny_imagenet))
 
 
 def test_a_missing_data_root_and_an_unknown_format_are_named(tmp_path):
-    with pytest.raises(MissingDataError, match=rf"^data.root={tmp_path / 'gone'}: no such folder, and no "
-                                               rf"{tmp_path / 'gone'}.tar.gz"):
+    with pytest.raises(
+        MissingDataError,
+        match=rf"^data.root={tmp_path / 'gone'}: no such folder, and no "
+        rf"{tmp_path / 'gone'}.tar.gz",
+    ):
         image_classes(ImageDataConfig(root=str(tmp_path / "gone")))
     with pytest.raises(MissingDataError, match="^data.root is not set"):
         image_classes(ImageDataConfig(root=None))
@@ -166,13 +180,23 @@ def _mnist_root(tmp_path: Path, images: bytes) -> Path:
     return tmp_path
 
 
-@pytest.mark.parametrize("images,message", [
-    (b"", r"not an IDX file of unsigned bytes \(magic number missing\)"),
-    (b"\x00\x00\x08\x03\x00\x00", "cut short inside its header"),
-    (b"\x00\x00\x08\x03" + b"\xff" * 12 + b"\x00" * 100, r"100 bytes of data, but the header says \(4294967295, "),
-    (b"\x00\x00\x08\x03" + (3).to_bytes(4, "big") + (2).to_bytes(4, "big") + (3).to_bytes(4, "big") + b"\x00" * 18,
-     r"\(3, 2, 3\) images do not match \(2,\) labels"),
-], ids=["empty", "header cut", "claims 2**96 bytes", "labels of other images"])
+@pytest.mark.parametrize(
+    "images,message",
+    [
+        (b"", r"not an IDX file of unsigned bytes \(magic number missing\)"),
+        (b"\x00\x00\x08\x03\x00\x00", "cut short inside its header"),
+        (b"\x00\x00\x08\x03" + b"\xff" * 12 + b"\x00" * 100, r"100 bytes of data, but the header says \(4294967295, "),
+        (
+            b"\x00\x00\x08\x03"
+            + (3).to_bytes(4, "big")
+            + (2).to_bytes(4, "big")
+            + (3).to_bytes(4, "big")
+            + b"\x00" * 18,
+            r"\(3, 2, 3\) images do not match \(2,\) labels",
+        ),
+    ],
+    ids=["empty", "header cut", "claims 2**96 bytes", "labels of other images"],
+)
 def test_mnist_files_that_cannot_be_used_name_the_file_and_data_root(tmp_path, images, message):
     from recipes.mnist.data import read_mnist_file
 
@@ -197,21 +221,24 @@ def test_shard_images_names_the_root_in_one_error_line(tmp_path, monkeypatch, ca
     Image.new("RGB", (8, 8)).save(tmp_path / "flat" / "train" / "0.png")
     with pytest.raises(SystemExit, match="^2$"):
         run_script("shard_images", monkeypatch, "--root", str(tmp_path / "flat"), "--out", str(tmp_path / "out"))
-    assert capsys.readouterr().err == (f"error: --root {tmp_path / 'flat'}: {tmp_path / 'flat' / 'train'} has no class "
-                                       "folders with images (expected <split>/<class>/<image>, image files ending in "
-                                       ".jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)\n")
+    assert capsys.readouterr().err == (
+        f"error: --root {tmp_path / 'flat'}: {tmp_path / 'flat' / 'train'} has no class "
+        "folders with images (expected <split>/<class>/<image>, image files ending in "
+        ".jpg, .jpeg, .png, .ppm, .bmp, .pgm, .tif, .tiff, .webp)\n"
+    )
     assert not (tmp_path / "out").exists()
 
 
 def test_a_split_predict_py_does_not_know_is_a_config_error_for_mnist():
-    from recipes.mnist.data import build_mnist_split
     from recipes.mnist.config import MNISTDataConfig
+    from recipes.mnist.data import build_mnist_split
 
     with pytest.raises(ConfigError, match="^predict.split=holdout: expected one of train, val, test"):
         build_mnist_split(MNISTDataConfig(root="unused"), "holdout", 28)
 
 
 # --- the entry points: one line, exit code 2 --------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def fresh_weights(tmp_path_factory) -> Path:
@@ -244,16 +271,30 @@ def test_the_entry_points_show_a_data_refusal_as_one_line_and_exit_2(shards, fre
         folder = tmp_path / "incoming"
         folder.mkdir()
         (folder / "notes.txt").write_text("no images here")
-        proc = run_python("predict.py", *common, f"checkpoint.init_from={fresh_weights}", f"predict.folder={folder}",
-                          "data.num_workers=0", timeout=300)
+        proc = run_python(
+            "predict.py",
+            *common,
+            f"checkpoint.init_from={fresh_weights}",
+            f"predict.folder={folder}",
+            "data.num_workers=0",
+            timeout=300,
+        )
         return _one_error_line(proc, f"data error: predict.folder={folder}: {folder} holds no image files")
     if case == "damaged index":
         expected = f"data error: data.root={root}: {damage_index(root)}: version=7"
     else:
         damage_members(root)
         expected = f"data error: data.root={root}: {root}/train-0000"
-    proc = run_python("train.py", *common, "data.format=shards", f"data.root={root}", "data.num_workers=1",
-                      "training.steps=2", f"checkpoint.path={tmp_path}/ckpt", timeout=300)
+    proc = run_python(
+        "train.py",
+        *common,
+        "data.format=shards",
+        f"data.root={root}",
+        "data.num_workers=1",
+        "training.steps=2",
+        f"checkpoint.path={tmp_path}/ckpt",
+        timeout=300,
+    )
     _one_error_line(proc, expected)
     if case == "damaged in a worker":
         assert "no tar header where the index points" in proc.stdout + proc.stderr

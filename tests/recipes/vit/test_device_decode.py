@@ -75,10 +75,16 @@ def test_the_decoder_gives_pil_pixels_for_every_kind_of_jpeg():
     """Grayscale, CMYK and progressive JPEGs too (found in real data sets), decoded as PIL's convert("RGB")."""
     rng = np.random.default_rng(1)
     rgb = Image.fromarray(rng.integers(0, 256, (37, 53, 3)).astype(np.uint8))
-    files = [jpeg_bytes(rgb), jpeg_bytes(rgb.convert("L")), jpeg_bytes(rgb.convert("CMYK")),
-             jpeg_bytes(rgb, progressive=True), jpeg_bytes(rgb, subsampling=0)]
-    decoded = JpegDecoder(torch.device("cpu")).decode([np.frombuffer(f, np.uint8) for f in files],
-                                                       [f"f{i}.jpg" for i in range(len(files))], [(37, 53)] * len(files))
+    files = [
+        jpeg_bytes(rgb),
+        jpeg_bytes(rgb.convert("L")),
+        jpeg_bytes(rgb.convert("CMYK")),
+        jpeg_bytes(rgb, progressive=True),
+        jpeg_bytes(rgb, subsampling=0),
+    ]
+    decoded = JpegDecoder(torch.device("cpu")).decode(
+        [np.frombuffer(f, np.uint8) for f in files], [f"f{i}.jpg" for i in range(len(files))], [(37, 53)] * len(files)
+    )
     for raw, image in zip(files, decoded):
         with Image.open(io.BytesIO(raw)) as img:
             expected = torch.from_numpy(np.array(img.convert("RGB"))).permute(2, 0, 1)
@@ -87,14 +93,20 @@ def test_the_decoder_gives_pil_pixels_for_every_kind_of_jpeg():
 
 def test_a_file_the_decoder_cannot_read_is_named(tmp_path):
     good = jpeg_bytes(Image.new("RGB", (30, 20), (10, 200, 30)))
-    cases = {"truncated.jpg": good[:len(good) // 2], "garbage.jpg": good[:200] + bytes(range(256)) * 4,
-             "no_header.jpg": b"\xff\xd8" + bytes(50)}
+    cases = {
+        "truncated.jpg": good[: len(good) // 2],
+        "garbage.jpg": good[:200] + bytes(range(256)) * 4,
+        "no_header.jpg": b"\xff\xd8" + bytes(50),
+    }
     assert ends_whole(np.frombuffer(good, np.uint8)) and not ends_whole(np.frombuffer(cases["truncated.jpg"], np.uint8))
     decoder = JpegDecoder(torch.device("cpu"))
     for name, raw in cases.items():
         with pytest.raises(ValueError, match=f"cannot decode the image dir/{name}"):
-            decoder.decode([np.frombuffer(good, np.uint8), np.frombuffer(raw, np.uint8)], ["dir/ok.jpg", f"dir/{name}"],
-                           [(20, 30), (20, 30)])
+            decoder.decode(
+                [np.frombuffer(good, np.uint8), np.frombuffer(raw, np.uint8)],
+                ["dir/ok.jpg", f"dir/{name}"],
+                [(20, 30), (20, 30)],
+            )
     # A header that reads otherwise than it did to PIL in the loader worker (whose checks bound the size).
     with pytest.raises(ValueError, match="dir/ok.jpg: its header reads 20 x 31 pixels to PIL and 20 x 30"):
         decoder.decode([np.frombuffer(good, np.uint8)], ["dir/ok.jpg"], [(20, 31)])
@@ -114,8 +126,11 @@ def test_device_decoding_refuses_what_it_cannot_do(tmp_path):
         compose_config("vit_sanity", ["checkpoint.path=unused", "data.decode_on=gpu"])
     assert "expected one of [workers, device]" in str(refused.value.__cause__)
     digits = REPO / "data" / "digits"  # PNG files
-    train = build_image_datasets(ImageDataConfig(format="imagefolder", root=str(digits), num_classes=10,
-                                                 decode_on="device"), ViTModelConfig(img_size=32, num_classes=10), seed=0)[0]
+    train = build_image_datasets(
+        ImageDataConfig(format="imagefolder", root=str(digits), num_classes=10, decode_on="device"),
+        ViTModelConfig(img_size=32, num_classes=10),
+        seed=0,
+    )[0]
     with pytest.raises(ValueError, match="decodes JPEG files only"):
         train[0]
 
@@ -123,11 +138,24 @@ def test_device_decoding_refuses_what_it_cannot_do(tmp_path):
 @pytest.mark.slow
 def test_training_with_device_decoding_runs_end_to_end(tmp_path):
     root = write_jpeg_folder(tmp_path / "jpegs", per_class=4)
-    cmd = [sys.executable, str(REPO / "train.py"), "--config-name", "vit_sanity", "data=imagefolder",
-           f"data.root={root}", "data.num_classes=2", "data.decode_on=device", "data.num_workers=1",
-           "training.steps=3", "training.micro_batch_size=2", "training.global_batch_size=4",
-           "training.log_every_n_steps=1", f"hydra.run.dir={tmp_path}/run", f"checkpoint.path={tmp_path}/ckpt",
-           "logger.progress_bar=never"]
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--config-name",
+        "vit_sanity",
+        "data=imagefolder",
+        f"data.root={root}",
+        "data.num_classes=2",
+        "data.decode_on=device",
+        "data.num_workers=1",
+        "training.steps=3",
+        "training.micro_batch_size=2",
+        "training.global_batch_size=4",
+        "training.log_every_n_steps=1",
+        f"hydra.run.dir={tmp_path}/run",
+        f"checkpoint.path={tmp_path}/ckpt",
+        "logger.progress_bar=never",
+    ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = read_records(tmp_path / "run")

@@ -102,7 +102,9 @@ def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     assert len(train) == 36 and all("broken" not in p and "empty" not in p and "hidden" not in p for p, _ in train)
     assert "left out 2 of 38 image files that cannot be read" in caplog.text
     assert "left out 1 class folders without images: zebra" in caplog.text
-    everything = split_files(ImageDataConfig(format="imagefolder", root=str(root), verify_images=False), "train", classes)
+    everything = split_files(
+        ImageDataConfig(format="imagefolder", root=str(root), verify_images=False), "train", classes
+    )
     assert len(everything) == 38  # unchecked: the bad files stay (and would stop training, naming the file)
 
 
@@ -112,18 +114,26 @@ def test_quirky_trees_train_and_learn_with_classes_from_the_data(tree, tmp_path,
         root, classes = make_tiny_imagenet_subset(tmp_path / "data")
     else:
         root, classes = make_quirky_imagefolder(tmp_path / "data")
-    overrides = [f"data={tree}", f"data.root={root}", "training.steps=30", "training.val_every_n_steps=30",
-                 "training.micro_batch_size=12", "training.global_batch_size=12", "training.log_every_n_steps=10",
-                 "data.num_workers=0", "logger.progress_bar=never", "scheduler.warmup_steps=3",
-                 f"checkpoint.path={tmp_path}/ckpt"]
+    overrides = [
+        f"data={tree}",
+        f"data.root={root}",
+        "training.steps=30",
+        "training.val_every_n_steps=30",
+        "training.micro_batch_size=12",
+        "training.global_batch_size=12",
+        "training.log_every_n_steps=10",
+        "data.num_workers=0",
+        "logger.progress_bar=never",
+        "scheduler.warmup_steps=3",
+        f"checkpoint.path={tmp_path}/ckpt",
+    ]
     cfg = validated_config("vit_sanity", overrides)
     assert cfg.data.num_classes is None  # taken from the data at start
     with caplog.at_level(logging.INFO):
         train_run(cfg, tmp_path / "run")
     saved = (tmp_path / "run" / "resolved_config.yaml").read_text()
     assert f"num_classes: {len(classes)}" in saved and "num_classes: null" not in saved
-    (val,) = [r for r in read_records(tmp_path / "run")
-              if r.get("split") == "val"]
+    (val,) = [r for r in read_records(tmp_path / "run") if r.get("split") == "val"]
     assert val["top1"] >= 0.9, val  # chance: 1 / classes
     with pytest.raises(ConfigError, match=f"data.num_classes=7, but .* holds {len(classes)} classes"):
         train_run(validated_config("vit_sanity", [*overrides, "data.num_classes=7"]), tmp_path / "run2")

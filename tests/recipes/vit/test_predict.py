@@ -12,26 +12,47 @@ import pytest
 import torch
 
 from core.config.errors import ConfigError
-from tests.support.helpers import REPO, run_python_ranks, train_run, validated_config
 from tests.recipes.vit.test_image_folders import _image, make_quirky_imagefolder
+from tests.support.helpers import REPO, run_python_ranks, train_run, validated_config
 
 
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("vit")
     root, classes = make_quirky_imagefolder(tmp / "pets")
-    overrides = ["data=imagefolder", f"data.root={root}", "training.steps=30", "training.val_every_n_steps=0",
-                 "training.micro_batch_size=12", "training.global_batch_size=12", "data.num_workers=0",
-                 "logger.progress_bar=never", "scheduler.warmup_steps=3", f"checkpoint.path={tmp}/ckpt"]
+    overrides = [
+        "data=imagefolder",
+        f"data.root={root}",
+        "training.steps=30",
+        "training.val_every_n_steps=0",
+        "training.micro_batch_size=12",
+        "training.global_batch_size=12",
+        "data.num_workers=0",
+        "logger.progress_bar=never",
+        "scheduler.warmup_steps=3",
+        f"checkpoint.path={tmp}/ckpt",
+    ]
     train_run(validated_config("vit_sanity", overrides), tmp / "run")
     return tmp, root, classes
 
 
 def _predict(tmp, root, out, *overrides):
-    proc = run_python_ranks(2, REPO / "predict.py",
-           "--config-name", "vit_predict", "data=imagefolder", f"data.root={root}",  # the model: its config.yaml
-           "precision=fp32", "data.num_workers=0", f"checkpoint.init_from={tmp}/ckpt/step_30",
-           "predict.micro_batch_size=4", f"predict.output={out}/predictions.csv", f"hydra.run.dir={out}/run", *overrides, cwd=out)
+    proc = run_python_ranks(
+        2,
+        REPO / "predict.py",
+        "--config-name",
+        "vit_predict",
+        "data=imagefolder",
+        f"data.root={root}",  # the model: its config.yaml
+        "precision=fp32",
+        "data.num_workers=0",
+        f"checkpoint.init_from={tmp}/ckpt/step_30",
+        "predict.micro_batch_size=4",
+        f"predict.output={out}/predictions.csv",
+        f"hydra.run.dir={out}/run",
+        *overrides,
+        cwd=out,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     with open(out / "predictions.csv") as f:
         return list(csv.DictReader(f)), json.loads((out / "prediction_metrics.json").read_text())
@@ -81,10 +102,19 @@ def test_predict_a_folder_with_only_the_checkpoint(trained, tmp_path, caplog):
     folder.mkdir()
     for i in range(3):
         _image(np.random.default_rng(i), i).save(folder / f"{i}.png")
-    cfg = validated_config("vit_predict", ["data=imagefolder", f"data.root={tmp_path}/gone",
-                                           "precision=fp32", "data.num_workers=0", f"predict.folder={folder}",
-                                           f"checkpoint.path={tmp_path}/ckpt", "logger.progress_bar=never",
-                                           f"checkpoint.init_from={tmp}/ckpt/step_30"])
+    cfg = validated_config(
+        "vit_predict",
+        [
+            "data=imagefolder",
+            f"data.root={tmp_path}/gone",
+            "precision=fp32",
+            "data.num_workers=0",
+            f"predict.folder={folder}",
+            f"checkpoint.path={tmp_path}/ckpt",
+            "logger.progress_bar=never",
+            f"checkpoint.init_from={tmp}/ckpt/step_30",
+        ],
+    )
     with caplog.at_level(logging.INFO):
         result = predict.predict(cfg, tmp_path / "run")
     assert f"model settings from {tmp}/ckpt/step_30/config.yaml" in caplog.text
@@ -99,8 +129,9 @@ def test_predict_a_folder_with_only_the_checkpoint(trained, tmp_path, caplog):
 def test_without_data_or_checkpoint_the_class_count_must_be_given(tmp_path):
     from recipes.vit.recipe import ViTRecipe
 
-    cfg = validated_config("vit_sanity", ["data=imagefolder", f"data.root={tmp_path}/gone",
-                                          f"checkpoint.path={tmp_path}/ckpt"])
+    cfg = validated_config(
+        "vit_sanity", ["data=imagefolder", f"data.root={tmp_path}/gone", f"checkpoint.path={tmp_path}/ckpt"]
+    )
     with pytest.raises(ConfigError, match="give data.num_classes"):
         ViTRecipe(cfg).resolve_config(cfg)
 
@@ -112,12 +143,19 @@ def test_a_recipe_keeps_nothing_between_calls(tmp_path):
     from recipes.vit.recipe import ViTRecipe
 
     root, _ = make_quirky_imagefolder(tmp_path / "pets")
-    cfg = ViTRecipe.resolve_config(validated_config("vit_sanity", [
-        "data=imagefolder", f"data.root={root}", "data.num_workers=0", f"checkpoint.path={tmp_path}/ckpt"]))
+    cfg = ViTRecipe.resolve_config(
+        validated_config(
+            "vit_sanity",
+            ["data=imagefolder", f"data.root={root}", "data.num_workers=0", f"checkpoint.path={tmp_path}/ckpt"],
+        )
+    )
     recipe = ViTRecipe(cfg)
     first = recipe.split("val")
-    recipe.build_datasets(), recipe.unlabeled(str(root / "train")), recipe.to_device(
-        {"image": first[0]["image"][None], "label": torch.tensor([0])}, torch.device("cpu"))
+    (
+        recipe.build_datasets(),
+        recipe.unlabeled(str(root / "train")),
+        recipe.to_device({"image": first[0]["image"][None], "label": torch.tensor([0])}, torch.device("cpu")),
+    )
     assert set(vars(recipe)) <= {"cfg", "_device_transform"}, vars(recipe).keys()
     again = ViTRecipe(cfg).split("val")
     assert first.class_names == again.class_names and first.samples.files == again.samples.files

@@ -42,7 +42,9 @@ def test_shards_hold_the_folders_samples_bit_for_bit(digit_shards):
     classes, splits = read_index(digit_shards)
     assert classes == [str(d) for d in range(10)]
     assert {name: (len(s), [e.samples for e in s.shards]) for name, s in splits.items()} == {
-        "train": (1438, [500, 500, 438]), "val": (359, [359])}
+        "train": (1438, [500, 500, 438]),
+        "val": (359, [359]),
+    }
     for split, train in (("train", True), ("val", False)):
         folder_data = ImageDataConfig(root=str(DIGITS), hflip=0.5)
         shard_data = ImageDataConfig(root=str(digit_shards), format=ImageFormat.shards, hflip=0.5)
@@ -62,8 +64,9 @@ def test_resized_shards_are_jpegs_of_the_shorter_side(tmp_path):
     for name, size in (("a", (64, 48)), ("b", (30, 90)), ("c", (10, 12))):
         (folder / name).mkdir(parents=True)
         Image.new("RGB", size, (200, 30, 90)).save(folder / name / "x.png")
-    split = write_shards(tmp_path / "out", ["a", "b", "c"], {"train": imagefolder_files(folder, ["a", "b", "c"])},
-                         shorter_side=16)["train"]
+    split = write_shards(
+        tmp_path / "out", ["a", "b", "c"], {"train": imagefolder_files(folder, ["a", "b", "c"])}, shorter_side=16
+    )["train"]
     sizes = []
     for position in range(3):
         raw = ShardReader(split)(position)
@@ -81,8 +84,9 @@ def test_resized_shards_are_jpegs_of_the_shorter_side(tmp_path):
     assert not (tmp_path / "new").exists()  # refused before anything was written
     (folder / "a" / "cut.jpg").write_bytes(Image.new("RGB", (40, 40)).tobytes()[:300])  # not an image
     with pytest.raises(ValueError, match=r"cut.jpg: cannot be written into a shard"):
-        write_shards(tmp_path / "new", ["a"], {"train": [*one["train"], (str(folder / "a" / "cut.jpg"), 0)]},
-                     shorter_side=16)
+        write_shards(
+            tmp_path / "new", ["a"], {"train": [*one["train"], (str(folder / "a" / "cut.jpg"), 0)]}, shorter_side=16
+        )
     assert list((tmp_path / "new").iterdir()) == []  # the shards written before the bad file are removed
 
 
@@ -98,29 +102,43 @@ def _edit_table(root: Path, edit) -> None:
     np.save(root / "train.npy", table)
 
 
-@pytest.mark.parametrize("damage,message", [
-    (lambda r: _edit_index(r, lambda i: i["splits"]["train"]["shards"][0].update(name="../train-000000.tar")),
-     "not a plain .tar/.npy name"),
-    (lambda r: _edit_index(r, lambda i: i["splits"]["train"].update(table="/etc/passwd")), "not a plain"),
-    (lambda r: _edit_index(r, lambda i: i.update(version=2)), "version=2"),
-    (lambda r: (r / "index.json").write_bytes(b"\x80\x04K\x01."), "not an index of this format"),
-    (lambda r: (r / "train-000001.tar").unlink(), "listed in .*index.json but not there"),
-    (lambda r: (r / "train-000001.tar").open("ab").write(b"x"), r"train-000001.tar: \d+ bytes, but .*index.json says"),
-    (lambda r: _edit_table(r, lambda t: t.__setitem__((5, 4), 10)), "row 5 .* does not point"),
-    (lambda r: _edit_table(r, lambda t: t.__setitem__((7, 2), t[7, 2] + 1)), "row 7 .* does not point"),
-    (lambda r: _edit_table(r, lambda t: t.__setitem__((1437, 3), 10**9)), "row 1437 .* does not point"),
-    (lambda r: np.save(r / "train.npy", np.zeros((1438, 5))), "expected int64 rows"),
-    (lambda r: np.save(r / "train.npy", np.zeros((10, 5), dtype=np.int64)), "10 rows, but"),
-    (lambda r: (r / "train.npy").write_bytes(b""), "not a table of this format"),
-    # Offsets near 2**63: their sum would wrap around and pass a plain "ends inside the shard" check.
-    (lambda r: _edit_table(r, lambda t: t.__setitem__((5, slice(1, 4)), [2**63 - 2**31, 2**63 - 2**31 + 512, 2**31])),
-     "row 5 .* does not point"),
-    (lambda r: _edit_index(r, lambda i: i["splits"].__setitem__("val", i["splits"]["train"])), "named twice"),
-    (lambda r: _edit_index(r, lambda i: i.update(version=True)), "version=True"),
-    (lambda r: (r / "index.json").write_text('{"format": "vit-image-shards", "version": 1, "version": 1}'),
-     "'version' is given twice"),
-    (lambda r: (r / "index.json").write_text("[" * 100_000 + "]" * 100_000), "not an index of this format"),
-])
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        (
+            lambda r: _edit_index(r, lambda i: i["splits"]["train"]["shards"][0].update(name="../train-000000.tar")),
+            "not a plain .tar/.npy name",
+        ),
+        (lambda r: _edit_index(r, lambda i: i["splits"]["train"].update(table="/etc/passwd")), "not a plain"),
+        (lambda r: _edit_index(r, lambda i: i.update(version=2)), "version=2"),
+        (lambda r: (r / "index.json").write_bytes(b"\x80\x04K\x01."), "not an index of this format"),
+        (lambda r: (r / "train-000001.tar").unlink(), "listed in .*index.json but not there"),
+        (
+            lambda r: (r / "train-000001.tar").open("ab").write(b"x"),
+            r"train-000001.tar: \d+ bytes, but .*index.json says",
+        ),
+        (lambda r: _edit_table(r, lambda t: t.__setitem__((5, 4), 10)), "row 5 .* does not point"),
+        (lambda r: _edit_table(r, lambda t: t.__setitem__((7, 2), t[7, 2] + 1)), "row 7 .* does not point"),
+        (lambda r: _edit_table(r, lambda t: t.__setitem__((1437, 3), 10**9)), "row 1437 .* does not point"),
+        (lambda r: np.save(r / "train.npy", np.zeros((1438, 5))), "expected int64 rows"),
+        (lambda r: np.save(r / "train.npy", np.zeros((10, 5), dtype=np.int64)), "10 rows, but"),
+        (lambda r: (r / "train.npy").write_bytes(b""), "not a table of this format"),
+        # Offsets near 2**63: their sum would wrap around and pass a plain "ends inside the shard" check.
+        (
+            lambda r: _edit_table(
+                r, lambda t: t.__setitem__((5, slice(1, 4)), [2**63 - 2**31, 2**63 - 2**31 + 512, 2**31])
+            ),
+            "row 5 .* does not point",
+        ),
+        (lambda r: _edit_index(r, lambda i: i["splits"].__setitem__("val", i["splits"]["train"])), "named twice"),
+        (lambda r: _edit_index(r, lambda i: i.update(version=True)), "version=True"),
+        (
+            lambda r: (r / "index.json").write_text('{"format": "vit-image-shards", "version": 1, "version": 1}'),
+            "'version' is given twice",
+        ),
+        (lambda r: (r / "index.json").write_text("[" * 100_000 + "]" * 100_000), "not an index of this format"),
+    ],
+)
 def test_a_damaged_or_hostile_index_is_refused_naming_the_file(digit_shards, tmp_path, damage, message):
     root = _copy(digit_shards, tmp_path)
     damage(root)
@@ -146,8 +164,13 @@ def test_a_read_checks_the_member_header_against_the_index(digit_shards, tmp_pat
     assert table[9, 1] % BLOCK == 0
 
 
-SHARDED = [o for o in TINY if not o.startswith("data")] + ["data=digits", "data.format=shards", "data.num_workers=2",
-                                                           "model.img_size=28", "model.patch_size=7"]
+SHARDED = [o for o in TINY if not o.startswith("data")] + [
+    "data=digits",
+    "data.format=shards",
+    "data.num_workers=2",
+    "model.img_size=28",
+    "model.patch_size=7",
+]
 
 
 @pytest.mark.slow
@@ -155,21 +178,44 @@ def test_training_on_shards_equals_the_folder_and_resumes_exactly(digit_shards, 
     """2 ranks, 8 steps of 16 digits: the folder and its shards give the same losses, bit for bit; on shards, a
     run stopped by SIGTERM after step 3 and started again continues them exactly; on one rank, the stopped run's
     checkpoint continues the same global order (equal to rounding: another reduction order)."""
+
     def phase(name: str, ckpt: str, shards: bool, **kw) -> dict:
-        source = SHARDED + [f"data.root={digit_shards}"] if shards else [o for o in SHARDED if o != "data.format=shards"]
+        source = (
+            SHARDED + [f"data.root={digit_shards}"] if shards else [o for o in SHARDED if o != "data.format=shards"]
+        )
         return {"overrides": source + [f"checkpoint.path={tmp_path}/{ckpt}"], "run_dir": f"{tmp_path}/{name}", **kw}
 
-    ranks = run_workers(2, run_phases, [phase("folder", "c_folder", False), phase("shards", "c_shards", True),
-                                        phase("stopped", "c_job", True, signal_at=3), phase("resumed", "c_job", True)])
+    ranks = run_workers(
+        2,
+        run_phases,
+        [
+            phase("folder", "c_folder", False),
+            phase("shards", "c_shards", True),
+            phase("stopped", "c_job", True, signal_at=3),
+            phase("resumed", "c_job", True),
+        ],
+    )
     folder, shards, stopped, resumed = ranks[0]
     assert sorted(folder["losses"]) == list(range(1, 9)) and shards["losses"] == folder["losses"]
     assert [r[1]["idx"] for r in ranks] == [r[0]["idx"] for r in ranks]  # each rank read the same samples
     assert not set(i for b in ranks[0][1]["idx"] for i in b) & set(i for b in ranks[1][1]["idx"] for i in b)
     assert stopped["stopped_by"] == "SIGTERM" and resumed["start_step"] == max(stopped["losses"]) < 8
     assert stopped["losses"] | resumed["losses"] == shards["losses"]
-    (one,) = run_workers(1, run_phases, [phase("one", "c_one", True, remove=[]) | {
-        "overrides": SHARDED + [f"data.root={digit_shards}", f"checkpoint.path={tmp_path}/c_one",
-                                f"checkpoint.resume={tmp_path}/c_job/step_{resumed['start_step']}"]}])
+    (one,) = run_workers(
+        1,
+        run_phases,
+        [
+            phase("one", "c_one", True, remove=[])
+            | {
+                "overrides": SHARDED
+                + [
+                    f"data.root={digit_shards}",
+                    f"checkpoint.path={tmp_path}/c_one",
+                    f"checkpoint.resume={tmp_path}/c_job/step_{resumed['start_step']}",
+                ]
+            }
+        ],
+    )
     (one,) = one
     assert one["start_step"] == resumed["start_step"]
     for step, loss in one["losses"].items():

@@ -19,11 +19,10 @@ from omegaconf import OmegaConf
 
 import checkpoint
 import predict
-from core.checkpointing.layout import write_marker
+from core.checkpointing.layout import CheckpointError, write_marker
 from core.checkpointing.lock import PathLock
 from core.config.errors import ConfigError
 from core.distributed.launch import configuration_name, run_name
-from core.checkpointing.layout import CheckpointError
 from core.training.optim import lr_multiplier
 from tests.support.checkpoint_harness import TINY
 from tests.support.helpers import REPO, read_records, run_python, train_run, validated_config
@@ -88,15 +87,21 @@ def _with_payload_in_a_value(source: Path, target: Path, marker: Path) -> Path:
     from core.checkpointing.weights import read_model_weights
 
     weights = read_model_weights(source)
-    dcp.save({"model": weights, "train_state": {"step": _Payload(marker, pickle.dumps(4))}},
-             checkpoint_id=str(target), no_dist=True)
+    dcp.save(
+        {"model": weights, "train_state": {"step": _Payload(marker, pickle.dumps(4))}},
+        checkpoint_id=str(target),
+        no_dist=True,
+    )
     shutil.copy(source / "config.yaml", target / "config.yaml")
     write_marker(target, {"step": 4, "metrics": {}})
     return target
 
 
-@pytest.mark.parametrize("craft", [_with_payload_in_metadata, _with_build_on_a_class_in_metadata, _with_payload_in_a_value],
-                         ids=["metadata", "metadata-build", "value"])
+@pytest.mark.parametrize(
+    "craft",
+    [_with_payload_in_metadata, _with_build_on_a_class_in_metadata, _with_payload_in_a_value],
+    ids=["metadata", "metadata-build", "value"],
+)
 @pytest.mark.slow
 def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
     marker = tmp_path / "payload_ran"
@@ -107,9 +112,20 @@ def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
         "auto-resume": lambda: _train(tmp_path, "auto", [f"checkpoint.path={root}", "training.steps=6"]),
         "resume=<dir>": lambda: _train(tmp_path, "explicit", [f"checkpoint.resume={evil}", "training.steps=6"]),
         "init_from": lambda: _train(tmp_path, "init", [f"checkpoint.init_from={evil}"]),
-        "predict.py": lambda: predict.predict(validated_config("vit_predict", [
-            "data=synthetic", "data.num_workers=0", "model.backend=torch", "precision=fp32",
-            f"checkpoint.init_from={evil}", f"checkpoint.path={tmp_path}/unused"]), tmp_path / "predict"),
+        "predict.py": lambda: predict.predict(
+            validated_config(
+                "vit_predict",
+                [
+                    "data=synthetic",
+                    "data.num_workers=0",
+                    "model.backend=torch",
+                    "precision=fp32",
+                    f"checkpoint.init_from={evil}",
+                    f"checkpoint.path={tmp_path}/unused",
+                ],
+            ),
+            tmp_path / "predict",
+        ),
         "to-torch": lambda: checkpoint.main(["to-torch", str(evil), str(tmp_path / "w.pt")]),
         "to-safetensors": lambda: checkpoint.main(["to-safetensors", str(evil), str(tmp_path / "w.safetensors")]),
     }
@@ -152,8 +168,11 @@ def test_a_flipped_bit_is_caught(trained, tmp_path, caplog):
     shutil.copytree(trained / "step_4", tmp_path / "explicit" / "step_4")
     shard = _flip_a_bit(tmp_path / "explicit" / "step_4")
     with pytest.raises(CheckpointError, match="checksum mismatch"):
-        _train(tmp_path, "explicit", [f"checkpoint.resume={shard.parent}", f"checkpoint.path={tmp_path}/other",
-                                      "training.steps=6"])
+        _train(
+            tmp_path,
+            "explicit",
+            [f"checkpoint.resume={shard.parent}", f"checkpoint.path={tmp_path}/other", "training.steps=6"],
+        )
     with pytest.raises(SystemExit, match=str(shard)):
         checkpoint.main(["to-torch", str(shard.parent), str(tmp_path / "w.pt")])
     checkpoint.main(["to-torch", str(shard.parent), str(tmp_path / "w.pt"), "--skip-checksums"])
@@ -168,8 +187,9 @@ def test_a_second_run_on_a_locked_path_stops_at_start(tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
     try:
         (tmp_path / "ckpt").mkdir()
-        (tmp_path / "ckpt" / "LOCK").write_text(json.dumps({"host": os.uname().nodename, "pid": holder.pid,
-                                                             "job": None, "since": 0}))
+        (tmp_path / "ckpt" / "LOCK").write_text(
+            json.dumps({"host": os.uname().nodename, "pid": holder.pid, "job": None, "since": 0})
+        )
         with pytest.raises(ConfigError, match=f"in use by another run .*pid {holder.pid}"):
             _train(tmp_path, "second", ["training.steps=2"])
         assert not (tmp_path / "second" / "metrics.jsonl").exists() and not list((tmp_path / "ckpt").glob("step_*"))
@@ -238,9 +258,19 @@ def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
     ckpts = tmp_path / "shared"
 
     def sweep(values: str, steps: int) -> str:
-        proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "-m", *TINY, f"optim.lr={values}",
-                          f"training.steps={steps}", f"hydra.sweep.dir={tmp_path}/sweep", f"checkpoint.path={ckpts}",
-                          cwd=tmp_path, timeout=300)
+        proc = run_python(
+            REPO / "train.py",
+            "--config-name",
+            "vit_sanity",
+            "-m",
+            *TINY,
+            f"optim.lr={values}",
+            f"training.steps={steps}",
+            f"hydra.sweep.dir={tmp_path}/sweep",
+            f"checkpoint.path={ckpts}",
+            cwd=tmp_path,
+            timeout=300,
+        )
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
         return proc.stdout + proc.stderr
 
@@ -253,8 +283,11 @@ def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
         assert len(lrs) == 1, path
         folder[str(lrs.pop())] = path.name
     assert sorted(folder) == ["0.0001", "0.001", "0.003"]
-    logged = [line.split("this job's checkpoints: ")[1].split()[0]
-              for line in first.splitlines() if "this job's checkpoints: " in line]
+    logged = [
+        line.split("this job's checkpoints: ")[1].split()[0]
+        for line in first.splitlines()
+        if "this job's checkpoints: " in line
+    ]
     assert logged == [str(ckpts / folder["0.003"]), str(ckpts / folder["0.001"])]  # the log says where each job's go
     assert f"resumed from {ckpts / folder['0.001'] / 'step_2'}" in out
     resumed = [line for line in out.splitlines() if "resumed from" in line]
@@ -264,18 +297,33 @@ def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
 
 
 def test_configuration_names():
-    assert configuration_name(["optim.lr=1e-3", "training.steps=80", "seed=2", "logger.wandb.enabled=true"]) == \
-        "optim.lr=1e-3,seed=2"
+    assert (
+        configuration_name(["optim.lr=1e-3", "training.steps=80", "seed=2", "logger.wandb.enabled=true"])
+        == "optim.lr=1e-3,seed=2"
+    )
     assert configuration_name(["training.steps=80"]) == "default"
     assert configuration_name(["data.root=/a/b", "model=vit_base"]) == "data.root=%2Fa%2Fb,model=vit_base"
-    assert configuration_name(["optim.betas=[0.9,0.95]", "+model.depth=-1"]) == \
-        "model.depth=-1,optim.betas=[0.9%2C0.95]"
+    assert (
+        configuration_name(["optim.betas=[0.9,0.95]", "+model.depth=-1"]) == "model.depth=-1,optim.betas=[0.9%2C0.95]"
+    )
     # Overrides that differ give folders that differ: no character of a value passes for another, or for the
     # comma between overrides, and a name shortened with a hash is longer than any name kept whole.
-    different = [["data.root=a/b"], ["data.root=a_b"], ["data.root=a\\b"], ["data.root=a\x00b"], ["data.root=a%2Fb"],
-                 ["data.root=a%252Fb"], ["data.root=a,b"], ["data.root=a%2Cb"], ["data.root=x,data.split=y"],
-                 ["data.root=x", "data.split=y"], ["data.root=a b"], ["data.root=a:b"], ["data.root=é"],
-                 ["data.root=%C3%A9"]]
+    different = [
+        ["data.root=a/b"],
+        ["data.root=a_b"],
+        ["data.root=a\\b"],
+        ["data.root=a\x00b"],
+        ["data.root=a%2Fb"],
+        ["data.root=a%252Fb"],
+        ["data.root=a,b"],
+        ["data.root=a%2Cb"],
+        ["data.root=x,data.split=y"],
+        ["data.root=x", "data.split=y"],
+        ["data.root=a b"],
+        ["data.root=a:b"],
+        ["data.root=é"],
+        ["data.root=%C3%A9"],
+    ]
     names = [configuration_name(overrides) for overrides in different]
     assert len(set(names)) == len(names), names
     for name in names:
@@ -294,26 +342,50 @@ def test_a_single_runs_default_folder_is_named_by_the_overrides_that_make_anothe
     unquoted (checkpoint.init_from=outputs/gpt_sanity/distributed.tp@2/checkpoints)."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
-    for same_run in (["training.steps=600"], ["training.steps=600", "scheduler.on_extend=hold"],
-                     ["logger.progress_bar=never", "data.num_workers=0", "model.backend=torch",
-                      "checkpoint.save_every_n_steps=5", "checkpoint.keep_last_n=2", "training.micro_batch_size=4"]):
+    for same_run in (
+        ["training.steps=600"],
+        ["training.steps=600", "scheduler.on_extend=hold"],
+        [
+            "logger.progress_bar=never",
+            "data.num_workers=0",
+            "model.backend=torch",
+            "checkpoint.save_every_n_steps=5",
+            "checkpoint.keep_last_n=2",
+            "training.micro_batch_size=4",
+        ],
+    ):
         assert run_name(same_run) is None, same_run
     assert run_name(["distributed.tp=2"]) == "distributed.tp@2"
     assert run_name(["distributed=ddp", "training.steps=9"]) == "distributed@ddp"
-    assert run_name(["data=shards", "data.root=/tmp/digits_shards", "data.num_classes=10", "training.steps=20"]) == \
-        "data.num_classes@10+data.root@%2Ftmp%2Fdigits_shards+data@shards"
-    assert run_name(["data.format=shards", "data.root=/tmp/digits_shards"]) == \
-        "data.format@shards+data.root@%2Ftmp%2Fdigits_shards"  # docs/data.md's
+    assert (
+        run_name(["data=shards", "data.root=/tmp/digits_shards", "data.num_classes=10", "training.steps=20"])
+        == "data.num_classes@10+data.root@%2Ftmp%2Fdigits_shards+data@shards"
+    )
+    assert (
+        run_name(["data.format=shards", "data.root=/tmp/digits_shards"])
+        == "data.format@shards+data.root@%2Ftmp%2Fdigits_shards"
+    )  # docs/data.md's
     assert run_name(["checkpoint.init_from=ckpt/pre/step_3000"]) == "checkpoint.init_from@ckpt%2Fpre%2Fstep_3000"
     assert run_name(["optim.lr=1e-3", "+seed=2", "scheduler=wsd", "seed=3"]) == "optim.lr@1e-3+scheduler@wsd+seed@3"
-    different = [["data.root=a/b"], ["data.root=a@b"], ["data.root=a+b"], ["data.root=a%2Fb"], ["data.root=a~b"],
-                 ["data.root=a=b"], ["data.root=x", "data.split=y"], ["data.root=x+data.split@y"], ["data.root=[1,2]"]]
+    different = [
+        ["data.root=a/b"],
+        ["data.root=a@b"],
+        ["data.root=a+b"],
+        ["data.root=a%2Fb"],
+        ["data.root=a~b"],
+        ["data.root=a=b"],
+        ["data.root=x", "data.split=y"],
+        ["data.root=x+data.split@y"],
+        ["data.root=[1,2]"],
+    ]
     names = [run_name(overrides) for overrides in different]
     assert len(set(names)) == len(names), names
     parser = OverridesParser.create()
     for name in names:
-        assert parser.parse_override(f"checkpoint.init_from=outputs/x/{name}/checkpoints").value() == \
-            f"outputs/x/{name}/checkpoints"
+        assert (
+            parser.parse_override(f"checkpoint.init_from=outputs/x/{name}/checkpoints").value()
+            == f"outputs/x/{name}/checkpoints"
+        )
     assert len(run_name([f"model.layer_{i}=123456789" for i in range(30)])) == 121
     # A sweep's folders keep their names (result-changing and swept keys only).
     assert configuration_name(["distributed.tp=2", "optim.lr=1e-3"]) == "optim.lr=1e-3"

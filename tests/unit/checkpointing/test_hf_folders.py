@@ -18,8 +18,17 @@ from core.checkpointing.layout import CheckpointError, verify
 from core.checkpointing.weights import load_weights_file
 from recipes.esm2 import hf as esm_hf
 
-ESM = {"vocab_size": 33, "hidden_size": 16, "num_hidden_layers": 2, "num_attention_heads": 2, "intermediate_size": 32,
-       "position_embedding_type": "rotary", "token_dropout": True, "pad_token_id": 1, "mask_token_id": 32}
+ESM = {
+    "vocab_size": 33,
+    "hidden_size": 16,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+    "intermediate_size": 32,
+    "position_embedding_type": "rotary",
+    "token_dropout": True,
+    "pad_token_id": 1,
+    "mask_token_id": 32,
+}
 
 
 def saved_by_transformers(folder: Path, **changes) -> torch.nn.Module:
@@ -42,7 +51,9 @@ def test_an_esm_folder_saved_by_transformers_imports_with_its_weights(tmp_path, 
     checkpoint.main(["from-hf", str(tmp_path / "hf"), str(out / "w.safetensors"), "--unfused-qkv"])
     weights = load_weights_file(out / "w.safetensors")
     layer = model.esm.encoder.layer[1]
-    assert torch.equal(weights["layers.1.self_attention.layernorm_qkv.layer_norm_weight"], layer.attention.LayerNorm.weight)
+    assert torch.equal(
+        weights["layers.1.self_attention.layernorm_qkv.layer_norm_weight"], layer.attention.LayerNorm.weight
+    )
     assert torch.equal(weights["layers.1.layernorm_mlp.layer_norm_bias"], layer.LayerNorm.bias)
     assert torch.equal(weights["layers.1.self_attention.layernorm_qkv.key_weight"], layer.attention.self.key.weight)
     # The printed command line: one shell word per setting, each read back by Hydra as the path itself.
@@ -62,13 +73,19 @@ def write_folder(folder: Path, weights: dict, config: dict) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-@pytest.mark.parametrize("change, named", [
-    ({"num_hidden_layers": 1}, "config.json gives 1 layers, the weights hold 2"),
-    ({"num_hidden_layers": (1 << 20) - 1}, "config.json gives 1048575 layers, the weights hold 2"),
-    ({"hidden_size": 32}, r"other shape: esm.embeddings.word_embeddings.weight \(33, 16\) \(config.json: \(33, 32\)\)"),
-    ({"junk": True}, r"unexpected: some.adapter.weight"),
-    ({"int8": True}, r"not floating point \(quantized\?\): esm.encoder.layer.0.attention.output.dense.weight"),
-])
+@pytest.mark.parametrize(
+    "change, named",
+    [
+        ({"num_hidden_layers": 1}, "config.json gives 1 layers, the weights hold 2"),
+        ({"num_hidden_layers": (1 << 20) - 1}, "config.json gives 1048575 layers, the weights hold 2"),
+        (
+            {"hidden_size": 32},
+            r"other shape: esm.embeddings.word_embeddings.weight \(33, 16\) \(config.json: \(33, 32\)\)",
+        ),
+        ({"junk": True}, r"unexpected: some.adapter.weight"),
+        ({"int8": True}, r"not floating point \(quantized\?\): esm.encoder.layer.0.attention.output.dense.weight"),
+    ],
+)
 def test_esm_weights_that_do_not_fit_config_json_are_refused_by_name(tmp_path, change, named):
     model = saved_by_transformers(tmp_path / "base")
     weights = {k: v.detach() for k, v in model.state_dict().items()}
@@ -91,8 +108,11 @@ def test_to_hf_checks_a_weights_file_against_the_config_it_is_given(tmp_path):
     with pytest.raises(ValueError, match="model.num_layers=1, the weights hold 2 layers"):
         esm_hf.to_hf(ours, fewer)
     narrower = esm_hf.check_esm2_config(ESM | {"model_type": "esm", "intermediate_size": 24}, tmp_path)
-    with pytest.raises(ValueError, match=r"do not fit the run's model config.*other shape: .*"
-                                         r"esm.encoder.layer.0.intermediate.dense.weight \(32, 16\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"do not fit the run's model config.*other shape: .*"
+        r"esm.encoder.layer.0.intermediate.dense.weight \(32, 16\)",
+    ):
         esm_hf.to_hf(ours, narrower)
     gpt_like = {"embedding.weight": torch.zeros(40, 16), "layers.0.x": torch.zeros(1), "layers.1.x": torch.zeros(1)}
     with pytest.raises(ValueError, match="not an ESM-2 model of this config: .* tensors missing"):
@@ -113,8 +133,11 @@ def test_outputs_that_exist_are_refused_and_an_hf_folder_is_not_called_a_broken_
         checkpoint.main(["to-torch", str(tmp_path / "step_0"), str(inside)])
     assert mine.read_text() == "a user's file"
     checkpoint.main(["to-torch", str(tmp_path / "step_0"), str(tmp_path / "new.pt")])  # the checkpoint is intact
-    with pytest.raises(CheckpointError, match="a Hugging Face model folder, not a checkpoint of this tool: convert it "
-                                              "with python checkpoint.py from-hf"):
+    with pytest.raises(
+        CheckpointError,
+        match="a Hugging Face model folder, not a checkpoint of this tool: convert it "
+        "with python checkpoint.py from-hf",
+    ):
         verify(tmp_path / "hf")
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "hf" / "model.safetensors").read_bytes()[:200])
     with pytest.raises(SystemExit, match=f"{tmp_path / 'cut.safetensors'}: cannot read as safetensors"):
@@ -130,22 +153,35 @@ def test_from_hf_picks_the_recipe_by_model_type_and_lists_those_it_reads(tmp_pat
     with pytest.raises(SystemExit) as refused:
         checkpoint.main(["from-hf", str(tmp_path / "hf"), str(tmp_path / "w.safetensors")])
     assert refused.value.code == 2 and not (tmp_path / "w.safetensors").exists()
-    assert capsys.readouterr().err == (f"error: {tmp_path / 'hf' / 'config.json'}: model_type={model_type!r}; from-hf "
-                                       "reads model_type 'esm' (the esm2 recipe) or 'llama' (the gpt recipe)\n")
+    assert capsys.readouterr().err == (
+        f"error: {tmp_path / 'hf' / 'config.json'}: model_type={model_type!r}; from-hf "
+        "reads model_type 'esm' (the esm2 recipe) or 'llama' (the gpt recipe)\n"
+    )
 
 
 def test_gpt_to_hf_checks_a_weights_file_against_the_config_it_is_given():
     from recipes.gpt.hf import from_llama, llama_shapes, to_llama_checked
 
-    m = {"vocab_size": 64, "hidden_size": 16, "ffn_hidden_size": 24, "num_layers": 2, "num_attention_heads": 2,
-         "num_query_groups": 1, "tie_embeddings": False, "rotary_base": 10000.0}
+    m = {
+        "vocab_size": 64,
+        "hidden_size": 16,
+        "ffn_hidden_size": 24,
+        "num_layers": 2,
+        "num_attention_heads": 2,
+        "num_query_groups": 1,
+        "tie_embeddings": False,
+        "rotary_base": 10000.0,
+    }
     torch.manual_seed(0)
     ours = from_llama({k: torch.randn(shape) for k, shape in llama_shapes(m).items()}, m)
     assert set(to_llama_checked(ours, m, 64)) == set(llama_shapes(m))  # control: the right config converts
     with pytest.raises(ValueError, match="model.num_layers=1, the weights hold 2 layers"):
         to_llama_checked(ours, m | {"num_layers": 1}, 64)
-    with pytest.raises(ValueError, match=r"other shape: model.layers.0.mlp.down_proj.weight \(16, 24\) "
-                                         r"\(config.json: \(16, 20\)\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"other shape: model.layers.0.mlp.down_proj.weight \(16, 24\) "
+        r"\(config.json: \(16, 20\)\)",
+    ):
         to_llama_checked(ours, m | {"ffn_hidden_size": 20}, 64)
     with pytest.raises(ValueError, match="not a GPT model of this config: no tensor 'output_layer.weight'"):
         to_llama_checked({k: v for k, v in ours.items() if k != "output_layer.weight"}, m, 64)

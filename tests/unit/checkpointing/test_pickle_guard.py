@@ -27,8 +27,13 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, Metadata, StorageMeta, TensorProperties,
-                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    ChunkStorageMetadata,
+    Metadata,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 
 from core.checkpointing.layout import write_marker
 from core.checkpointing.storage import ChecksummingWriter
@@ -90,8 +95,9 @@ def error_line(proc) -> str:
 def trained(tmp_path_factory) -> Path:
     """step_4 of a tiny run (weights, optimizer, scheduler, train state, RNG)."""
     tmp = tmp_path_factory.mktemp("trained")
-    cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp}/ckpt", "training.steps=4",
-                                                 "checkpoint.save_every_n_steps=4"])
+    cfg = validated_config(
+        "vit_sanity", TINY + [f"checkpoint.path={tmp}/ckpt", "training.steps=4", "checkpoint.save_every_n_steps=4"]
+    )
     train_run(cfg, tmp / "run")
     return tmp / "ckpt" / "step_4"
 
@@ -132,8 +138,16 @@ def test_a_value_of_shared_lists_is_refused_on_resume_before_it_is_copied(traine
     clean = resaved(trained, tmp_path / "clean" / "step_4", {})
     runs = {}
     for name, root in (("clean", clean.parent), ("crafted", crafted.parent)):
-        runs[name] = run_capped(tmp_path / f"{name}.json", "train.py", "--config-name", "vit_sanity", *TINY,
-                                f"checkpoint.path={root}", "training.steps=6", f"hydra.run.dir={tmp_path}/{name}_run")
+        runs[name] = run_capped(
+            tmp_path / f"{name}.json",
+            "train.py",
+            "--config-name",
+            "vit_sanity",
+            *TINY,
+            f"checkpoint.path={root}",
+            "training.steps=6",
+            f"hydra.run.dir={tmp_path}/{name}_run",
+        )
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     assert proc.returncode == 3, proc.stderr[-3000:]
@@ -164,9 +178,16 @@ def _llama_weights() -> bytes:
 
 
 WEIGHT_READERS = {
-    "init_from": lambda tmp, pt: ("train.py", "--config-name", "vit_sanity", *TINY, "training.steps=2",
-                                  f"checkpoint.init_from={pt}", f"checkpoint.path={tmp}/ckpt",
-                                  f"hydra.run.dir={tmp}/run"),
+    "init_from": lambda tmp, pt: (
+        "train.py",
+        "--config-name",
+        "vit_sanity",
+        *TINY,
+        "training.steps=2",
+        f"checkpoint.init_from={pt}",
+        f"checkpoint.path={tmp}/ckpt",
+        f"hydra.run.dir={tmp}/run",
+    ),
     "from-torch": lambda tmp, pt: ("checkpoint.py", "from-torch", str(pt), str(tmp / "step_0")),
     "from-hf": lambda tmp, folder: ("checkpoint.py", "from-hf", str(folder), str(tmp / "out.safetensors")),
 }
@@ -214,13 +235,16 @@ def test_a_weights_file_whose_tensor_claims_more_than_its_storage_is_refused_unc
     for name, state in (("clean", weights), ("crafted", crafted)):
         (tmp_path / name).mkdir()
         folder = _hf_folder(tmp_path / name / "hf", torch_saved(state))
-        runs[name] = run_capped(tmp_path / f"{name}.json", "checkpoint.py", "from-hf", str(folder),
-                                str(tmp_path / name / "out.safetensors"))
+        runs[name] = run_capped(
+            tmp_path / f"{name}.json", "checkpoint.py", "from-hf", str(folder), str(tmp_path / name / "out.safetensors")
+        )
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     line = error_line(proc)
-    assert proc.returncode == 2 and line == (f"error: {folder / 'pytorch_model.bin'}: refusing to load it: 'junk' is a "
-                                             "view of 1,073,741,824 elements over a storage of 1; nothing was imported"), line
+    assert proc.returncode == 2 and line == (
+        f"error: {folder / 'pytorch_model.bin'}: refusing to load it: 'junk' is a "
+        "view of 1,073,741,824 elements over a storage of 1; nothing was imported"
+    ), line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
 
@@ -290,7 +314,7 @@ def legacy_bytearray() -> bytes:
     headers = legacy_saved({})
     keys = pickle.dumps([], protocol=2)
     assert headers.endswith(b"}q\x00." + keys)  # the three header pickles, {}, []
-    return headers[:-len(b"}q\x00." + keys)] + BYTEARRAY_4GIB + keys
+    return headers[: -len(b"}q\x00." + keys)] + BYTEARRAY_4GIB + keys
 
 
 CLAIMS = {
@@ -322,8 +346,9 @@ def test_a_torch_file_whose_storage_claims_more_than_it_holds_is_refused_unalloc
     clean, clean_peak = run_capped(tmp_path / "clean.json", str(tmp_path / "load.py"), str(tmp_path / "clean.pt"))
     assert clean.stdout.strip() == "loaded 1", clean.stdout + clean.stderr[-3000:]
     proc, peak = run_capped(tmp_path / "crafted.json", str(tmp_path / "load.py"), str(crafted))
-    assert proc.stdout.startswith(f"refused: {crafted}: refusing to load it: ") and refusal in proc.stdout, \
+    assert proc.stdout.startswith(f"refused: {crafted}: refusing to load it: ") and refusal in proc.stdout, (
         proc.stdout + proc.stderr[-3000:]
+    )
     print(f"{name}: peak {peak} KiB, clean {clean_peak} KiB")
     assert peak <= clean_peak + MARGIN_KIB, (peak, clean_peak)
 
@@ -332,17 +357,17 @@ def _replace_item_pickle(shard: Path, item_at: int, item_length: int, pickled: b
     """Put `pickled` (padded to the same length: an unpickler stops at STOP) in place of the data.pkl of the
     torch.save archive at [item_at, item_at + item_length) of `shard`, with its CRC-32s to match."""
     data = bytearray(shard.read_bytes())
-    item = zipfile.ZipFile(io.BytesIO(bytes(data[item_at:item_at + item_length])))
+    item = zipfile.ZipFile(io.BytesIO(bytes(data[item_at : item_at + item_length])))
     info = next(i for i in item.infolist() if i.filename.endswith("/data.pkl"))
     assert len(pickled) <= info.file_size
     padded = pickled + b"\x00" * (info.file_size - len(pickled))
     header = item_at + info.header_offset
     name_length, extra_length = struct.unpack_from("<2H", data, header + 26)
     start = header + 30 + name_length + extra_length
-    data[start:start + len(padded)] = padded
+    data[start : start + len(padded)] = padded
     crc = zlib.crc32(padded)
     struct.pack_into("<I", data, header + 14, crc)
-    directory = data.find(b"PK\x01\x02" + data[header + 4:header + 6], item_at)
+    directory = data.find(b"PK\x01\x02" + data[header + 4 : header + 6], item_at)
     while struct.unpack_from("<I", data, directory + 42)[0] != info.header_offset:
         directory = data.find(b"PK\x01\x02", directory + 4)
     struct.pack_into("<I", data, directory + 16, crc)
@@ -359,15 +384,20 @@ def test_a_tensor_item_of_a_shard_whose_pickle_allocates_is_refused_before_dcp_r
     where, info = next((w, i) for w, i in metadata.storage_data.items() if w.fqn.startswith("model."))
     _replace_item_pickle(crafted / info.relative_path, info.offset, info.length, BYTEARRAY_4GIB)
     write_marker(crafted, {"step": 4, "metrics": {}})  # the attacker makes the marker match
-    runs = {name: run_capped(tmp_path / f"{name}.json", "checkpoint.py", "to-torch", str(folder),
-                             str(tmp_path / f"{name}.pt"))
-            for name, folder in (("clean", trained), ("crafted", crafted))}
+    runs = {
+        name: run_capped(
+            tmp_path / f"{name}.json", "checkpoint.py", "to-torch", str(folder), str(tmp_path / f"{name}.pt")
+        )
+        for name, folder in (("clean", trained), ("crafted", crafted))
+    }
     assert runs["clean"][0].returncode == 0, runs["clean"][0].stderr[-3000:]
     proc, peak = runs["crafted"]
     line = error_line(proc)
     assert proc.returncode == 3 and line.startswith(f"error: {crafted}: loading failed "), line
-    assert (f"refusing to load the tensor {where.fqn!r} ({info.relative_path} at byte {info.offset}): global "
-            "builtins.bytearray at byte 2 is not one a saved tensor is built with") in line, line
+    assert (
+        f"refusing to load the tensor {where.fqn!r} ({info.relative_path} at byte {info.offset}): global "
+        "builtins.bytearray at byte 2 is not one a saved tensor is built with"
+    ) in line, line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
 
@@ -379,8 +409,10 @@ def metadata_sharing_chunks(entries: int, chunks: int) -> bytes:
     """A DCP index whose `entries` tensors share one list of `chunks` valid chunks (DCP's default protocol)."""
     shared = [ChunkStorageMetadata(offsets=torch.Size([i]), sizes=torch.Size([1])) for i in range(chunks)]
     properties = TensorProperties(dtype=torch.float32)
-    tensors = {f"w{i}": TensorStorageMetadata(properties=properties, size=torch.Size([chunks]), chunks=shared)
-               for i in range(entries)}
+    tensors = {
+        f"w{i}": TensorStorageMetadata(properties=properties, size=torch.Size([chunks]), chunks=shared)
+        for i in range(entries)
+    }
     return pickle.dumps(Metadata(state_dict_metadata=tensors, storage_data={}, storage_meta=StorageMeta()))
 
 
@@ -426,8 +458,16 @@ def test_init_from_an_index_whose_entries_share_their_chunks_is_one_line(tmp_pat
     folder = tmp_path / "dcp"
     folder.mkdir()
     (folder / ".metadata").write_bytes(metadata_sharing_chunks(ENTRIES, CHUNKS))
-    proc = run_python("train.py", "--config-name", "vit_sanity", *TINY, f"checkpoint.init_from={folder}",
-                      f"checkpoint.path={tmp_path}/ckpt", f"hydra.run.dir={tmp_path}/run", timeout=180)
+    proc = run_python(
+        "train.py",
+        "--config-name",
+        "vit_sanity",
+        *TINY,
+        f"checkpoint.init_from={folder}",
+        f"checkpoint.path={tmp_path}/ckpt",
+        f"hydra.run.dir={tmp_path}/run",
+        timeout=180,
+    )
     assert proc.returncode == 3, proc.stderr[-3000:]
     assert f"{folder / '.metadata'}: refusing to load it: a pickle that shares one list" in error_line(proc)
 
@@ -442,18 +482,23 @@ def test_torch_files_as_written_load_through_the_guard(tmp_path):
 
     model = torch.nn.Sequential(torch.nn.Embedding(10, 4), torch.nn.Linear(4, 10))
     model[1].weight = model[0].weight
-    optimizer = torch.optim.AdamW([{"params": [model[0].weight]}, {"params": [model[1].bias], "weight_decay": 0.0}],
-                                  betas=(0.9, 0.95))
+    optimizer = torch.optim.AdamW(
+        [{"params": [model[0].weight]}, {"params": [model[1].bias], "weight_decay": 0.0}], betas=(0.9, 0.95)
+    )
     model(torch.tensor([1, 2])).sum().backward()
     optimizer.step()
     state = optimizer.state_dict()
     assert state["param_groups"][0]["betas"] is state["param_groups"][1]["betas"]
     base = torch.arange(10.0)
-    values = {"model": model.state_dict(), "optimizer": state, "twice": {"a": base, "b": base},
-              "dtypes": {"u16": torch.ones(3, dtype=torch.uint16), "fp8": torch.ones(3, dtype=torch.float8_e4m3fn)},
-              "parameter": torch.nn.Parameter(torch.ones(2)),
-              "views": {"slice": base[2:5], "expanded": base.expand(3, 10)},
-              "plain": {"epoch": 3, "name": "run", "bytes": b"\x00\x01", "set": {1, 2}}}
+    values = {
+        "model": model.state_dict(),
+        "optimizer": state,
+        "twice": {"a": base, "b": base},
+        "dtypes": {"u16": torch.ones(3, dtype=torch.uint16), "fp8": torch.ones(3, dtype=torch.float8_e4m3fn)},
+        "parameter": torch.nn.Parameter(torch.ones(2)),
+        "views": {"slice": base[2:5], "expanded": base.expand(3, 10)},
+        "plain": {"epoch": 3, "name": "run", "bytes": b"\x00\x01", "set": {1, 2}},
+    }
     for name, value in values.items():
         for data in [torch_saved(value)] + ([legacy_saved(value)] if name != "dtypes" else []):  # (torch's limit)
             assert _same(load_torch_file(data), value), name
@@ -471,11 +516,19 @@ def _bytes_of(tensor: torch.Tensor) -> torch.Tensor:
 
 def _same(loaded, value) -> bool:
     if torch.is_tensor(value):
-        return (type(loaded) is type(value) and loaded.dtype == value.dtype and loaded.shape == value.shape
-                and loaded.stride() == value.stride() and torch.equal(_bytes_of(loaded), _bytes_of(value)))
+        return (
+            type(loaded) is type(value)
+            and loaded.dtype == value.dtype
+            and loaded.shape == value.shape
+            and loaded.stride() == value.stride()
+            and torch.equal(_bytes_of(loaded), _bytes_of(value))
+        )
     if isinstance(value, dict):
-        return type(loaded) is type(value) and loaded.keys() == value.keys() and all(
-            _same(loaded[k], value[k]) for k in value)
+        return (
+            type(loaded) is type(value)
+            and loaded.keys() == value.keys()
+            and all(_same(loaded[k], value[k]) for k in value)
+        )
     if isinstance(value, (list, tuple)):
         return type(loaded) is type(value) and len(loaded) == len(value) and all(map(_same, loaded, value))
     return loaded == value
@@ -525,8 +578,15 @@ def test_a_pytorch_model_bin_as_transformers_wrote_it_imports_as_its_safetensors
 
     from checkpoint import main as checkpoint_cli
 
-    config = transformers.LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
-                                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     model = transformers.LlamaForCausalLM(config)
     model.save_pretrained(tmp_path / "safetensors")
     state = model.state_dict()

@@ -3,7 +3,8 @@ process as it was: DCP's index (`.metadata`, read by verify for our step folders
 DCP folders from elsewhere), non-tensor values in `.distcp` shards, torch weight files (init_from, predict,
 from-torch, to-hf --config) and Hugging Face `pytorch_model.bin` (from-hf). A control runs each trick through
 plain `pickle.loads` in another process, to show that the trick really does harm where it is not refused.
-The entry points reach these readers on every path: tests/unit/checkpointing/test_checkpoint_safety.py runs them end to end."""
+The entry points reach these readers on every path: tests/unit/checkpointing/test_checkpoint_safety.py runs them
+end to end."""
 
 from __future__ import annotations
 
@@ -25,10 +26,10 @@ from torch.distributed.checkpoint import metadata as dcp_metadata
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from core.checkpointing.dcp_index import load_index
+from core.checkpointing.hf_folders import read_hf_weights
 from core.checkpointing.layout import CheckpointError, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter, SafeLoadPlanner, SafeReader
 from core.checkpointing.weights import load_weights_file
-from core.checkpointing.hf_folders import read_hf_weights
 
 PLACEHOLDER = "TRICK_GOES_HERE"
 
@@ -56,14 +57,25 @@ def tricks(marker: Path) -> dict[str, bytes]:
     return {
         "REDUCE": _global("builtins", "eval") + code + b"\x85R",
         # BUILD with (None, {name: value}) sets attributes with setattr: on a class, it patches the class.
-        "BUILD on a class": _global("pathlib", "PosixPath") + b"N}" + _text("is_file") + _global("pathlib", "PosixPath")
-                            + b"s\x86b",
-        "BUILD dict state on a class": _global("pathlib", "PosixPath") + b"}" + _text("is_file")
-                                       + _global("pathlib", "PosixPath") + b"sb",
-        "BUILD on an allowed dataclass": _global(DCP_METADATA, "Metadata") + b"N}" + _text("version") + _text("patched")
-                                         + b"s\x86b",
-        "BUILD on an enum member": _global(DCP_METADATA, "_MEM_FORMAT_ENCODING") + b"K\x00\x85R}" + _text("_value_")
-                                   + b"K\x07sb",
+        "BUILD on a class": _global("pathlib", "PosixPath")
+        + b"N}"
+        + _text("is_file")
+        + _global("pathlib", "PosixPath")
+        + b"s\x86b",
+        "BUILD dict state on a class": _global("pathlib", "PosixPath")
+        + b"}"
+        + _text("is_file")
+        + _global("pathlib", "PosixPath")
+        + b"sb",
+        "BUILD on an allowed dataclass": _global(DCP_METADATA, "Metadata")
+        + b"N}"
+        + _text("version")
+        + _text("patched")
+        + b"s\x86b",
+        "BUILD on an enum member": _global(DCP_METADATA, "_MEM_FORMAT_ENCODING")
+        + b"K\x00\x85R}"
+        + _text("_value_")
+        + b"K\x07sb",
         "BUILD on a dtype": _global("torch", "float32") + b"}" + _text("is_signed") + b"\x88sb",
         "GLOBAL not allowed": _global("os", "system"),
         "GLOBAL of an attribute path": _text("pathlib") + _text("PosixPath.is_file.__globals__") + b"\x93",
@@ -86,9 +98,12 @@ NAMES = list(tricks(Path("x")))
 def _process_state() -> dict:
     """What the tricks would change if they got through."""
     member = dcp_metadata._MEM_FORMAT_ENCODING(0)
-    return {"PosixPath.is_file": vars(pathlib.PosixPath).get("is_file", pathlib.Path.is_file),
-            "Metadata.version": vars(dcp_metadata.Metadata).get("version"), "enum": member._value_,
-            "float32 is_signed": torch.float32.is_signed}
+    return {
+        "PosixPath.is_file": vars(pathlib.PosixPath).get("is_file", pathlib.Path.is_file),
+        "Metadata.version": vars(dcp_metadata.Metadata).get("version"),
+        "enum": member._value_,
+        "float32 is_signed": torch.float32.is_signed,
+    }
 
 
 def _with_trick(pickled: bytes, trick: bytes) -> bytes:
@@ -105,8 +120,11 @@ def step_dir(tmp_path_factory) -> Path:
     """A complete step folder of this tool: weights, a non-tensor value, checksums, COMPLETE."""
     folder = tmp_path_factory.mktemp("ckpt") / "step_4"
     start_marker(folder)
-    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 4, "note": "plain"}},
-             storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 4, "note": "plain"}},
+        storage_writer=ChecksummingWriter(str(folder)),
+        no_dist=True,
+    )
     write_marker(folder, {"step": 4, "metrics": {}})
     return folder
 
@@ -164,8 +182,12 @@ class _RawValuePlanner(DefaultSavePlanner):
 
 def _load_a_value_from_a_shard(step_dir: Path, trick: bytes, tmp: Path) -> None:
     target = tmp / "values"
-    dcp.save({"train_state": {"step": 0}}, checkpoint_id=str(target), planner=_RawValuePlanner(_torch_file(trick)),
-             no_dist=True)
+    dcp.save(
+        {"train_state": {"step": 0}},
+        checkpoint_id=str(target),
+        planner=_RawValuePlanner(_torch_file(trick)),
+        no_dist=True,
+    )
     state = {"train_state": {"step": 0}}
     dcp.load(state, storage_reader=SafeReader(str(target)), planner=SafeLoadPlanner(), no_dist=True)
 
@@ -181,11 +203,13 @@ def _load_hf_pytorch_model_bin(step_dir: Path, trick: bytes, tmp: Path) -> None:
     read_hf_weights(tmp / "hf")
 
 
-READERS = {"metadata of a step folder": _load_metadata_of_complete_folder,
-           "metadata of a plain DCP folder": _load_metadata_of_plain_dcp_folder,
-           "value in a .distcp shard": _load_a_value_from_a_shard,
-           "torch weights file": _load_a_torch_weights_file,
-           "HF pytorch_model.bin": _load_hf_pytorch_model_bin}
+READERS = {
+    "metadata of a step folder": _load_metadata_of_complete_folder,
+    "metadata of a plain DCP folder": _load_metadata_of_plain_dcp_folder,
+    "value in a .distcp shard": _load_a_value_from_a_shard,
+    "torch weights file": _load_a_torch_weights_file,
+    "HF pytorch_model.bin": _load_hf_pytorch_model_bin,
+}
 
 
 @pytest.mark.parametrize("reader", list(READERS))
@@ -242,8 +266,9 @@ PATCHING = {"BUILD on a class": 0, "BUILD on an allowed dataclass": 1, "BUILD on
 def test_control_a_plain_unpickler_falls_for_the_tricks(tmp_path):
     markers = {name: tmp_path / name.replace(" ", "_") for name in CODE_RUNNING + list(PATCHING)}
     payloads = {name: (tricks(marker)[name].hex(), str(marker)) for name, marker in markers.items()}
-    result = subprocess.run([sys.executable, "-c", _CONTROL], input=json.dumps(payloads), capture_output=True,
-                            text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", _CONTROL], input=json.dumps(payloads), capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr[-2000:]
     done = json.loads(result.stdout.strip().splitlines()[-1])
     assert all(done[name]["ran"] for name in CODE_RUNNING), done
@@ -292,8 +317,12 @@ print("peak_rise_kib", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - befo
 
 @pytest.mark.parametrize("name", list(VALUE_ALLOCATING))
 def test_a_value_names_only_the_globals_plain_data_is_saved_with(tmp_path, name):
-    proc = subprocess.run([sys.executable, "-c", _PEAK_RSS, str(pathlib.Path(__file__).parents[3]), str(tmp_path),
-                           name], capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _PEAK_RSS, str(pathlib.Path(__file__).parents[3]), str(tmp_path), name],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.strip().splitlines()
     assert lines[0].startswith("refused:") and "is not one plain data is saved with" in lines[0], lines

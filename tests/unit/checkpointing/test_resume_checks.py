@@ -27,15 +27,22 @@ from core.data.pipeline import TrainingData
 from recipes.base import Datasets
 from tests.support.helpers import compose_config, validated_config
 
-VIT = ["data=synthetic", "model.hidden_size=32", "model.depth=2", "model.num_heads=2", "training.steps=4",
-       "training.global_batch_size=16", "training.micro_batch_size=4"]
+VIT = [
+    "data=synthetic",
+    "model.hidden_size=32",
+    "model.depth=2",
+    "model.num_heads=2",
+    "training.steps=4",
+    "training.global_batch_size=16",
+    "training.micro_batch_size=4",
+]
 
 
 @pytest.fixture(scope="module")
 def vit_cfg(tmp_path_factory):
     def config(*overrides):
-        return validated_config("vit_sanity", [*VIT, *overrides,
-                                               f"checkpoint.path={tmp_path_factory.mktemp('ckpt')}"])
+        return validated_config("vit_sanity", [*VIT, *overrides, f"checkpoint.path={tmp_path_factory.mktemp('ckpt')}"])
+
     return config
 
 
@@ -63,27 +70,33 @@ def test_a_result_key_the_saved_config_lacks_is_compared_with_its_default(vit_cf
     # A key without a default cannot show the run is the same one.
     file = _saved(tmp_path, vit_cfg(), lambda t: t["training"].pop("global_batch_size"))
     refused, _ = config_changes(file, vit_cfg())
-    assert len(refused) == 1 and refused[0].startswith(f"training.global_batch_size: absent from {file}, and its "
-                                                       "schema has no default")
+    assert len(refused) == 1 and refused[0].startswith(
+        f"training.global_batch_size: absent from {file}, and its schema has no default"
+    )
 
 
 def test_keys_that_leave_the_result_alone_may_differ_or_be_absent(vit_cfg, tmp_path):
     def edit(tree):
         tree["training"].pop("log_every_n_steps")
         tree["training"]["steps"] = 2
+
     refused, other = config_changes(_saved(tmp_path, vit_cfg(), edit), vit_cfg())
     assert refused == []
     assert "training.log_every_n_steps: '(absent)' -> 20" in other and "training.steps: 2 -> 4" in other
 
 
-@pytest.mark.parametrize("edit,where", [
-    (lambda t: t.update(model=[1, 2]), "'model' is a list, expected a mapping of settings"),
-    (lambda t: t.update(model=None), "'model' is a NoneType, expected a mapping of settings"),
-    (lambda t: t["model"].update(nope=1), "model.nope: Key 'nope' not in 'ViTModelConfig'"),
-    (lambda t: t["model"].update(depth="two"), "model.depth: Value 'two' of type 'str' could not be converted"),
-    (lambda t: t["optim"].update(lr=[1]), "optim.lr: Value '[1]' of type 'ListConfig' could not be converted"),
-    (lambda t: t.update(model_was={}), "model_was: Key 'model_was' not in 'TrainConfig'"),
-], ids=["section-list", "section-null", "unknown-key", "wrong-type", "wrong-type-core", "unknown-top-key"])
+@pytest.mark.parametrize(
+    "edit,where",
+    [
+        (lambda t: t.update(model=[1, 2]), "'model' is a list, expected a mapping of settings"),
+        (lambda t: t.update(model=None), "'model' is a NoneType, expected a mapping of settings"),
+        (lambda t: t["model"].update(nope=1), "model.nope: Key 'nope' not in 'ViTModelConfig'"),
+        (lambda t: t["model"].update(depth="two"), "model.depth: Value 'two' of type 'str' could not be converted"),
+        (lambda t: t["optim"].update(lr=[1]), "optim.lr: Value '[1]' of type 'ListConfig' could not be converted"),
+        (lambda t: t.update(model_was={}), "model_was: Key 'model_was' not in 'TrainConfig'"),
+    ],
+    ids=["section-list", "section-null", "unknown-key", "wrong-type", "wrong-type-core", "unknown-top-key"],
+)
 def test_a_saved_config_that_does_not_fit_the_schemas_is_refused(vit_cfg, tmp_path, edit, where):
     file = _saved(tmp_path, vit_cfg(), edit)
     refused, other = config_changes(file, vit_cfg())
@@ -97,6 +110,7 @@ def test_another_recipes_config_is_one_refused_line(vit_cfg, tmp_path):
 
 
 # --- the stream position -------------------------------------------------------------------------------------
+
 
 class _Positions(Dataset):
     """48 samples that say which (epoch, index) they were asked for."""
@@ -127,9 +141,19 @@ def test_the_training_stream_continues_from_any_position():
     """A run resumed with another global batch (checkpoint.allow_config_changes) stands at any count: 72 is no
     multiple of 16, and 1000 lies past training.steps x global batch = 96 (it was an IndexError at the first
     step). The samples are the stream's at those positions, as from 0."""
-    cfg = OmegaConf.create({"seed": 3, "data": {"num_workers": 0, "pin_memory": False},
-                            "training": {"steps": 6, "epochs": None, "micro_batch_size": 4, "global_batch_size": 16,
-                                         "limit_val_batches": 0}})
+    cfg = OmegaConf.create(
+        {
+            "seed": 3,
+            "data": {"num_workers": 0, "pin_memory": False},
+            "training": {
+                "steps": 6,
+                "epochs": None,
+                "micro_batch_size": 4,
+                "global_batch_size": 16,
+                "limit_val_batches": 0,
+            },
+        }
+    )
     env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0)
     data = TrainingData(_Recipe(), cfg, env, accumulation=4)
     stream = MultiEpochDatasetResampler(_Positions(), num_samples=10**6, seed=3)
@@ -141,12 +165,17 @@ def test_the_training_stream_continues_from_any_position():
 
 # --- weight files and the checkpoint command ---------------------------------------------------------------
 
-@pytest.mark.parametrize("state,says", [
-    ({1: torch.zeros(2)}, "a key that is not a name (1, type int)"),
-    ({"model": {"w": torch.zeros(1), (2,): torch.zeros(1)}}, "a key that is not a name ((2,), type tuple)"),
-    ({"w": 3}, "'w' holds a value of type int, not a tensor"),
-    ([torch.zeros(1)], "a list, expected a dict of tensors"),
-], ids=["int-key", "nested-tuple-key", "not-a-tensor", "list"])
+
+@pytest.mark.parametrize(
+    "state,says",
+    [
+        ({1: torch.zeros(2)}, "a key that is not a name (1, type int)"),
+        ({"model": {"w": torch.zeros(1), (2,): torch.zeros(1)}}, "a key that is not a name ((2,), type tuple)"),
+        ({"w": 3}, "'w' holds a value of type int, not a tensor"),
+        ([torch.zeros(1)], "a list, expected a dict of tensors"),
+    ],
+    ids=["int-key", "nested-tuple-key", "not-a-tensor", "list"],
+)
 def test_a_weights_file_that_is_not_a_state_dict_is_refused(tmp_path, state, says):
     file = tmp_path / "weights.pt"
     torch.save(state, file)
@@ -178,8 +207,10 @@ def test_the_checkpoint_command_exits_3_for_a_checkpoint_and_2_for_other_inputs(
     (tmp_path / "step_5").mkdir()  # a save that never completed
     torch.save({"w": torch.ones(3)}, tmp_path / "w.pt")
     checkpoint_cli(["from-torch", str(tmp_path / "w.pt"), str(tmp_path / "step_0")])
-    for args, code, says in ((["to-torch", tmp_path / "step_5", tmp_path / "o.pt"], 3, "incomplete checkpoint"),
-                             (["to-torch", tmp_path / "step_0", tmp_path / "no" / "o.pt"], 2, "No such file")):
+    for args, code, says in (
+        (["to-torch", tmp_path / "step_5", tmp_path / "o.pt"], 3, "incomplete checkpoint"),
+        (["to-torch", tmp_path / "step_0", tmp_path / "no" / "o.pt"], 2, "No such file"),
+    ):
         proc = run_python(REPO / "checkpoint.py", *args, cwd=tmp_path)
         assert proc.returncode == code and proc.stderr.startswith("error: ") and says in proc.stderr, proc.stderr
         assert len(proc.stderr.strip().splitlines()) == 1, proc.stderr
@@ -187,9 +218,19 @@ def test_the_checkpoint_command_exits_3_for_a_checkpoint_and_2_for_other_inputs(
 
 # --- the GPT's tokenizer folder, Hugging Face import, vocabulary and generate.py ---------------------------------
 
-LLAMA = {"vocab_size": 258, "hidden_size": 16, "ffn_hidden_size": 24, "num_layers": 1, "num_attention_heads": 2,
-         "num_query_groups": 1, "seq_length": 32, "norm_epsilon": 1e-5, "tie_embeddings": False,
-         "rotary_base": 10000.0, "init_std": 0.02}
+LLAMA = {
+    "vocab_size": 258,
+    "hidden_size": 16,
+    "ffn_hidden_size": 24,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_query_groups": 1,
+    "seq_length": 32,
+    "norm_epsilon": 1e-5,
+    "tie_embeddings": False,
+    "rotary_base": 10000.0,
+    "init_std": 0.02,
+}
 
 
 def _hf_folder(folder, **config):
@@ -225,8 +266,11 @@ def test_from_hf_refuses_what_training_would_and_prints_a_command_that_reads_bac
 
     from recipes.gpt.hf import import_from_hf
 
-    with pytest.raises(ValueError, match=r"config\.json: rms_norm_eps=1e-320, but the GPT recipe's model needs "
-                                         r"1e-30 <= norm_epsilon <= 1 \(it becomes model\.norm_epsilon\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"config\.json: rms_norm_eps=1e-320, but the GPT recipe's model needs "
+        r"1e-30 <= norm_epsilon <= 1 \(it becomes model\.norm_epsilon\)",
+    ):
         import_from_hf(str(_hf_folder(tmp_path / "tiny_eps", rms_norm_eps=1e-320)), str(tmp_path / "a.safetensors"))
     assert not (tmp_path / "a.safetensors").exists()
     folder = _hf_folder(tmp_path / "my models, v2" / "llama [tiny]")  # a space, a comma (a Hydra sweep), brackets
@@ -242,11 +286,16 @@ def test_a_vocab_size_below_the_tokenizers_is_a_config_error(tmp_path):
     from recipes.gpt.recipe import GPTRecipe
 
     cfg = validated_config("gpt_sanity", ["model.vocab_size=5", f"checkpoint.path={tmp_path}/ckpt"])
-    with pytest.raises(ConfigError, match=r"model\.vocab_size=5 is smaller than the vocabulary of "
-                                          r"data\.tokenizer=byte \(258 tokens\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"model\.vocab_size=5 is smaller than the vocabulary of "
+        r"data\.tokenizer=byte \(258 tokens\)",
+    ):
         GPTRecipe(cfg).vocab_size
-    assert GPTRecipe(validated_config("gpt_sanity", ["model.vocab_size=300", f"checkpoint.path={tmp_path}/c"])
-                     ).vocab_size == 300
+    assert (
+        GPTRecipe(validated_config("gpt_sanity", ["model.vocab_size=300", f"checkpoint.path={tmp_path}/c"])).vocab_size
+        == 300
+    )
 
 
 def test_generate_shows_the_error_building_the_tokenizer(tmp_path, monkeypatch):
@@ -260,7 +309,14 @@ def test_generate_shows_the_error_building_the_tokenizer(tmp_path, monkeypatch):
 
     monkeypatch.setattr(recipes.gpt.recipe, "build_tokenizer", broken)
     (tmp_path / "w.safetensors").write_bytes(b"")  # not read: the tokenizer is needed first
-    cfg = compose_config("gpt_sanity", [f"checkpoint.init_from={tmp_path}/w.safetensors", "generate.prompt=hi",
-                                        f"checkpoint.path={tmp_path}/unused", "logger.progress_bar=never"])
+    cfg = compose_config(
+        "gpt_sanity",
+        [
+            f"checkpoint.init_from={tmp_path}/w.safetensors",
+            "generate.prompt=hi",
+            f"checkpoint.path={tmp_path}/unused",
+            "logger.progress_bar=never",
+        ],
+    )
     with pytest.raises(AttributeError, match="'list' object has no attribute 'get'"):
         generate.generate(cfg, tmp_path / "run")

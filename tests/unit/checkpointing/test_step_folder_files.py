@@ -30,8 +30,11 @@ from tests.support.helpers import read_records, train_run, validated_config
 def step_dir(tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("ckpt") / "step_4"
     start_marker(folder)
-    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 4}},
-             storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.arange(6.0).reshape(2, 3)}, "train_state": {"step": 4}},
+        storage_writer=ChecksummingWriter(str(folder)),
+        no_dist=True,
+    )
     write_marker(folder, {"step": 4, "metrics": {"val/loss": 1.5}})
     return folder
 
@@ -72,7 +75,7 @@ def test_a_malformed_marker_is_a_checkpoint_error_naming_it(step_dir, tmp_path, 
 
 def test_a_marker_that_is_not_utf8_or_json_is_a_checkpoint_error(step_dir, tmp_path):
     folder = _copy(step_dir, tmp_path)
-    for content in (b"\xff\xfe{", b"{\"step\": 4,"):
+    for content in (b"\xff\xfe{", b'{"step": 4,'):
         (folder / "COMPLETE").write_bytes(content)
         with pytest.raises(CheckpointError, match="unreadable completion marker"):
             verify(folder)
@@ -84,11 +87,17 @@ def test_index_json_holds_what_the_pickled_index_holds(tmp_path, monkeypatch, pa
     (version, where each item lies); index.json must hold what .metadata holds either way."""
     if parent == "fills a copy":
         finish = FileSystemWriter.finish
-        monkeypatch.setattr(FileSystemWriter, "finish",
-                            lambda self, metadata, results: finish(self, dataclasses.replace(metadata), results))
+        monkeypatch.setattr(
+            FileSystemWriter,
+            "finish",
+            lambda self, metadata, results: finish(self, dataclasses.replace(metadata), results),
+        )
     folder = tmp_path / "step_1"
-    dcp.save({"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, "train_state": {"step": 1}},
-             storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+    dcp.save(
+        {"model": {"w": torch.arange(6.0).reshape(2, 3), "b": torch.ones(3)}, "train_state": {"step": 1}},
+        storage_writer=ChecksummingWriter(str(folder)),
+        no_dist=True,
+    )
     pickled = load_index((folder / ".metadata").read_bytes())
     from_json = index_from_json((folder / "index.json").read_bytes())
     assert from_json.version == pickled.version is not None
@@ -121,26 +130,45 @@ def test_an_index_json_of_another_shape_is_refused(step_dir, tmp_path):
     from core.checkpointing.dcp_index import UnsafeCheckpoint, index_from_json
 
     good = json.loads((step_dir / "index.json").read_text())
-    assert index_from_json(json.dumps(good).encode()).state_dict_metadata.keys() == \
-        load_index((step_dir / ".metadata").read_bytes()).state_dict_metadata.keys()
+    assert (
+        index_from_json(json.dumps(good).encode()).state_dict_metadata.keys()
+        == load_index((step_dir / ".metadata").read_bytes()).state_dict_metadata.keys()
+    )
     tensor = next(k for k, v in good["entries"].items() if v["kind"] == "tensor")
     bad = {
         "a list": [],
         "another format": {**good, "format": 2},
         "an unknown field": {**good, "more": 1},
-        "a quantized dtype": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
-                                                                              "dtype": "torch.qint8"}}},
-        "a size beyond any tensor": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
-                                                                                     "size": [2**62, 2**62, 0]}}},
-        "more dimensions than a tensor can have": {**good, "entries": {**good["entries"], tensor: {
-            **good["entries"][tensor], "size": [1] * 65, "chunks": [{"offsets": [0] * 65, "sizes": [1] * 65}]}}},
+        "a quantized dtype": {
+            **good,
+            "entries": {**good["entries"], tensor: {**good["entries"][tensor], "dtype": "torch.qint8"}},
+        },
+        "a size beyond any tensor": {
+            **good,
+            "entries": {**good["entries"], tensor: {**good["entries"][tensor], "size": [2**62, 2**62, 0]}},
+        },
+        "more dimensions than a tensor can have": {
+            **good,
+            "entries": {
+                **good["entries"],
+                tensor: {
+                    **good["entries"][tensor],
+                    "size": [1] * 65,
+                    "chunks": [{"offsets": [0] * 65, "sizes": [1] * 65}],
+                },
+            },
+        },
         # Each dimension in range and no element at all, but the sizes' product overflows an allocation.
-        "sizes that overflow behind a 0": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
-                                                                                           "size": [2**49, 2**49, 0]}}},
+        "sizes that overflow behind a 0": {
+            **good,
+            "entries": {**good["entries"], tensor: {**good["entries"][tensor], "size": [2**49, 2**49, 0]}},
+        },
         "a file outside the folder": {**good, "storage": [{**s, "file": "../x"} for s in good["storage"]]},
         "a negative offset": {**good, "storage": [{**s, "at": -1} for s in good["storage"]]},
-        "a string for a size": {**good, "entries": {**good["entries"], tensor: {**good["entries"][tensor],
-                                                                                "size": ["2", "3"]}}},
+        "a string for a size": {
+            **good,
+            "entries": {**good["entries"], tensor: {**good["entries"][tensor], "size": ["2", "3"]}},
+        },
     }
     for name, value in bad.items():
         with pytest.raises(UnsafeCheckpoint):
@@ -204,8 +232,10 @@ def _resave_with(step: Path, target: Path, change: dict) -> None:
 
 def test_automatic_resume_falls_back_from_malformed_files_and_keeps_the_folders(tmp_path, caplog):
     def run(name: str, steps: int) -> dict:
-        cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/ckpt", f"training.steps={steps}",
-                                                     "checkpoint.save_every_n_steps=2"])
+        cfg = validated_config(
+            "vit_sanity",
+            TINY + [f"checkpoint.path={tmp_path}/ckpt", f"training.steps={steps}", "checkpoint.save_every_n_steps=2"],
+        )
         return train_run(cfg, tmp_path / name)["result"]
 
     run("first", 6)
@@ -250,8 +280,10 @@ def test_fp8_state_restores_only_what_a_te_module_of_the_model_has(tmp_path):
     for keys in (["0.recipe"], ["1.scale_fwd"], ["scale_fwd"]):
         with pytest.raises(CheckpointError, match="not FP8 state"):
             part.load_target(Held(keys))
-    blob = torch.frombuffer(bytearray(json.dumps({"num_gemms": 3, "fp8_checkpoint": "yes", "unknown": 1,
-                                                  "recipe": "x"}).encode()), dtype=torch.uint8)
+    blob = torch.frombuffer(
+        bytearray(json.dumps({"num_gemms": 3, "fp8_checkpoint": "yes", "unknown": 1, "recipe": "x"}).encode()),
+        dtype=torch.uint8,
+    )
     assert _settings(blob, model[0].fp8_meta) == {"num_gemms": 3, "unknown": 1}
     with pytest.raises(ValueError, match="expected an object"):
         _settings(torch.frombuffer(bytearray(b"[1]"), dtype=torch.uint8), model[0].fp8_meta)
@@ -261,22 +293,38 @@ def _records(run_dir: Path) -> dict[int, dict]:
     return {r["step"]: r for r in read_records(run_dir) if "loss" in r}
 
 
-def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_keeps_what_it_saves_over(tmp_path,
-                                                                                                           caplog):
+def test_a_resume_takes_the_schedule_and_optimizer_switches_from_the_config_and_keeps_what_it_saves_over(
+    tmp_path, caplog
+):
     """A checkpoint whose schedule position (last_epoch -1000: a negative learning rate) and AdamW switch (maximize:
     gradient ascent) were rewritten resumes exactly like the untouched one; a benign edit to the newest step's
     config.yaml makes automatic resume fall back, and the folder skipped is kept beside, never saved over."""
+
     def run(name: str, root: str, steps: int) -> dict[int, dict]:
-        cfg = validated_config("vit_sanity", TINY + [f"checkpoint.path={tmp_path}/{root}", f"training.steps={steps}",
-                                                     "checkpoint.save_every_n_steps=2", "checkpoint.keep_last_n=-1"])
+        cfg = validated_config(
+            "vit_sanity",
+            TINY
+            + [
+                f"checkpoint.path={tmp_path}/{root}",
+                f"training.steps={steps}",
+                "checkpoint.save_every_n_steps=2",
+                "checkpoint.keep_last_n=-1",
+            ],
+        )
         train_run(cfg, tmp_path / name)
         return _records(tmp_path / name)
 
     run("first", "ckpt", 6)
     shutil.copytree(tmp_path / "ckpt", tmp_path / "clean")
     step_6 = tmp_path / "ckpt" / "step_6"
-    _resave_with(step_6, step_6, {"scheduler.last_epoch": -1000, "optim.param_groups": lambda groups: [
-        {**g, "maximize": True, "amsgrad": False} for g in groups]})
+    _resave_with(
+        step_6,
+        step_6,
+        {
+            "scheduler.last_epoch": -1000,
+            "optim.param_groups": lambda groups: [{**g, "maximize": True, "amsgrad": False} for g in groups],
+        },
+    )
     crafted = run("crafted", "ckpt", 8)
     with (tmp_path / "clean" / "step_6" / "config.yaml").open("a") as f:
         f.write("# a note\n")
@@ -297,8 +345,12 @@ def test_a_scheduler_state_of_another_shape_is_refused():
     optimizer = torch.optim.AdamW(model.parameters())
     part = StatefulPart(torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0))
     own = part.state_dict()
-    for change in ({"last_epoch": "abc"}, {"base_lrs": [0.1, 0.2]}, {"lr_lambdas": [{"__code__": 1}]},
-                   {"_last_lr": "x"}):
+    for change in (
+        {"last_epoch": "abc"},
+        {"base_lrs": [0.1, 0.2]},
+        {"lr_lambdas": [{"__code__": 1}]},
+        {"_last_lr": "x"},
+    ):
         with pytest.raises(ValueError, match="LambdaLR"):
             part.load_state_dict({**own, **change})
     part.load_state_dict({**own, "last_epoch": 3, "base_lrs": [1]})  # a whole number stands for a float
@@ -406,8 +458,12 @@ def test_a_weight_stored_as_bytes_is_refused_on_every_reader(step_dir, tmp_path)
     with pytest.raises(CheckpointError, match=r"w: not a tensor vs model \(2, 3\)"):
         check_weights_fit(str(folder), {"w": torch.zeros(2, 3)}, saved_weights(metadata))
     with pytest.raises(CheckpointException) as failed:
-        dcp.load({"model": {"w": torch.zeros(2, 3)}}, storage_reader=SafeReader(str(folder), metadata),
-                 planner=SafeLoadPlanner(), no_dist=True)
+        dcp.load(
+            {"model": {"w": torch.zeros(2, 3)}},
+            storage_reader=SafeReader(str(folder), metadata),
+            planner=SafeLoadPlanner(),
+            no_dist=True,
+        )
     assert "'model.w' is stored as bytes, where a tensor belongs" in describe(failed.value)  # as the loaders report it
 
 
@@ -425,8 +481,9 @@ def test_the_chunks_must_hold_every_element_once_however_many_there_are(tmp_path
     write_marker(folder, {"step": 4, "metrics": {}})
     tiles = [{"offsets": [row, column], "sizes": [16, 1]} for row in (0, 16) for column in range(147)]
     entry = index_from_json((folder / "index.json").read_bytes()).state_dict_metadata["model.w"]
-    tiled = dataclasses.replace(entry, chunks=[ChunkStorageMetadata(torch.Size(t["offsets"]), torch.Size(t["sizes"]))
-                                               for t in tiles])
+    tiled = dataclasses.replace(
+        entry, chunks=[ChunkStorageMetadata(torch.Size(t["offsets"]), torch.Size(t["sizes"])) for t in tiles]
+    )
     assert _overlap(tiled) is False
     moved = [*tiles[:-1], {"offsets": [8, 0], "sizes": [16, 1]}]  # rows 16-31 of the last column never stored
 
@@ -434,14 +491,25 @@ def test_the_chunks_must_hold_every_element_once_however_many_there_are(tmp_path
         index["entries"]["model.w"]["chunks"] = moved
 
     _forged(folder, tile)
-    with pytest.raises(CheckpointError, match=rf"{folder / 'index.json'}: the chunks of model\.w do not hold its "
-                                              r"4704 elements \(each once\)"):
+    with pytest.raises(
+        CheckpointError,
+        match=rf"{folder / 'index.json'}: the chunks of model\.w do not hold its "
+        r"4704 elements \(each once\)",
+    ):
         verify(folder)
-    outside = dataclasses.replace(entry, chunks=[ChunkStorageMetadata(torch.Size([17, 0]), torch.Size([16, 147])),
-                                                 ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([16, 147]))])
+    outside = dataclasses.replace(
+        entry,
+        chunks=[
+            ChunkStorageMetadata(torch.Size([17, 0]), torch.Size([16, 147])),
+            ChunkStorageMetadata(torch.Size([0, 0]), torch.Size([16, 147])),
+        ],
+    )
     assert _overlap(outside) is True
-    diagonal = dataclasses.replace(entry, size=torch.Size([8192, 8192]),
-                                   chunks=[ChunkStorageMetadata(torch.Size([i, i]), torch.Size([1, 1])) for i in range(8192)])
+    diagonal = dataclasses.replace(
+        entry,
+        size=torch.Size([8192, 8192]),
+        chunks=[ChunkStorageMetadata(torch.Size([i, i]), torch.Size([1, 1])) for i in range(8192)],
+    )
     assert _overlap(diagonal) is None  # 2**26 cells: too many to check, refused by check_storage
 
 
@@ -457,6 +525,8 @@ def test_index_problems_name_the_file_the_index_was_read_from(step_dir, tmp_path
 def test_a_marker_of_another_step_than_its_folder_is_refused(step_dir, tmp_path):
     folder = _copy(step_dir, tmp_path)
     (folder / "COMPLETE").write_text(json.dumps({**_marker(step_dir), "step": 2}))
-    with pytest.raises(CheckpointError, match=r"not a completion marker of this tool \(step 2, in the folder of step 4\)"):
+    with pytest.raises(
+        CheckpointError, match=r"not a completion marker of this tool \(step 2, in the folder of step 4\)"
+    ):
         verify(folder)
     assert not is_own(folder)  # never ranked, deleted or set aside as a checkpoint of this tool

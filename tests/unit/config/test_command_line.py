@@ -62,8 +62,10 @@ def test_every_config_refuses_the_model_and_data_of_other_recipes(config):
         with pytest.raises(ConfigError) as error:
             command_line.check_group_choices(["--config-name", config, f"{group}={option}"])
         message = str(error.value)
-        assert message.startswith(f"{group}={option} is {group} of the {owner} recipe, but this config trains the "
-                                  f"{recipe} recipe: choose {group}=<one of ")
+        assert message.startswith(
+            f"{group}={option} is {group} of the {owner} recipe, but this config trains the "
+            f"{recipe} recipe: choose {group}=<one of "
+        )
         assert all(o in message for o in command_line.options_for(group, recipe)) and "\n" not in message
     for group in ("model", "data"):
         for option in command_line.options_for(group, recipe):
@@ -76,6 +78,9 @@ def test_a_composed_config_with_another_recipes_data_is_refused_naming_it():
     """What Hydra composed (a config file that combines them, or a caller from Python): refused by validate, before
     model.num_classes's interpolation of a data key the gpt data lacks fails."""
     cfg = compose_config("vit_sanity", ["data=moby_dick", "checkpoint.path=unused"])
-    with pytest.raises(ConfigError, match=r"^data is data of the gpt recipe, but this config trains the vit recipe: "
-                                          r"choose data=<one of digits, imagefolder, shards, synthetic, tiny_imagenet>"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^data is data of the gpt recipe, but this config trains the vit recipe: "
+        r"choose data=<one of digits, imagefolder, shards, synthetic, tiny_imagenet>",
+    ):
         validate(cfg)

@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from checkpoint import main as checkpoint_cli
+from core.checkpointing.hf_folders import read_hf_weights
 from core.checkpointing.lock import LockHeld, PathLock, read_lock
 from core.config.errors import ConfigError
 from core.config.file_shape import NotThisKindOfFile, read_small_file
@@ -31,7 +32,6 @@ from core.config.run_record import read_run_record, recorded_run_dir, write_run_
 from core.config.schema import LoggerConfig
 from core.metrics.history import SUPERSEDED, keep_history_up_to
 from core.metrics.logger import MetricsLogger
-from core.checkpointing.hf_folders import read_hf_weights
 from recipes.gpt.hf import import_from_hf, llama_config, llama_shapes
 
 # Contents of a LOCK that is not a lock record: no holder can be named from them.
@@ -48,7 +48,6 @@ NOT_LOCK_RECORDS = {
 }
 
 
-
 class Blocked(Exception):
     """Not an OSError, which the code under test may catch."""
 
@@ -57,6 +56,7 @@ class Blocked(Exception):
 def within(seconds: float):
     """Fail the test (Blocked) instead of hanging, if the code waits on a FIFO; again every second after, if
     the code swallowed the first."""
+
     def too_slow(signum, frame):
         raise Blocked(f"still blocked after {seconds} s")
 
@@ -83,10 +83,12 @@ SPECIAL = {
     "a link to a regular file": lambda path, tmp: os.symlink(tmp / "elsewhere", path),
     "a directory": lambda path, tmp: (path.mkdir(), (path / "kept").write_text("mine")),
 }
-SPECIAL_SAYS = {"a FIFO": "it is a FIFO, not a regular file",
-                "a link to /dev/zero": "it is a symbolic link, not followed",
-                "a link to a regular file": "it is a symbolic link, not followed",
-                "a directory": "it is a directory, not a regular file"}
+SPECIAL_SAYS = {
+    "a FIFO": "it is a FIFO, not a regular file",
+    "a link to /dev/zero": "it is a symbolic link, not followed",
+    "a link to a regular file": "it is a symbolic link, not followed",
+    "a directory": "it is a directory, not a regular file",
+}
 
 # ----------------------------------------------------------------------------- reading a small file
 
@@ -157,8 +159,9 @@ def _race(root: Path) -> dict[int, list[tuple[str, bool]]]:
     context = multiprocessing.get_context("fork")  # no re-import per starter: the race stays a few seconds
     ready, go = context.RawValue("i", -1), context.RawValue("i", -1)
     both, results = context.Barrier(2), context.Queue()
-    starters = [context.Process(target=_contend, args=(me, str(root), ready, go, both, results), daemon=True)
-                for me in (0, 1)]
+    starters = [
+        context.Process(target=_contend, args=(me, str(root), ready, go, both, results), daemon=True) for me in (0, 1)
+    ]
     for p in starters:
         p.start()
     outcomes: dict[int, list[tuple[str, bool]]] = {}
@@ -231,7 +234,7 @@ def test_a_lock_that_is_not_a_lock_record_is_taken_over_once_old(content, tmp_pa
     with caplog.at_level(logging.WARNING, logger="checkpoint"):
         lock.acquire()
     try:
-        warning, = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
         assert f"taking over the lock {tmp_path / 'LOCK'}: it is not a lock record" in warning
         assert "has not been modified for 400 s" in warning
         assert json.loads((tmp_path / "LOCK").read_text())["pid"] == os.getpid()
@@ -289,8 +292,14 @@ def test_a_lock_far_larger_than_a_record_is_not_read_whole(tmp_path):
 def _lock_of_this_host(root: Path, **fields) -> Path:
     """A fresh lock naming this host and a pid no process here has; `fields` change or remove (None) others."""
     me = PathLock(root).me
-    record = {"host": me["host"], "pid": _dead_pid(), "job": None, "since": time.time(), "pidns": me["pidns"],
-              "boot": me["boot"]} | fields
+    record = {
+        "host": me["host"],
+        "pid": _dead_pid(),
+        "job": None,
+        "since": time.time(),
+        "pidns": me["pidns"],
+        "boot": me["boot"],
+    } | fields
     lock = root / "LOCK"
     lock.write_text(json.dumps({k: v for k, v in record.items() if v is not ...}))
     return lock
@@ -307,8 +316,11 @@ def test_a_lock_records_where_its_pid_means_a_process(tmp_path):
     assert record["boot"] == Path("/proc/sys/kernel/random/boot_id").read_text().strip()
 
 
-@pytest.mark.parametrize("other", [{"pidns": "4026530000"}, {"boot": "another-boot"}, {"pidns": None}],
-                         ids=["pid namespace", "boot", "namespace unknown"])
+@pytest.mark.parametrize(
+    "other",
+    [{"pidns": "4026530000"}, {"boot": "another-boot"}, {"pidns": None}],
+    ids=["pid namespace", "boot", "namespace unknown"],
+)
 def test_a_lock_from_another_pid_namespace_on_this_host_is_respected_while_fresh(other, tmp_path, caplog):
     """Two containers sharing the host name: the holder's pid means nothing here (no process has it here, yet
     the holder runs), so the lock is judged like one from another host: held while refreshed."""
@@ -395,7 +407,7 @@ def test_a_run_json_that_is_not_a_run_record_starts_a_new_record(content, tmp_pa
         assert recorded_run_dir(str(tmp_path), "outputs/new") == "outputs/new"
         assert not caplog.records  # the Hydra resolver stays silent: the logger warns, once, on rank 0
         assert read_run_record(tmp_path) == {}
-    warning, = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"{tmp_path / 'run.json'} is not a run record (")
     assert "this invocation starts a new run record" in warning
 
@@ -413,7 +425,7 @@ def test_a_run_json_that_is_not_a_regular_file_starts_a_new_record(kind, tmp_pat
     with within(5), caplog.at_level(logging.WARNING, logger="train"):
         assert recorded_run_dir(str(ckpt), "/runs/new") == "/runs/new"
         assert read_run_record(ckpt) == {}
-    warning, = [r.getMessage() for r in caplog.records]
+    (warning,) = [r.getMessage() for r in caplog.records]
     assert warning.startswith(f"{ckpt / 'run.json'} is not a run record ({SPECIAL_SAYS[kind]}")
     if kind == "a directory":
         with pytest.raises(ConfigError, match=f"^{ckpt / 'run.json'} is a directory, not a run record.*rm -r"):
@@ -463,9 +475,11 @@ def test_a_copied_or_moved_checkpoint_folder_starts_its_own_run_directory(how, t
     with caplog.at_level(logging.WARNING, logger="train"):
         logger.open(start_step=4, resumed=True)
     logger.close()
-    assert (f"{copy / 'run.json'} was written for the checkpoint folder {original.resolve()}, not for "
-            f"{copy.resolve()} (a copy of it, or moved here): this invocation does not write to that run's "
-            f"directory {first_dir}") in caplog.text
+    assert (
+        f"{copy / 'run.json'} was written for the checkpoint folder {original.resolve()}, not for "
+        f"{copy.resolve()} (a copy of it, or moved here): this invocation does not write to that run's "
+        f"directory {first_dir}"
+    ) in caplog.text
     assert (first_dir / "metrics.jsonl").read_text() == history and os.listdir(first_dir) == ["metrics.jsonl"]
     assert read_run_record(copy) == {"run_dir": str(new_dir.resolve()), "checkpoint_path": str(copy.resolve())}
     if how == "copied":
@@ -481,8 +495,10 @@ def test_a_run_json_of_the_previous_version_starts_a_new_record(tmp_path, caplog
     assert recorded_run_dir(str(tmp_path / "ckpt"), "/runs/new") == "/runs/new"
     with caplog.at_level(logging.WARNING, logger="train"):
         assert read_run_record(tmp_path / "ckpt") == {}  # MetricsLogger.open reads it so and warns
-    assert (f"{tmp_path / 'ckpt' / 'run.json'} was written by an earlier version of this tool, without the checkpoint "
-            "folder it belongs to") in caplog.text and "(/runs/a)" in caplog.text
+    assert (
+        f"{tmp_path / 'ckpt' / 'run.json'} was written by an earlier version of this tool, without the checkpoint "
+        "folder it belongs to"
+    ) in caplog.text and "(/runs/a)" in caplog.text
 
 
 def test_a_run_resumed_without_its_earlier_history_says_so(tmp_path, caplog):
@@ -495,9 +511,11 @@ def test_a_run_resumed_without_its_earlier_history_says_so(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="train"):
         logger.open(start_step=4, resumed=True)
     logger.close()
-    warning, = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
-    assert warning.startswith(f"resuming at step 4, but the metrics history of earlier invocations (steps up to 4) "
-                              f"is not in {run_dir / 'metrics.jsonl'}")
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warning.startswith(
+        f"resuming at step 4, but the metrics history of earlier invocations (steps up to 4) "
+        f"is not in {run_dir / 'metrics.jsonl'}"
+    )
     assert f"{ckpt / 'run.json'} names {run_dir.resolve()} as this run's directory" in warning
     assert read_run_record(ckpt)["run_dir"] == str(run_dir.resolve())  # later invocations stay together
 
@@ -552,9 +570,16 @@ def test_metrics_jsonl_linked_after_the_start_is_not_appended_to(tmp_path):
 def test_lines_that_are_not_records_move_aside_byte_for_byte(tmp_path):
     """One non-UTF-8 byte, a JSON array, a step that is text or a bool: moved aside unchanged, and the
     resume goes on (before, the first of these stopped every resume with UnicodeDecodeError)."""
-    lines = [b'{"step": 1, "loss": 2.0}', b'{"step": 2, "note": "caf\xe9"}', b'{"step": 2, "loss": 1.5}',
-             b"[1, 2]", b'{"step": "3", "loss": 1.2}', b'{"step": true}', b'{"step": 3, "loss": 1.1}',
-             b'{"step": 4, "lo']
+    lines = [
+        b'{"step": 1, "loss": 2.0}',
+        b'{"step": 2, "note": "caf\xe9"}',
+        b'{"step": 2, "loss": 1.5}',
+        b"[1, 2]",
+        b'{"step": "3", "loss": 1.2}',
+        b'{"step": true}',
+        b'{"step": 3, "loss": 1.1}',
+        b'{"step": 4, "lo',
+    ]
     metrics = tmp_path / "metrics.jsonl"
     metrics.write_bytes(b"\n".join(lines))  # the last line torn: no newline
     assert keep_history_up_to(metrics, 2) == 6
@@ -565,9 +590,19 @@ def test_lines_that_are_not_records_move_aside_byte_for_byte(tmp_path):
 
 # ----------------------------------------------------------------------------- Hugging Face folders
 
-SETTINGS = {"hidden_size": 16, "num_layers": 1, "num_attention_heads": 2, "num_query_groups": 1,
-            "ffn_hidden_size": 24, "seq_length": 8, "norm_epsilon": 1e-5, "tie_embeddings": False,
-            "rotary_base": 10000.0, "init_std": 0.02, "vocab_size": 32}
+SETTINGS = {
+    "hidden_size": 16,
+    "num_layers": 1,
+    "num_attention_heads": 2,
+    "num_query_groups": 1,
+    "ffn_hidden_size": 24,
+    "seq_length": 8,
+    "norm_epsilon": 1e-5,
+    "tie_embeddings": False,
+    "rotary_base": 10000.0,
+    "init_std": 0.02,
+    "vocab_size": 32,
+}
 
 
 @pytest.fixture
@@ -576,8 +611,10 @@ def llama(tmp_path) -> Path:
     folder = tmp_path / "llama"
     folder.mkdir()
     generator = torch.Generator().manual_seed(0)
-    save_file({name: torch.randn(shape, generator=generator) for name, shape in llama_shapes(SETTINGS).items()},
-              str(folder / "model.safetensors"))
+    save_file(
+        {name: torch.randn(shape, generator=generator) for name, shape in llama_shapes(SETTINGS).items()},
+        str(folder / "model.safetensors"),
+    )
     config = llama_config(SETTINGS, SETTINGS["vocab_size"], {}, "float32")
     (folder / "config.json").write_text(json.dumps(config))
     return folder
@@ -594,24 +631,28 @@ def test_a_well_formed_llama_folder_imports(llama, tmp_path):
     assert "model.hidden_size=16" in import_from_hf(str(llama), str(tmp_path / "w.safetensors"))
 
 
-@pytest.mark.parametrize("change,named", [
-    ({"hidden_size": 16.0}, "hidden_size=16.0: Input should be a valid integer"),
-    ({"num_attention_heads": 0}, "num_attention_heads=0: Input should be greater than or equal to 1"),
-    ({"vocab_size": -32}, "vocab_size=-32"),
-    ({"intermediate_size": "24"}, "intermediate_size='24'"),
-    ({"num_hidden_layers": True}, "num_hidden_layers=True"),
-    ({"num_key_value_heads": 1.5}, "num_key_value_heads=1.5"),
-    ({"max_position_embeddings": 2**40}, "max_position_embeddings=1099511627776"),
-    ({"rms_norm_eps": 0}, "rms_norm_eps=0: Input should be greater than 0"),
-    ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan: Input should be a finite number"),
-    ({"rope_theta": float("inf")}, "rope_theta=inf"),
-    ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta='1e4'"),
-    ({"rope_parameters": [1]}, "rope_parameters=[1]: Input should be a valid dictionary"),
-    ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false': Input should be a valid boolean"),
-    ({"initializer_range": -0.02}, "initializer_range=-0.02"),
-    ({"hidden_act": 3}, "hidden_act=3"),
-    ({"hidden_size": None}, "hidden_size missing"),
-], ids=lambda v: next(iter(v)) if isinstance(v, dict) else None)
+@pytest.mark.parametrize(
+    "change,named",
+    [
+        ({"hidden_size": 16.0}, "hidden_size=16.0: Input should be a valid integer"),
+        ({"num_attention_heads": 0}, "num_attention_heads=0: Input should be greater than or equal to 1"),
+        ({"vocab_size": -32}, "vocab_size=-32"),
+        ({"intermediate_size": "24"}, "intermediate_size='24'"),
+        ({"num_hidden_layers": True}, "num_hidden_layers=True"),
+        ({"num_key_value_heads": 1.5}, "num_key_value_heads=1.5"),
+        ({"max_position_embeddings": 2**40}, "max_position_embeddings=1099511627776"),
+        ({"rms_norm_eps": 0}, "rms_norm_eps=0: Input should be greater than 0"),
+        ({"rms_norm_eps": float("nan")}, "rms_norm_eps=nan: Input should be a finite number"),
+        ({"rope_theta": float("inf")}, "rope_theta=inf"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": "1e4"}}, "rope_parameters.rope_theta='1e4'"),
+        ({"rope_parameters": [1]}, "rope_parameters=[1]: Input should be a valid dictionary"),
+        ({"tie_word_embeddings": "false"}, "tie_word_embeddings='false': Input should be a valid boolean"),
+        ({"initializer_range": -0.02}, "initializer_range=-0.02"),
+        ({"hidden_act": 3}, "hidden_act=3"),
+        ({"hidden_size": None}, "hidden_size missing"),
+    ],
+    ids=lambda v: next(iter(v)) if isinstance(v, dict) else None,
+)
 def test_a_config_json_field_of_the_wrong_type_or_range_is_refused(change, named, llama, tmp_path):
     config = json.loads((llama / "config.json").read_text())
     (llama / "config.json").write_text(json.dumps(config | change))
@@ -619,13 +660,17 @@ def test_a_config_json_field_of_the_wrong_type_or_range_is_refused(change, named
     assert error.startswith(f"error: {llama / 'config.json'}: ") and named in error
 
 
-@pytest.mark.parametrize("content,named", [
-    (b"[1]", "Input should be an object"),
-    (b'{"model_type": "ll\xffama"}', "Invalid JSON"),
-    (b"", "Invalid JSON"),
-    (b"[" * 100_000 + b"]" * 100_000, "Invalid JSON: recursion limit exceeded"),  # was a RecursionError traceback
-    (b'{"model_type": "llama", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit exceeded"),
-], ids=["array", "not_utf8", "empty", "nested_too_deeply", "a_field_nested_too_deeply"])
+@pytest.mark.parametrize(
+    "content,named",
+    [
+        (b"[1]", "Input should be an object"),
+        (b'{"model_type": "ll\xffama"}', "Invalid JSON"),
+        (b"", "Invalid JSON"),
+        (b"[" * 100_000 + b"]" * 100_000, "Invalid JSON: recursion limit exceeded"),  # was a RecursionError traceback
+        (b'{"model_type": "llama", "x": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "recursion limit exceeded"),
+    ],
+    ids=["array", "not_utf8", "empty", "nested_too_deeply", "a_field_nested_too_deeply"],
+)
 def test_a_config_json_that_is_not_a_json_object_is_refused(content, named, llama, tmp_path):
     (llama / "config.json").write_bytes(content)
     error = _from_hf_error(llama, tmp_path / "w.safetensors")
@@ -656,17 +701,26 @@ def test_a_well_formed_shard_index_reads(llama):
     assert set(read_hf_weights(llama)) == set(weight_map)
 
 
-@pytest.mark.parametrize("changed,named", [
-    ("{outside}", "weight_map='{outside}': Input should be a valid dictionary"),
-    ({"model.norm.weight": "../outside.safetensors"}, "weight_map.model.norm.weight='../outside.safetensors': "
-                                                      "should be the name of a file in the model folder"),
-    ({"model.norm.weight": "{outside}"}, "weight_map.model.norm.weight='{outside}'"),
-    ({"model.norm.weight": "llama/model-00001-of-00001.safetensors"}, "='llama/model-00001-of-00001.safetensors'"),
-    ({"model.norm.weight": ".."}, "weight_map.model.norm.weight='..'"),
-    ({"model.norm.weight": 1}, "weight_map.model.norm.weight=1: Input should be a valid string"),
-    ({}, "weight_map={{}}: Dictionary should have at least 1 item"),
-    ({"model.norm.weight": "model-00002-of-00002.safetensors"}, "names model-00002-of-00002.safetensors, not a file"),
-], ids=["not_an_object", "parent", "absolute", "subfolder", "dotdot", "not_a_name", "empty", "absent_shard"])
+@pytest.mark.parametrize(
+    "changed,named",
+    [
+        ("{outside}", "weight_map='{outside}': Input should be a valid dictionary"),
+        (
+            {"model.norm.weight": "../outside.safetensors"},
+            "weight_map.model.norm.weight='../outside.safetensors': should be the name of a file in the model folder",
+        ),
+        ({"model.norm.weight": "{outside}"}, "weight_map.model.norm.weight='{outside}'"),
+        ({"model.norm.weight": "llama/model-00001-of-00001.safetensors"}, "='llama/model-00001-of-00001.safetensors'"),
+        ({"model.norm.weight": ".."}, "weight_map.model.norm.weight='..'"),
+        ({"model.norm.weight": 1}, "weight_map.model.norm.weight=1: Input should be a valid string"),
+        ({}, "weight_map={{}}: Dictionary should have at least 1 item"),
+        (
+            {"model.norm.weight": "model-00002-of-00002.safetensors"},
+            "names model-00002-of-00002.safetensors, not a file",
+        ),
+    ],
+    ids=["not_an_object", "parent", "absolute", "subfolder", "dotdot", "not_a_name", "empty", "absent_shard"],
+)
 def test_a_shard_index_naming_files_outside_the_folder_is_refused(changed, named, llama, tmp_path):
     """The shard names come from the file: one that reaches outside the folder (here: to a readable shard
     beside it) or names no file there is refused, naming the index and the tensor."""
@@ -692,12 +746,16 @@ def test_a_shard_index_that_is_not_utf8_json_is_refused(llama):
         read_hf_weights(llama)
 
 
-@pytest.mark.parametrize("content,named", [
-    ([1, 2], "holds list, not a state dict (tensor names to tensors); nothing was imported"),
-    ({"model.embed_tokens.weight": 5}, "'model.embed_tokens.weight' holds int, not a tensor"),
-    ({"model.embed_tokens.weight": {"x": torch.zeros(1)}}, "'model.embed_tokens.weight' holds dict, not a tensor"),
-    ({3: torch.zeros(1)}, "key 3 is not a string"),
-], ids=["list", "dict_of_int", "dict_of_dict", "int_key"])
+@pytest.mark.parametrize(
+    "content,named",
+    [
+        ([1, 2], "holds list, not a state dict (tensor names to tensors); nothing was imported"),
+        ({"model.embed_tokens.weight": 5}, "'model.embed_tokens.weight' holds int, not a tensor"),
+        ({"model.embed_tokens.weight": {"x": torch.zeros(1)}}, "'model.embed_tokens.weight' holds dict, not a tensor"),
+        ({3: torch.zeros(1)}, "key 3 is not a string"),
+    ],
+    ids=["list", "dict_of_int", "dict_of_dict", "int_key"],
+)
 def test_a_pytorch_model_bin_that_is_not_a_state_dict_is_refused_by_name(content, named, llama, tmp_path):
     (llama / "model.safetensors").unlink()
     torch.save(content, llama / "pytorch_model.bin")

@@ -19,25 +19,41 @@ def run_train(*overrides: str, timeout: int = 120) -> subprocess.CompletedProces
     return run_python("train.py", "--config-name", "vit_sanity", *overrides, cwd=REPO, timeout=timeout)
 
 
-@pytest.mark.parametrize("override,code,message", [
-    # unknown key: our check, with the closest key
-    ("optim.lrr=1", 2, "config error: unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
-    # wrong type: Hydra's merge into the schema, its error shown as one line naming the override (it was Hydra's
-    # message over several lines, exit code 1)
-    ("training.steps=abc", 2, "config error: training.steps=abc: Value 'abc' of type 'str' could not be converted "
-                              "to Integer\n"),
-    ("model.hidden_size=big", 2, "config error: model.hidden_size=big: Value 'big' of type 'str' could not be "
-                                 "converted to Integer\n"),
-    # an option a group lacks: the options it has
-    ("distributed=nonexistent", 2, "config error: distributed=nonexistent: no such option of distributed; choose one "
-                                   "of auto, ddp, fsdp2, mfsdp\n"),
-    # forced new keys (+key=...) pass Hydra's merge: caught by our validation
-    ("+optim.foo=1", 2, "config error: unknown key 'optim.foo'"),
-    ("+model.dropout=0.1", 2, "config error: unknown key 'model.dropout'; did you mean 'model.hidden_dropout'?"),
-    ("distributed.mfsdp.zero_dp_strategy=x", 2,
-     "config error: distributed.mfsdp.zero_dp_strategy=x: Invalid value 'x', expected one of [no_shard, optim, "
-     "optim_grads, optim_grads_params]\n"),
-])
+@pytest.mark.parametrize(
+    "override,code,message",
+    [
+        # unknown key: our check, with the closest key
+        ("optim.lrr=1", 2, "config error: unknown key 'optim.lrr'; did you mean 'optim.lr'?"),
+        # wrong type: Hydra's merge into the schema, its error shown as one line naming the override (it was Hydra's
+        # message over several lines, exit code 1)
+        (
+            "training.steps=abc",
+            2,
+            "config error: training.steps=abc: Value 'abc' of type 'str' could not be converted to Integer\n",
+        ),
+        (
+            "model.hidden_size=big",
+            2,
+            "config error: model.hidden_size=big: Value 'big' of type 'str' could not be converted to Integer\n",
+        ),
+        # an option a group lacks: the options it has
+        (
+            "distributed=nonexistent",
+            2,
+            "config error: distributed=nonexistent: no such option of distributed; choose one "
+            "of auto, ddp, fsdp2, mfsdp\n",
+        ),
+        # forced new keys (+key=...) pass Hydra's merge: caught by our validation
+        ("+optim.foo=1", 2, "config error: unknown key 'optim.foo'"),
+        ("+model.dropout=0.1", 2, "config error: unknown key 'model.dropout'; did you mean 'model.hidden_dropout'?"),
+        (
+            "distributed.mfsdp.zero_dp_strategy=x",
+            2,
+            "config error: distributed.mfsdp.zero_dp_strategy=x: Invalid value 'x', expected one of [no_shard, optim, "
+            "optim_grads, optim_grads_params]\n",
+        ),
+    ],
+)
 def test_cli_rejects_bad_key_or_type(override, code, message, tmp_path):
     """Each bad override stops train.py with one line naming it and exit code 2 (our config check, or Hydra's merge
     into the schema), never a traceback, before anything runs."""
@@ -98,22 +114,23 @@ def test_vit_base_runs_as_typed_on_1_to_8_gpus(gpus):
     it: the mesh the run builds, the accumulation it works out and each rank's sampler. Every rank trains
     micro-batches of 256 (the fast size), and one step's micro-batches over all ranks are the global batch's
     samples, each once."""
-    cfg = validate(compose_config("vit_base_patch16_224", [f"distributed.dp_shard={gpus}", "checkpoint.path=./ckpts/vit"]))
+    cfg = validate(
+        compose_config("vit_base_patch16_224", [f"distributed.dp_shard={gpus}", "checkpoint.path=./ckpts/vit"])
+    )
     t, d = cfg.training, cfg.distributed
     dp_outer, dp_shard, tp = mesh_shape(gpus, d.dp_outer, d.dp_shard, d.tp)
     assert (dp_outer * dp_shard, tp) == (gpus, 1)
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp_outer * dp_shard)
     step = []
     for rank in range(gpus):
-        micro_batches = itertools.islice(GlobalBatchSampler(t.micro_batch_size, t.global_batch_size, gpus, rank),
-                                         accumulation)
+        micro_batches = itertools.islice(
+            GlobalBatchSampler(t.micro_batch_size, t.global_batch_size, gpus, rank), accumulation
+        )
         for micro_batch in micro_batches:
             assert len(micro_batch) == 256
             step += micro_batch
     assert sorted(step) == list(range(t.global_batch_size))
     assert accumulation == 8 // gpus
-
-
 
 
 # --- the recipe contract (recipes/base.py) and the registry (recipes/registry.py) --------------------------------
@@ -126,7 +143,11 @@ def test_recipes_are_the_folders_with_a_recipe_py_and_an_unknown_one_lists_them(
     assert {"esm2", "gpt", "mnist", "vit"} <= set(names) and list(names) == sorted(names)
     assert all(get_recipe(name).name == name for name in names)
     assert {name: predict_configs()[name] for name in ("vit", "mnist", "gpt", "esm2")} == {
-        "vit": "vit_predict", "mnist": "mnist_predict", "gpt": "gpt_sanity", "esm2": "esm2_sanity"}
+        "vit": "vit_predict",
+        "mnist": "mnist_predict",
+        "gpt": "gpt_sanity",
+        "esm2": "esm2_sanity",
+    }
     with pytest.raises(ConfigError, match=rf"^recipe: unknown recipe 'plm'; known: {', '.join(names)}$"):
         get_recipe("plm")
 
@@ -177,13 +198,19 @@ def test_a_tool_names_the_opt_in_protocol_a_recipe_lacks():
     from recipes.base import GENERATION, PREDICTION, require
     from recipes.registry import get_recipe
 
-    with pytest.raises(ConfigError, match=r"^predict.py needs a recipe with split and predict; the tiny recipe has no "
-                                          r"split and no predict \(recipes/base.py\)$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^predict.py needs a recipe with split and predict; the tiny recipe has no "
+        r"split and no predict \(recipes/base.py\)$",
+    ):
         require(_minimal_recipe(), PREDICTION, "predict.py")
     for name in ("vit", "mnist", "gpt", "esm2"):
         require(get_recipe(name), PREDICTION, "predict.py")
     require(get_recipe("gpt"), GENERATION, "generate.py")
-    with pytest.raises(ConfigError, match="^generate.py needs a recipe with tokenizer and vocab_size and new_kv_cache "
-                                          "and next_logits; the esm2 recipe has no tokenizer and no vocab_size and no "
-                                          "new_kv_cache and no next_logits"):
+    with pytest.raises(
+        ConfigError,
+        match="^generate.py needs a recipe with tokenizer and vocab_size and new_kv_cache "
+        "and next_logits; the esm2 recipe has no tokenizer and no vocab_size and no "
+        "new_kv_cache and no next_logits",
+    ):
         require(get_recipe("esm2"), GENERATION, "generate.py")

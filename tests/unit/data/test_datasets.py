@@ -10,8 +10,13 @@ import torch
 from torch.utils.data import Dataset
 
 from core.data.checks import assert_dataset_compatible_with_megatron, assert_dataset_deterministic
-from core.data.datasets import (EpochIndex, IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler,
-                           PRNGResampleDataset, sample_generator)
+from core.data.datasets import (
+    EpochIndex,
+    IdentityMultiEpochDatasetWrapper,
+    MultiEpochDatasetResampler,
+    PRNGResampleDataset,
+    sample_generator,
+)
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import build_image_datasets
 from tests.support.helpers import REPO
@@ -52,8 +57,9 @@ def test_each_epoch_holds_every_index_once_reshuffled_reproducibly():
 
 def test_wrappers_compose():
     base = list(range(100, 110))  # an int-indexed "dataset"
-    stream = MultiEpochDatasetResampler(PRNGResampleDataset(IdentityMultiEpochDatasetWrapper(base), seed=3, num_samples=6),
-                                        num_epochs=2, seed=1)
+    stream = MultiEpochDatasetResampler(
+        PRNGResampleDataset(IdentityMultiEpochDatasetWrapper(base), seed=3, num_samples=6), num_epochs=2, seed=1
+    )
     values = [stream[i] for i in range(12)]
     assert sorted(values[:6]) == sorted(values[6:]) and all(100 <= v < 110 for v in values)
     prng = PRNGResampleDataset(base, seed=3, num_samples=50)
@@ -69,7 +75,7 @@ def test_prng_resample_without_replacement_is_a_seeded_shuffle():
     base = list(range(7))
     prng = PRNGResampleDataset(base, seed=11, num_samples=21, replacement=False)
     ids = [prng[i] for i in range(21)]
-    blocks = [ids[k * 7:(k + 1) * 7] for k in range(3)]
+    blocks = [ids[k * 7 : (k + 1) * 7] for k in range(3)]
     assert all(sorted(b) == base for b in blocks) and blocks[0] != blocks[1]  # every sample once per 7 ids
     assert ids == [PRNGResampleDataset(base, seed=11, num_samples=21, replacement=False)[i] for i in (range(21))]
     assert blocks[0] != [PRNGResampleDataset(base, seed=12, replacement=False)[i] for i in range(7)]
@@ -156,7 +162,9 @@ def test_mixup_and_cutmix_are_per_sample_deterministic_and_mix_labels_as_images(
     for idx in range(50):
         m, c = mixup[EpochIndex(0, idx)], cutmix[EpochIndex(0, idx)]
         for sample in (m, c):
-            assert sample["idx"] == idx and sample["label"] == idx % 10 and abs(float(sample["target"].sum()) - 1) < 1e-6
+            assert (
+                sample["idx"] == idx and sample["label"] == idx % 10 and abs(float(sample["target"].sum()) - 1) < 1e-6
+            )
         values = m["image"].unique()
         assert len(values) == 1  # blended everywhere: lam * idx + (1 - lam) * partner
         other = [k for k in range(10) if k != idx % 10 and m["target"][k] > 0]
@@ -170,12 +178,16 @@ def test_mixup_and_cutmix_are_per_sample_deterministic_and_mix_labels_as_images(
         if len(pixels) == 2 and c["target"][idx % 10] < 1:
             partner = int([p for p in pixels if p != idx][0])
             if partner % 10 != idx % 10:
-                assert abs(float(c["target"][idx % 10]) - kept) < 1e-6 and abs(float(c["target"][partner % 10]) - (1 - kept)) < 1e-6
+                assert (
+                    abs(float(c["target"][idx % 10]) - kept) < 1e-6
+                    and abs(float(c["target"][partner % 10]) - (1 - kept)) < 1e-6
+                )
                 checked += 1
     assert checked > 40
     assert not torch.equal(mixup[EpochIndex(0, 3)]["image"], mixup[EpochIndex(1, 3)]["image"])  # redrawn per epoch
     assert not mixup[EpochIndex(0, 3)]["image"].equal(
-        MixupCutmix(Flat(), 10, 0.4, 0.0, 1.0, 0.5, seed=1)[EpochIndex(0, 3)]["image"])  # and per seed
+        MixupCutmix(Flat(), 10, 0.4, 0.0, 1.0, 0.5, seed=1)[EpochIndex(0, 3)]["image"]
+    )  # and per seed
     none = MixupCutmix(Flat(), 10, 0.4, 1.0, prob=0.0, switch_prob=0.5, seed=0)[EpochIndex(0, 7)]
     assert torch.equal(none["image"], torch.full((3, 8, 8), 7.0)) and none["target"][7] == 1
     with pytest.raises(ValueError, match="mix_prob"):
@@ -183,8 +195,14 @@ def test_mixup_and_cutmix_are_per_sample_deterministic_and_mix_labels_as_images(
 
     # The ViT recipe's real pipeline with both on: deterministic (the checker), soft targets.
     model = ViTModelConfig(img_size=28, patch_size=7, num_classes=10)
-    cfg = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10, num_workers=0,
-                          mixup_alpha=0.4, cutmix_alpha=1.0)
+    cfg = ImageDataConfig(
+        format="imagefolder",
+        root=str(REPO / "data" / "digits"),
+        num_classes=10,
+        num_workers=0,
+        mixup_alpha=0.4,
+        cutmix_alpha=1.0,
+    )
     train, _ = build_image_datasets(cfg, model, seed=0)
     assert isinstance(train, MixupCutmix)
     assert_dataset_deterministic(train, indices=[EpochIndex(0, 3), EpochIndex(1, 3), EpochIndex(2, 500)])

@@ -56,11 +56,18 @@ print(json.dumps({"classes": classes, "files": [[Path(f).relative_to(folder).as_
 def list_in_a_limited_process(kind: str, folder: Path) -> tuple[dict, list[str]]:
     """LIST in a process of its own, limited to 1 GiB of address space and 60 s: links that loop made
     os.walk(followlinks=True) list without end (memory past 3.7 GB), and a regression must fail, not hang."""
+
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
 
-    proc = subprocess.run([sys.executable, "-c", LIST, kind, str(folder)], cwd=REPO, capture_output=True, text=True,
-                          timeout=60, preexec_fn=limited)
+    proc = subprocess.run(
+        [sys.executable, "-c", LIST, kind, str(folder)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        preexec_fn=limited,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout), proc.stderr.splitlines()
 
@@ -105,7 +112,12 @@ def test_links_to_folders_elsewhere_and_linked_images_count_once(tmp_path, caplo
         files = imagefolder_files(train, classes)
     assert classes == ["cat", "dog"]
     assert [(Path(f).relative_to(train).as_posix(), label) for f, label in files] == [
-        ("cat/x.png", 0), ("cat/y.png", 0), ("dog/1.png", 1), ("dog/extra/z.png", 1), ("dog/linked.png", 1)]
+        ("cat/x.png", 0),
+        ("cat/y.png", 0),
+        ("dog/1.png", 1),
+        ("dog/extra/z.png", 1),
+        ("dog/linked.png", 1),
+    ]
     assert len(_warnings_naming(caplog, f"{train / 'dog' / 'twice'} -> {elsewhere / 'more'}")) == 1
 
 

@@ -10,10 +10,10 @@ from omegaconf import OmegaConf
 from torch.utils.data import DataLoader, Dataset
 
 from core.config.errors import DataError, message_of
-from recipes.base import Datasets
 from core.data.loading import prefetch_to_device
 from core.data.pipeline import TrainingData
 from core.training.evaluation import evaluate
+from recipes.base import Datasets
 
 
 class _Numbers(Dataset):
@@ -59,9 +59,19 @@ def test_validation_workers_are_forked_before_the_first_step_and_serve_every_val
     first validation: a fork during training can meet gloo's threads holding CPython's thread-state lock
     (a deadlocked worker on CPython before 3.11.10). Every validation then uses the same processes."""
     monkeypatch.setattr("torch.distributed.all_reduce", lambda tensor, group=None: None)  # one process
-    cfg = OmegaConf.create({"seed": 3, "data": {"num_workers": 1, "pin_memory": False},
-                            "training": {"steps": 4, "epochs": None, "micro_batch_size": 4, "global_batch_size": 8,
-                                         "limit_val_batches": -1}})
+    cfg = OmegaConf.create(
+        {
+            "seed": 3,
+            "data": {"num_workers": 1, "pin_memory": False},
+            "training": {
+                "steps": 4,
+                "epochs": None,
+                "micro_batch_size": 4,
+                "global_batch_size": 8,
+                "limit_val_batches": -1,
+            },
+        }
+    )
     env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0)
     data = TrainingData(_Recipe(), cfg, env, accumulation=2)
     assert _worker_pids(data.val_loader) == []
@@ -70,8 +80,9 @@ def test_validation_workers_are_forked_before_the_first_step_and_serve_every_val
     assert len(started) == 1, "the validation workers were not started before the first step"
     for _ in range(2):  # a step, a validation, another step, another validation
         next(batches)
-        metrics = evaluate(_Recipe(), torch.nn.Identity(), data.val_loader, torch.autograd.grad_mode.no_grad,
-                           env.device, None)
+        metrics = evaluate(
+            _Recipe(), torch.nn.Identity(), data.val_loader, torch.autograd.grad_mode.no_grad, env.device, None
+        )
         assert metrics == {"loss": pytest.approx(3.5)}  # the mean of 0..7: every validation sample, once
         assert _worker_pids(data.val_loader) == started
 
@@ -85,5 +96,6 @@ def test_an_error_in_a_loader_worker_reaches_the_consumer_as_its_own_message():
         for batch in prefetch_to_device(iter(loader), torch.device("cpu"), 5):
             seen.append(batch["x"].flatten().tolist())
     assert seen == [[0.0, 1.0]]  # the batches before the failing one were handed out first
-    assert message_of(raised.value) == ("sample 3 of /data/x.bin is damaged (data.path=/data/x) "
-                                        "(in a data loader worker)")
+    assert message_of(raised.value) == (
+        "sample 3 of /data/x.bin is damaged (data.path=/data/x) (in a data loader worker)"
+    )

@@ -1,7 +1,7 @@
 """core/data/partial_outputs.py: which writer of a temporary output has provably ended, the tags its names carry,
 and the stop signals raised while an output is written. The recipes' use of it (which files, what the final
-rename is, what is said) is tested with each: tests/recipes/esm2/test_store.py, tests/recipes/gpt/test_data_in_the_wild.py,
-tests/unit/data/test_samplers_and_image_datasets.py."""
+rename is, what is said) is tested with each: tests/recipes/esm2/test_store.py,
+tests/recipes/gpt/test_data_in_the_wild.py, tests/unit/data/test_samplers_and_image_datasets.py."""
 
 from __future__ import annotations
 
@@ -11,8 +11,18 @@ import subprocess
 
 import pytest
 
-from core.data.partial_outputs import (RaisingStopSignals, Stopped, Writer, ended_leftovers, name_tag, parse_tag,
-                                       stop_signal, tagged_name, this_writer, writer_is_gone)
+from core.data.partial_outputs import (
+    RaisingStopSignals,
+    Stopped,
+    Writer,
+    ended_leftovers,
+    name_tag,
+    parse_tag,
+    stop_signal,
+    tagged_name,
+    this_writer,
+    writer_is_gone,
+)
 
 
 @pytest.fixture
@@ -39,6 +49,7 @@ def test_an_ended_process_of_this_host_namespace_and_boot_is_gone_and_a_live_one
 
 def test_another_users_process_is_not_gone(monkeypatch):
     """os.kill refuses to signal it (here faked: these tests may run as root): it exists."""
+
     def refused(pid, sig):
         raise PermissionError(1, "Operation not permitted")
 
@@ -92,11 +103,23 @@ def test_ended_leftovers_are_the_tagged_names_of_ended_writers_only(tmp_path, en
     ended, live = me.model_copy(update={"pid": ended_pid}), me.model_copy(update={"pid": live_pid})
     rebooted = live.model_copy(update={"boot": "0123abcd"})
     container = ended.model_copy(update={"pidns": "4026532999"})
-    gone = [f"p.tmp-{name_tag(ended)}.bin", f"p.tmp-{name_tag(ended)}.idx", f"p.tmp-{name_tag(rebooted)}.bin",
-            f"p.tmp-{me.host}-{ended_pid}.json", f"p.tmp-{ended_pid}.bin"]
-    kept = [f"p.tmp-{name_tag(live)}.bin", f"p.tmp-{name_tag(container)}.bin", f"p.tmp-{name_tag(me)}.bin",
-            f"p.tmp-{name_tag(ended)}.txt", f"p.tmp-{name_tag(ended)}", "p.tmp-notes.bin", f"q.tmp-{ended_pid}.bin",
-            f"p.extracting-{ended_pid}"]
+    gone = [
+        f"p.tmp-{name_tag(ended)}.bin",
+        f"p.tmp-{name_tag(ended)}.idx",
+        f"p.tmp-{name_tag(rebooted)}.bin",
+        f"p.tmp-{me.host}-{ended_pid}.json",
+        f"p.tmp-{ended_pid}.bin",
+    ]
+    kept = [
+        f"p.tmp-{name_tag(live)}.bin",
+        f"p.tmp-{name_tag(container)}.bin",
+        f"p.tmp-{name_tag(me)}.bin",
+        f"p.tmp-{name_tag(ended)}.txt",
+        f"p.tmp-{name_tag(ended)}",
+        "p.tmp-notes.bin",
+        f"q.tmp-{ended_pid}.bin",
+        f"p.extracting-{ended_pid}",
+    ]
     for name in gone + kept:
         (tmp_path / name).write_bytes(b"partial")
     found = ended_leftovers(tmp_path / "p", ".tmp-", (".bin", ".idx", ".json"))
@@ -117,8 +140,10 @@ def test_a_tagged_name_is_beside_the_path_and_found_while_its_writer_lives(tmp_p
 def sigterm_recorded():
     """SIGTERM and SIGHUP as a caller had them: SIGTERM recorded, SIGHUP ignored (as under nohup)."""
     got = []
-    previous = {signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum)),
-                signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_IGN)}
+    previous = {
+        signal.SIGTERM: signal.signal(signal.SIGTERM, lambda signum, frame: got.append(signum)),
+        signal.SIGHUP: signal.signal(signal.SIGHUP, signal.SIG_IGN),
+    }
     yield got
     for sig, handler in previous.items():
         signal.signal(sig, handler)

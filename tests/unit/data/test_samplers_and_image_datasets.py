@@ -14,8 +14,8 @@ import torch
 from PIL import Image
 
 from core.config.errors import DataError
-from core.data.sampling import EvalBatchSampler, GlobalBatchSampler
 from core.data.datasets import IdentityMultiEpochDatasetWrapper, MultiEpochDatasetResampler
+from core.data.sampling import EvalBatchSampler, GlobalBatchSampler
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import ImageSamples, SyntheticImages, Transform, build_image_datasets, ensure_extracted
 from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
@@ -26,8 +26,9 @@ def step_indices(n, mb, gb, dp, steps, seed=7, consumed=0) -> list[list[int]]:
     """Dataset indices of each optimizer step, gathered over all ranks (sampler positions through the
     multi-epoch resampler, as in train.py)."""
     accum = gb // (mb * dp)
-    stream = MultiEpochDatasetResampler(IdentityMultiEpochDatasetWrapper(list(range(n))), num_samples=consumed + steps * gb,
-                                        seed=seed)
+    stream = MultiEpochDatasetResampler(
+        IdentityMultiEpochDatasetWrapper(list(range(n))), num_samples=consumed + steps * gb, seed=seed
+    )
     iters = [iter(GlobalBatchSampler(mb, gb, dp, r, consumed_samples=consumed)) for r in range(dp)]
     out = []
     for _ in range(steps):
@@ -83,7 +84,9 @@ def write_image_folder(root: Path, classes: int = 3, per_class: int = 2, size: i
         for c in range(classes):
             (root / split / f"c{c}").mkdir(parents=True)
             for i in range(per_class):
-                Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(root / split / f"c{c}" / f"{i}.png")
+                Image.fromarray(rng.integers(0, 255, (size, size, 3), dtype=np.uint8)).save(
+                    root / split / f"c{c}" / f"{i}.png"
+                )
 
 
 def _extract(root: str) -> int:
@@ -150,8 +153,12 @@ def test_an_extraction_removes_the_leftovers_of_processes_that_are_gone_only(tmp
     running = subprocess.Popen(["sleep", "60"])
     host = socket.gethostname()
     try:
-        names = {f"mydata.extracting-{host}-{gone.pid}": False, f"mydata.extracting-{gone.pid}": False,
-                 f"mydata.extracting-{host}-{running.pid}": True, f"mydata.extracting-elsewhere-{gone.pid}": True}
+        names = {
+            f"mydata.extracting-{host}-{gone.pid}": False,
+            f"mydata.extracting-{gone.pid}": False,
+            f"mydata.extracting-{host}-{running.pid}": True,
+            f"mydata.extracting-elsewhere-{gone.pid}": True,
+        }
         for name in names:
             (archive.parent / name / "mydata" / "train").mkdir(parents=True)
             (archive.parent / name / "mydata" / "train" / "half.png").write_bytes(b"\x89PNG")
@@ -169,11 +176,15 @@ def test_tiny_imagenet_layout(tmp_path):
     for w in wnids:
         (tmp_path / "train" / w / "images").mkdir(parents=True)
         for i in range(2):
-            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(tmp_path / "train" / w / "images" / f"{w}_{i}.JPEG")
+            Image.fromarray(rng.integers(0, 255, (8, 8, 3), dtype=np.uint8)).save(
+                tmp_path / "train" / w / "images" / f"{w}_{i}.JPEG"
+            )
     (tmp_path / "val" / "images").mkdir(parents=True)
     lines = []
     for i, w in enumerate(["n02", "n01", "n02"]):
-        Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(tmp_path / "val" / "images" / f"val_{i}.JPEG")
+        Image.fromarray(rng.integers(0, 255, (8, 8), dtype=np.uint8)).save(
+            tmp_path / "val" / "images" / f"val_{i}.JPEG"
+        )
         lines.append(f"val_{i}.JPEG\t{w}\t0\t0\t8\t8")
     (tmp_path / "val" / "val_annotations.txt").write_text("\n".join(lines) + "\n")
     transform = Transform(ImageDataConfig(num_classes=2, val_crop_fraction=1.0), 8, train=False)
@@ -186,8 +197,15 @@ def test_tiny_imagenet_layout(tmp_path):
 
 
 def test_shipped_digits_load_as_dict_samples():
-    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10,
-                           train_crop_scale=[0.6, 1.0], hflip=0.0, val_crop_fraction=1.0, num_workers=0)
+    data = ImageDataConfig(
+        format="imagefolder",
+        root=str(REPO / "data" / "digits"),
+        num_classes=10,
+        train_crop_scale=[0.6, 1.0],
+        hflip=0.0,
+        val_crop_fraction=1.0,
+        num_workers=0,
+    )
     train, val = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=10), seed=0)
     assert (len(train), len(val)) == (1438, 359)
     sample = val[0]
@@ -234,8 +252,14 @@ def test_worker_images_are_normalized_where_the_batch_trains():
     floats = default_collate([synthetic[i] for i in range(4)])
     assert torch.equal(recipe.to_device(dict(floats), torch.device("cpu"))["image"], floats["image"])
 
-    data = ImageDataConfig(format="imagefolder", root=str(REPO / "data" / "digits"), num_classes=10, mixup_alpha=0.8,
-                           mix_prob=0.5, num_workers=0)
+    data = ImageDataConfig(
+        format="imagefolder",
+        root=str(REPO / "data" / "digits"),
+        num_classes=10,
+        mixup_alpha=0.8,
+        mix_prob=0.5,
+        num_workers=0,
+    )
     mixed = build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=10), seed=0)[0]
     assert {mixed[i]["image"].dtype for i in range(8)} == {torch.float32}  # mixed and unmixed alike
 

@@ -13,9 +13,16 @@ from hydra import compose, initialize_config_dir
 from tests.support.helpers import CONFIGS, REPO, run_python
 
 SLURM_RANK_3_OF_4 = {
-    "SLURM_JOB_ID": "4242", "SLURM_NTASKS": "4", "SLURM_PROCID": "3", "SLURM_LOCALID": "1",
-    "SLURM_NODEID": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_NNODES": "2", "SLURM_JOB_NODELIST": "gpu[07-08]",
-    "SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "4242",
+    "SLURM_NTASKS": "4",
+    "SLURM_PROCID": "3",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_TASKS_PER_NODE": "2(x2)",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
 }
 PROBE = """
 import json, os
@@ -28,10 +35,14 @@ print(json.dumps({k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RA
 
 
 def probe(env: dict) -> dict:
-    clean = {k: v for k, v in os.environ.items()
-             if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")}
-    out = subprocess.run([sys.executable, "-c", PROBE], cwd=REPO, env={**clean, **env}, capture_output=True,
-                         text=True, check=True)
+    clean = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("SLURM_", "TORCHELASTIC_")) and k not in ("RANK", "WORLD_SIZE", "MASTER_ADDR")
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", PROBE], cwd=REPO, env={**clean, **env}, capture_output=True, text=True, check=True
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -43,7 +54,9 @@ def test_slurm_task_gets_torch_distributed_variables():
 
 
 def test_torchrun_rendezvous_id_names_the_run_without_agent_store():
-    got = probe({"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "exp7", "TORCHELASTIC_USE_AGENT_STORE": "False"})
+    got = probe(
+        {"RANK": "1", "WORLD_SIZE": "2", "TORCHELASTIC_RUN_ID": "exp7", "TORCHELASTIC_USE_AGENT_STORE": "False"}
+    )
     assert got["run_id"] == "exp7" and got["rank"] == 1
 
 
@@ -71,9 +84,17 @@ def test_the_slurm_launcher_asks_slurm_for_the_job_the_readme_describes(tmp_path
 
     register()
     with initialize_config_dir(config_dir=str(CONFIGS), version_base="1.3"):
-        cfg = compose(config_name="vit_base_patch16_224", return_hydra_config=True,
-                      overrides=["hydra/launcher=slurm", "hydra.launcher.nodes=2", "hydra.launcher.partition=gpu",
-                                 f"hydra.sweep.dir={tmp_path}", "distributed.dp_shard=16"])
+        cfg = compose(
+            config_name="vit_base_patch16_224",
+            return_hydra_config=True,
+            overrides=[
+                "hydra/launcher=slurm",
+                "hydra.launcher.nodes=2",
+                "hydra.launcher.partition=gpu",
+                f"hydra.sweep.dir={tmp_path}",
+                "distributed.dp_shard=16",
+            ],
+        )
     monkeypatch.setattr(submitit.AutoExecutor, "map_array", map_array)
     fake_bin = tmp_path / "bin"  # submitit looks for srun before it writes anything
     fake_bin.mkdir()
@@ -81,13 +102,22 @@ def test_the_slurm_launcher_asks_slurm_for_the_job_the_readme_describes(tmp_path
     (fake_bin / "srun").chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ['PATH']}")
     launcher = instantiate(cfg.hydra.launcher)
-    launcher.setup(hydra_context=HydraContext(config_loader=None, callbacks=None),
-                   task_function=lambda c: JobReturn(), config=cfg)
+    launcher.setup(
+        hydra_context=HydraContext(config_loader=None, callbacks=None), task_function=lambda c: JobReturn(), config=cfg
+    )
     with pytest.raises(Submitted):
         launcher.launch([["optim.lr=1e-3"]], initial_job_idx=0)
     directives = {line.split()[1] for line in script["text"].splitlines() if line.startswith("#SBATCH ")}
-    for wanted in ("--nodes=2", "--ntasks-per-node=8", "--gpus-per-node=8", "--cpus-per-task=12", "--time=240",
-                   "--partition=gpu", "--signal=USR2@120", "--job-name=vit_base_patch16_224"):
+    for wanted in (
+        "--nodes=2",
+        "--ntasks-per-node=8",
+        "--gpus-per-node=8",
+        "--cpus-per-task=12",
+        "--time=240",
+        "--partition=gpu",
+        "--signal=USR2@120",
+        "--job-name=vit_base_patch16_224",
+    ):
         assert wanted in directives, (wanted, sorted(directives))
     assert script["requeues"] == 20  # submitit requeues the job itself on the signal, this many times
 
@@ -110,8 +140,16 @@ def test_a_misplaced_or_misspelt_key_gets_the_key_that_exists(tmp_path):
     assert suggestion("model.dropout", config_keys(["-cn", "esm2_sanity", "recipe=gpt"])) == "model.hidden_dropout"
     assert "data.tokens_per_pack" not in config_keys(["--config-name", "gpt_sanity"])
     assert "data.tokens_per_pack" in config_keys(["--config-name", "no_such_config"])  # unknown: every recipe's
-    proc = run_python(REPO / "train.py", "--config-name", "vit_sanity", "training.checkpoint.path=ckpts/vit",
-                      "distributed.dp_shard=1", "model=vit_tiny", cwd=tmp_path, timeout=120)
+    proc = run_python(
+        REPO / "train.py",
+        "--config-name",
+        "vit_sanity",
+        "training.checkpoint.path=ckpts/vit",
+        "distributed.dp_shard=1",
+        "model=vit_tiny",
+        cwd=tmp_path,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "unknown key 'training.checkpoint.path'; did you mean 'checkpoint.path'?" in proc.stderr
     assert not (tmp_path / "outputs").exists()  # nothing was started
@@ -130,7 +168,8 @@ class _Mesh:
 def test_only_a_processs_first_nccl_world_is_bound_to_its_device(monkeypatch):
     """A later job in the same processes (a multirun's next) starts its NCCL world without device_id: torch's NCCL
     crashed (SIGSEGV) splitting a device-bound world that was not the process's first into the mesh's groups
-    (benchmarks/results/2026-11-27-two-gpus-suite-h200x2/; on GPUs: tests/gpu/test_te_and_megatron_fsdp.py's 2-GPU multirun)."""
+    (benchmarks/results/2026-11-27-two-gpus-suite-h200x2/; on GPUs: tests/gpu/test_te_and_megatron_fsdp.py's 2-GPU
+    multirun)."""
     import torch
 
     from core.distributed import env

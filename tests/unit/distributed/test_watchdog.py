@@ -40,8 +40,9 @@ def _running(pid: int) -> bool:
 def test_a_rank_whose_launcher_is_gone_ends_with_an_error(tmp_path):
     ready, log = tmp_path / "ready", tmp_path / "rank.log"
     rank = RANK.format(repo=str(REPO), ready=str(ready))
-    subprocess.run([sys.executable, "-c", LAUNCHER.format(rank=rank, log=str(log), ready=str(ready))], timeout=60,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-c", LAUNCHER.format(rank=rank, log=str(log), ready=str(ready))], timeout=60, check=True
+    )
     pid = int(ready.read_text())
     deadline = time.time() + 20
     while _running(pid):

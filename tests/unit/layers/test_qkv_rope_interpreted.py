@@ -16,9 +16,13 @@ import torch
 REPO = Path(__file__).resolve().parents[3]
 
 # (layout, leading dimensions, groups, query heads per group, head size, dtype)
-CASES = [("sbhd", (5, 3), 2, 2, 8, torch.float32), ("bshd", (2, 7), 3, 1, 16, torch.float32),
-         ("sbhd", (6, 2), 2, 3, 4, torch.bfloat16), ("thd", (23,), 2, 2, 8, torch.float32),
-         ("thd", (22,), 1, 3, 4, torch.float16)]
+CASES = [
+    ("sbhd", (5, 3), 2, 2, 8, torch.float32),
+    ("bshd", (2, 7), 3, 1, 16, torch.float32),
+    ("sbhd", (6, 2), 2, 3, 4, torch.bfloat16),
+    ("thd", (23,), 2, 2, 8, torch.float32),
+    ("thd", (22,), 1, 3, 4, torch.float16),
+]
 CU_SEQLENS = [0, 5, 5, 9, 17, 20]  # thd: an empty sequence; rows 20.. lie past the last one
 
 
@@ -26,8 +30,9 @@ def _positions(rows_or_seq: int, layout: str, n_positions: int) -> torch.Tensor:
     if layout != "thd":
         return torch.arange(rows_or_seq)
     cu = CU_SEQLENS
-    positions = torch.cat([torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])] +
-                          [torch.zeros(rows_or_seq - cu[-1], dtype=torch.long)])  # past the end: position 0
+    positions = torch.cat(
+        [torch.arange(b - a) for a, b in zip(cu[:-1], cu[1:])] + [torch.zeros(rows_or_seq - cu[-1], dtype=torch.long)]
+    )  # past the end: position 0
     return torch.where(positions < n_positions, positions, 0)
 
 
@@ -42,7 +47,7 @@ def reference(qkv, q_freqs, k_freqs, per_group: int, layout: str):
 
     def rotate(x, freqs):
         angles = freqs[positions, 0, 0].double().reshape(shape)
-        half = torch.cat([-x[..., head_dim // 2:], x[..., :head_dim // 2]], -1)
+        half = torch.cat([-x[..., head_dim // 2 :], x[..., : head_dim // 2]], -1)
         return x * angles.cos() + half * angles.sin()
 
     return rotate(query, q_freqs), rotate(key, k_freqs), value
@@ -72,8 +77,9 @@ def check_all_cases() -> None:
         expected = reference(x64, q_freqs, k_freqs, per_group, layout)
         torch.autograd.backward(expected, [g.double() for g in grads])
         tolerance = 1e-5 if dtype == torch.float32 else 2e-2
-        for name, ours, theirs in zip(("query", "key", "value", "qkv gradient"), [*outputs, x.grad],
-                                      [*expected, x64.grad]):
+        for name, ours, theirs in zip(
+            ("query", "key", "value", "qkv gradient"), [*outputs, x.grad], [*expected, x64.grad]
+        ):
             assert ours.shape == theirs.shape and ours.dtype == dtype, (layout, name)
             error = (ours.double() - theirs).abs().max().item() / max(1.0, theirs.abs().max().item())
             assert error < tolerance, (layout, outer, name, error)

@@ -18,7 +18,7 @@ class _PackedGradAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         q, k = ctx.saved_tensors
-        packed = torch.empty(*q.shape[:ctx.dim], 3, *q.shape[ctx.dim:], dtype=grad.dtype)
+        packed = torch.empty(*q.shape[: ctx.dim], 3, *q.shape[ctx.dim :], dtype=grad.dtype)
         dq, dk, dv = (packed.select(ctx.dim, i) for i in range(3))
         dq.copy_(grad * k), dk.copy_(grad * q), dv.copy_(grad)
         _PackedGradAttention.buffers.append(packed)
@@ -39,8 +39,9 @@ def test_packed_gradient_is_the_attention_buffer_itself(dim):
 
     grads_seen = []
     q, k, v = PackedQKVSplit.apply(qkv, dim)
-    assert all(t.data_ptr() == qkv.data_ptr() + i * qkv.stride(dim) * qkv.element_size()
-               for i, t in enumerate((q, k, v)))  # views, no copies
+    assert all(
+        t.data_ptr() == qkv.data_ptr() + i * qkv.stride(dim) * qkv.element_size() for i, t in enumerate((q, k, v))
+    )  # views, no copies
     out = _PackedGradAttention.apply(q, k, v, dim % len(shape))
     qkv.register_hook(grads_seen.append)
     _PackedGradAttention.buffers.clear()

@@ -44,8 +44,9 @@ def test_transformer_layer_has_te_parameter_names():
 
 
 def test_fused_qkv_rmsnorm_swiglu_gqa_no_bias_names():
-    layer = tt.TransformerLayer(H, FFN, HEADS, num_gqa_groups=2, fuse_qkv_params=True, normalization="RMSNorm",
-                                activation="swiglu", bias=False)
+    layer = tt.TransformerLayer(
+        H, FFN, HEADS, num_gqa_groups=2, fuse_qkv_params=True, normalization="RMSNorm", activation="swiglu", bias=False
+    )
     kv = H // HEADS
     assert names_and_shapes(layer) == {
         "self_attention.layernorm_qkv.layer_norm_weight": (H,),
@@ -62,7 +63,13 @@ def test_simple_modules_have_te_names():
     assert names_and_shapes(tt.LayerNorm(4)) == {"weight": (4,), "bias": (4,)}
     assert names_and_shapes(tt.RMSNorm(4)) == {"weight": (4,)}
     assert set(names_and_shapes(tt.LayerNormMLP(4, 6))) == {
-        "layer_norm_weight", "layer_norm_bias", "fc1_weight", "fc1_bias", "fc2_weight", "fc2_bias"}
+        "layer_norm_weight",
+        "layer_norm_bias",
+        "fc1_weight",
+        "fc1_bias",
+        "fc2_weight",
+        "fc2_bias",
+    }
 
 
 def reference_layer(x: torch.Tensor, sd: dict, heads: int, groups: int, eps: float, causal: bool) -> torch.Tensor:
@@ -91,9 +98,17 @@ def reference_layer(x: torch.Tensor, sd: dict, heads: int, groups: int, eps: flo
 @pytest.mark.parametrize("groups", [HEADS, 2])
 def test_transformer_layer_matches_te_formulas(causal, groups):
     torch.manual_seed(0)
-    layer = tt.TransformerLayer(H, FFN, HEADS, num_gqa_groups=groups, hidden_dropout=0.0, attention_dropout=0.0,
-                                self_attn_mask_type="causal" if causal else "no_mask", attn_input_format="bshd",
-                                layernorm_epsilon=1e-6).double()
+    layer = tt.TransformerLayer(
+        H,
+        FFN,
+        HEADS,
+        num_gqa_groups=groups,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        self_attn_mask_type="causal" if causal else "no_mask",
+        attn_input_format="bshd",
+        layernorm_epsilon=1e-6,
+    ).double()
     for p in layer.parameters():  # non-trivial norms and biases
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(2, 5, H, dtype=torch.float64)
@@ -180,7 +195,10 @@ def test_rotary_embedding_is_te_rotate_half_and_depends_on_relative_position():
     # As complex numbers: channel pairs (i, i + d/2) rotate by angle position * inv_freq[i].
     t = torch.randn(2, 6, 3, 8)  # [batch, seq, heads, head_dim]
     out = tt.apply_rotary_pos_emb(t, freqs)
-    z = torch.complex(t[..., :4], t[..., 4:]) * torch.polar(torch.ones(6, 4), torch.arange(6.0)[:, None] * inv)[None, :, None]
+    z = (
+        torch.complex(t[..., :4], t[..., 4:])
+        * torch.polar(torch.ones(6, 4), torch.arange(6.0)[:, None] * inv)[None, :, None]
+    )
     assert torch.allclose(out, torch.cat([z.real, z.imag], dim=-1), atol=1e-5)
     # Attention scores depend only on the distance between positions.
     q, k = torch.randn(8), torch.randn(8)
@@ -189,8 +207,18 @@ def test_rotary_embedding_is_te_rotate_half_and_depends_on_relative_position():
     # Partial rotation leaves the channels past the angles' width alone.
     partial = tt.apply_rotary_pos_emb(torch.randn(1, 6, 2, 12), freqs)
     assert partial.shape == (1, 6, 2, 12)
-    layer = tt.TransformerLayer(16, 32, 2, hidden_dropout=0.0, attention_dropout=0.0, attn_input_format="bshd",
-                                normalization="RMSNorm", activation="swiglu", bias=False, fuse_qkv_params=True)
+    layer = tt.TransformerLayer(
+        16,
+        32,
+        2,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        attn_input_format="bshd",
+        normalization="RMSNorm",
+        activation="swiglu",
+        bias=False,
+        fuse_qkv_params=True,
+    )
     with torch.no_grad():
         layer.self_attention.layernorm_qkv.weight.mul_(30)  # sharp attention, so that positions matter
     x = torch.randn(2, 6, 16)
@@ -217,7 +245,9 @@ def test_packed_sequences_equal_each_sequence_alone(mask, single):
     assert out.shape == x.shape and torch.isfinite(out).all()
     for start, n in zip(cu[:-1].tolist(), lengths):
         if n:
-            torch.testing.assert_close(out[start:start + n], alone(x[None, start:start + n], rotary_pos_emb=angles)[0])
+            torch.testing.assert_close(
+                out[start : start + n], alone(x[None, start : start + n], rotary_pos_emb=angles)[0]
+            )
     moved = x.clone()
     moved[5:8] = torch.randn(3, H, dtype=torch.float64)  # another second sequence: the others do not change
     again = packed(moved, rotary_pos_emb=angles, cu_seqlens_q=cu)

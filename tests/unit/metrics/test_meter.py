@@ -11,8 +11,9 @@ from core.metrics.meter import ThroughputMeter
 def test_counted_work_replaces_the_per_sample_figures(monkeypatch):
     clock = iter([100.0, 104.0, 200.0, 202.0, 300.0])  # two intervals: 4 s, then 2 s
     monkeypatch.setattr(meter_module.time, "perf_counter", lambda: next(clock))
-    meter = ThroughputMeter(torch.device("cpu"), global_batch_size=8, world_size=2, tokens_per_sample=1000,
-                            flops_per_sample=1e9)
+    meter = ThroughputMeter(
+        torch.device("cpu"), global_batch_size=8, world_size=2, tokens_per_sample=1000, flops_per_sample=1e9
+    )
     meter.peak_flops = 1e12
     meter.add_work([None, None])  # recipes without counted work: the per-sample figures
     meter.step_done()
@@ -32,8 +33,9 @@ def test_a_recipe_without_accounting_reports_no_tokens_and_no_mfu(monkeypatch):
     tokens/s nor MFU, where it used to fail multiplying None."""
     clock = iter([100.0, 104.0, 200.0])
     monkeypatch.setattr(meter_module.time, "perf_counter", lambda: next(clock))
-    meter = ThroughputMeter(torch.device("cpu"), global_batch_size=8, world_size=2, tokens_per_sample=None,
-                            flops_per_sample=None)
+    meter = ThroughputMeter(
+        torch.device("cpu"), global_batch_size=8, world_size=2, tokens_per_sample=None, flops_per_sample=None
+    )
     meter.peak_flops = 1e12
     meter.add_work([None])
     meter.step_done()

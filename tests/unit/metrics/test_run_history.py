@@ -14,8 +14,13 @@ from core.metrics.history import keep_history_up_to
 from tests.support.checkpoint_harness import phase, run_phases
 from tests.support.helpers import REPO, run_python, run_workers
 
-LOGGERS = ["logger.wandb.enabled=true", "logger.wandb.mode=offline", "logger.tensorboard.enabled=true",
-           "training.val_every_n_steps=2", "checkpoint.save_every_n_steps=2"]
+LOGGERS = [
+    "logger.wandb.enabled=true",
+    "logger.wandb.mode=offline",
+    "logger.tensorboard.enabled=true",
+    "training.val_every_n_steps=2",
+    "checkpoint.save_every_n_steps=2",
+]
 
 
 def _records(path: Path) -> list[dict]:
@@ -24,10 +29,19 @@ def _records(path: Path) -> list[dict]:
 
 def _history(run_dir: Path) -> list[tuple]:
     """(split, step, the figures that do not depend on timing) of every record, in file order."""
-    timing = {"step_time", "data_wait", "samples_per_sec_per_gpu", "tokens_per_sec_per_gpu", "peak_mem_gib", "mfu",
-              "stall_s"}
-    return [(r.get("split", "train"), r["step"], sorted((k, v) for k, v in r.items() if k not in timing | {"step"}))
-            for r in _records(run_dir / "metrics.jsonl")]
+    timing = {
+        "step_time",
+        "data_wait",
+        "samples_per_sec_per_gpu",
+        "tokens_per_sec_per_gpu",
+        "peak_mem_gib",
+        "mfu",
+        "stall_s",
+    }
+    return [
+        (r.get("split", "train"), r["step"], sorted((k, v) for k, v in r.items() if k not in timing | {"step"}))
+        for r in _records(run_dir / "metrics.jsonl")
+    ]
 
 
 def _tensorboard(run_dir: Path, tag: str) -> dict[int, float]:
@@ -44,12 +58,16 @@ def _tensorboard(run_dir: Path, tag: str) -> dict[int, float]:
 def test_stopped_resumed_and_sent_back_runs_keep_one_history(tmp_path):
     run = tmp_path / "run"
     ckpt = tmp_path / "ckpt"
-    (ref, stopped, resumed, again), = run_workers(1, run_phases, [
-        phase(tmp_path, "ref", "ckpt_ref", LOGGERS),
-        phase(tmp_path, "run", "ckpt", LOGGERS, signal_at=3),  # SIGTERM: saves step 4 and stops
-        phase(tmp_path, "run", "ckpt", LOGGERS),  # the same command again: steps 5-8
-        phase(tmp_path, "run", "ckpt", LOGGERS, remove=[ckpt / "step_8", ckpt / "step_6"]),  # back to step 4
-    ])
+    ((ref, stopped, resumed, again),) = run_workers(
+        1,
+        run_phases,
+        [
+            phase(tmp_path, "ref", "ckpt_ref", LOGGERS),
+            phase(tmp_path, "run", "ckpt", LOGGERS, signal_at=3),  # SIGTERM: saves step 4 and stops
+            phase(tmp_path, "run", "ckpt", LOGGERS),  # the same command again: steps 5-8
+            phase(tmp_path, "run", "ckpt", LOGGERS, remove=[ckpt / "step_8", ckpt / "step_6"]),  # back to step 4
+        ],
+    )
     assert stopped["stopped_by"] == "SIGTERM" and resumed["start_step"] == 4 and again["start_step"] == 4
     history = _history(run)
     assert history == _history(tmp_path / "ref")  # one record per step and split, the uninterrupted run's figures
@@ -68,8 +86,12 @@ def test_stopped_resumed_and_sent_back_runs_keep_one_history(tmp_path):
 
 def test_keep_history_up_to_moves_later_and_broken_lines_aside(tmp_path):
     metrics = tmp_path / "metrics.jsonl"
-    lines = [{"step": 1, "loss": 2.0}, {"step": 2, "loss": 1.5}, {"step": 2, "loss": 1.4, "split": "val"},
-             {"step": 3, "loss": 1.2}]
+    lines = [
+        {"step": 1, "loss": 2.0},
+        {"step": 2, "loss": 1.5},
+        {"step": 2, "loss": 1.4, "split": "val"},
+        {"step": 3, "loss": 1.2},
+    ]
     metrics.write_text("".join(json.dumps(r) + "\n" for r in lines) + '{"step": 4, "lo')
     assert keep_history_up_to(metrics, 2) == 2
     assert _records(metrics) == lines[:3]
@@ -81,9 +103,16 @@ def test_keep_history_up_to_moves_later_and_broken_lines_aside(tmp_path):
 def test_the_same_command_again_continues_in_the_same_run_dir(tmp_path):
     """Without hydra.run.dir on the command line: the second invocation (more steps) finds the run directory of
     the first through checkpoint.path's run.json; predict.py of the same config gets a directory of its own."""
-    tiny = ["data.num_workers=0", "model.hidden_size=32", "model.depth=1", "model.num_heads=2",
-            "training.global_batch_size=8", "training.micro_batch_size=8", "training.log_every_n_steps=1",
-            "logger.progress_bar=never"]
+    tiny = [
+        "data.num_workers=0",
+        "model.hidden_size=32",
+        "model.depth=1",
+        "model.num_heads=2",
+        "training.global_batch_size=8",
+        "training.micro_batch_size=8",
+        "training.log_every_n_steps=1",
+        "logger.progress_bar=never",
+    ]
 
     def invoke(entry: str, *extra: str) -> None:
         proc = run_python(REPO / entry, "--config-name", "vit_sanity", *tiny, *extra, cwd=tmp_path, timeout=300)

@@ -9,8 +9,8 @@ import sys
 
 import pytest
 
-from tests.support.helpers import REPO, run_workers
 from tests.e2e.test_parity import COMMON, MICRO, _train_worker
+from tests.support.helpers import REPO, run_workers
 
 
 @pytest.mark.slow
@@ -51,8 +51,12 @@ def test_compile_replaces_each_block_forward_and_runs_compiled():
 
 @pytest.mark.slow
 def test_profiler_writes_a_trace_and_a_summary_of_the_chosen_steps(tmp_path):
-    overrides = COMMON + ["distributed=fsdp2", "training.profile.enabled=true", "training.profile.start_step=2",
-                          "training.profile.steps=2"]
+    overrides = COMMON + [
+        "distributed=fsdp2",
+        "training.profile.enabled=true",
+        "training.profile.start_step=2",
+        "training.profile.steps=2",
+    ]
     run_workers(1, _train_worker, overrides, str(tmp_path), False)
     trace = json.loads((tmp_path / "profile" / "rank0.trace.json").read_text())
     steps = {e["name"] for e in trace["traceEvents"] if e.get("name", "").startswith("ProfilerStep#")}
@@ -75,10 +79,24 @@ def test_trace_gaps_reports_busy_time_kinds_and_idle_gaps(tmp_path, capsys, monk
         {"ph": "X", "cat": "user_annotation", "name": "ProfilerStep#3", "ts": 0, "dur": 1000},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "ts": 0, "dur": 50, "tid": 1},
         {"ph": "X", "cat": "cpu_op", "name": "FusedRoPEFunc", "ts": 600, "dur": 50, "tid": 1},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 10, "dur": 5, "tid": 1,
-         "args": {"correlation": 1}},
-        {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 610, "dur": 5, "tid": 1,
-         "args": {"correlation": 3}},
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 10,
+            "dur": 5,
+            "tid": 1,
+            "args": {"correlation": 1},
+        },
+        {
+            "ph": "X",
+            "cat": "cuda_runtime",
+            "name": "cudaLaunchKernel",
+            "ts": 610,
+            "dur": 5,
+            "tid": 1,
+            "args": {"correlation": 3},
+        },
         kernel("nvjet_sm90_gemm", 100, 200, 1),  # 100-300
         kernel("vectorized_elementwise_kernel<add>", 250, 150, 2),  # overlaps: busy 100-400
         kernel("fused_rope_forward_kernel", 700, 100, 3),  # 700-800
@@ -106,14 +124,31 @@ def test_throughput_global_batch_accumulates_like_a_real_run(tmp_path, monkeypat
 
     def fake_run_train(config, nproc, overrides, timeout=None, gpus=None):
         runs.append(overrides)
-        timed = {"step": 6, "samples_per_sec_per_gpu": 50.0, "tokens_per_sec_per_gpu": 102400.0, "step_time": 2.5,
-                 "data_wait": 0.0, "peak_mem_gib": 48.0}
+        timed = {
+            "step": 6,
+            "samples_per_sec_per_gpu": 50.0,
+            "tokens_per_sec_per_gpu": 102400.0,
+            "step_time": 2.5,
+            "data_wait": 0.0,
+            "peak_mem_gib": 48.0,
+        }
         return [{"step": 3}, timed], ""
 
     monkeypatch.setattr(train_runs, "run_train", fake_run_train)
     script = str(REPO / "benchmarks" / "throughput.py")
-    common = ["throughput.py", "--config", "gpt_1b", "--data", "gpt_mock", "--nproc", "1", "--steps", "3",
-              "--out", str(tmp_path)]
+    common = [
+        "throughput.py",
+        "--config",
+        "gpt_1b",
+        "--data",
+        "gpt_mock",
+        "--nproc",
+        "1",
+        "--steps",
+        "3",
+        "--out",
+        str(tmp_path),
+    ]
     monkeypatch.setattr(sys, "argv", common + ["--micro-batch", "16", "32", "--global-batch", "128"])
     runpy.run_path(script, run_name="__main__")
     assert len(runs) == 2

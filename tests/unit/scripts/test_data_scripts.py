@@ -26,15 +26,20 @@ def run_script(name: str, monkeypatch, *argv: str) -> None:
 
 
 def digests(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def test_the_shipped_digits_are_what_the_script_makes(tmp_path, monkeypatch):
     run_script("make_digits_imagefolder", monkeypatch, "--out", str(tmp_path / "digits"))
     made, shipped = sorted((tmp_path / "digits").rglob("*.png")), sorted((REPO / "data" / "digits").rglob("*.png"))
     assert len(made) == 1797
-    assert [p.relative_to(tmp_path / "digits") for p in made] == [p.relative_to(REPO / "data" / "digits") for p in shipped]
+    assert [p.relative_to(tmp_path / "digits") for p in made] == [
+        p.relative_to(REPO / "data" / "digits") for p in shipped
+    ]
     for a, b in zip(made, shipped):  # the pixels (a PNG's bytes depend on the zlib that wrote it)
         with Image.open(a) as image_a, Image.open(b) as image_b:
             assert image_a.mode == image_b.mode == "L" and np.array_equal(np.asarray(image_a), np.asarray(image_b)), a
@@ -53,8 +58,16 @@ def test_the_mnist_subset_is_split_per_digit_in_mnist_files(tmp_path, monkeypatc
     source = tmp_path / "mnist.csv"
     np.savetxt(source, table[rng.permutation(120)], delimiter=",", fmt="%d")
     for out in ("a", "b"):
-        run_script("make_mnist_subset", monkeypatch, "--source", str(source), "--out", str(tmp_path / out),
-                   "--test-per-digit", "2")
+        run_script(
+            "make_mnist_subset",
+            monkeypatch,
+            "--source",
+            str(source),
+            "--out",
+            str(tmp_path / out),
+            "--test-per-digit",
+            "2",
+        )
     assert digests(tmp_path / "a") == digests(tmp_path / "b")  # reruns give the same bytes
     train_images, train_labels = read_mnist_file(str(tmp_path / "a"), True, False)
     test_images, test_labels = read_mnist_file(str(tmp_path / "a"), False, False)
@@ -70,12 +83,30 @@ def test_the_mnist_subset_is_split_per_digit_in_mnist_files(tmp_path, monkeypatc
 
 def test_the_jpeg_folder_has_imagenet_like_sizes_and_is_reproducible(tmp_path, monkeypatch):
     for out in ("a", "b"):
-        run_script("make_jpeg_imagefolder", monkeypatch, "--out", str(tmp_path / out), "--train", "4", "--val", "2",
-                   "--classes", "2", "--workers", "1")
+        run_script(
+            "make_jpeg_imagefolder",
+            monkeypatch,
+            "--out",
+            str(tmp_path / out),
+            "--train",
+            "4",
+            "--val",
+            "2",
+            "--classes",
+            "2",
+            "--workers",
+            "1",
+        )
     files = digests(tmp_path / "a")
     assert files == digests(tmp_path / "b")
-    assert sorted(files) == ["train/class000/000000.jpg", "train/class000/000002.jpg", "train/class001/000001.jpg",
-                             "train/class001/000003.jpg", "val/class000/000000.jpg", "val/class001/000001.jpg"]
+    assert sorted(files) == [
+        "train/class000/000000.jpg",
+        "train/class000/000002.jpg",
+        "train/class001/000001.jpg",
+        "train/class001/000003.jpg",
+        "val/class000/000000.jpg",
+        "val/class001/000001.jpg",
+    ]
     for name in files:
         with Image.open(tmp_path / "a" / name) as image:
             assert image.format == "JPEG" and image.mode == "RGB"
@@ -83,14 +114,32 @@ def test_the_jpeg_folder_has_imagenet_like_sizes_and_is_reproducible(tmp_path, m
 
 
 def test_shard_images_writes_every_split_and_says_how_to_train(tmp_path, monkeypatch, capsys):
-    run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "s"),
-               "--samples-per-shard", "600")
+    run_script(
+        "shard_images",
+        monkeypatch,
+        "--root",
+        str(REPO / "data" / "digits"),
+        "--out",
+        str(tmp_path / "s"),
+        "--samples-per-shard",
+        "600",
+    )
     printed = capsys.readouterr().out
     assert "train: 1438 samples of 10 classes in 3 shards (train-000000.tar ...)" in printed
     assert "val: 359 samples of 10 classes in 1 shards" in printed and f"data.root={tmp_path / 's'}" in printed
     with pytest.raises(SystemExit, match="^2$"):
         run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "s"))
-    assert capsys.readouterr().err == f"error: {tmp_path / 's'} exists and is not an empty folder; choose a new folder\n"
+    assert (
+        capsys.readouterr().err == f"error: {tmp_path / 's'} exists and is not an empty folder; choose a new folder\n"
+    )
     with pytest.raises(SystemExit):
-        run_script("shard_images", monkeypatch, "--root", str(REPO / "data" / "digits"), "--out", str(tmp_path / "t"),
-                   "--samples-per-shard", "0")
+        run_script(
+            "shard_images",
+            monkeypatch,
+            "--root",
+            str(REPO / "data" / "digits"),
+            "--out",
+            str(tmp_path / "t"),
+            "--samples-per-shard",
+            "0",
+        )

@@ -17,8 +17,15 @@ GRAPHS = ["training.cuda_graphs=forward_backward", "checkpoint.path=unused"]
 
 
 def test_cuda_graphs_on_cpu_are_refused_before_any_work(tmp_path):
-    proc = run_python("train.py", "--config-name", "vit_sanity", "training.cuda_graphs=forward_backward",
-                      f"hydra.run.dir={tmp_path}", cwd=REPO, timeout=120)
+    proc = run_python(
+        "train.py",
+        "--config-name",
+        "vit_sanity",
+        "training.cuda_graphs=forward_backward",
+        f"hydra.run.dir={tmp_path}",
+        cwd=REPO,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "training.cuda_graphs=forward_backward needs a CUDA GPU" in proc.stdout + proc.stderr
     assert not (tmp_path / "metrics.jsonl").exists()
@@ -29,13 +36,16 @@ def test_unknown_cuda_graphs_mode_names_the_key():
         validated_config("vit_sanity", ["training.cuda_graphs=full", "checkpoint.path=unused"])
 
 
-@pytest.mark.parametrize("overrides,message", [
-    (["distributed=fsdp2"], "needs distributed.backend=mfsdp"),
-    (["distributed=ddp", "precision.param_dtype=fp32"], "needs distributed.backend=mfsdp"),
-    (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=block"], "not block"),
-    (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=mxfp8"], "not mxfp8"),
-    (["distributed=mfsdp", "training.compile=true"], "training.compile=true both take over"),
-])
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["distributed=fsdp2"], "needs distributed.backend=mfsdp"),
+        (["distributed=ddp", "precision.param_dtype=fp32"], "needs distributed.backend=mfsdp"),
+        (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=block"], "not block"),
+        (["distributed=mfsdp", "precision=fp8", "precision.fp8.recipe=mxfp8"], "not mxfp8"),
+        (["distributed=mfsdp", "training.compile=true"], "training.compile=true both take over"),
+    ],
+)
 def test_cuda_graphs_refuse_what_they_do_not_capture(overrides, message):
     cfg = validated_config("vit_base_patch16_224", [*GRAPHS, *overrides])
     with pytest.raises(ConfigError, match=message):
@@ -48,8 +58,9 @@ def test_cuda_graphs_resolve_for_the_recipes_gpu_config():
     # FP8 with delayed or current scaling, and activation recomputation, are captured too.
     for overrides in (["precision=fp8_delayed"], ["precision=fp8_current"], ["training.activation_checkpointing=true"]):
         assert resolve(validated_config("vit_base_patch16_224", [*GRAPHS, *overrides]), GPU).cuda_graphs, overrides
-    assert not resolve(validated_config("vit_base_patch16_224", [*GRAPHS[1:], "training.cuda_graphs=none"]),
-                       GPU).cuda_graphs
+    assert not resolve(
+        validated_config("vit_base_patch16_224", [*GRAPHS[1:], "training.cuda_graphs=none"]), GPU
+    ).cuda_graphs
 
 
 def test_auto_graphs_where_they_apply_and_eager_elsewhere():
@@ -60,7 +71,11 @@ def test_auto_graphs_where_they_apply_and_eager_elsewhere():
 
     assert auto().cuda_graphs and auto().cuda_graphs_auto
     assert not auto(machine=Machine(cuda=False, te=False)).cuda_graphs
-    for overrides in (["distributed=fsdp2"], ["precision=fp8", "precision.fp8.recipe=block"], ["training.compile=true"]):
+    for overrides in (
+        ["distributed=fsdp2"],
+        ["precision=fp8", "precision.fp8.recipe=block"],
+        ["training.compile=true"],
+    ):
         assert not auto(*overrides).cuda_graphs, overrides
     assert auto("precision=fp8_delayed").cuda_graphs
 
@@ -85,8 +100,9 @@ def test_graphs_on_a_mesh_run_where_no_collective_is_inside_a_micro_batch(overri
     """Once the mesh is known, auto runs eagerly where a graphed run would be refused, and forward_backward is
     refused there naming the key and its value; elsewhere both replay graphs."""
     for mode in ("auto", "forward_backward"):
-        cfg = validated_config("vit_base_patch16_224", ["checkpoint.path=unused", f"training.cuda_graphs={mode}",
-                                                        *overrides])
+        cfg = validated_config(
+            "vit_base_patch16_224", ["checkpoint.path=unused", f"training.cuda_graphs={mode}", *overrides]
+        )
         runtime = resolve(cfg, GPU)
         assert runtime.cuda_graphs  # nothing refused before the mesh is known
         if refusal is None:
@@ -158,8 +174,9 @@ BATCH, SCALE = {"x": torch.ones(2, 4)}, torch.tensor(1.0)
 
 
 @pytest.mark.parametrize("accumulation,captured_call", [(1, 3), (2, 3), (3, 4), (8, 3)])
-def test_the_graph_comes_from_a_micro_batch_before_the_last_where_steps_accumulate(monkeypatch, accumulation,
-                                                                                    captured_call):
+def test_the_graph_comes_from_a_micro_batch_before_the_last_where_steps_accumulate(
+    monkeypatch, accumulation, captured_call
+):
     """After two eager micro-batches: with one micro-batch per step the next (a step's last) is captured; with
     several, the first that is not its step's last, whose graph then also serves the last ones."""
     capture = FakeCapture(monkeypatch)
@@ -180,8 +197,15 @@ def test_graphed_micro_batches_never_reduce_and_each_step_reduces_after_its_last
     # Calls 1-2 eager, 4 captured (the first before a step's last), 5-9 replayed: recording runs no Python, so
     # only the eager and captured micro-batches enter micro_batch().
     assert capture.captured == [4]
-    assert capture.events == [("micro_batch", False), ("micro_batch", False), ("micro_batch", False),
-                              ("reduce", 3), ("micro_batch", False), ("reduce", 6), ("reduce", 9)]
+    assert capture.events == [
+        ("micro_batch", False),
+        ("micro_batch", False),
+        ("micro_batch", False),
+        ("reduce", 3),
+        ("micro_batch", False),
+        ("reduce", 6),
+        ("reduce", 9),
+    ]
 
 
 def test_a_capture_that_fails_says_why_and_what_to_do(monkeypatch):

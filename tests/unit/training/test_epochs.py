@@ -11,17 +11,26 @@ from tests.support.checkpoint_harness import phase, run_phases
 from tests.support.helpers import read_records, run_workers
 
 # TINY: 48 training samples, global batch 16, so an epoch is 3 steps.
-BY_EPOCHS = ["training.steps=null", "training.epochs=2", "training.val_every_n_epochs=1",
-             "checkpoint.save_every_n_epochs=1", "checkpoint.save_final=false"]
+BY_EPOCHS = [
+    "training.steps=null",
+    "training.epochs=2",
+    "training.val_every_n_epochs=1",
+    "checkpoint.save_every_n_epochs=1",
+    "checkpoint.save_final=false",
+]
 
 
 @pytest.mark.slow
 def test_two_epochs_train_every_sample_exactly_twice_and_validate_and_save_at_each_epoch_end(tmp_path):
-    (whole, stopped, resumed), = run_workers(1, run_phases, [
-        phase(tmp_path, "whole", "ckpt_whole", BY_EPOCHS),
-        phase(tmp_path, "run", "ckpt", BY_EPOCHS, signal_at=1),  # SIGTERM during step 1: saves step 2 and stops
-        phase(tmp_path, "run", "ckpt", BY_EPOCHS),
-    ])
+    ((whole, stopped, resumed),) = run_workers(
+        1,
+        run_phases,
+        [
+            phase(tmp_path, "whole", "ckpt_whole", BY_EPOCHS),
+            phase(tmp_path, "run", "ckpt", BY_EPOCHS, signal_at=1),  # SIGTERM during step 1: saves step 2 and stops
+            phase(tmp_path, "run", "ckpt", BY_EPOCHS),
+        ],
+    )
     assert sorted(whole["losses"]) == [1, 2, 3, 4, 5, 6]
     trained = [i for micro_batch in whole["idx"] for i in micro_batch]
     assert Counter(trained) == {i: 2 for i in range(48)}  # two passes, nothing more

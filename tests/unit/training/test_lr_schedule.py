@@ -19,8 +19,9 @@ from tests.support.helpers import read_records, train_run, validated_config
 LR = 2e-3
 
 
-def _rates(cfg: SchedulerConfig, steps: int, stopped_at: int, extended_to: int,
-           recorded: int | None = None) -> tuple[list[float], list[str]]:
+def _rates(
+    cfg: SchedulerConfig, steps: int, stopped_at: int, extended_to: int, recorded: int | None = None
+) -> tuple[list[float], list[str]]:
     """The learning rate of each step 1..extended_to of a run of `steps` stopped after `stopped_at` (its scheduler's
     state saved and loaded into a fresh one, as a checkpoint does), resumed with training.steps=extended_to; and
     what the resume warns. `recorded`: the schedule length the checkpoint records (0: one of an earlier version)."""
@@ -38,8 +39,9 @@ def _rates(cfg: SchedulerConfig, steps: int, stopped_at: int, extended_to: int,
     scheduler = optim.build_scheduler(optimizer, cfg, extended_to)
     scheduler.load_state_dict(saved)
     state = TrainState(step=stopped_at, schedule_steps=steps if recorded is None else recorded)
-    notes = optim.resume_schedule(optimizer, scheduler, OmegaConf.structured(OptimConfig(lr=LR)), cfg, state,
-                                  extended_to)
+    notes = optim.resume_schedule(
+        optimizer, scheduler, OmegaConf.structured(OptimConfig(lr=LR)), cfg, state, extended_to
+    )
     for _ in range(stopped_at, extended_to):
         rates.append(optimizer.param_groups[0]["lr"])
         optimizer.step()
@@ -71,22 +73,29 @@ def test_a_finished_cosine_extended_from_300_to_600_steps_rises_again_and_says_s
     assert _at(rates, 301) == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * 270 / 570)))  # 1.08e-03
     assert _at(rates, 600) == pytest.approx(LR * 0.5 * (1 + math.cos(math.pi * 569 / 570)))
     assert len(notes) == 1 and "\n" not in notes[0]
-    assert notes[0].startswith("the learning rate at step 301 is 0.00108, not the 0 the checkpoint's run would have "
-                               "used: the cosine schedule now spans training.steps=600, not the 300 it started with.")
+    assert notes[0].startswith(
+        "the learning rate at step 301 is 0.00108, not the 0 the checkpoint's run would have "
+        "used: the cosine schedule now spans training.steps=600, not the 300 it started with."
+    )
     assert "scheduler.on_extend=hold" in notes[0] and "scheduler=wsd" in notes[0]
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["cosine", "wsd"])
 def test_hold_keeps_the_finished_decay(name):
-    rates, notes = _rates(SchedulerConfig(name=name, warmup_steps=30, on_extend="hold", min_lr_ratio=0.1), 300, 300,
-                          600)
+    rates, notes = _rates(
+        SchedulerConfig(name=name, warmup_steps=30, on_extend="hold", min_lr_ratio=0.1), 300, 300, 600
+    )
     assert rates[300:] == [pytest.approx(0.1 * LR)] * 300  # steps 301-600 at the final rate
-    assert notes == ["scheduler.on_extend=hold: the schedule ended at step 300; steps 301-600 keep its final learning "
-                     "rate 0.0002 (scheduler.min_lr_ratio=0.1 x optim.lr)"]
+    assert notes == [
+        "scheduler.on_extend=hold: the schedule ended at step 300; steps 301-600 keep its final learning "
+        "rate 0.0002 (scheduler.min_lr_ratio=0.1 x optim.lr)"
+    ]
     _, idle = _rates(SchedulerConfig(name=name, warmup_steps=30, on_extend="hold"), 300, 300, 600)
-    assert idle[0].endswith("keep its final learning rate 0 (scheduler.min_lr_ratio=0.0 x optim.lr): they change "
-                            "nothing (weight decay too is scaled by the rate)")
+    assert idle[0].endswith(
+        "keep its final learning rate 0 (scheduler.min_lr_ratio=0.0 x optim.lr): they change "
+        "nothing (weight decay too is scaled by the rate)"
+    )
 
 
 def test_a_wsd_run_extended_before_its_decay_goes_on_as_if_it_had_been_asked_for_600_steps():
@@ -104,8 +113,10 @@ def test_a_finished_wsd_extended_says_its_decay_had_begun():
     rates, notes = _rates(SchedulerConfig(name="wsd", warmup_steps=30), 300, 300, 600)
     assert _at(rates, 300) == pytest.approx(LR / 60) and rates[300:480] == [LR] * 180
     assert len(notes) == 1 and "at step 301 is 0.002, not the 0" in notes[0]
-    assert ("the wsd schedule now spans training.steps=600, not the 300 it started with, and its decay had begun (at "
-            "step 241): the rate is back at the stable rate, and decays again from step 481") in notes[0]
+    assert (
+        "the wsd schedule now spans training.steps=600, not the 300 it started with, and its decay had begun (at "
+        "step 241): the rate is back at the stable rate, and decays again from step 481"
+    ) in notes[0]
 
 
 def test_a_checkpoint_without_the_schedules_length_stretches_and_says_why():
@@ -127,11 +138,15 @@ def test_an_extended_training_run_warns_and_holds(tmp_path, caplog):
     cfg = validated_config("vit_sanity", tiny + ["training.steps=10"]).scheduler
     stretched = 3e-3 * optim.lr_multiplier(6, 10, cfg)
     warned = [r.getMessage() for r in caplog.records if "learning rate at step 7" in r.getMessage()]
-    assert warned == [f"the learning rate at step 7 is {stretched:.3g}, not the 0 the checkpoint's run would have used: "
-                      "the cosine schedule now spans training.steps=10, not the 6 it started with. scheduler.on_extend="
-                      "hold keeps the schedule it started with (steps past its end at its final rate); a scheduler=wsd "
-                      "run extended before its decay begins goes on at the same rate"]
-    train_run(validated_config("vit_sanity", tiny + ["training.steps=12", "scheduler.on_extend=hold"]), tmp_path / "run")
+    assert warned == [
+        f"the learning rate at step 7 is {stretched:.3g}, not the 0 the checkpoint's run would have used: "
+        "the cosine schedule now spans training.steps=10, not the 6 it started with. scheduler.on_extend="
+        "hold keeps the schedule it started with (steps past its end at its final rate); a scheduler=wsd "
+        "run extended before its decay begins goes on at the same rate"
+    ]
+    train_run(
+        validated_config("vit_sanity", tiny + ["training.steps=12", "scheduler.on_extend=hold"]), tmp_path / "run"
+    )
     rates = {r["step"]: r["lr"] for r in read_records(tmp_path / "run") if "lr" in r}
     assert rates[7] == pytest.approx(stretched) and rates[10] > 0
     assert rates[11] == rates[12] == 0.0  # held at the 10-step schedule's end

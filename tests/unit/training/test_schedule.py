@@ -11,10 +11,29 @@ from core.training.length import RunLength, run_length
 from core.training.schedule import StepSchedule
 
 
-def schedule(steps=None, epochs=None, global_batch=4, dataset=10, log=1, val_steps=0, val_epochs=0, val_at_end=False,
-             save_steps=0, save_epochs=0, save_final=False) -> StepSchedule:
-    return StepSchedule(run_length(steps, epochs, global_batch, dataset), log, val_steps, val_epochs, val_at_end,
-                        save_steps, save_epochs, save_final)
+def schedule(
+    steps=None,
+    epochs=None,
+    global_batch=4,
+    dataset=10,
+    log=1,
+    val_steps=0,
+    val_epochs=0,
+    val_at_end=False,
+    save_steps=0,
+    save_epochs=0,
+    save_final=False,
+) -> StepSchedule:
+    return StepSchedule(
+        run_length(steps, epochs, global_batch, dataset),
+        log,
+        val_steps,
+        val_epochs,
+        val_at_end,
+        save_steps,
+        save_epochs,
+        save_final,
+    )
 
 
 def steps_where(decide, schedule: StepSchedule) -> list[int]:
@@ -67,10 +86,26 @@ def test_the_config_checks_answer_about_validation_agrees_with_the_loop(steps, g
 def test_from_config_reads_the_training_and_checkpoint_keys():
     from tests.support.helpers import validated_config
 
-    cfg = validated_config("vit_sanity", ["checkpoint.path=unused", "training.log_every_n_steps=3",
-                                          "training.val_every_n_steps=4", "training.val_every_n_epochs=2",
-                                          "training.val_at_end=false", "checkpoint.save_every_n_steps=5",
-                                          "checkpoint.save_every_n_epochs=6", "checkpoint.save_final=false"])
+    cfg = validated_config(
+        "vit_sanity",
+        [
+            "checkpoint.path=unused",
+            "training.log_every_n_steps=3",
+            "training.val_every_n_steps=4",
+            "training.val_every_n_epochs=2",
+            "training.val_at_end=false",
+            "checkpoint.save_every_n_steps=5",
+            "checkpoint.save_every_n_epochs=6",
+            "checkpoint.save_final=false",
+        ],
+    )
     s = StepSchedule.from_config(cfg, RunLength(10, 2, 7))
-    assert (s.log_every_n_steps, s.val_every_n_steps, s.val_every_n_epochs, s.val_at_end, s.save_every_n_steps,
-            s.save_every_n_epochs, s.save_final) == (3, 4, 2, False, 5, 6, False)
+    assert (
+        s.log_every_n_steps,
+        s.val_every_n_steps,
+        s.val_every_n_epochs,
+        s.val_at_end,
+        s.save_every_n_steps,
+        s.save_every_n_epochs,
+        s.save_final,
+    ) == (3, 4, 2, False, 5, 6, False)
