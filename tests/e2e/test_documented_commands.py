@@ -113,12 +113,15 @@ def test_gpt_md_tensor_parallel_after_gpt_sanity_trains_then_generate_without_a_
     """gpt.md: `gpt_sanity`, then `gpt_sanity distributed.tp=2`: the second trains (a run of its own), not
     "distributed.tp: 1 -> 2 ... nothing left to do"; generate.py takes the config from the checkpoint."""
     _ok(run_python(REPO / "train.py", "--config-name", "gpt_sanity", "training.steps=1", *SHORT, cwd=tmp_path))
-    proc = subprocess.run(
-        torchrun(2, "train.py", "--config-name", "gpt_sanity", "distributed.tp=2", "training.steps=1", *SHORT),
+    proc = run_python_ranks(
+        2,
+        REPO / "train.py",
+        "--config-name",
+        "gpt_sanity",
+        "distributed.tp=2",
+        "training.steps=1",
+        *SHORT,
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
     )
     out = _ok(proc)
     assert "nothing left to do" not in out and "step 1 | loss" in out and "mesh dp_outer=1 x dp_shard=1 x tp=2" in out

@@ -1,4 +1,5 @@
-"""train.py end to end, as users run it: torchrun with 2 gloo processes, plain python, Hydra multirun."""
+"""train.py end to end, as users run it: 2 gloo processes (ranks as torchrun starts them), plain python, Hydra
+multirun under torchrun."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support.helpers import REPO, read_records, torchrun
+from tests.support.helpers import REPO, read_records, run_python_ranks, torchrun
 
 QUICK = [
     "training.log_every_n_steps=1",
@@ -33,18 +34,19 @@ def records(run_dir: Path) -> list[dict]:
 
 @pytest.mark.slow
 def test_vit_sanity_on_two_processes_learns(tmp_path):
-    proc = run(
-        torchrun(
-            2,
-            "train.py",
-            "--config-name",
-            "vit_sanity",
-            "training.steps=150",
-            "training.val_every_n_steps=75",
-            "logger.progress_bar=never",
-        ),
+    # The ranks forked from the test fork server, as torchrun starts them (torchrun itself: the multirun below,
+    # tests/e2e/test_checkpoints.py and test_failing_jobs.py).
+    proc = run_python_ranks(
+        2,
+        REPO / "train.py",
+        "--config-name",
+        "vit_sanity",
+        "training.steps=150",
+        "training.val_every_n_steps=75",
+        "logger.progress_bar=never",
         cwd=tmp_path,
     )
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     # One run directory for both ranks, with Hydra's files written once (by rank 0).
     (run_dir,) = [p for p in (tmp_path / "outputs" / "vit_sanity").iterdir() if p.name != "checkpoints"]
     assert (run_dir / ".hydra" / "config.yaml").exists() and (run_dir / "resolved_config.yaml").exists()

@@ -12,7 +12,7 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
-from tests.support.helpers import REPO, read_records, run_python, torchrun
+from tests.support.helpers import REPO, read_records, run_python, run_python_ranks
 
 DOCS = ["Call me Ishmael.\nSome years ago—never mind how long—", "Ünïcödé: naïve café, 東京, emoji 🐋.", "x"]
 
@@ -184,9 +184,9 @@ def test_model_shapes_parameter_count_and_flops():
 
 @pytest.mark.slow
 def test_gpt_sanity_learns_on_two_processes(tmp_path):
-    cmd = torchrun(
+    proc = run_python_ranks(  # ranks as torchrun starts them, forked from the test fork server
         2,
-        "train.py",
+        REPO / "train.py",
         "--config-name",
         "gpt_sanity",
         "training.steps=40",
@@ -196,8 +196,8 @@ def test_gpt_sanity_learns_on_two_processes(tmp_path):
         f"data.cache_dir={tmp_path}/cache",
         f"hydra.run.dir={tmp_path}/run",
         f"checkpoint.path={tmp_path}/ckpt",
+        cwd=tmp_path,
     )
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     rows = read_records(tmp_path / "run")
     train = [r for r in rows if "split" not in r]
