@@ -149,9 +149,15 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
         check_monitored_metrics(
             cfg, sess.recipe.validation_metrics(), data.val_loader is not None, schedule, objective_required
         )
-        # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
+        # 5. AdamW over the (sharded) trainable parameters in two groups, with and without weight decay (crossed with
+        #    finetune's learning-rate parts: head, backbone, layer decay); the schedule.
         groups = optim.param_groups(
-            parallel.named_parameters(), cfg.optim.weight_decay, sess.recipe.no_weight_decay(parallel.model)
+            parallel.named_parameters(),
+            cfg.optim.weight_decay,
+            sess.recipe.no_weight_decay(parallel.model),
+            cfg.optim.lr,
+            cfg.finetune,
+            parallel.blocks,
         )
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
@@ -213,6 +219,7 @@ def log_setup(run: Run, num_params: int, accumulation: int) -> None:
         run.length.describe(training.epochs),
         ", ".join(
             f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']}"
+            + (f", lr {g['lr_scale']:.3g} x optim.lr" if "lr_scale" in g else "")
             for g in run.optimizer.param_groups
         ),
     )
