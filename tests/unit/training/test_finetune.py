@@ -146,3 +146,31 @@ def test_schedule_and_resume_keep_each_groups_share_of_the_learning_rate():
     assert notes == []
     assert [g["lr"] for g in again.param_groups] == pytest.approx([g["lr"] for g in optimizer.param_groups])
     assert resumed.base_lrs == pytest.approx([1e-3 * r for r in ratios])
+
+
+def test_esm2_with_lora_gives_the_logits_of_its_merged_weights():
+    from core.layers.lora import merge_lora_weights
+    from core.layers.namespace import get_layers
+    from recipes.esm2.model import ESM2
+    from tests.support.helpers import validated_config
+
+    overrides = ["model.num_layers=2", "model.hidden_size=32", "model.num_attention_heads=2"]
+    overrides += ["model.ffn_hidden_size=64", "model.max_seq_length=64", "checkpoint.path=/tmp/unused"]
+    m = validated_config("esm2_sanity", overrides).model
+    layers = get_layers("torch")
+    torch.manual_seed(0)
+    adapted = ESM2(m, layers).eval()
+    finetune.apply(adapted, _cfg(mode="lora", head=["lm_head"], lora={"rank": 4, "alpha": 8}), 0, None)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.1)
+    merged = ESM2(m, layers).eval()
+    merged.load_state_dict(merge_lora_weights(adapted.state_dict(), scale=8 / 4))
+    tokens = torch.randint(4, 24, (2, 20))
+    cu = torch.tensor([[0, 7, 20], [0, 12, 20]], dtype=torch.int32)
+    unmerged_logits = adapted(tokens, cu)
+    torch.testing.assert_close(unmerged_logits, merged(tokens, cu), rtol=1e-5, atol=1e-5)
+    base = ESM2(m, layers).eval()
+    base.load_state_dict({k: v for k, v in adapted.state_dict().items() if "lora_" not in k})
+    assert (base(tokens, cu) - unmerged_logits).abs().max() > 1e-3  # the adapters do change the logits
