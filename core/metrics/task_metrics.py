@@ -3,9 +3,9 @@ classification figures, computed by scikit-learn and scipy on the CPU.
 
 Inputs are torch tensors (any device, any float dtype) or numpy arrays; every function returns plain floats.
 A figure the data leaves undefined (targets of one class, constant predictions, too few items, non-finite outputs) is
-NaN, and the call logs one warning that names each such figure and why; these functions never raise on data.
-Nothing loops over items in Python (a million residues take a fraction of a second); loops run over targets,
-classes or labels only.
+NaN, and the call logs one warning that names each such figure and why, never an exception (shapes that disagree or
+class indices outside 0..C-1 are the caller's mistake: ValueError). Nothing loops over items in Python (a validation
+set of a million residues is fine); loops run over targets, classes or labels only.
 
 `task_metrics(task, outputs, targets)` picks the function by task name; `task_metric_names` lists its names before
 any work (a recipe's validation_metrics). The figures (each defined exactly as the function's docstring says):
