@@ -62,10 +62,10 @@ class ESM2TaskModel(ESM2):
             return super().forward(tokens, cu_seqlens, hidden_layer=hidden_layer)
         hidden = super().forward(tokens, cu_seqlens, hidden_layer=len(self.layers))
         with self.high_precision():
-            if not self.per_sequence:
-                return self.head(hidden)
-            pooled = pool(hidden, tokens, cu_seqlens, self.pool_cls)
-            return self.head(pooled.to(hidden.dtype))
+            if self.per_sequence:
+                hidden = pool(hidden, tokens, cu_seqlens, self.pool_cls).to(hidden.dtype)
+            # A tensor of its own, not a view: FSDP2 hooks its backward on the module's output.
+            return self.head(hidden).clone()
 
 
 def slot_membership(tokens: torch.Tensor, cu_seqlens: torch.Tensor, cls: bool) -> torch.Tensor:

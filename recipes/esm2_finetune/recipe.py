@@ -191,7 +191,8 @@ class ESM2FinetuneRecipe(Recipe):
         return out
 
     def validation_metrics(self) -> tuple[str, ...]:
-        return ("loss", *task_metric_names(Task(self.cfg.model.task)))
+        m = self.cfg.model
+        return ("loss", *task_metric_names(str(Task(m.task)), len(m.classes)))
 
     def summarize_items(self, items: dict[str, torch.Tensor]) -> dict[str, float]:
         return predictions.task_metrics(self.cfg.model, items["output"], items["target"])
