@@ -17,7 +17,6 @@ from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
 from core.layers.namespace import TORCH_LAYERS
 from recipes.esm2.masking import IGNORE
-from recipes.esm2.tokenizer import VOCABULARY
 from recipes.esm2_finetune.config import Task
 from recipes.esm2_finetune.data import LabelledPacks, TargetCoding
 from recipes.esm2_finetune.labels import LabelledSequences
@@ -72,7 +71,9 @@ def test_residue_labels_stay_with_their_residues_through_packing_and_random_crop
             for slot, i in enumerate(sequences[sequences >= 0].tolist()):
                 window = item["tokens"][cu[slot] + 1 : cu[slot + 1] - 1].numpy()
                 full = store.sequence(i)
-                start = next(s for s in range(len(full) - len(window) + 1) if (full[s : s + len(window)] == window).all())
+                start = next(
+                    s for s in range(len(full) - len(window) + 1) if (full[s : s + len(window)] == window).all()
+                )
                 starts.add((i, epoch, start))
                 unlabelled = store.targets[store.offsets[i] + start : store.offsets[i] + start + len(window)] < 0
                 assert (item["labels"][cu[slot] + 1 : cu[slot + 1] - 1][torch.from_numpy(unlabelled)] == IGNORE).all()
@@ -126,3 +127,70 @@ def test_the_script_reproduces_the_shipped_sanity_files(tmp_path):
     assert done.returncode == 0, done.stderr
     for split in ("train", "val", "test"):
         assert (tmp_path / f"{split}.csv").read_bytes() == (SANITY / f"{split}.csv").read_bytes(), split
+
+
+def trivial_figure(task: str, rows: list[dict], train: list[dict]) -> tuple[str, float, float]:
+    """(metric, the model's figure on the val rows, the trivial predictor's: the training mean or majority)."""
+    if task == "regression":
+        names = ["hydrophobic_fraction", "net_charge"]
+        truth = np.array([[float(r[f"true_{n}"]) for n in names] for r in rows])
+        mean = np.array([[float(r[n]) for n in names] for r in train]).mean(0)
+        r2 = 1 - ((truth - mean) ** 2).sum(0) / ((truth - truth.mean(0)) ** 2).sum(0)
+        return "r2", None, float(r2.mean())
+    if task == "classification":
+        majority = max(set(r["charge_class"] for r in train), key=[r["charge_class"] for r in train].count)
+        return "accuracy", None, float(np.mean([r["true_class"] == majority for r in rows]))
+    if task == "multilabel":
+        return "auroc", None, 0.5  # any constant score ranks positives and negatives at chance
+    letters = "".join(r["structure"] for r in train)
+    majority = max("CEH", key=letters.count)
+    return "accuracy", None, float(np.mean([r["true_class"] == majority for r in rows]))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", TASKS)
+def test_each_head_learns_the_sanity_task_on_two_processes(tmp_path, task):
+    """esm2_finetune_sanity (a fresh tiny ESM-2) on 2 processes, then predict.py on the val split (2 processes): the
+    task's metric clearly beats the trivial predictor's (the training mean or majority), both printed; the rows come
+    in the val file's order."""
+    from tests.support.helpers import run_python_ranks
+
+    short = ["logger.progress_bar=never", f"checkpoint.path={tmp_path}/ckpt", *TASKS[task]]
+    trained = run_python_ranks(
+        2,
+        REPO / "train.py",
+        "--config-name",
+        "esm2_finetune_sanity",
+        "training.steps=60",
+        "training.val_every_n_steps=0",
+        "training.val_at_end=false",
+        f"hydra.run.dir={tmp_path}/run",
+        *short,
+    )
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    predicted = run_python_ranks(
+        2,
+        REPO / "predict.py",
+        f"checkpoint.init_from={tmp_path}/ckpt/step_60",
+        "predict.split=val",
+        f"predict.output={tmp_path}/out/p.csv",
+        f"hydra.run.dir={tmp_path}/predict",
+        *short,
+    )
+    assert predicted.returncode == 0, predicted.stderr[-3000:]
+    with open(tmp_path / "out" / "p.csv") as f:
+        rows = list(csv.DictReader(f))
+    with open(SANITY / "val.csv") as f:
+        val = list(csv.DictReader(f))
+    with open(SANITY / "train.csv") as f:
+        train = list(csv.DictReader(f))
+    if task == "residue_classification":
+        expected = [(r["id"], i + 1, letter) for r in val for i, letter in enumerate(r["sequence"])]
+        assert [(r["id"], int(r["position"]), r["residue"]) for r in rows] == expected
+        assert [r["true_class"] for r in rows] == list("".join(r["structure"] for r in val))
+    else:
+        assert [r["id"] for r in rows] == [r["id"] for r in val]
+    metric, _, trivial = trivial_figure(task, rows, train)
+    figure = json.loads((tmp_path / "out" / "prediction_metrics.json").read_text())[metric]
+    print(f"{task}: val {metric} {figure:.4f}, trivial predictor {trivial:.4f}")
+    assert figure > trivial + (0.5 if metric == "r2" else 0.1)
