@@ -8,6 +8,7 @@ Everything else has a default, or is an opt-in protocol that the tool needing it
     generation (generate.py)       tokenizer + vocab_size + new_kv_cache + next_logits (GENERATION)
     MFU and tokens/s in the log    tokens_per_sample, flops_per_sample, work (None: not reported)
     validation metrics             validation_metrics + summarize_validation (default: the loss)
+    metrics over every item        forward's "items" in evaluation + summarize_items (default: none)
     Hugging Face conversion        recipes/<name>/hf.py with export_to_hf, import_from_hf and HF_MODEL_TYPES
 """
 
@@ -118,7 +119,9 @@ class Recipe(ABC):
     @abstractmethod
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per-sample values: "loss" (sum of the sample's loss terms) and "count" (their number);
-        in evaluation, further metrics to be summed (e.g. "top1": 1.0 where correct)."""
+        in evaluation, further metrics to be summed (e.g. "top1": 1.0 where correct), and optionally "items":
+        {"row": LongTensor [N], <name>: Tensor [N, ...]}, one entry per item of the micro-batch (a sample, a
+        sequence of a packed row, a labelled residue; "row" = its row in the micro-batch) for summarize_items."""
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         """Number of loss terms in a micro-batch, as a 0-d tensor on the batch's device: the sum of forward's
@@ -131,10 +134,17 @@ class Recipe(ABC):
         """Turn per-term means of the validation sums into the reported metrics."""
         return means
 
+    def summarize_items(self, items: dict[str, torch.Tensor]) -> dict[str, float]:
+        """Figures over every validation item (e.g. Spearman, AUROC: core/metrics/task_metrics.py), for recipes whose
+        forward returns "items" in evaluation: `items` holds each name's entries of every valid item of the whole
+        validation set, gathered over the data-parallel ranks, on the CPU ("row" dropped). Called on every rank
+        with the same items; its names join summarize_validation's (none in both)."""
+        return {}
+
     def validation_metrics(self) -> tuple[str, ...]:
-        """The names of the metrics validation reports (summarize_validation's keys), known before any work so
-        that checkpoint.monitor and training.objective.metric are checked at setup. Every forward gives "loss";
-        a recipe with further metrics names them all."""
+        """The names of the metrics validation reports (summarize_validation's and summarize_items' keys), known
+        before any work so that checkpoint.monitor and training.objective.metric are checked at setup. Every forward
+        gives "loss"; a recipe with further metrics names them all."""
         return ("loss",)
 
     # --- prediction (predict.py): opt in with split() and predict() --------------------------------

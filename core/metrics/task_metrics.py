@@ -3,11 +3,12 @@ classification figures, computed by scikit-learn and scipy on the CPU.
 
 Inputs are torch tensors (any device, any float dtype) or numpy arrays; every function returns plain floats.
 A figure the data leaves undefined (targets of one class, constant predictions, too few items, non-finite outputs) is
-NaN, and the call logs one warning that names each such figure and why; these functions never raise on data.
-Nothing loops over items in Python (a million residues take a fraction of a second); loops run over targets,
-classes or labels only.
+NaN, and the call logs one warning that names each such figure and why, never an exception (shapes that disagree or
+class indices outside 0..C-1 are the caller's mistake: ValueError). Nothing loops over items in Python (a validation
+set of a million residues is fine); loops run over targets, classes or labels only.
 
-The figures (each defined exactly as the function's docstring says):
+`task_metrics(task, outputs, targets)` picks the function by task name; `task_metric_names` lists its names before
+any work (a recipe's validation_metrics). The figures (each defined exactly as the function's docstring says):
     regression      spearman, pearson, rmse, r2       means over the K targets
     classification  accuracy, macro_f1, mcc, auroc    (+ auprc for two classes)
     multilabel      accuracy, macro_f1, auroc, auprc  (accuracy: every label of an item right)
@@ -46,6 +47,21 @@ def task_metric_names(task: str, num_classes: Optional[int] = None) -> tuple[str
     if task not in names:
         raise ValueError(f"unknown task {task!r}: regression, classification, multilabel or residue_classification")
     return names[task]
+
+
+def task_metrics(task: str, outputs, targets) -> dict[str, float]:
+    """The task's figures (the function below for `task`) from the model's outputs and the targets of every item:
+    what a recipe's summarize_items (validation) and summarize_predictions (predict.py's finished rows) both call.
+    outputs: regression predictions [N, K]; otherwise probabilities [N, C] (multilabel: sigmoid, else softmax)."""
+    functions = {
+        "regression": regression_metrics,
+        "classification": classification_metrics,
+        "multilabel": multilabel_metrics,
+        "residue_classification": residue_metrics,
+    }
+    if task not in functions:
+        raise ValueError(f"unknown task {task!r}: regression, classification, multilabel or residue_classification")
+    return functions[task](outputs, targets)
 
 
 def regression_metrics(predictions, targets) -> dict[str, float]:

@@ -18,6 +18,7 @@ from core.metrics.task_metrics import (
     regression_metrics,
     residue_metrics,
     task_metric_names,
+    task_metrics,
 )
 
 LOGGER = "core.metrics.task_metrics"
@@ -208,3 +209,19 @@ def test_task_names():
         task_metric_names("classification")
     with pytest.raises(ValueError, match="unknown task"):
         task_metric_names("segmentation")
+
+
+def test_task_metrics_picks_the_tasks_function():
+    probs, targets = _classes(50, 3, seed=5)
+    onehot = (targets[:, None] == np.arange(3)).astype(float)
+    cases = {
+        "regression": (regression_metrics, probs, onehot),
+        "classification": (classification_metrics, probs, targets),
+        "multilabel": (multilabel_metrics, probs, onehot),
+        "residue_classification": (residue_metrics, probs, targets),
+    }
+    for task, (function, outputs, true) in cases.items():
+        got = task_metrics(task, outputs, true)
+        assert got == function(outputs, true) and tuple(got) == task_metric_names(task, num_classes=3), task
+    with pytest.raises(ValueError, match="unknown task"):
+        task_metrics("segmentation", probs, targets)
