@@ -17,6 +17,7 @@ docs/architecture.md follows one step through the files; docs/callbacks.md shows
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import random
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ from core.metrics.logger import MetricsLogger
 from core.metrics.meter import ThroughputMeter
 from core.metrics.profiling import StepProfiler
 from core.parallel.base import Parallel
-from core.training import cuda_graphs, optim
+from core.training import cuda_graphs, finetune, optim
 from core.training.callbacks import Callback, Callbacks, build_callbacks
 from core.training.evaluation import evaluate
 from core.training.forward_backward import ForwardBackward
@@ -52,7 +53,7 @@ from core.training.length import RunLength
 from core.training.nonfinite import NonFiniteGuard
 from core.training.schedule import StepSchedule
 from core.training.state import TrainState
-from recipes.registry import config_keys, get_recipe, register_configs
+from recipes.registry import config_keys, get_recipe, hf_weights_reader, register_configs
 
 log = logging.getLogger("train")
 
@@ -149,9 +150,15 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
         check_monitored_metrics(
             cfg, sess.recipe.validation_metrics(), data.val_loader is not None, schedule, objective_required
         )
-        # 5. AdamW over the (sharded) parameters in two groups, with and without weight decay; the schedule.
+        # 5. AdamW over the (sharded) trainable parameters in two groups, with and without weight decay (crossed with
+        #    finetune's learning-rate parts: head, backbone, layer decay); the schedule.
         groups = optim.param_groups(
-            parallel.named_parameters(), cfg.optim.weight_decay, sess.recipe.no_weight_decay(parallel.model)
+            parallel.named_parameters(),
+            cfg.optim.weight_decay,
+            sess.recipe.no_weight_decay(parallel.model),
+            cfg.optim.lr,
+            cfg.finetune,
+            parallel.blocks,
         )
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
         scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
@@ -213,6 +220,7 @@ def log_setup(run: Run, num_params: int, accumulation: int) -> None:
         run.length.describe(training.epochs),
         ", ".join(
             f"{g['name']}: {len(g['params'])} tensors, weight_decay {g['weight_decay']}"
+            + (f", lr {g['lr_scale']:.3g} x optim.lr" if "lr_scale" in g else "")
             for g in run.optimizer.param_groups
         ),
     )
@@ -235,6 +243,8 @@ def restore(run: Run) -> Optional[Path]:
     else:
         state.schedule_steps = run.length.steps
     if path is None and ckpt.init_from:
+        cfg = run.session.cfg
+        reader = hf_weights_reader(cfg.recipe)  # a Hugging Face folder, converted in memory
         load_weights(
             run.parallel,
             ckpt.init_from,
@@ -242,6 +252,9 @@ def restore(run: Run) -> Optional[Path]:
             ckpt.init_ignore_unexpected,
             env.is_main,
             ckpt.verify_checksums,
+            functools.partial(reader, model=cfg.model) if reader else None,
+            # a task head and LoRA adapters the source lacks keep their fresh init (a pretrained backbone)
+            lambda name: finetune.in_head(name, list(cfg.finetune.head)) or finetune.is_lora(name),
         )
     elif path is not None and env.is_main:
         log.info("resumed from %s (step %d, %d samples consumed)", path, state.step, state.consumed_samples)

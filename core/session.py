@@ -32,6 +32,7 @@ from core.layers.tensor_parallel import full_numel
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
 from core.runtime import Runtime, resolve
+from core.training import finetune
 from core.training.nonfinite import NonFiniteError
 from core.training.precision import autocast_factory
 
@@ -107,11 +108,16 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
 
 def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
     """The recipe's model on this rank's device, weights drawn from cfg.seed (the same full weights on every
-    rank; with distributed.tp > 1 each rank keeps its tensor-parallel part), wrapped by core.parallel
+    rank; with distributed.tp > 1 each rank keeps its tensor-parallel part), made to train what finetune.mode says
+    (core/training/finetune.py), wrapped by core.parallel
     (`training=False` leaves out activation recomputation and compilation). Returns it and its full
     parameter count."""
     layers = get_layers(sess.runtime.layers, sess.env.tensor_parallel())
     model = sess.recipe.build_model(layers, sess.env.device)
+    # finetune.mode: which weights train (LoRA adapters added), before the wrappers see the parameters.
+    summary = finetune.apply(model, sess.cfg.finetune, sess.cfg.seed, sess.runtime.autocast_dtype, sess.env.tp)
+    if summary and sess.is_main:
+        log.info("%s", summary)
     num_params = full_numel(model, sess.env.tp)
     train_cfg = sess.cfg.training
     parallel = parallelize(

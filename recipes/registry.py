@@ -11,7 +11,7 @@ import importlib
 import importlib.util
 from pathlib import Path
 from types import ModuleType
-from typing import Optional
+from typing import Callable, Optional
 
 from core.config.errors import ConfigError
 from core.config.validation import register_schemas
@@ -63,6 +63,15 @@ def hf_conversions() -> dict[str, ModuleType]:
             if all(hasattr(module, attr) for attr in ("export_to_hf", "import_from_hf", "HF_MODEL_TYPES")):
                 found[name] = module
     return found
+
+
+def hf_weights_reader(name: str) -> Optional[Callable[..., dict]]:
+    """The recipe's converter of a Hugging Face folder into its weights, in memory (recipes/<name>/hf.py:
+    weights_from_hf_folder(folder, model settings)), for checkpoint.init_from=<a Hugging Face folder>; None where
+    the recipe has none."""
+    if importlib.util.find_spec(f"recipes.{name}.hf") is None:
+        return None
+    return getattr(importlib.import_module(f"recipes.{name}.hf"), "weights_from_hf_folder", None)
 
 
 def config_keys(argv: Optional[list[str]] = None) -> set[str]:

@@ -1,4 +1,5 @@
-"""Model weights only: `checkpoint.init_from` (a step folder, .pt or .safetensors into a sharded model),
+"""Model weights only: `checkpoint.init_from` (a step folder, .pt or .safetensors, or a Hugging Face folder through the
+recipe's converter, into a sharded model),
 plain weight files, and the full weights of a step folder in one process."""
 
 from __future__ import annotations
@@ -6,7 +7,7 @@ from __future__ import annotations
 import logging
 import warnings
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -109,16 +110,23 @@ def load_weights(
     ignore_unexpected: bool = False,
     is_main: bool = True,
     verify_checksums: bool = True,
+    hf_reader: Optional[Callable[[Path], dict[str, torch.Tensor]]] = None,
+    fresh_if_missing: Callable[[str], bool] = lambda name: False,
 ) -> None:
-    """Model weights only from a step folder or a .pt/.safetensors file, into the (sharded) model `parallel`
-    (a collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides. Strict
-    otherwise: every other weight must be in the source and fit; weights the source has but the model
-    does not are an error, or with `ignore_unexpected` listed in the log and left out."""
+    """Model weights only from a step folder, a .pt/.safetensors file or a Hugging Face folder (config.json and
+    safetensors, converted in memory by `hf_reader`, the recipe's), into the (sharded) model `parallel` (a
+    collective). Names under `skip_prefixes` keep their fresh initialisation, on both sides, and so do the names
+    `fresh_if_missing` accepts where the source lacks them (a task head, LoRA adapters). Strict otherwise: every
+    other weight must be in the source and fit; weights the source has but the model does not are an error, or
+    with `ignore_unexpected` listed in the log and left out."""
     src = resolve_checkpoint(source)
     model = parallel.model_state_dict()
     wanted = {k: v for k, v in model.items() if not _skipped(k, skip_prefixes)}
     prefix = "model."
-    if src.is_dir() and not is_complete(src) and (src / ".metadata").is_file() and not (src / SAVING_MARKER).exists():
+    if is_hf_folder(src):
+        metadata, full = None, _read_hf_folder(src, source, hf_reader)
+        saved = full
+    elif src.is_dir() and not is_complete(src) and (src / ".metadata").is_file() and not (src / SAVING_MARKER).exists():
         # A DCP folder from elsewhere (format_utils torch_to_dcp): its weights under model. or at the top.
         metadata = verify_plain_dcp(src)
         prefix = "model." if saved_weights(metadata) else ""
@@ -141,6 +149,7 @@ def load_weights(
     else:
         raise CheckpointError(f"checkpoint.init_from={source}: no such file or folder")
     saved = {k: v for k, v in saved.items() if not k.endswith("_extra_state") and not _skipped(k, skip_prefixes)}
+    wanted = {k: v for k, v in wanted.items() if k in saved or not fresh_if_missing(k)}
     unused = sorted(set(saved) - set(model)) if ignore_unexpected else []
     check_weights_fit(
         f"checkpoint.init_from={source} (checkpoint.init_skip_prefixes={list(skip_prefixes)})",
@@ -167,6 +176,38 @@ def load_weights(
             f"; kept the fresh init of {kept}" if kept else "",
             f"; not used (checkpoint.init_ignore_unexpected): {unused}" if unused else "",
         )
+
+
+def is_hf_folder(path: Path) -> bool:
+    """A Hugging Face model folder (config.json beside its weights), not a step folder of ours."""
+    return path.is_dir() and (path / "config.json").is_file() and not (path / ".metadata").exists()
+
+
+def _read_hf_folder(
+    folder: Path, source: str, reader: Optional[Callable[[Path], dict[str, torch.Tensor]]]
+) -> dict[str, torch.Tensor]:
+    """Our weights from a Hugging Face folder, converted in memory by the recipe's `reader`. Only safetensors are
+    read: a pickled pytorch_model.bin could run code while it loads, so it is refused, naming it."""
+    if reader is None:
+        raise CheckpointError(
+            f"checkpoint.init_from={source} is a Hugging Face folder (config.json), and this recipe has no Hugging "
+            "Face conversion (recipes/<name>/hf.py: weights_from_hf_folder)"
+        )
+    if not any(folder.glob("*.safetensors")):
+        pickled = sorted(p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt"))
+        raise CheckpointError(
+            f"checkpoint.init_from={source}: "
+            + (
+                f"{pickled[0]} is a pickle, which can run code while it loads; this tool reads Hugging Face weights "
+                "as .safetensors only (save_pretrained(..., safe_serialization=True) writes them)"
+                if pickled
+                else "a Hugging Face folder without a .safetensors weights file"
+            )
+        )
+    try:
+        return reader(folder)
+    except (ValueError, FileNotFoundError, KeyError) as e:
+        raise CheckpointError(f"checkpoint.init_from={source}: {e}") from None
 
 
 def read_model_weights(step_dir: Path, verify_checksums: bool = True) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Which config keys make a run a different experiment.
 
 Keys that change a run's result: the recipe, the seed, the model, the data, the optimizer and schedule,
-the global batch and the precision. A resumed run must keep them (core/checkpointing/changes.py), and in a
+the global batch, the precision and the fine-tuning settings (which weights train, their learning rates, the LoRA
+adapters). A resumed run must keep them (core/checkpointing/changes.py), and in a
 multirun sweep they, as overridden, name each job's checkpoint folder (core/distributed/launch.py), so a
 sweep run again resumes each configuration's own job.
 
@@ -19,7 +20,17 @@ and the weights a run starts from (checkpoint.init_from). They name the command'
 
 from __future__ import annotations
 
-RESULT_KEYS = ("recipe", "seed", "model.", "data.", "optim.", "scheduler.", "precision.", "training.global_batch_size")
+RESULT_KEYS = (
+    "recipe",
+    "seed",
+    "model.",
+    "data.",
+    "optim.",
+    "scheduler.",
+    "precision.",
+    "finetune.",
+    "training.global_batch_size",
+)
 NEUTRAL_KEYS = (
     "model.backend",
     "data.num_workers",

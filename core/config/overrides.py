@@ -27,8 +27,13 @@ def schema_keys(schema: Any, prefix: str = "") -> set[str]:
 
 
 def suggestion(key: str, valid: set[str]) -> Optional[str]:
-    """The valid key closest to `key`: one with the same ending (a misplaced key), else the nearest spelling."""
+    """The valid key closest to `key`: one with the same ending (a misplaced key), else the nearest spelling; a close
+    spelling in the key's own section first (model.dropout -> model.hidden_dropout, not finetune.lora.dropout)."""
     parts = key.split(".")
+    own = sorted(k for k in valid if len(parts) > 1 and k.startswith(parts[0] + "."))
+    near = difflib.get_close_matches(key, own, n=1, cutoff=0.75)
+    if near:
+        return near[0]
     for n in range(
         len(parts) - 1, 0, -1
     ):  # the longest matching tail first: training.checkpoint.path -> checkpoint.path

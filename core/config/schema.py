@@ -128,6 +128,14 @@ class WandbMode(StrEnum):
     disabled = "disabled"
 
 
+class FinetuneMode(StrEnum):
+    """Which weights a run trains (core/training/finetune.py)."""
+
+    full = "full"  # every weight (pretraining, full fine-tuning)
+    frozen = "frozen"  # only finetune.head: no backward through the rest
+    lora = "lora"  # finetune.head and LoRA adapters; the rest frozen, stored in the forward's compute dtype
+
+
 class Direction(StrEnum):
     minimize = "minimize"
     maximize = "maximize"
@@ -346,8 +354,8 @@ class CheckpointConfig:
     # true: the same, but it is an error if there is none; false: start fresh;
     # <step dir>: continue from that checkpoint (an error if it is missing or incomplete).
     resume: Any = "auto"
-    # A resume whose model, data, optimizer, schedule, seed, global batch or precision differ from the
-    # checkpoint's stops before any work, listing them; true: continue with the new values on purpose.
+    # A resume whose model, data, optimizer, schedule, seed, global batch, precision or finetune settings differ from
+    # the checkpoint's stops before any work, listing them; true: continue with the new values on purpose.
     allow_config_changes: bool = False
     # Check every file against the CRC-32 recorded when it was written before loading it (resume and
     # init_from); a damaged newest checkpoint is skipped by automatic resume, an explicit one is an error.
@@ -476,6 +484,57 @@ class PrecisionConfig:
 
 
 @dataclass
+class LoraConfig:
+    """LoRA adapters (core/layers/lora.py): on each target module, update = (alpha / rank) * x A^T B^T."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0  # on the adapters' input
+    # Modules by the last part of their name: TE's (and the twins') attention input projection and output projection.
+    # Linear and LayerNormLinear layers only (LayerNormMLP's fc1/fc2 are fused inside one module).
+    target_modules: list[str] = field(default_factory=lambda: ["layernorm_qkv", "proj"])
+
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "rank": Int(1, 65536),
+        "alpha": Real(0, 1e6, open_low=True),
+        "dropout": Real(0, 1, open_high=True),
+    }
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        require(len(c.target_modules) > 0, f"{key}.target_modules is empty: name the modules to adapt (e.g. proj)")
+
+
+@dataclass
+class FinetuneConfig:
+    """Fine-tuning (core/training/finetune.py): which weights train, and their learning rates. The defaults train
+    everything at optim.lr, as pretraining does."""
+
+    mode: FinetuneMode = FinetuneMode.full
+    # Module prefixes that are the task head: trained in every mode at optim.lr; checkpoint.init_from may lack them
+    # (they keep their fresh init).
+    head: list[str] = field(default_factory=lambda: ["head"])
+    backbone_lr_scale: float = 1.0  # every trainable non-head weight's lr = optim.lr * this ...
+    # ... * layer_decay ** (L - i) in block i of L (0-based), ** (L + 1) before the first block (embeddings). 1: off.
+    layer_decay: float = 1.0
+    lora: LoraConfig = field(default_factory=LoraConfig)
+
+    RANGES: ClassVar[dict[str, Rule]] = {
+        "backbone_lr_scale": Real(0, 1000, note="0: the backbone's weights stay put (finetune.mode=frozen skips them)"),
+        "layer_decay": Real(0, 1, open_low=True, note="1: off"),
+    }
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        for prefix in c.head:
+            require(bool(str(prefix).strip(".")), f"{key}.head: {prefix!r} is not a module prefix (e.g. head)")
+        require(
+            c.mode == FinetuneMode.full or len(c.head) > 0,
+            f"{key}.mode={c.mode} trains {key}.head, which is empty: name the head's module (e.g. [head])",
+        )
+
+
+@dataclass
 class WandbConfig:
     enabled: bool = False
     project: str = "recipes"
@@ -582,6 +641,7 @@ class TrainConfig:
     optim: OptimConfig = field(default_factory=OptimConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    finetune: FinetuneConfig = field(default_factory=FinetuneConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     predict: PredictConfig = field(default_factory=PredictConfig)
     generate: GenerateConfig = field(default_factory=GenerateConfig)

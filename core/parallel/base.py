@@ -27,6 +27,7 @@ class Parallel:
         self.model = model
         self.tp_size = 1
         self.glu: set[str] = set()
+        self.blocks: list[str] = []  # the transformer blocks' module names, in order (finetune.layer_decay)
         self._by_sharding: Optional[dict[tuple, list[nn.Parameter]]] = None
 
     def named_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import importlib
 
+import torch
 from torch import nn
 
 from core.config.errors import ConfigError
@@ -40,6 +41,9 @@ def parallelize(
     """Wrap `model` (identical on every rank, or on every rank of a tensor-parallel position; already on
     env.device) as `runtime.parallel` says; `block_classes` are the recipe's transformer blocks (the
     units of recomputation, compilation and sharding)."""
+    blocks = [
+        n for n, m in model.named_modules() if isinstance(m, tuple(c for c in block_classes if isinstance(c, type)))
+    ]
     split = _tensor_parallel(model, env)
     if activation_checkpointing:  # trade compute for memory
         activation_checkpointing_lib.apply(model, block_classes, layers.checkpoint)
@@ -48,6 +52,7 @@ def parallelize(
     parallel = _shard(model, runtime, env, cfg, block_classes)
     # GLU weights are checkpointed in their TP=1 layout (core/layers/tensor_parallel.py).
     parallel.tp_size, parallel.glu = env.tp, {name for name, s in split.items() if s.glu}
+    parallel.blocks = blocks
     return parallel
 
 
@@ -69,7 +74,7 @@ def _shard(
 
         units = _unit_classes(cfg.fsdp2.fsdp_unit_modules, block_classes)
         return FSDP2(model, env, cfg.fsdp2, units, runtime.param_dtype)
-    model.to(runtime.param_dtype)  # DDP and Megatron-FSDP compute with the model's own parameter dtype
+    _to_param_dtype(model, runtime.param_dtype)  # DDP and Megatron-FSDP compute with the model's own parameter dtype
     if runtime.parallel == ParallelBackend.ddp:
         from core.parallel.ddp import DDP
 
@@ -83,6 +88,19 @@ def _shard(
         _unit_classes(cfg.mfsdp.fsdp_unit_modules, block_classes),
         cuda_graph_mode=runtime.cuda_graphs,
     )
+
+
+def _to_param_dtype(model: nn.Module, dtype: torch.dtype) -> None:
+    """model.to(dtype), except that frozen parameters stored narrower stay so (finetune.mode=lora keeps them in the
+    forward's compute dtype: core/training/finetune.py)."""
+    narrower = [
+        (p, p.dtype)
+        for p in model.parameters()
+        if not p.requires_grad and p.is_floating_point() and p.dtype.itemsize < dtype.itemsize
+    ]
+    model.to(dtype)
+    for p, stored in narrower:
+        p.data = p.data.to(stored)
 
 
 def _unit_classes(names: list[str] | None, default: list[type]) -> list[type]:

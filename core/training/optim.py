@@ -1,33 +1,80 @@
-"""AdamW with weight-decay parameter groups, and the warmup + decay learning-rate schedule (also when a resumed run
+"""AdamW with weight-decay parameter groups (crossed with the fine-tuning learning-rate parts: head, backbone, layer
+decay), and the warmup + decay learning-rate schedule (also when a resumed run
 is extended)."""
 
 from __future__ import annotations
 
 import math
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
 
-from core.config.schema import OptimConfig, ScheduleExtension, ScheduleName, SchedulerConfig
+from core.config.schema import FinetuneConfig, OptimConfig, ScheduleExtension, ScheduleName, SchedulerConfig
 from core.training.state import TrainState
 
 
 def param_groups(
-    named_params: Iterable[tuple[str, nn.Parameter]], weight_decay: float, no_decay_names: set[str]
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    weight_decay: float,
+    no_decay_names: set[str],
+    lr: float = 1.0,
+    finetune: Optional[FinetuneConfig] = None,
+    blocks: Sequence[str] = (),
 ) -> list[dict]:
     """Two groups: decay for weight matrices; none for biases, norm weights (anything under 2-d) and
-    the recipe's named exceptions (e.g. position embeddings)."""
-    decay, no_decay = [], []
-    for name, p in named_params:
-        if not p.requires_grad:
-            continue
-        (no_decay if p.dim() < 2 or name in no_decay_names else decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": weight_decay, "name": "decay"},
-        {"params": no_decay, "weight_decay": 0.0, "name": "no_decay"},
-    ]
-    return [g for g in groups if g["params"]]
+    the recipe's named exceptions (e.g. position embeddings). Frozen parameters are left out.
+
+    With finetune.backbone_lr_scale or finetune.layer_decay other than 1, those two are crossed with the learning-rate
+    parts: the head (finetune.head, at `lr`) and the backbone at lr * backbone_lr_scale, with layer decay one part
+    per block of `blocks` (the transformer blocks' module names, in order: block i of L at * layer_decay ** (L - i)),
+    one for the parameters before the first block (** (L + 1)) and one for those after the last (** 0). Each such
+    group holds its `lr` and `lr_scale` (its share of optim.lr, which the schedule and a resume keep)."""
+    params = [(name, p) for name, p in named_params if p.requires_grad]
+    scaled = finetune is not None and (finetune.backbone_lr_scale != 1.0 or finetune.layer_decay != 1.0)
+    groups: dict[tuple[str, bool], dict] = {}
+    seen_block = False
+    for name, p in params:
+        decays = not (p.dim() < 2 or name in no_decay_names)
+        part, scale = "", 1.0
+        if scaled:
+            part, scale, seen_block = _lr_part(name, finetune, blocks, seen_block)
+        group = groups.setdefault((part, decays), _group(part, decays, weight_decay, lr, scale, scaled))
+        group["params"].append(p)
+    order = sorted(groups, key=lambda k: (k[0] != "head", _part_order(k[0], blocks), not k[1]))
+    return [groups[k] for k in order]
+
+
+def _group(part: str, decays: bool, weight_decay: float, lr: float, scale: float, scaled: bool) -> dict:
+    name = ("decay" if decays else "no_decay") if not part else f"{part}.{'decay' if decays else 'no_decay'}"
+    group = {"params": [], "weight_decay": weight_decay if decays else 0.0, "name": name}
+    if scaled:
+        group.update(lr=lr * scale, lr_scale=scale)
+    return group
+
+
+def _lr_part(name: str, cfg: FinetuneConfig, blocks: Sequence[str], seen_block: bool) -> tuple[str, float, bool]:
+    """(the learning-rate part of parameter `name`, its share of optim.lr, whether a block has been seen: parameters
+    come in the model's order, so those before the first block are the embeddings)."""
+    if any(name == h.rstrip(".") or name.startswith(h.rstrip(".") + ".") for h in cfg.head):
+        return "head", 1.0, seen_block
+    if cfg.layer_decay == 1.0 or not blocks:
+        return "backbone", cfg.backbone_lr_scale, seen_block
+    depth = len(blocks)
+    for i, block in enumerate(blocks):
+        if name.startswith(block + "."):
+            return f"block{i}", cfg.backbone_lr_scale * cfg.layer_decay ** (depth - i), True
+    if not seen_block:
+        return "embeddings", cfg.backbone_lr_scale * cfg.layer_decay ** (depth + 1), False
+    return "backbone", cfg.backbone_lr_scale, True
+
+
+def _part_order(part: str, blocks: Sequence[str]) -> int:
+    if part == "embeddings":
+        return -1
+    if part.startswith("block") and part[5:].isdigit():
+        return int(part[5:])
+    return len(blocks)
 
 
 def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
@@ -35,7 +82,11 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimiz
     fused = cfg.fused
     if fused is None:  # one fused kernel for all tensors on GPUs; torch's default (foreach) elsewhere
         fused = all(p.device.type == "cuda" for g in groups for p in g["params"]) or None
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    optimizer = torch.optim.AdamW(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, fused=fused)
+    # Each group's share of optim.lr as the config gives it (loading a checkpoint replaces the groups' own
+    # settings with the saved ones; apply_config restores the config's).
+    optimizer.lr_scales = [g.get("lr_scale", 1.0) for g in groups]
+    return optimizer
 
 
 def lr_multiplier(step: int, total_steps: int, cfg: SchedulerConfig) -> float:
@@ -148,14 +199,17 @@ def apply_config(optimizer: torch.optim.Optimizer, scheduler, cfg: OptimConfig, 
     scheduler.base_lrs = []
     scheduler.last_epoch, scheduler._step_count = schedule_steps, schedule_steps + 1
     built_with = {k: v for k, v in getattr(optimizer, "defaults", {}).items() if k not in ("lr", "weight_decay")}
-    for group, multiplier in zip(optimizer.param_groups, scheduler.lr_lambdas):
+    scales = getattr(optimizer, "lr_scales", [1.0] * len(optimizer.param_groups))
+    for group, multiplier, scale in zip(optimizer.param_groups, scheduler.lr_lambdas, scales):
         group.update(built_with)
         group.update(
-            initial_lr=cfg.lr,
+            initial_lr=cfg.lr * scale,
             betas=tuple(cfg.betas),
             eps=cfg.eps,
-            weight_decay=cfg.weight_decay if group.get("name") != "no_decay" else 0.0,
+            weight_decay=cfg.weight_decay if not str(group.get("name", "")).endswith("no_decay") else 0.0,
         )
-        group["lr"] = cfg.lr * multiplier(scheduler.last_epoch)
-        scheduler.base_lrs.append(cfg.lr)
+        if "lr_scale" in group:
+            group["lr_scale"] = scale
+        group["lr"] = cfg.lr * scale * multiplier(scheduler.last_epoch)
+        scheduler.base_lrs.append(cfg.lr * scale)
     scheduler._last_lr = [group["lr"] for group in optimizer.param_groups]

@@ -304,6 +304,43 @@ def export_to_hf(
     return written
 
 
+# The run's model settings that must equal an EsmForMaskedLM folder's config.json for checkpoint.init_from.
+_SETTINGS = (
+    "hidden_size",
+    "num_layers",
+    "num_attention_heads",
+    "ffn_hidden_size",
+    "norm_epsilon",
+    "rotary_base",
+    "token_dropout",
+)
+
+
+def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
+    """checkpoint.init_from=<an EsmForMaskedLM folder>: our weights, converted in memory (nothing written), when the
+    run's model settings `model` are the folder's config.json's; ValueError naming the keys that differ. The caller
+    reads safetensors folders only (core/checkpointing/weights.py)."""
+    from core.checkpointing.hf_folders import read_hf_weights, read_json_object
+
+    file = Path(folder) / "config.json"
+    m = check_esm2_config(read_json_object(file), file, bool(model.fuse_qkv_params))
+    differ = [
+        f"model.{key}={getattr(model, key)!r} (config.json: {getattr(m, key)!r})"
+        for key in _SETTINGS
+        if getattr(model, key) != getattr(m, key)
+    ]
+    if differ:
+        raise ValueError(
+            f"the run's model settings differ from {file}'s: {', '.join(differ)}; set them as the folder has them"
+        )
+    hf = {k: v.float() if v.is_floating_point() else v for k, v in read_hf_weights(Path(folder)).items()}
+    if "lm_head.decoder.weight" in hf and not torch.equal(
+        hf["lm_head.decoder.weight"], hf["esm.embeddings.word_embeddings.weight"]
+    ):
+        raise ValueError("lm_head.decoder.weight differs from the embedding: ESM-2 ties them")
+    return from_hf(hf, model)
+
+
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     """checkpoint.py from-hf for an EsmForMaskedLM folder (e.g. a local copy of facebook/esm2_t33_650M_UR50D) -> our
     weights as a .safetensors/.pt file or a step folder (checkpoint.init_from). Returns the model settings."""

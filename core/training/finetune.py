@@ -1,0 +1,78 @@
+"""finetune.mode applied to the model a recipe built, before core.parallel wraps it (core/session.py:build_model):
+
+  full    every weight trains (pretraining, full fine-tuning): the model is left as it is
+  frozen  only the modules under finetune.head train; nothing else needs a gradient, so autograd builds no backward
+          through the backbone
+  lora    LoRA adapters (core/layers/lora.py) on finetune.lora.target_modules; they and the head train. Every other
+          weight is frozen and stored in the forward's compute dtype (precision.autocast_dtype: bf16 on GPUs), which
+          halves its memory and spares the per-step cast; core/parallel/parallelize.py keeps it there.
+
+Frozen weights have requires_grad=False: the optimizer never sees them (core/training/optim.py), DDP and FSDP2 skip
+their gradients, Megatron-FSDP makes neither gradient buffers nor fp32 main weights for them.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from core.config.errors import ConfigError
+from core.config.schema import FinetuneConfig, FinetuneMode
+from core.layers.lora import LORA_A, LORA_B, add_lora
+
+
+def in_head(name: str, head: list[str]) -> bool:
+    """Whether the parameter or module `name` lies under one of the finetune.head prefixes."""
+    return any(name == p.rstrip(".") or name.startswith(p.rstrip(".") + ".") for p in head)
+
+
+def is_lora(name: str) -> bool:
+    return f".{LORA_A}." in f".{name}" or f".{LORA_B}." in f".{name}"
+
+
+def apply(
+    model: nn.Module, cfg: FinetuneConfig, seed: int, compute_dtype: Optional[torch.dtype], tp_size: int = 1
+) -> Optional[str]:
+    """Make `model` train what finetune.mode says (in place). Returns the line to log (trainable parameters of the
+    total), None for mode=full. ConfigError for a head that names no parameter, LoRA targets that name no module,
+    LoRA with tensor parallelism."""
+    if cfg.mode == FinetuneMode.full:
+        return None
+    head = list(cfg.head)
+    names = [name for name, _ in model.named_parameters()]
+    if head and not any(in_head(n, head) for n in names):
+        tops = sorted({n.split(".", 1)[0] for n in names})
+        raise ConfigError(
+            f"finetune.head={head}: no parameter of the model lies under these prefixes (finetune.mode={cfg.mode}); "
+            f"the model's top-level modules: {', '.join(tops)}"
+        )
+    adapted: list[str] = []
+    if cfg.mode == FinetuneMode.lora:
+        if tp_size > 1:
+            raise ConfigError(
+                f"finetune.mode=lora with distributed.tp={tp_size}: the adapters are not split over tensor-parallel "
+                "ranks; use distributed.tp=1"
+            )
+        lora = cfg.lora
+        adapted = add_lora(model, list(lora.target_modules), lora.rank, lora.alpha, lora.dropout, seed, tuple(head))
+    stored = None
+    for name, p in model.named_parameters():
+        p.requires_grad_(in_head(name, head) or is_lora(name))
+        if not p.requires_grad and cfg.mode == FinetuneMode.lora and compute_dtype is not None:
+            if p.is_floating_point() and p.dtype != compute_dtype:
+                p.data = p.data.to(compute_dtype)
+                stored = compute_dtype
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    what = (
+        f"LoRA rank {cfg.lora.rank} on {len(adapted)} modules ({', '.join(cfg.lora.target_modules)}) and "
+        if (adapted)
+        else ""
+    )
+    return (
+        f"finetune.mode={cfg.mode}: {trainable / 1e6:.3f}M of {total / 1e6:.3f}M parameters train "
+        f"({100 * trainable / max(total, 1):.2f}%: {what}the head {head or 'none'})"
+        + (f"; the frozen weights are stored in {str(stored).removeprefix('torch.')}" if stored else "")
+    )
