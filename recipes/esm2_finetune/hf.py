@@ -195,7 +195,7 @@ def adapter_to_peft(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch
         if module == "proj":
             out[f"{theirs}output.dense.{side}.weight"] = t
             continue
-        parts = (t, t, t) if side == "lora_A" else split_qkv_rows(t, m)
+        parts = (t.clone(), t.clone(), t.clone()) if side == "lora_A" else split_qkv_rows(t, m)  # 3 tensors on disk
         for part, piece in zip(QKV_PARTS, parts):
             out[f"{theirs}self.{part}.{side}.weight"] = piece
     out |= head_to_hf(weights, m)
