@@ -43,7 +43,8 @@ class LMHead(nn.Module):
 
 
 class ESM2(nn.Module):
-    def __init__(self, cfg, layers: Layers, device: torch.device | str = "cpu"):
+    def __init__(self, cfg, layers: Layers, device: torch.device | str = "cpu", lm_head: bool = True):
+        """lm_head=False: the backbone alone (a task model's: recipes/esm2_finetune), which gives hidden states."""
         super().__init__()
         h, heads = cfg.hidden_size, cfg.num_attention_heads
         if cfg.activation == "gelu_erf" and layers.name == "te":
@@ -77,8 +78,9 @@ class ESM2(nn.Module):
             for i in range(cfg.num_layers)
         )
         self.final_norm = layers.LayerNorm(h, eps=cfg.norm_epsilon, device=device)
-        gelu = (lambda x: F.gelu(x)) if cfg.activation == "gelu_erf" else (lambda x: F.gelu(x, approximate="tanh"))
-        self.lm_head = LMHead(h, cfg.norm_epsilon, gelu, layers, device)
+        if lm_head:
+            gelu = (lambda x: F.gelu(x)) if cfg.activation == "gelu_erf" else (lambda x: F.gelu(x, approximate="tanh"))
+            self.lm_head = LMHead(h, cfg.norm_epsilon, gelu, layers, device)
 
     def forward(
         self,

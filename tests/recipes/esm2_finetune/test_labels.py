@@ -1,0 +1,152 @@
+"""Labelled files: every format read alike (odd but valid files too), and bad labels refused naming the file, row
+and column before any work."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from core.config.errors import DataError
+from recipes.esm2.tokenizer import encode_residues
+from recipes.esm2_finetune.config import Task
+from recipes.esm2_finetune.labels import UNLABELLED, LabelSpec, read_labelled
+
+ROWS = [
+    {"id": "p1", "sequence": "MKTAYIAK", "y": 1.5, "c": "b", "ss": "HHHEEECC"},
+    {"id": "p2", "sequence": "LLGV", "y": -2.0, "c": "a", "ss": "CCHH"},
+    {"id": "p1", "sequence": "mkq", "y": 0.25, "c": "b", "ss": "ECC"},  # a duplicate id, lower case
+]
+
+
+def write(path, rows, kind=None):
+    kind = kind or path.suffix[1:]
+    if kind == "parquet":
+        pq.write_table(pa.Table.from_pylist(rows), path)
+    elif kind == "jsonl":
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    else:
+        sep = "\t" if kind == "tsv" else ","
+        columns = list(rows[0])
+        lines = [sep.join(columns)] + [sep.join(str(r.get(c, "")) for c in columns) for r in rows]
+        path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def read(path, task=Task.regression, columns=("y",), classes=None, **kw):
+    return read_labelled(path, "data.train_path", LabelSpec(task, tuple(columns), classes, **kw))
+
+
+@pytest.mark.parametrize("kind", ["csv", "tsv", "parquet", "jsonl"])
+def test_every_format_reads_the_same_sequences_and_labels(tmp_path, kind):
+    path = write(tmp_path / f"x.{kind}", ROWS)
+    got = read(path)["all"]
+    assert got.ids == ["p1", "p2", "p1"]
+    assert got.residues.tolist() == encode_residues("MKTAYIAKLLGVMKQ").tolist()
+    assert got.offsets.tolist() == [0, 8, 12, 15]
+    assert got.targets[:, 0].tolist() == [1.5, -2.0, 0.25]
+    classes = read(path, Task.classification, ("c",))["all"]
+    assert classes.classes == ("a", "b") and classes.targets.tolist() == [1, 0, 1]
+    residue = read(path, Task.residue_classification, ("ss",))["all"]
+    assert residue.classes == ("C", "E", "H")
+    assert residue.targets.tolist() == [2, 2, 2, 1, 1, 1, 0, 0, 0, 0, 2, 2, 1, 0, 0]
+
+
+def test_odd_but_valid_files(tmp_path):
+    """A byte-order mark, CRLF line ends, quoted fields (a comma, a line break), extra columns, a blank line, no id
+    column (row numbers as ids), spaces in a sequence, residue labels as names or a list with nulls."""
+    text = '\ufeffsequence,notes,y,ss\r\n"MK TA","a, quoted\r\nnote",3,H H E C\r\n\r\nLLG,x,4,CCC\r\n'
+    (tmp_path / "odd.csv").write_text(text, encoding="utf-8", newline="")
+    got = read(tmp_path / "odd.csv")["all"]
+    assert got.ids == ["2", "4"] and got.targets[:, 0].tolist() == [3.0, 4.0] and got.offsets.tolist() == [0, 4, 7]
+    residue = read(tmp_path / "odd.csv", Task.residue_classification, ("ss",))["all"]
+    assert residue.targets.tolist() == [2, 2, 1, 0, 0, 0, 0]
+    rows = [{"sequence": "MKT", "ss": ["H", None, "E"]}]
+    listed = read(write(tmp_path / "l.parquet", rows), Task.residue_classification, ("ss",))["all"]
+    assert listed.targets.tolist() == [1, UNLABELLED, 0] and listed.classes == ("E", "H")
+
+
+def test_classes_sort_as_numbers_when_they_are_numbers_and_a_split_column_splits(tmp_path):
+    rows = [{"sequence": "MK", "c": c, "split": s} for c, s in [(10, "train"), (2, "Valid"), (1, "train"), (2, "test")]]
+    found = read(write(tmp_path / "s.jsonl", rows), Task.classification, ("c",), split_column="split")
+    assert sorted(found) == ["test", "train", "val"]
+    assert found["train"].classes == ("1", "2", "10") and found["train"].targets.tolist() == [2, 0]
+    assert found["val"].targets.tolist() == [1]
+
+
+def test_a_huge_field_and_many_rows_stream(tmp_path):
+    long = "MKTAYIAK" * 40_000  # 320,000 residues in one field: over the csv module's default field limit
+    path = tmp_path / "big.csv"
+    with open(path, "w") as f:
+        f.write("sequence,y\n")
+        f.write(f"{long},1\n")
+        for i in range(20_000):
+            f.write(f"MKTAY,{i}\n")
+    got = read(path)["all"]
+    assert len(got) == 20_001 and got.offsets[1] == 320_000 and got.targets[-1, 0] == 19_999
+
+
+BAD = [
+    # (file name, content, task, columns, classes, the message's pattern)
+    ("a.csv", "sequence,y\nMK,1\nLL,\n", "regression", ["y"], None, r"a\.csv: row 3, column 'y': no label"),
+    ("a.csv", "sequence,y\nMK,1\nLL,abc\n", "regression", ["y"], None, r"row 3, column 'y': 'abc' is not a number"),
+    ("a.csv", "sequence,y\nMK,nan\n", "regression", ["y"], None, r"row 2, column 'y': 'nan' is not a finite"),
+    ("a.csv", "sequence,y\nMK,1\n", "regression", ["z"], None, r"a\.csv: no column 'z'"),
+    ("a.csv", "seq,y\nMK,1\n", "regression", ["y"], None, r"no column 'sequence'"),
+    ("a.csv", "sequence,y\n,1\n", "regression", ["y"], None, r"row 2, column 'sequence': no sequence"),
+    ("a.csv", "sequence,y\nMK1,1\n", "regression", ["y"], None, r"column 'sequence': '1' at residue 3 is not an amino"),
+    ("a.csv", "sequence,y\n" + "ACGT" * 10 + ",1\n", "regression", ["y"], None, r"row 2.*nucleotide letters only"),
+    ("a.csv", "sequence,c\nMK,x\nLL,q\n", "classification", ["c"], ("x", "y"), r"row 3, column 'c': class 'q' is not"),
+    (
+        "a.csv",
+        "sequence,ss\nMKT,HH\n",
+        "residue_classification",
+        ["ss"],
+        None,
+        r"column 'ss': 2 residue labels for .* 3",
+    ),
+    ("a.csv", "sequence,ss\nMKT,HZH\n", "residue_classification", ["ss"], ("H", "E"), r"class 'Z' is not one of"),
+    ("a.csv", "sequence,m\nMK,maybe\n", "multilabel", ["m"], None, r"column 'm': 'maybe' is not a yes/no"),
+    ("a.csv", "sequence,y\nMK,1,2\n", "regression", ["y"], None, r"row 2 has 3 fields, the header 2"),
+    ("a.csv", "", "regression", ["y"], None, r"an empty file"),
+    ("a.csv", b"sequence,y\nM\xff,1\n", "regression", ["y"], None, r"not UTF-8"),
+    ("a.jsonl", '{"sequence": "MK", "y": 1}\n[1, 2]\n', "regression", ["y"], None, r"line 2 is not a JSON object"),
+    ("a.jsonl", '{"sequence": "MK", "y": 1}\n{"sequence": "MK"\n', "regression", ["y"], None, r"line 2 is not JSON"),
+    ("a.jsonl", '{"sequence": "MK"}\n', "regression", ["y"], None, r"line 1 has no 'y'"),
+    ("a.jsonl", '{"sequence": "MK", "y": true}\n', "regression", ["y"], None, r"line 1, column 'y': True is not"),
+    ("a.jsonl", '{"sequence": 12, "y": 1}\n', "regression", ["y"], None, r"column 'sequence': 12 is not a sequence"),
+    ("a.jsonl", '{"sequence": "MK", "y": 1, "s": "dev2"}\n', "regression", ["y"], None, r"split 'dev2'"),
+    ("a.parquet", None, "regression", ["y"], None, r"a\.parquet: row 2, column 'y': no label"),
+    ("a.xlsx", "x", "regression", ["y"], None, r"expected a \.csv, \.tsv, \.parquet or \.jsonl"),
+    ("a.parquet", "not parquet", "regression", ["y"], None, r"not a readable parquet file"),
+]
+
+
+@pytest.mark.parametrize("name,content,task,columns,classes,pattern", BAD)
+def test_bad_label_files_are_refused_naming_file_row_and_column(
+    tmp_path, name, content, task, columns, classes, pattern
+):
+    path = tmp_path / name
+    if content is None:
+        pq.write_table(pa.table({"sequence": ["MK", "LL"], "y": [1.0, None]}), path)
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    split = "s" if "dev2" in str(content) else None
+    with pytest.raises(DataError, match=pattern) as refused:
+        read(path, Task(task), columns, classes, split_column=split)
+    assert str(refused.value).startswith(f"data.train_path={path}: ")
+    assert "\n" not in str(refused.value)
+
+
+def test_a_file_without_labels_reads_unlabelled_for_prediction_only(tmp_path):
+    path = write(tmp_path / "new.csv", [{"id": "q", "sequence": "MKT"}])
+    with pytest.raises(DataError, match=re.escape("no column 'y'")):
+        read(path)
+    got = read(path, labels_required=False)["all"]
+    assert got.targets is None and got.ids == ["q"] and np.array_equal(got.residues, encode_residues("MKT"))
