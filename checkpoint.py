@@ -6,9 +6,13 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-torch <step_dir> <out.pt>                 # {name: tensor}, torch.load-able
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
-  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> LlamaForCausalLM, ESM-2 -> EsmForMaskedLM
+  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> LlamaForCausalLM, ESM-2 -> EsmForMaskedLM,
+                                                                    # esm2_finetune -> EsmFor*Classification
+  python checkpoint.py to-hf <step_dir> <out_dir> --adapter         # esm2_finetune's LoRA -> a PEFT adapter
   python checkpoint.py to-hf <file.pt|file.safetensors> <out_dir> --config <the run's config.yaml>
-  python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama or ESM folder -> GPT or ESM-2 weights
+  python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama or ESM folder -> GPT, ESM-2 or
+                                                                    # esm2_finetune weights (by config.json)
+  python checkpoint.py from-hf <adapter_dir> <out> --base <hf_dir>  # a PEFT LoRA adapter on that model
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's index is read from index.json, or
 from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as
@@ -78,23 +82,44 @@ def exporter(source: Path, config: Optional[str]) -> ModuleType:
     return conversions[recipe] if recipe is not None else conversions[min(conversions)]
 
 
-def importer(hf_dir: str, out: str) -> ModuleType:
+def importer(hf_dir: str, out: str, adapter: bool = False) -> ModuleType:
     """The Hugging Face conversion (recipes/registry.py:hf_conversions) whose HF_MODEL_TYPES holds the folder's
-    config.json model_type; the folder, the output path and config.json are checked first, as the import does."""
+    config.json model_type, and, where several recipes read that model_type, whose HF_ARCHITECTURES (optional: all
+    when absent) holds its architectures; `adapter`: one that reads PEFT adapters on such a folder
+    (import_adapter_from_hf). The folder, the output path and config.json are checked first, as the import does."""
     from core.checkpointing.hf_folders import read_hf_config
     from recipes.registry import hf_conversions
 
     folder, _, config = read_hf_config(hf_dir, out)
-    readers = {
-        model_type: (name, module) for name, module in hf_conversions().items() for model_type in module.HF_MODEL_TYPES
-    }
+    conversions = {n: c for n, c in hf_conversions().items() if not adapter or hasattr(c, "import_adapter_from_hf")}
+    readers: dict[str, list[str]] = {}
+    for name, module in conversions.items():
+        for model_type in module.HF_MODEL_TYPES:
+            readers.setdefault(model_type, []).append(name)
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or model_type not in readers:
-        supported = [f"{t!r} (the {name} recipe)" for t, (name, _) in sorted(readers.items())]
+        supported = [f"{t!r} ({recipes_named(names)})" for t, names in sorted(readers.items())]
         raise ValueError(
             f"{folder / 'config.json'}: model_type={model_type!r}; from-hf reads model_type {listed(supported, 'or')}"
         )
-    return readers[model_type][1]
+    names = readers[model_type]
+    architectures = config.get("architectures")
+    architectures = architectures if isinstance(architectures, list) else []
+    # The recipe that names one of the folder's architectures, else the one that names none (reads any).
+    named = [n for n in names if set(architectures) & set(getattr(conversions[n], "HF_ARCHITECTURES", ()))]
+    fits = named or [n for n in names if not hasattr(conversions[n], "HF_ARCHITECTURES")]
+    fits = names if adapter and len(names) == 1 else fits  # an adapter's base: the model it adapts (EsmForMaskedLM)
+    if len(fits) != 1:
+        known = [f"{a} ({recipes_named([n])})" for n in names for a in getattr(conversions[n], "HF_ARCHITECTURES", ())]
+        raise ValueError(
+            f"{folder / 'config.json'}: architectures={architectures!r}; from-hf reads model_type {model_type!r} "
+            f"as {listed(known, 'or')}"
+        )
+    return conversions[fits[0]]
+
+
+def recipes_named(names: list[str]) -> str:
+    return f"the {listed(names)} recipe{'s' if len(names) > 1 else ''}"
 
 
 def listed(names: list[str], conjunction: str = "and") -> str:
@@ -136,11 +161,20 @@ def main(argv: Optional[list[str]] = None) -> None:
         action="store_true",
         help="do not check the files against the checksums recorded when they were written",
     )
-    command = sub.add_parser(
-        "from-hf", help="a Hugging Face Llama or ESM folder -> GPT or ESM-2 weights for checkpoint.init_from"
+    command.add_argument(
+        "--adapter",
+        action="store_true",
+        help="a fine-tuning run's LoRA (finetune.mode=lora) and head as a PEFT adapter (adapter_config.json + "
+        "adapter_model.safetensors) for the Hugging Face model the run started from",
     )
-    command.add_argument("hf_dir")
+    command = sub.add_parser(
+        "from-hf",
+        help="a Hugging Face Llama, ESM or ESM classification folder (or a PEFT adapter with --base) -> GPT, ESM-2 "
+        "or esm2_finetune weights for checkpoint.init_from",
+    )
+    command.add_argument("hf_dir", help="a Hugging Face model folder, or a PEFT adapter folder (with --base)")
     command.add_argument("out", help="a .safetensors or .pt file, or a new step folder")
+    command.add_argument("--base", help="for a PEFT adapter: the Hugging Face folder of the model it adapts")
     command.add_argument("--unfused-qkv", action="store_true", help="for model.fuse_qkv_params=false")
     args = parser.parse_args(argv)
     try:
@@ -151,17 +185,32 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "from-torch":
             from_torch(args.source, args.step_dir)
         elif args.command == "to-hf":
-            exporter(Path(args.step_dir), args.config).export_to_hf(
+            export = exporter(Path(args.step_dir), args.config)
+            if args.adapter and not hasattr(export, "export_adapter"):
+                raise ValueError(f"--adapter: {args.step_dir} is not a fine-tuning run with LoRA (esm2_finetune)")
+            export.export_to_hf(
                 args.step_dir,
                 args.out_dir,
                 verify_checksums=not args.skip_checksums,
                 dtype=args.dtype,
                 config=args.config,
+                **({"adapter": True} if args.adapter else {}),
             )
         else:
-            importer(args.hf_dir, args.out).import_from_hf(args.hf_dir, args.out, fuse_qkv=not args.unfused_qkv)
+            from_hf(args)
     except (CheckpointError, ValueError, OSError) as e:  # OSError: an output that cannot be written, a missing input
         raise CommandFailed(f"error: {e}", 3 if isinstance(e, CheckpointError) else 2) from None
+
+
+def from_hf(args: argparse.Namespace) -> None:
+    fuse_qkv = not args.unfused_qkv
+    if args.base is None and (Path(args.hf_dir) / "adapter_config.json").is_file():
+        raise ValueError(f"{args.hf_dir}: a PEFT adapter (adapter_config.json): name the model it adapts with --base")
+    if args.base is None:
+        importer(args.hf_dir, args.out).import_from_hf(args.hf_dir, args.out, fuse_qkv=fuse_qkv)
+    else:
+        reader = importer(args.base, args.out, adapter=True)
+        reader.import_adapter_from_hf(args.hf_dir, args.base, args.out, fuse_qkv=fuse_qkv)
 
 
 class CommandFailed(SystemExit):

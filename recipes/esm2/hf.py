@@ -24,18 +24,22 @@ HF_MODEL_TYPES = ("esm",)
 HF_PREFIX = "esm."
 
 
-def _renames(num_layers: int) -> dict[str, str]:
-    """Our name -> Hugging Face's, for every tensor that maps one to one."""
+def _renames(num_layers: int, lm_head: bool = True) -> dict[str, str]:
+    """Our name -> Hugging Face's, for every tensor that maps one to one (the backbone's alone for
+    lm_head=False: the fine-tuning recipe's classification models, recipes/esm2_finetune/hf.py)."""
     names = {
         "embedding.weight": "esm.embeddings.word_embeddings.weight",
         "final_norm.weight": "esm.encoder.emb_layer_norm_after.weight",
         "final_norm.bias": "esm.encoder.emb_layer_norm_after.bias",
-        "lm_head.dense.weight": "lm_head.dense.weight",
-        "lm_head.dense.bias": "lm_head.dense.bias",
-        "lm_head.norm.weight": "lm_head.layer_norm.weight",
-        "lm_head.norm.bias": "lm_head.layer_norm.bias",
-        "lm_head.bias": "lm_head.bias",
     }
+    if lm_head:
+        names |= {
+            "lm_head.dense.weight": "lm_head.dense.weight",
+            "lm_head.dense.bias": "lm_head.dense.bias",
+            "lm_head.norm.weight": "lm_head.layer_norm.weight",
+            "lm_head.norm.bias": "lm_head.layer_norm.bias",
+            "lm_head.bias": "lm_head.bias",
+        }
     for i in range(num_layers):
         ours, theirs = f"layers.{i}.", f"esm.encoder.layer.{i}."
         for kind in ("weight", "bias"):
@@ -47,24 +51,29 @@ def _renames(num_layers: int) -> dict[str, str]:
     return names
 
 
-def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
-    """Our model's state dict (TE's `_extra_state` entries ignored) -> EsmForMaskedLM's; refused, naming them,
-    when the weights do not fit the model settings `m` (another recipe's, another size)."""
+def to_hf(weights: dict[str, torch.Tensor], m: Any, lm_head: bool = True) -> dict[str, torch.Tensor]:
+    """Our model's state dict (TE's `_extra_state` entries ignored) -> EsmForMaskedLM's (lm_head=False: its `esm.`
+    backbone alone); refused, naming them, when the weights do not fit the model settings `m` (another recipe's,
+    another size)."""
     layers = layer_count(weights, "layers.")
     if layers != m.num_layers:
         raise ValueError(f"the config gives model.num_layers={m.num_layers}, the weights hold {layers} layers")
     qkv = ("layernorm_qkv.weight",) if m.fuse_qkv_params else ("layernorm_qkv.query_weight",)
-    wanted = [*_renames(m.num_layers), *(f"layers.{i}.self_attention.{n}" for i in range(m.num_layers) for n in qkv)]
+    wanted = [
+        *_renames(m.num_layers, lm_head),
+        *(f"layers.{i}.self_attention.{n}" for i in range(m.num_layers) for n in qkv),
+    ]
     missing = [name for name in wanted if name not in weights]
     if missing:
         raise ValueError(
             f"the weights are not an ESM-2 model of this config: {len(missing)} tensors missing, e.g. {missing[:3]}"
         )
     heads, head_dim = m.num_attention_heads, m.hidden_size // m.num_attention_heads
-    out = {theirs: weights[ours] for ours, theirs in _renames(m.num_layers).items()}
-    for name in ("esm.embeddings.word_embeddings.weight", "lm_head.bias"):  # our tables' padding rows left out
-        out[name] = out[name][:VOCAB_SIZE]
-    out["lm_head.decoder.weight"] = out["esm.embeddings.word_embeddings.weight"]  # tied: HF expects both names
+    out = {theirs: weights[ours] for ours, theirs in _renames(m.num_layers, lm_head).items()}
+    for name in ("esm.embeddings.word_embeddings.weight", "lm_head.bias")[: 2 if lm_head else 1]:
+        out[name] = out[name][:VOCAB_SIZE]  # our tables' padding rows left out
+    if lm_head:
+        out["lm_head.decoder.weight"] = out["esm.embeddings.word_embeddings.weight"]  # tied: HF expects both names
     for i in range(m.num_layers):
         ours, theirs = f"layers.{i}.self_attention.layernorm_qkv.", f"esm.encoder.layer.{i}.attention.self."
         for kind in ("weight", "bias"):
@@ -75,7 +84,8 @@ def to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
             else:
                 q, k, v = (weights[f"{ours}{part}_{kind}"] for part in ("query", "key", "value"))
             out[theirs + f"query.{kind}"], out[theirs + f"key.{kind}"], out[theirs + f"value.{kind}"] = q, k, v
-    check_hf_weights(out, m, "the run's model config", "nothing was written")  # every shape (the FFN width, ...)
+    # every shape (the FFN width, ...)
+    check_hf_weights(out, m, "the run's model config", "nothing was written", {} if not lm_head else None)
     out["esm.rotary_embeddings.inv_freq"] = rotary_inverse_frequencies(m)
     return {k: v.contiguous() for k, v in out.items()}
 
@@ -86,19 +96,15 @@ def rotary_inverse_frequencies(m: Any) -> torch.Tensor:
     return 1.0 / m.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
 
 
-def hf_shapes(m: Any) -> dict[str, tuple[int, ...]]:
-    """Every tensor of an EsmForMaskedLM with our model settings `m` that we read or write, and its shape."""
+def hf_shapes(m: Any, lm_head: bool = True) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an EsmForMaskedLM with our model settings `m` that we read or write, and its shape (the
+    `esm.` backbone's alone for lm_head=False)."""
     h, ffn = m.hidden_size, m.ffn_hidden_size
-    shapes = {
-        "esm.embeddings.word_embeddings.weight": (VOCAB_SIZE, h),
-        "lm_head.bias": (VOCAB_SIZE,),
-        "lm_head.dense.weight": (h, h),
-    }
-    shapes |= {
-        f"{name}.{kind}": (h,)
-        for name in ("esm.encoder.emb_layer_norm_after", "lm_head.layer_norm")
-        for kind in ("weight", "bias")
-    } | {"lm_head.dense.bias": (h,)}
+    shapes = {"esm.embeddings.word_embeddings.weight": (VOCAB_SIZE, h)}
+    shapes |= {f"esm.encoder.emb_layer_norm_after.{kind}": (h,) for kind in ("weight", "bias")}
+    if lm_head:
+        shapes |= {"lm_head.bias": (VOCAB_SIZE,), "lm_head.dense.weight": (h, h), "lm_head.dense.bias": (h,)}
+        shapes |= {f"lm_head.layer_norm.{kind}": (h,) for kind in ("weight", "bias")}
     for i in range(m.num_layers):
         layer = f"esm.encoder.layer.{i}."
         for name, rows, columns in (
@@ -137,32 +143,41 @@ def canonical_hf_names(hf: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def check_hf_weights(
-    hf: dict[str, torch.Tensor], m: Any, settings: str = "config.json", outcome: str = "nothing was imported"
+    hf: dict[str, torch.Tensor],
+    m: Any,
+    settings: str = "config.json",
+    outcome: str = "nothing was imported",
+    head_shapes: Optional[dict[str, tuple[int, ...]]] = None,
+    model_class: str = "EsmForMaskedLM",
 ) -> None:
-    """Refuse EsmForMaskedLM weights that do not fit the model settings `m` (from `settings`) as our ESM-2
-    (missing, unexpected, misshapen or quantized tensors), naming them; the layer count is checked first, so
-    settings of absurd size build no table."""
+    """Refuse EsmForMaskedLM weights (or, given `head_shapes`, a backbone with that head instead of the LM head)
+    that do not fit the model settings `m` (from `settings`) as our ESM-2 (missing, unexpected, misshapen or
+    quantized tensors), naming them; the layer count is checked first, so settings of absurd size build no table."""
     layers = layer_count(hf, "esm.encoder.layer.")
     if layers != m.num_layers:
         raise ValueError(f"{settings} gives {m.num_layers} layers, the weights hold {layers}; {outcome}")
-    problems = weight_mismatches(hf, hf_shapes(m), lambda k: bool(_NOT_OURS.search(k)), settings)
+    expected = hf_shapes(m, lm_head=head_shapes is None) | (head_shapes or {})
+    problems = weight_mismatches(hf, expected, lambda k: bool(_NOT_OURS.search(k)), settings)
     if problems:
         raise ValueError(
-            f"the weights do not fit {settings} as an ESM-2 EsmForMaskedLM of {m.num_layers} layers: "
+            f"the weights do not fit {settings} as an ESM-2 {model_class} of {m.num_layers} layers: "
             + "; ".join(problems)
             + f"; {outcome}"
         )
 
 
-def from_hf(hf: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
+def from_hf(
+    hf: dict[str, torch.Tensor], m: Any, head_shapes: Optional[dict[str, tuple[int, ...]]] = None, **check: str
+) -> dict[str, torch.Tensor]:
     """EsmForMaskedLM's state dict -> ours (the contact head dropped; checked first: every tensor we need is there,
-    with our shapes, and none is left over)."""
+    with our shapes, and none is left over). Given `head_shapes` (another head's tensors instead of the LM head:
+    check_hf_weights), the backbone alone is converted; the head is the caller's."""
     hf = canonical_hf_names(hf)
-    check_hf_weights(hf, m)
+    check_hf_weights(hf, m, head_shapes=head_shapes, **check)
     heads, head_dim, h = m.num_attention_heads, m.hidden_size // m.num_attention_heads, m.hidden_size
-    names = _renames(m.num_layers)
+    names = _renames(m.num_layers, lm_head=head_shapes is None)
     out = {ours: hf[theirs].float() for ours, theirs in names.items()}
-    for name in ("embedding.weight", "lm_head.bias"):
+    for name in ("embedding.weight", "lm_head.bias")[: 1 if head_shapes is not None else 2]:
         padding = out[name].new_zeros(TABLE_ROWS - VOCAB_SIZE, *out[name].shape[1:])
         out[name] = torch.cat([out[name], padding])  # rows our model never reads
     for i in range(m.num_layers):

@@ -155,7 +155,8 @@ def test_from_hf_picks_the_recipe_by_model_type_and_lists_those_it_reads(tmp_pat
     assert refused.value.code == 2 and not (tmp_path / "w.safetensors").exists()
     assert capsys.readouterr().err == (
         f"error: {tmp_path / 'hf' / 'config.json'}: model_type={model_type!r}; from-hf "
-        "reads model_type 'esm' (the esm2 recipe) or 'llama' (the gpt recipe)\n"
+        "reads model_type 'esm' (the esm2 and esm2_finetune recipes), 'esm2_mean_pooled' (the esm2_finetune recipe) "
+        "or 'llama' (the gpt recipe)\n"
     )
 
 
