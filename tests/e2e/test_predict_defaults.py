@@ -63,16 +63,23 @@ def _kind(cfg) -> str:
     return "gpt mock" if cfg.recipe == "gpt" and cfg.data.format == "mock" else cfg.recipe
 
 
+def _shipped_kinds() -> set[str]:
+    return {_kind(compose_config(name, ["checkpoint.path=unused"])) for name in SHIPPED}
+
+
 def test_every_kind_of_shipped_config_has_a_tiny_checkpoint_here():
-    assert {_kind(compose_config(name, ["checkpoint.path=unused"])) for name in SHIPPED} == set(TINY)
+    # (a recipe may declare further tiny cases, e.g. another task of its shipped config: the other tests use them)
+    assert _shipped_kinds() <= set(TINY)
 
 
 @pytest.mark.slow
 def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path):
-    threads = torch.get_num_threads()
+    needed, threads = _shipped_kinds(), torch.get_num_threads()
     torch.set_num_threads(1)  # tiny models: more threads only wait on one another
     try:
         for kind, (config, model) in TINY.items():
+            if kind not in needed:
+                continue
             cache = [f"data.cache_dir={tmp_path}/cache"] if kind.startswith("gpt") else []
             train_run(
                 validated_config(

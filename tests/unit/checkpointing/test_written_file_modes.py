@@ -48,12 +48,12 @@ def test_to_hf_names_every_recipe_it_exports(tmp_path):
         with pytest.raises(SystemExit) as stopped:
             checkpoint_cli(["to-hf", str(step), str(tmp_path / f"{recipe}_hf")])
         assert str(stopped.value) == (
-            f"error: {step}: a checkpoint of the {recipe} recipe; to-hf exports those of the esm2 and gpt recipes"
+            f"error: {step}: a checkpoint of the {recipe} recipe; to-hf exports those of the esm2, esm2_finetune and gpt recipes"
         )
         assert not (tmp_path / f"{recipe}_hf").exists()
     from recipes.registry import hf_conversions
 
-    assert set(hf_conversions()) == {"gpt", "esm2"}  # the recipes with recipes/<name>/hf.py
+    assert set(hf_conversions()) == {"gpt", "esm2", "esm2_finetune"}  # the recipes with recipes/<name>/hf.py
 
 
 def _modes(root: Path) -> dict[str, int]:

@@ -13,7 +13,7 @@ import pytest
 
 from core.config.errors import ConfigError
 from core.config.ranges import Int, Numbers, Real, rules_of
-from tests.support.helpers import CONFIGS, REPO, run_python, validated_config
+from tests.support.helpers import CONFIGS, REPO, compose_config, run_python, validated_config
 
 INT32 = "2**31 - 1"
 
@@ -414,7 +414,13 @@ def test_a_number_out_of_range_ends_the_command_line_run_with_one_line(tmp_path)
     "config", sorted(Path(p).stem for p in glob.glob(str(CONFIGS / "*.yaml")) if Path(p).stem != "train_defaults")
 )
 def test_the_shipped_configs_pass(config, tmp_path):
-    validated_config(config, [f"checkpoint.path={tmp_path}"])
+    """Every shipped config validates as it is, given only what it asks the user for (`???`, e.g. esm2_finetune's
+    checkpoint.init_from: the user's pretrained weights)."""
+    from omegaconf import OmegaConf
+
+    asked = sorted(OmegaConf.missing_keys(compose_config(config, [f"checkpoint.path={tmp_path}"])))
+    assert set(asked) <= {"checkpoint.init_from"}, f"{config} leaves {asked} to the user"
+    validated_config(config, [f"checkpoint.path={tmp_path}", *(f"{key}={tmp_path}/given" for key in asked)])
 
 
 def test_preprocessing_names_the_file_and_position_of_binary_input(tmp_path):
