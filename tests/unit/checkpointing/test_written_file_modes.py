@@ -48,7 +48,8 @@ def test_to_hf_names_every_recipe_it_exports(tmp_path):
         with pytest.raises(SystemExit) as stopped:
             checkpoint_cli(["to-hf", str(step), str(tmp_path / f"{recipe}_hf")])
         assert str(stopped.value) == (
-            f"error: {step}: a checkpoint of the {recipe} recipe; to-hf exports those of the esm2, esm2_finetune and gpt recipes"
+            f"error: {step}: a checkpoint of the {recipe} recipe; to-hf exports those of the esm2, esm2_finetune and "
+            "gpt recipes"
         )
         assert not (tmp_path / f"{recipe}_hf").exists()
     from recipes.registry import hf_conversions
