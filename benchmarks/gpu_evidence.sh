@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -256,6 +256,17 @@ if [[ $what == esm2 ]]; then
     2>&1 | tee "$OUT/esm2_packed.log" | tail -7
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 8 --global-batch 64 --variant "padded_bf16=data.packing=false" \
     2>&1 | tee "$OUT/esm2_padded.log" | tail -3
+fi
+# esm2_finetune (1 GPU, ~5 min): esm2_650m fine-tuned on the shipped sanity task's sequences (packed, bf16, from a
+# fresh init: the speed does not depend on the weights): full fine-tuning, frozen backbone and LoRA side by side;
+# tokens/s and MFU count real tokens and each mode's own FLOPs (recipes/esm2_finetune/recipe.py:work).
+if [[ $what == esm2_finetune ]]; then
+  python3 benchmarks/throughput.py --config esm2_finetune --data "" --nproc 1 --out "$OUT" --timeout 300 \
+    --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4 checkpoint.init_from=null" \
+    --steps ${ESM2_STEPS:-5} --micro-batch 1 --global-batch 8 --variant "full=finetune.mode=full" \
+    --variant "frozen=finetune.mode=frozen" --variant "lora=finetune.mode=lora" \
+    --variant "full_eager=finetune.mode=full training.cuda_graphs=none" \
+    --variant "lora_eager=finetune.mode=lora training.cuda_graphs=none" 2>&1 | tee "$OUT/esm2_finetune.log" | tail -8
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}

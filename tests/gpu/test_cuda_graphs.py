@@ -59,6 +59,22 @@ CASES = {
     "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
     "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"]),
     "esm2-te-packed": ("esm2_sanity", SMALL_ESM),
+    # Fine-tuning heads (pooled through the packing boundaries, or per residue) with the backbone frozen (no backward
+    # through it), with LoRA (frozen bf16 weights beside trainable adapters in each Megatron-FSDP unit), in full,
+    # and under FP8 (the head outside it).
+    "esm2ft-te-lora": ("esm2_finetune_sanity", [*SMALL_ESM, "finetune.mode=lora", "model.head_dropout=0"]),
+    "esm2ft-te-frozen-classification": (
+        "esm2_finetune_sanity",
+        [*SMALL_ESM, "finetune.mode=frozen", "model.task=classification", "data.label_columns=[charge_class]"],
+    ),
+    "esm2ft-te-full-residue": (
+        "esm2_finetune_sanity",
+        [*SMALL_ESM, "model.task=residue_classification", "data.label_columns=[structure]", "model.head_dropout=0"],
+    ),
+    "esm2ft-te-lora-fp8": (
+        "esm2_finetune_sanity",
+        [*SMALL_ESM, *FP8, "precision=fp8_delayed", "finetune.mode=lora", "model.head_dropout=0"],
+    ),
 }
 GRAPHED = "training.cuda_graphs=forward_backward"
 # Where graphs change the attention kernel (the padding-mask form of causal attention, core/layers/
