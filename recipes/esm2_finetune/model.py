@@ -21,26 +21,39 @@ from recipes.esm2.tokenizer import CLS, EOS, PAD
 from recipes.esm2_finetune.config import SEQUENCE_TASKS, Pooling
 
 
+# out_proj holds its K output rows padded to a multiple of this: a bias of K (2, 3, ...) elements would leave every
+# gradient buffer after it misaligned (Megatron-FSDP lays the parameters out back to back), and TE's weight-gradient
+# GEMMs into misaligned buffers fall back to slow kernels (docs/performance.md). The rows past K are never read.
+OUT_ROWS_MULTIPLE = 64
+
+
+def out_rows(outputs: int) -> int:
+    """The rows out_proj holds for `outputs` outputs."""
+    return -(-outputs // OUT_ROWS_MULTIPLE) * OUT_ROWS_MULTIPLE
+
+
 class SequenceHead(nn.Module):
     def __init__(self, hidden: int, outputs: int, dropout: float, device):
         super().__init__()
+        self.outputs = outputs
         self.dense = nn.Linear(hidden, hidden, device=device)
-        self.out_proj = nn.Linear(hidden, outputs, device=device)
+        self.out_proj = nn.Linear(hidden, out_rows(outputs), device=device)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, pooled: torch.Tensor) -> torch.Tensor:
         x = torch.tanh(self.dense(self.dropout(pooled)))
-        return self.out_proj(self.dropout(x))
+        return self.out_proj(self.dropout(x))[..., : self.outputs]
 
 
 class ResidueHead(nn.Module):
     def __init__(self, hidden: int, outputs: int, dropout: float, device):
         super().__init__()
-        self.out_proj = nn.Linear(hidden, outputs, device=device)
+        self.outputs = outputs
+        self.out_proj = nn.Linear(hidden, out_rows(outputs), device=device)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.out_proj(self.dropout(hidden))
+        return self.out_proj(self.dropout(hidden))[..., : self.outputs]
 
 
 class ESM2TaskModel(ESM2):

@@ -101,4 +101,4 @@ def test_merged_weights_give_the_adapters_logits_on_te_layers():
         b = plain(batch["tokens"], batch["cu_seqlens"]).float()
     diff = ((a - b).norm() / b.norm()).item()
     print(f"esm2_finetune LoRA on TE: merged vs unmerged logits rel diff {diff:.2e}")
-    assert diff < 1e-4
+    assert diff < 3e-3  # TE's fp32 GEMMs round as TF32 (the merged weight), the adapters' torch GEMMs in fp32
