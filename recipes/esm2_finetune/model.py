@@ -20,7 +20,6 @@ from recipes.esm2.model import ESM2
 from recipes.esm2.tokenizer import CLS, EOS, PAD
 from recipes.esm2_finetune.config import SEQUENCE_TASKS, Pooling
 
-
 # out_proj holds its K output rows padded to a multiple of this: a bias of K (2, 3, ...) elements would leave every
 # gradient buffer after it misaligned (Megatron-FSDP lays the parameters out back to back), and TE's weight-gradient
 # GEMMs into misaligned buffers fall back to slow kernels (docs/performance.md). The rows past K are never read.
