@@ -320,7 +320,7 @@ def export_to_hf(
 
 
 # The run's model settings that must equal an EsmForMaskedLM folder's config.json for checkpoint.init_from.
-_SETTINGS = (
+SETTINGS = (
     "hidden_size",
     "num_layers",
     "num_attention_heads",
@@ -341,7 +341,7 @@ def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
     m = check_esm2_config(read_json_object(file), file, bool(model.fuse_qkv_params))
     differ = [
         f"model.{key}={getattr(model, key)!r} (config.json: {getattr(m, key)!r})"
-        for key in _SETTINGS
+        for key in SETTINGS
         if getattr(model, key) != getattr(m, key)
     ]
     if differ:
