@@ -370,8 +370,9 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
         raise ValueError("lm_head.decoder.weight differs from the embedding: ESM-2 ties them; nothing was imported")
     write_weights(weights, target, str(folder))
     settings = settings_overrides(m)
+    if target.suffix in (".safetensors", ".pt", ".pth"):  # a step folder's writer prints its own line
+        print(f"wrote {len(weights)} tensors to {target}")
     print(
-        f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
-        f"{override('checkpoint.init_from', target)} {' '.join(settings)}"
+        f"train, fine-tune or predict with: recipe=esm2 {override('checkpoint.init_from', target)} {' '.join(settings)}"
     )
     return settings

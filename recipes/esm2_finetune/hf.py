@@ -444,7 +444,7 @@ def export_adapter(weights: dict[str, torch.Tensor], m: Any, lora: dict, out: Pa
         write_modeling_file(out)
         base = f"{MEAN_POOLED_CLASS} (in {MODELING_FILE}: mean pooling)"
     print(
-        f"wrote {out}: a PEFT LoRA adapter (r={lora['rank']}, alpha={lora['alpha']}, {len(tensors)} tensors) "
+        f"wrote {out}: a PEFT LoRA adapter (r={lora['rank']}, alpha={lora['alpha']:g}, {len(tensors)} tensors) "
         f"for {base} built from the run's Hugging Face ESM-2 folder with num_labels={len(m.classes)}: "
         "PeftModel.from_pretrained(base, folder)"
     )
@@ -503,11 +503,14 @@ def _print_settings(target: Path, m: Any, task: str, classes: list, pooling: str
         settings += [list_override("model.target_mean", [0.0] * len(classes))]
         settings += [list_override("model.target_std", [1.0] * len(classes))]
     settings += extra
-    print(
-        f"wrote {target}\nfine-tune or predict with: recipe={RECIPE} {override('checkpoint.init_from', target)} "
-        f"{' '.join(settings)}"
-    )
+    print(f"fine-tune or predict with: recipe={RECIPE} {override('checkpoint.init_from', target)} {' '.join(settings)}")
     return settings
+
+
+def _say_written(weights: dict[str, torch.Tensor], target: Path) -> None:
+    """The line a weights file gets (a step folder's writer prints its own: core/checkpointing/conversion.py)."""
+    if target.suffix in (".safetensors", ".pt", ".pth"):
+        print(f"wrote {len(weights)} tensors to {target}")
 
 
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
@@ -525,6 +528,7 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     m.task, m.classes = task, classes
     weights = classifier_from_hf(hf, m, config["architectures"][0])
     write_weights(weights, target, str(folder))
+    _say_written(weights, target)
     return _print_settings(target, m, task, classes, pooling, [])
 
 
@@ -577,6 +581,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     task, classes, pooling, why = _adapter_task(head, ours, m.hidden_size, folder / ADAPTER_WEIGHTS)
     weights |= lora | head_from_hf(head, task)
     write_weights(weights, target, str(folder))
+    _say_written(weights, target)
     modules = [n for n, key in (("layernorm_qkv", "layernorm_qkv"), ("proj", "proj.")) if any(key in k for k in lora)]
     extra = [
         "finetune.mode=lora",

@@ -156,8 +156,10 @@ def auto_model(folder: Path, task: str, pooling: str):
 
 
 def printed_settings(capsys) -> list[str]:
-    line = capsys.readouterr().out.split("fine-tune or predict with: ")[1].splitlines()[0]
-    return shlex.split(line)[1:]  # after recipe=esm2_finetune
+    """from-hf's settings to predict with (after recipe=esm2_finetune); the step folder it wrote said once."""
+    out = capsys.readouterr().out
+    assert len([line for line in out.splitlines() if line.startswith("wrote ")]) == 1, out
+    return shlex.split(out.split("fine-tune or predict with: ")[1].splitlines()[0])[1:]
 
 
 @pytest.fixture(scope="module")
