@@ -29,6 +29,7 @@ import torch
 
 from core.checkpointing.hf_folders import override, read_json_object
 from recipes.esm2 import hf as esm_hf
+from recipes.esm2_finetune.model import out_rows
 
 RECIPE = "esm2_finetune"
 MEAN_POOLED_MODEL_TYPE = "esm2_mean_pooled"  # = hf_mean_pooling.MODEL_TYPE (that file imports transformers)
@@ -85,7 +86,11 @@ def head_to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tens
     missing = [n for n in names if n not in weights]
     if missing:
         raise ValueError(f"the weights hold no {missing[0]}: not a {m.task} model of this config; nothing was written")
-    out = {theirs: weights[ours].float() for ours, theirs in names.items()}
+    # out_proj holds its k rows padded (recipes/esm2_finetune/model.py:out_rows): HF's has k
+    out = {
+        theirs: weights[ours].float()[:k] if ".out_proj." in ours else weights[ours].float()
+        for ours, theirs in names.items()
+    }
     if m.task == "regression":
         w, b = ("classifier.out_proj." + kind for kind in ("weight", "bias"))
         std, mean = _standardisation(m, k)
@@ -102,8 +107,13 @@ def _standardisation(m: Any, k: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def head_from_hf(hf: dict[str, torch.Tensor], task: str) -> dict[str, torch.Tensor]:
-    """HF's classifier -> our head (regression: as target_mean 0, target_std 1, which the import prints)."""
-    return {ours: hf[theirs].float() for ours, theirs in _head_names(task).items()}
+    """HF's classifier -> our head (regression: as target_mean 0, target_std 1, which the import prints), out_proj's
+    rows padded with zeros to the rows our head holds (recipes/esm2_finetune/model.py:out_rows)."""
+    head = {ours: hf[theirs].float() for ours, theirs in _head_names(task).items()}
+    for ours, t in head.items():
+        if ".out_proj." in ours:
+            head[ours] = torch.cat([t, t.new_zeros(out_rows(t.shape[0]) - t.shape[0], *t.shape[1:])])
+    return head
 
 
 def classifier_to_hf(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch.Tensor]:
@@ -648,8 +658,10 @@ def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
     weights = classifier_from_hf(hf, m, config["architectures"][0])
     if task == "regression":  # the folder predicts in the targets' units; our head predicts standardised targets
         std, mean = _standardisation(model, len(classes))
-        w, b = weights["head.out_proj.weight"], weights["head.out_proj.bias"]
-        weights["head.out_proj.weight"], weights["head.out_proj.bias"] = w / std[:, None], (b - mean) / std
+        k = len(classes)
+        w, b = weights["head.out_proj.weight"].clone(), weights["head.out_proj.bias"].clone()
+        w[:k], b[:k] = w[:k] / std[:, None], (b[:k] - mean) / std
+        weights["head.out_proj.weight"], weights["head.out_proj.bias"] = w, b
     return weights
 
 

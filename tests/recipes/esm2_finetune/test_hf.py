@@ -130,15 +130,18 @@ def test_regression_standardisation_is_folded_into_the_output_layer():
     m = settings("regression", ["x", "y"], target_mean=[3.0, -1.0], target_std=[2.0, 0.5])
     torch.manual_seed(0)
     ours = {"head.dense.weight": torch.randn(H, H), "head.dense.bias": torch.randn(H)}
-    ours |= {"head.out_proj.weight": torch.randn(2, H), "head.out_proj.bias": torch.randn(2)}
+    ours |= {"head.out_proj.weight": torch.randn(64, H), "head.out_proj.bias": torch.randn(64)}  # rows padded to 64
     hf = fh.head_to_hf(ours, m)
     x = torch.randn(5, H)
     pooled = torch.tanh(x @ ours["head.dense.weight"].T + ours["head.dense.bias"])
-    prediction = (pooled @ ours["head.out_proj.weight"].T + ours["head.out_proj.bias"]) * torch.tensor([2.0, 0.5])
+    prediction = (pooled @ ours["head.out_proj.weight"][:2].T + ours["head.out_proj.bias"][:2]) * torch.tensor(
+        [2.0, 0.5]
+    )
     prediction += torch.tensor([3.0, -1.0])
     logits = pooled @ hf["classifier.out_proj.weight"].T + hf["classifier.out_proj.bias"]
     torch.testing.assert_close(logits, prediction)
-    assert torch.equal(fh.head_from_hf(hf, "regression")["head.out_proj.weight"], hf["classifier.out_proj.weight"])
+    back = fh.head_from_hf(hf, "regression")["head.out_proj.weight"]
+    assert torch.equal(back[:2], hf["classifier.out_proj.weight"]) and back.shape == (64, H) and not back[2:].any()
 
 
 def test_mean_pooling_pools_the_residues_and_refuses_to_load_without_its_code(tmp_path):
@@ -354,7 +357,8 @@ def test_init_from_a_classification_folder_reads_its_head_in_the_runs_standardis
     weights = fh.weights_from_hf_folder(tmp_path / "hf", run)
     hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
     pooled = torch.randn(5, H)
-    ours = (pooled @ weights["head.out_proj.weight"].T + weights["head.out_proj.bias"]) * torch.tensor([2.0, 0.5])
+    w, b = weights["head.out_proj.weight"], weights["head.out_proj.bias"]  # rows padded to 64: the first 2 are read
+    ours = (pooled @ w[:2].T + b[:2]) * torch.tensor([2.0, 0.5])
     torch.testing.assert_close(
         ours + torch.tensor([3.0, -1.0]), pooled @ hf["classifier.out_proj.weight"].T + hf["classifier.out_proj.bias"]
     )
@@ -394,4 +398,4 @@ def test_init_from_a_folder_with_transformers_default_label_names_takes_the_runs
     m = settings("classification", ["LABEL_0", "LABEL_1", "LABEL_2"])
     save_folder(hf_model(m), m, tmp_path / "hf")
     weights = fh.weights_from_hf_folder(tmp_path / "hf", settings("classification", ["a", "b", "c"]))
-    assert weights["head.out_proj.weight"].shape == (3, H)
+    assert weights["head.out_proj.weight"].shape == (64, H)  # 3 classes, rows padded to 64
