@@ -320,7 +320,7 @@ def export_to_hf(
 
 
 # The run's model settings that must equal an EsmForMaskedLM folder's config.json for checkpoint.init_from.
-_SETTINGS = (
+SETTINGS = (
     "hidden_size",
     "num_layers",
     "num_attention_heads",
@@ -341,7 +341,7 @@ def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
     m = check_esm2_config(read_json_object(file), file, bool(model.fuse_qkv_params))
     differ = [
         f"model.{key}={getattr(model, key)!r} (config.json: {getattr(m, key)!r})"
-        for key in _SETTINGS
+        for key in SETTINGS
         if getattr(model, key) != getattr(m, key)
     ]
     if differ:
@@ -370,8 +370,9 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
         raise ValueError("lm_head.decoder.weight differs from the embedding: ESM-2 ties them; nothing was imported")
     write_weights(weights, target, str(folder))
     settings = settings_overrides(m)
+    if target.suffix in (".safetensors", ".pt", ".pth"):  # a step folder's writer prints its own line
+        print(f"wrote {len(weights)} tensors to {target}")
     print(
-        f"wrote {len(weights)} tensors to {target}\ntrain, fine-tune or predict with: recipe=esm2 "
-        f"{override('checkpoint.init_from', target)} {' '.join(settings)}"
+        f"train, fine-tune or predict with: recipe=esm2 {override('checkpoint.init_from', target)} {' '.join(settings)}"
     )
     return settings

@@ -444,7 +444,7 @@ def export_adapter(weights: dict[str, torch.Tensor], m: Any, lora: dict, out: Pa
         write_modeling_file(out)
         base = f"{MEAN_POOLED_CLASS} (in {MODELING_FILE}: mean pooling)"
     print(
-        f"wrote {out}: a PEFT LoRA adapter (r={lora['rank']}, alpha={lora['alpha']}, {len(tensors)} tensors) "
+        f"wrote {out}: a PEFT LoRA adapter (r={lora['rank']}, alpha={lora['alpha']:g}, {len(tensors)} tensors) "
         f"for {base} built from the run's Hugging Face ESM-2 folder with num_labels={len(m.classes)}: "
         "PeftModel.from_pretrained(base, folder)"
     )
@@ -503,11 +503,14 @@ def _print_settings(target: Path, m: Any, task: str, classes: list, pooling: str
         settings += [list_override("model.target_mean", [0.0] * len(classes))]
         settings += [list_override("model.target_std", [1.0] * len(classes))]
     settings += extra
-    print(
-        f"wrote {target}\nfine-tune or predict with: recipe={RECIPE} {override('checkpoint.init_from', target)} "
-        f"{' '.join(settings)}"
-    )
+    print(f"fine-tune or predict with: recipe={RECIPE} {override('checkpoint.init_from', target)} {' '.join(settings)}")
     return settings
+
+
+def _say_written(weights: dict[str, torch.Tensor], target: Path) -> None:
+    """The line a weights file gets (a step folder's writer prints its own: core/checkpointing/conversion.py)."""
+    if target.suffix in (".safetensors", ".pt", ".pth"):
+        print(f"wrote {len(weights)} tensors to {target}")
 
 
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
@@ -525,6 +528,7 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     m.task, m.classes = task, classes
     weights = classifier_from_hf(hf, m, config["architectures"][0])
     write_weights(weights, target, str(folder))
+    _say_written(weights, target)
     return _print_settings(target, m, task, classes, pooling, [])
 
 
@@ -577,6 +581,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     task, classes, pooling, why = _adapter_task(head, ours, m.hidden_size, folder / ADAPTER_WEIGHTS)
     weights |= lora | head_from_hf(head, task)
     write_weights(weights, target, str(folder))
+    _say_written(weights, target)
     modules = [n for n, key in (("layernorm_qkv", "layernorm_qkv"), ("proj", "proj.")) if any(key in k for k in lora)]
     extra = [
         "finetune.mode=lora",
@@ -611,3 +616,58 @@ def _adapter_task(head: dict[str, torch.Tensor], ours: dict, h: int, file: Path)
         classes = [f"LABEL_{i}" for i in range(k)]
     pooling = ours.get("pooling") if ours.get("pooling") in ("mean", "cls") else "cls"  # PEFT's base: <cls>
     return task, classes, pooling, note
+
+
+# --- checkpoint.init_from=<a Hugging Face folder> ------------------------------------------------------------------
+def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
+    """checkpoint.init_from=<a Hugging Face folder> for a run of this recipe, converted in memory (nothing written):
+    an EsmForMaskedLM folder gives the backbone (its LM head is unexpected here: checkpoint.init_ignore_unexpected
+    leaves it out; the task head keeps its fresh init); an EsmFor*Classification folder (or the mean-pooled model's)
+    gives the backbone and its head, when its task, pooling and classes are the run's. The run's model settings must
+    be config.json's (ValueError naming the keys that differ)."""
+    from core.checkpointing.hf_folders import read_hf_weights, read_json_object
+
+    file = Path(folder) / "config.json"
+    config = read_json_object(file)
+    if (config.get("architectures") or [None])[0] not in HF_ARCHITECTURES:
+        return esm_hf.weights_from_hf_folder(folder, model)
+    task, classes, pooling = task_of(config, file)
+    m = esm_hf.check_esm2_config(config | {"model_type": "esm"}, file, bool(model.fuse_qkv_params))
+    _check_same_task(model, task, classes, pooling, file)
+    differ = [
+        f"model.{key}={getattr(model, key)!r} (config.json: {getattr(m, key)!r})"
+        for key in esm_hf.SETTINGS
+        if getattr(model, key) != getattr(m, key)
+    ]
+    if differ:
+        raise ValueError(
+            f"the run's model settings differ from {file}'s: {', '.join(differ)}; set them as the folder has them"
+        )
+    m.task, m.classes = task, classes
+    hf = {k: v.float() if v.is_floating_point() else v for k, v in read_hf_weights(Path(folder)).items()}
+    weights = classifier_from_hf(hf, m, config["architectures"][0])
+    if task == "regression":  # the folder predicts in the targets' units; our head predicts standardised targets
+        std, mean = _standardisation(model, len(classes))
+        w, b = weights["head.out_proj.weight"], weights["head.out_proj.bias"]
+        weights["head.out_proj.weight"], weights["head.out_proj.bias"] = w / std[:, None], (b - mean) / std
+    return weights
+
+
+def _check_same_task(model: Any, task: str, classes: list[str], pooling: str, file: Path) -> None:
+    """ValueError naming the settings where a classification folder's head is not the run's head."""
+    ours = list(model.classes or [])
+    named = classes != [f"LABEL_{i}" for i in range(len(classes))]  # transformers' default names say nothing
+    differ = [
+        f"model.{key}={value!r} (config.json: {theirs!r})"
+        for key, value, theirs, fits in (
+            ("task", str(model.task), task, str(model.task) == task),
+            ("classes", ours, classes, ours == classes if named else len(ours) == len(classes)),
+            ("pooling", str(model.pooling), pooling, task == RESIDUE or str(model.pooling) == pooling),
+        )
+        if not fits
+    ]
+    if differ:
+        raise ValueError(
+            f"{file} holds another task head than the run's: {', '.join(differ)}; set them as the folder has them, "
+            "or start from the backbone alone (an EsmForMaskedLM folder, or init_skip_prefixes=[head])"
+        )

@@ -6,6 +6,7 @@ logits, merged = peft's merge_and_unload, and adapters we cannot map refused by 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -341,3 +342,56 @@ def test_from_hf_picks_the_recipe_by_architecture_and_reads_adapters_with_base(t
     )
     assert "finetune.lora.rank=8" in capsys.readouterr().out
     assert "layers.1.self_attention.layernorm_qkv.lora_B.weight" in load_file(str(tmp_path / "w.safetensors"))
+
+
+# --- checkpoint.init_from=<a Hugging Face folder> ------------------------------------------------------------------
+def test_init_from_a_classification_folder_reads_its_head_in_the_runs_standardisation(tmp_path):
+    """A regression folder (predictions in the targets' units) read for a run whose targets are standardised by
+    mean/std: our head's output * std + mean = the folder's logits; the backbone as from-hf reads it."""
+    m = settings("regression", ["x", "y"], "mean")
+    save_folder(hf_model(m), m, tmp_path / "hf")
+    run = settings("regression", ["x", "y"], "mean", target_mean=[3.0, -1.0], target_std=[2.0, 0.5])
+    weights = fh.weights_from_hf_folder(tmp_path / "hf", run)
+    hf = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    pooled = torch.randn(5, H)
+    ours = (pooled @ weights["head.out_proj.weight"].T + weights["head.out_proj.bias"]) * torch.tensor([2.0, 0.5])
+    torch.testing.assert_close(
+        ours + torch.tensor([3.0, -1.0]), pooled @ hf["classifier.out_proj.weight"].T + hf["classifier.out_proj.bias"]
+    )
+    plain = fh.classifier_from_hf(hf, m, fh.MEAN_POOLED_CLASS)
+    assert weights.keys() == plain.keys()
+    assert all(torch.equal(weights[k], plain[k]) for k in plain if not k.startswith("head.out_proj."))
+
+
+def test_init_from_a_masked_lm_folder_gives_the_backbone_and_its_lm_head_as_unexpected(tmp_path):
+    from transformers import EsmConfig, EsmForMaskedLM
+
+    m = settings("classification", ["a", "b"])
+    EsmForMaskedLM(EsmConfig(**esm_hf.hf_config(m))).save_pretrained(tmp_path / "lm")
+    weights = fh.weights_from_hf_folder(tmp_path / "lm", m)
+    assert "layers.1.self_attention.layernorm_qkv.weight" in weights and "lm_head.dense.weight" in weights
+    assert not any(k.startswith("head.") for k in weights)  # the task head keeps its fresh init
+
+
+@pytest.mark.parametrize(
+    "run, named",
+    [
+        (dict(task="multilabel"), "model.task='multilabel' (config.json: 'classification')"),
+        (dict(classes=["a", "c", "b"]), "model.classes=['a', 'c', 'b'] (config.json: ['a', 'b', 'c'])"),
+        (dict(classes=["a", "b"]), "model.classes=['a', 'b']"),
+        (dict(pooling="mean"), "model.pooling='mean' (config.json: 'cls')"),
+        (dict(ffn_hidden_size=64), "model.ffn_hidden_size=64 (config.json: 32)"),
+    ],
+)
+def test_init_from_a_classification_folder_of_another_head_is_refused_by_name(tmp_path, run, named):
+    m = settings("classification", ["a", "b", "c"])
+    save_folder(hf_model(m), m, tmp_path / "hf")
+    with pytest.raises(ValueError, match=re.escape(named)):
+        fh.weights_from_hf_folder(tmp_path / "hf", SimpleNamespace(**(vars(m) | run)))
+
+
+def test_init_from_a_folder_with_transformers_default_label_names_takes_the_runs_names(tmp_path):
+    m = settings("classification", ["LABEL_0", "LABEL_1", "LABEL_2"])
+    save_folder(hf_model(m), m, tmp_path / "hf")
+    weights = fh.weights_from_hf_folder(tmp_path / "hf", settings("classification", ["a", "b", "c"]))
+    assert weights["head.out_proj.weight"].shape == (3, H)
