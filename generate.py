@@ -5,8 +5,8 @@
     python generate.py --config-name gpt_sanity checkpoint.init_from=... generate.prompt_file=prompts.txt \
         generate.greedy=true generate.max_new_tokens=100
 
-The model settings and the tokenizer come from the config.yaml of the checkpoint.init_from step folder
-(core/checkpointing/saved_config.py).
+The model settings (finetune.mode and the LoRA adapters' finetune.lora.* among them) and the tokenizer come from
+the config.yaml of the checkpoint.init_from step folder (core/checkpointing/saved_config.py).
 
 Top to bottom:
   1. setup    - the session and model of train.py (core/session.py) in one process, with whole weights

@@ -5,8 +5,9 @@
     python predict.py --config-name mnist_predict checkpoint.init_from=...          # one process
     torchrun --nproc-per-node N predict.py --config-name gpt_sanity checkpoint.init_from=... predict.split=val
 
-The model settings (and the data preprocessing the model depends on) come from the config.yaml of the
-checkpoint.init_from step folder (core/checkpointing/saved_config.py); the data to predict on is the config's.
+The model settings (and the data preprocessing the model depends on, and finetune.mode with the LoRA adapters'
+finetune.lora.*) come from the config.yaml of the checkpoint.init_from step folder
+(core/checkpointing/saved_config.py); the data to predict on is the config's.
 
 Top to bottom:
   1. setup    - the session and model of train.py (core/session.py); weights from checkpoint.init_from, strictly

@@ -20,6 +20,8 @@ from core.checkpointing.fp8 import FP8_TENSORS, fp8_states, set_fp8_states
 from core.checkpointing.layout import CheckpointError, empty_like_saved, saved_weights
 from core.checkpointing.rng import rng_state, set_rng_state
 from core.checkpointing.weights import check_weights_fit
+from core.config.errors import ConfigError
+from core.training import optim
 
 log = logging.getLogger("checkpoint")
 
@@ -85,6 +87,18 @@ class OptimizerPart:
             if self.is_main:
                 log.warning("%s has no optimizer state: the optimizer starts fresh", saved.path)
             return None
+        groups: dict[int, set[str]] = {}
+        for key in saved.keys:  # param_groups.<index>.<setting>
+            kind, index, *setting = key.split(".", 2)
+            if kind == "param_groups" and index.isdigit() and setting:
+                groups.setdefault(int(index), set()).add(setting[0])
+        mismatch = optim.groups_mismatch(groups, self.optimizer.param_groups)
+        if mismatch:
+            raise ConfigError(
+                f"{saved.path}: {mismatch}. The parameter groups follow {', '.join(optim.GROUP_KEYS)}: resume with "
+                "the checkpoint's values of those (checkpoint.allow_config_changes=true does not lift this), or start "
+                f"a new run from its weights with a fresh optimizer: checkpoint.init_from={saved.path}"
+            )
         return self.parallel.optimizer_state_dict(self.optimizer)
 
     def load_state_dict(self, state: dict) -> None:

@@ -10,8 +10,10 @@ parts that are used are checked against the recipe's schemas (keys, types, the R
 is a CheckpointError naming the file.
 
 Which settings come from the file: every `model` key but the neutral ones (core/config/identity.py: e.g.
-model.backend, a speed choice), and the `data` keys the trained model depends on (its recipe's
-`model_data_keys`). The data
+model.backend, a speed choice), the `data` keys the trained model depends on (its recipe's
+`model_data_keys`), and the `finetune` keys that shape the model's parameters: finetune.mode, and under
+frozen or lora the head (finetune.head: its modules take no adapters), under lora the adapters'
+finetune.lora.* (a LoRA step folder holds adapter weights that only a model built with them takes). The data
 itself (data.root, the splits, predict.split / predict.folder) stays the command's.
 """
 
@@ -37,6 +39,7 @@ from core.config.errors import ConfigError
 from core.config.file_shape import read_small_file
 from core.config.identity import changes_result
 from core.config.ranges import rules_of
+from core.config.schema import FinetuneConfig, FinetuneMode, LoraConfig
 
 log = logging.getLogger("checkpoint")
 
@@ -144,17 +147,20 @@ class SavedConfig:
     file: Path
     recipe: str
     # "model.<field>" for every field of the recipe's model schema, "data.<key>" for its model_data_keys (and
-    # any asked for), as plain values checked against the schemas.
+    # any asked for), "finetune.<key>" for those that shape the parameters (_finetune_settings), as plain values
+    # checked against the schemas.
     settings: dict[str, Any]
     model_data_keys: tuple[str, ...] = ()  # the recipe's
 
     @property
     def model_settings(self) -> dict[str, Any]:
-        """The settings a model built from this checkpoint takes: the model's and the recipe's model_data_keys,
-        but not the neutral ones (model.backend)."""
+        """The settings a model built from this checkpoint takes: the model's, the recipe's model_data_keys and the
+        finetune keys that shape its parameters, but not the neutral ones (model.backend)."""
         model_data = {f"data.{k}" for k in self.model_data_keys}
         return {
-            k: v for k, v in self.settings.items() if (k.startswith("model.") or k in model_data) and changes_result(k)
+            k: v
+            for k, v in self.settings.items()
+            if (k.startswith(("model.", "finetune.")) or k in model_data) and changes_result(k)
         }
 
     def section(self, name: str) -> dict[str, Any]:
@@ -187,7 +193,23 @@ def read_saved_config(
     if keys:
         data = _checked(file, "data", recipe.data_schema, tree.get("data"), keys)
         settings |= {f"data.{k}": v for k, v in data.items()}
+    settings |= _finetune_settings(file, tree.get("finetune"))
     return SavedConfig(file, recipe_name, settings, tuple(recipe.model_data_keys))
+
+
+def _finetune_settings(file: Path, values: Any) -> dict[str, Any]:
+    """ "finetune.mode", and under frozen or lora "finetune.head", under lora "finetune.lora.<key>": what decides the
+    parameters a model built for this checkpoint has (LoRA adds adapters to every target module outside the head).
+    A file without a finetune section is a run from before it existed, which trained every weight (mode full)."""
+    values = {} if values is None else values
+    picked = _checked(file, "finetune", FinetuneConfig, values, ("mode", "head"))
+    settings: dict[str, Any] = {"finetune.mode": picked["mode"]}
+    if picked["mode"] != FinetuneMode.full.value:
+        settings["finetune.head"] = picked["head"]
+    if picked["mode"] == FinetuneMode.lora.value:
+        lora = _checked(file, "finetune.lora", LoraConfig, values.get("lora", {}))
+        settings |= {f"finetune.lora.{k}": v for k, v in lora.items()}
+    return settings
 
 
 def saved_config_file(init_from: Optional[str]) -> Optional[Path]:

@@ -77,6 +77,28 @@ def _part_order(part: str, blocks: Sequence[str]) -> int:
     return len(blocks)
 
 
+# The settings that decide the parameter groups (their number, their members, whether each carries its own lr): a
+# resume that changes them cannot take the saved optimizer state.
+GROUP_KEYS = ("finetune.mode", "finetune.head", "finetune.backbone_lr_scale", "finetune.layer_decay")
+
+
+def groups_mismatch(saved: dict[int, set[str]], groups: list[dict]) -> Optional[str]:
+    """Why an optimizer state whose groups held the settings `saved` ({group index: its keys}) cannot be loaded into
+    an optimizer of `groups`; None when it can. The groups are matched by position, and a group with its own learning
+    rate share (lr_scale) in one and not in the other does not fit either."""
+    names = ", ".join(str(g.get("name", i)) for i, g in enumerate(groups))
+    if len(saved) != len(groups):
+        return f"its optimizer state has {len(saved)} parameter groups, this run's optimizer {len(groups)} ({names})"
+    for i, group in enumerate(groups):
+        if ("lr_scale" in saved.get(i, set())) != ("lr_scale" in group):
+            where = ("this run", "the checkpoint") if "lr_scale" in group else ("the checkpoint", "this run")
+            return (
+                f"parameter group {i} ({group.get('name', i)}) has a learning-rate share of its own (lr_scale) in "
+                f"{where[0]}, not in {where[1]}"
+            )
+    return None
+
+
 def build_optimizer(groups: list[dict], cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW (optim.name's one choice) over the parameter groups."""
     fused = cfg.fused

@@ -110,17 +110,14 @@ def residue_rows(classes: list[str], store, columns: dict, index: torch.Tensor, 
 
 
 def task_metrics(model_cfg, output: torch.Tensor, target: torch.Tensor) -> dict[str, float]:
-    """The task's metrics of items: output (regression: standardised predictions; else probabilities), target
-    (regression: standardised)."""
+    """The task's metrics of items (core/metrics/task_metrics.py): output (regression: standardised predictions, taken
+    back to the targets' units with the target; else probabilities), target (regression: standardised)."""
     task = Task(model_cfg.task)
+    output = output.double()
     if task is Task.regression:
         std, mean = torch.tensor(model_cfg.target_std).double(), torch.tensor(model_cfg.target_mean).double()
-        return metrics.regression_metrics(output.double() * std + mean, target.double() * std + mean)
-    if task is Task.classification:
-        return metrics.classification_metrics(output.double(), target.long())
-    if task is Task.multilabel:
-        return metrics.multilabel_metrics(output.double(), target.long())
-    return metrics.residue_metrics(output.double(), target.long())
+        return metrics.task_metrics(task.value, output * std + mean, target.double() * std + mean)
+    return metrics.task_metrics(task.value, output, target.long())
 
 
 def summarize(model_cfg, rows: dict) -> dict[str, float | int]:
@@ -130,17 +127,16 @@ def summarize(model_cfg, rows: dict) -> dict[str, float | int]:
     if task is Task.regression:
         if f"true_{classes[0]}" not in rows:
             return summary
-        predicted = torch.stack([rows[name].double() for name in classes], 1)
+        output = torch.stack([rows[name].double() for name in classes], 1)
         truth = torch.stack([rows[f"true_{name}"].double() for name in classes], 1)
-        return summary | metrics.regression_metrics(predicted, truth)
+        return summary | metrics.task_metrics(task.value, output, truth)
     truth_key = "true_labels" if task is Task.multilabel else "true_class"
     if truth_key not in rows:
         return summary
-    probabilities = torch.stack([rows[f"prob_{name}"].double() for name in classes], 1)
+    output = torch.stack([rows[f"prob_{name}"].double() for name in classes], 1)
     if task is Task.multilabel:
         truth = torch.tensor([[c in set(t.split()) for c in classes] for t in rows[truth_key]], dtype=torch.long)
-        return summary | metrics.multilabel_metrics(probabilities, truth)
-    known = [k for k, t in enumerate(rows[truth_key]) if t != ""]
-    truth = torch.tensor([classes.index(rows[truth_key][k]) for k in known], dtype=torch.long)
-    compute = metrics.classification_metrics if task is Task.classification else metrics.residue_metrics
-    return summary | compute(probabilities[known], truth)
+    else:  # rows without a label (an unlabelled residue) left out
+        known = [k for k, t in enumerate(rows[truth_key]) if t != ""]
+        output, truth = output[known], torch.tensor([classes.index(rows[truth_key][k]) for k in known])
+    return summary | metrics.task_metrics(task.value, output, truth.long())

@@ -17,10 +17,12 @@ from omegaconf import OmegaConf
 from torch import nn
 
 from core.config.errors import ConfigError, DataError
+from core.config.schema import FinetuneMode
 from core.data.datasets import mix_seed
 from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
 from core.metrics.task_metrics import task_metric_names
+from core.training.finetune import in_head
 from recipes.base import Datasets, Recipe
 from recipes.esm2.recipe import ESM2Recipe
 from recipes.esm2_finetune import predictions
@@ -30,6 +32,9 @@ from recipes.esm2_finetune.labels import LabelledSequences, LabelSpec, read_labe
 from recipes.esm2_finetune.model import ESM2TaskModel
 
 log = logging.getLogger("train")
+# FLOPs per backbone parameter per token, and per L H s^2 of attention per sequence, as finetune.mode trains
+# (ESM2FinetuneRecipe.flop_counts).
+COST = {FinetuneMode.full: (6, 12), FinetuneMode.frozen: (2, 4), FinetuneMode.lora: (4, 12)}
 TINY = (
     "model.num_layers=1",
     "model.hidden_size=32",
@@ -231,37 +236,66 @@ class ESM2FinetuneRecipe(Recipe):
         return self.pack_shape()[0]
 
     def work(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The micro-batch's real tokens and their training FLOPs: 6 N per token (N: the blocks, the final norm and,
-        for the residue task, the head), per sequence the attention's 12 L H s^2 and the sequence head's 6 N."""
-        m = self.cfg.model
+        """The micro-batch's real tokens and their training FLOPs, as finetune.mode trains (flop_counts)."""
         sequences = batch["sequences"]
         lengths = batch["cu_seqlens"].diff(dim=1)[:, : sequences.shape[1]].double() * (sequences >= 0)
-        tokens = lengths.sum()
-        flops = (
-            6.0 * self.per_token_parameters() * tokens
-            + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
-            + 6.0 * self.per_sequence_parameters() * (sequences >= 0).sum()
-        )
-        return tokens, flops
-
-    def per_token_parameters(self) -> int:
-        m = self.cfg.model
-        h, f, k = m.hidden_size, m.ffn_hidden_size, len(m.classes)
-        block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # QKV + proj (with biases), fc1 + fc2, two LayerNorms
-        head = 0 if m.task in SEQUENCE_TASKS else h * k + k
-        return m.num_layers * block + 2 * h + head
-
-    def per_sequence_parameters(self) -> int:
-        m = self.cfg.model
-        h, k = m.hidden_size, len(m.classes)
-        return h * h + h + h * k + k if m.task in SEQUENCE_TASKS else 0
+        per_token, per_square, per_sequence = self.flop_counts()
+        flops = per_token * lengths.sum() + per_square * lengths.square().sum() + per_sequence * (sequences >= 0).sum()
+        return lengths.sum(), flops
 
     def flops_per_sample(self) -> float:
         """Training FLOPs of one full row of sequences of model.max_seq_length tokens."""
+        tokens, s = self.tokens_per_sample(), self.cfg.model.max_seq_length
+        per_token, per_square, per_sequence = self.flop_counts()
+        return tokens * (per_token + per_square * s) + per_sequence * tokens / s
+
+    def flop_counts(self) -> tuple[float, float, float]:
+        """A training step's FLOPs (per token, per squared sequence length, per sequence) as finetune.mode trains.
+        A weight's matmul costs 2 FLOPs per parameter forward, 2 for the input's gradient, 2 for its own: full
+        fine-tuning 6 N per token and the attention's 12 L H s^2 per sequence (forward 4 L H s^2); a frozen backbone
+        only its forward (2 N, 4 L H s^2: no backward through it); LoRA the backbone's forward and input gradients but
+        no weight gradients (4 N; the attention, which has no weights, 12 L H s^2) plus 6 per adapter parameter. The
+        head's modules under finetune.head train in every mode (6 per parameter); one it leaves out counts as the
+        backbone does."""
+        m, ft = self.cfg.model, self.cfg.finetune
+        mode = FinetuneMode(ft.mode)
+        backbone, attention = COST[mode]
+        head = [0.0, 0.0]  # per token, per sequence
+        for name, (out, on_tokens) in self.head_modules().items():
+            trains = mode is FinetuneMode.full or in_head(f"head.{name}", list(ft.head))
+            head[0 if on_tokens else 1] += out * (m.hidden_size + 1) * (6 if trains else backbone)
+        adapter_token, adapter_sequence = self.adapter_parameters() if mode is FinetuneMode.lora else (0, 0)
+        return (
+            backbone * self.backbone_parameters() + head[0] + 6.0 * adapter_token,
+            attention * m.num_layers * m.hidden_size,
+            head[1] + 6.0 * adapter_sequence,
+        )
+
+    def backbone_parameters(self) -> int:
+        """Parameters a token's forward multiplies through in the backbone: the blocks and the final norm."""
         m = self.cfg.model
-        tokens, s = self.tokens_per_sample(), m.max_seq_length
-        per_token = 6.0 * self.per_token_parameters() + 12.0 * m.num_layers * m.hidden_size * s
-        return tokens * per_token + 6.0 * self.per_sequence_parameters() * tokens / s
+        h, f = m.hidden_size, m.ffn_hidden_size
+        block = 4 * h * h + 4 * h + 2 * h * f + f + h + 4 * h  # QKV + proj (with biases), fc1 + fc2, two LayerNorms
+        return m.num_layers * block + 2 * h
+
+    def head_modules(self) -> dict[str, tuple[int, bool]]:
+        """The head's Linear layers, each taking the hidden size: {name: (outputs, whether it runs on every token)}:
+        the residue head's out_proj on every token, the sequence head's dense and out_proj on each pooled vector."""
+        m = self.cfg.model
+        h, k = m.hidden_size, len(m.classes)
+        return {"dense": (h, False), "out_proj": (k, False)} if m.task in SEQUENCE_TASKS else {"out_proj": (k, True)}
+
+    def adapter_parameters(self) -> tuple[int, int]:
+        """LoRA's parameters (a token's, a sequence's): rank x (in + out) of each adapted module, as core/layers/lora.py
+        adds them (finetune.lora.target_modules, outside finetune.head)."""
+        m, ft = self.cfg.model, self.cfg.finetune
+        h, layers, targets = m.hidden_size, m.num_layers, set(ft.lora.target_modules)
+        blocks = {"layernorm_qkv": layers * (h + 3 * h), "proj": layers * (h + h)}  # [out, in] = [3h, h], [h, h]
+        fans = [sum(size for name, size in blocks.items() if name in targets), 0]  # per token, per sequence
+        for name, (out, on_tokens) in self.head_modules().items():
+            if name in targets and not in_head(f"head.{name}", list(ft.head)):
+                fans[0 if on_tokens else 1] += h + out
+        return ft.lora.rank * fans[0], ft.lora.rank * fans[1]
 
 
 def label_spec(cfg, classes, labels_required: bool, split_column: bool = True) -> LabelSpec:
