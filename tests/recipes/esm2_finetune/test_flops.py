@@ -37,13 +37,15 @@ def recipe_of(mode: str, task: str, *extra: str):
 
 def counted(recipe) -> dict[str, int]:
     """The model's own parameters after finetune.apply: backbone (without the embedding table, which multiplies
-    nothing), head, adapters."""
+    nothing), head, adapters; of out_proj (and an adapter's lora_B on it) the rows of the K outputs, not the rows it
+    pads them with (recipes/esm2_finetune/model.py:out_rows), whose outputs are never used."""
     model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
     finetune.apply(model, recipe.cfg.finetune, recipe.cfg.seed, None)
-    parts = {"backbone": 0, "head": 0, "adapters": 0}
+    parts, k = {"backbone": 0, "head": 0, "adapters": 0}, len(recipe.cfg.model.classes)
     for name, p in model.named_parameters():
         part = "adapters" if finetune.is_lora(name) else "head" if name.startswith("head.") else "backbone"
-        parts[part] += p.numel() if name != "embedding.weight" else 0
+        used = p[:k] if name.startswith("head.out_proj.") and "lora_A" not in name else p
+        parts[part] += used.numel() if name != "embedding.weight" else 0
     return parts
 
 

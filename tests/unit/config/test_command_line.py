@@ -27,7 +27,10 @@ def test_the_configs_to_choose_from_and_the_usage():
     assert "python predict.py --config-name <name>" in usage and "checkpoint.init_from=<step folder" in usage
     assert ", ".join(configs) in usage
     assert "_schema" not in usage and "== Config ==" not in usage  # Hydra's store, not configs one can choose
-    assert "  data: digits, gpt_indexed" in usage and "  scheduler: constant, cosine, linear, wsd" in usage
+    assert (
+        "  data: digits, esm2_finetune_sanity, gpt_indexed" in usage
+        and "  scheduler: constant, cosine, linear, wsd" in usage
+    )
     line = command_line.missing_config("train.py", from_checkpoint=False)
     assert line.startswith("train.py needs a config: --config-name <name>, one of ") and "\n" not in line
 
