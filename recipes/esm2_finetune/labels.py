@@ -342,6 +342,8 @@ def _jsonl_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> 
                     row = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
+                except RecursionError:  # a few KB of nested brackets: refused, not a traceback
+                    raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
                 if not isinstance(row, dict):
                     raise DataError(f"{source}: line {number} is not a JSON object (expected one per line)")
                 for column in wanted:

@@ -117,6 +117,7 @@ BAD = [
     ("a.jsonl", '{"sequence": "MK", "y": 1}\n[1, 2]\n', "regression", ["y"], None, r"line 2 is not a JSON object"),
     ("a.jsonl", '{"sequence": "MK", "y": 1}\n{"sequence": "MK"\n', "regression", ["y"], None, r"line 2 is not JSON"),
     ("a.jsonl", '{"sequence": "MK"}\n', "regression", ["y"], None, r"line 1 has no 'y'"),
+    ("a.jsonl", "[" * 100_000 + "]" * 100_000 + "\n", "regression", ["y"], None, r"line 1 nests its JSON too deeply"),
     ("a.jsonl", '{"sequence": "MK", "y": true}\n', "regression", ["y"], None, r"line 1, column 'y': True is not"),
     ("a.jsonl", '{"sequence": 12, "y": 1}\n', "regression", ["y"], None, r"column 'sequence': 12 is not a sequence"),
     ("a.jsonl", '{"sequence": "MK", "y": 1, "s": "dev2"}\n', "regression", ["y"], None, r"split 'dev2'"),
