@@ -568,7 +568,7 @@ def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor]
         ) from None
     try:
         ours = json.loads(metadata.get(RECIPE, "{}"))
-    except json.JSONDecodeError:
+    except (json.JSONDecodeError, RecursionError):  # not ours, or crafted: read as an adapter of another tool
         ours = {}
     return read_json_object(config_file), tensors, ours if isinstance(ours, dict) else {}
 
