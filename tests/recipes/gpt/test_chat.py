@@ -141,17 +141,13 @@ def test_rows_too_long_are_truncated_or_dropped_and_counted(tmp_path, too_long):
         lengths = np.diff(data.offsets)
         assert lengths.tolist() == [27, 40, 27, 40, 40]
         ids, mask = data.row(1)
-        np.testing.assert_array_equal(ids, np.array(renderer.render(renderer_messages(long_))[0][:40], np.int32))
+        np.testing.assert_array_equal(ids, np.array(renderer.render(_pair(long_))[0][:40], np.int32))
         assert mask.sum() == 40 - 25  # the response's first bytes, no end of turn
     else:
         assert (summary.kept, summary.truncated, summary.dropped) == (2, 0, 3)
         assert np.diff(data.offsets).tolist() == [27, 27]
     assert summary.response_tokens == int(data.loss_mask.sum())
     assert f"{summary.dropped} dropped" in summary.line() and f"{summary.truncated} truncated" in summary.line()
-
-
-def renderer_messages(row: dict) -> list[dict]:
-    return _pair(row)
 
 
 def test_truncation_that_leaves_no_response_drops_the_row(tmp_path):
