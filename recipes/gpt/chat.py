@@ -1,0 +1,338 @@
+"""Chat and instruction rows -> token ids and a loss mask that covers exactly the assistant's tokens (SFT data).
+
+Rows, from JSON Lines (.jsonl / .json: one object per line, parsed by the json module) or parquet (pyarrow, a batch
+at a time, only the columns needed), are either `{"prompt": str, "response": str}` (one user turn, one assistant
+turn) or `{"messages": [{"role": "system" | "user" | "assistant", "content": str}, ...]}` with at least one assistant
+turn. Other keys are ignored. A bad row is a DataError naming the file and its line (JSON Lines) or row (parquet,
+from 1): not an object, neither or both shapes, a missing or empty text, a text that is not a string or not valid
+Unicode, an unknown role, no assistant turn, a line that is not UTF-8 or not JSON.
+
+Rendering. A local Hugging Face tokenizer folder with a chat template (tokenizer_config.json's `chat_template`, or
+chat_template.jinja) renders each conversation with transformers' `apply_chat_template` (the folder's own files
+only: nothing downloads, no remote code). The loss mask is found by rendering prefixes: for each assistant message,
+the conversation before it with the template's generation prompt (where the assistant's content starts) and the
+conversation up to and including it (where its turn ends, the template's end-of-turn token included, so a model
+learns to stop). Each prefix's token ids must be a prefix of the whole conversation's ids; a template for which
+that does not hold (one that renders earlier turns differently once later ones follow, or whose text at a boundary
+tokenizes differently alone) is refused, naming the tokenizer folder and the row, rather than a mask guessed; so is
+one whose generation prompt does not end where the assistant's content starts (only whitespace may come between:
+it is masked with the content).
+
+Without a chat template (the byte tokenizer, or a folder without one) the plain template is used, each piece
+tokenized on its own and the ids concatenated (so the mask is exact by construction):
+
+    system turn     "<|system|>\\n" + content + "\\n"
+    user turn       "<|user|>\\n" + content + "\\n"
+    assistant turn  "<|assistant|>\\n" + content, then the tokenizer's end-of-document id (its end of turn)
+
+with loss on the assistant's content and that end-of-document id. The markers are ordinary text, not special tokens.
+
+Length. A conversation longer than `max_length` tokens is truncated to its first max_length tokens
+(too_long=truncate; one left with no response token is dropped: nothing to learn from) or dropped (too_long=drop).
+Both are counted in the returned ChatSummary.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import numpy as np
+
+from core.config.errors import DataError
+from recipes.gpt.options import DATA_CONFIG, Options, given
+from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
+
+ROLES = ("system", "user", "assistant")
+PLAIN_HEADERS = {role: f"<|{role}|>\n" for role in ROLES}
+TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a folder's chat template besides tokenizer_config
+
+
+class TooLong(StrEnum):
+    truncate = "truncate"
+    drop = "drop"
+
+
+class Refusal(Exception):
+    """A problem with one row; the reader adds the file and the line or row."""
+
+
+@dataclass
+class ChatSummary:
+    """What reading a chat file did: rows read, kept, truncated (kept shortened), dropped, and tokens kept."""
+
+    source: str
+    max_length: int
+    rows_read: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: int = 0
+    tokens: int = 0
+    response_tokens: int = 0
+
+    def line(self) -> str:
+        return (
+            f"{self.source}: {self.rows_read} rows read, {self.kept} kept ({self.truncated} truncated to "
+            f"{self.max_length} tokens), {self.dropped} dropped (too long), {self.tokens} tokens of which "
+            f"{self.response_tokens} response tokens (the loss's)"
+        )
+
+
+@dataclass
+class ChatTokens:
+    """The kept conversations in file order: row i is tokens[offsets[i]:offsets[i+1]] (int32), with loss_mask (bool,
+    same length) True on the assistant's tokens."""
+
+    source: str
+    tokens: np.ndarray
+    loss_mask: np.ndarray
+    offsets: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        part = slice(self.offsets[i], self.offsets[i + 1])
+        return self.tokens[part], self.loss_mask[part]
+
+
+# --- rendering: messages -> (ids, mask) ----------------------------------------------------------------------
+class PlainTemplate:
+    """The plain template (module docstring) over a tokenizer of recipes.gpt.tokenizer (byte or HF folder)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.name = "the plain chat template"
+
+    def render(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        ids: list[int] = []
+        mask: list[bool] = []
+        for message in messages:
+            header = self.tokenizer.encode(PLAIN_HEADERS[message["role"]])
+            ids += header
+            mask += [False] * len(header)
+            content = [int(i) for i in self.tokenizer.encode(message["content"])]
+            if message["role"] == "assistant":
+                content.append(self.tokenizer.eod)
+                ids += content
+                mask += [True] * len(content)
+            else:
+                content += self.tokenizer.encode("\n")
+                ids += content
+                mask += [False] * len(content)
+        return ids, mask
+
+
+class HFChatTemplate:
+    """A Hugging Face tokenizer folder's own chat template, the mask found by rendering prefixes."""
+
+    def __init__(self, folder: Path, named: str):
+        from transformers import PreTrainedTokenizerFast
+
+        try:
+            self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
+        except Exception as e:  # noqa: BLE001 (a damaged folder raises many kinds)
+            raise DataError(f"{named}: transformers cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
+        if not self.tokenizer.chat_template:
+            raise DataError(f"{named}: transformers finds no chat template there")
+        self.name = f"the chat template of {named}"
+
+    def _text(self, messages: list[dict], generation_prompt: bool) -> str:
+        from jinja2 import TemplateError
+
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        except TemplateError as e:
+            raise Refusal(f"{self.name} refuses this conversation ({type(e).__name__}: {str(e)[:200]})") from None
+
+    def render(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+        texts, contents = [self._text(messages, False)], []
+        for i, message in enumerate(messages):
+            if message["role"] == "assistant":
+                texts += [self._text(messages[:i], True), self._text(messages[: i + 1], False)]
+                contents.append(message["content"])
+        encoded = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
+        ids, mask = encoded[0], [False] * len(encoded[0])
+        for k, content in zip(range(1, len(texts), 2), contents):
+            self._check_turn(texts[0], texts[k], texts[k + 1], content)
+            for text, prefix in zip(texts[k : k + 2], encoded[k : k + 2]):
+                if ids[: len(prefix)] != prefix:
+                    raise Refusal(
+                        f"{self.name} cannot give a response-only loss mask: the conversation up to an assistant "
+                        f"message's {'start' if text is texts[k] else 'end'} does not tokenize as the start of the "
+                        "whole conversation (tokens merge across the turn's boundary); use a template without "
+                        "that, or a tokenizer folder without a chat template (the plain template)"
+                    )
+            start, end = len(encoded[k]), len(encoded[k + 1])
+            mask[start:end] = [True] * (end - start)
+        return ids, mask
+
+    def _check_turn(self, whole: str, start: str, end: str, content: str) -> None:
+        """The texts up to an assistant message's start and end begin the whole conversation, and between them
+        comes the message's content first (nothing of the template's header: only whitespace before it)."""
+        problem = None
+        if not (whole.startswith(start) and whole.startswith(end) and end.startswith(start)):
+            problem = "renders earlier turns differently once later ones follow"
+        else:
+            turn = end[len(start) :]
+            at = turn.find(content.strip())
+            if at < 0 or turn[:at].strip():
+                problem = "does not end its generation prompt where the assistant's content starts"
+        if problem:
+            raise Refusal(
+                f"{self.name} cannot give a response-only loss mask: it {problem}; use a template without that, "
+                "or a tokenizer folder without a chat template (the plain template)"
+            )
+
+
+def chat_template(spec: str, eod_token: Optional[str] = None, options: Options = DATA_CONFIG):
+    """What renders conversations for the tokenizer `spec` (byte, or a local HF folder): its chat template when the
+    folder has one, else the plain template (`eod_token`: its end of turn, null: the folder's eos_token)."""
+    folder = Path(spec)
+    if spec != "byte" and folder.is_dir() and _has_template(folder, given(options.tokenizer, spec)):
+        return HFChatTemplate(folder, given(options.tokenizer, spec))
+    return PlainTemplate(build_tokenizer(spec, eod_token, options))
+
+
+def _has_template(folder: Path, named: str) -> bool:
+    config = folder / "tokenizer_config.json"
+    in_config = config.is_file() and bool(read_settings_file(config, named).get("chat_template"))
+    return in_config or (folder / TEMPLATE_FILE).is_file()
+
+
+# --- reading rows ----------------------------------------------------------------------------------------------
+def read_chat(
+    path: str | Path, setting: str, renderer, max_length: int, too_long: TooLong | str = TooLong.truncate
+) -> tuple[ChatTokens, ChatSummary]:
+    """The conversations of `path` (which `setting` gave: data.train_path, ...) rendered by `renderer` (see
+    chat_template), and what was done. Refuses the first bad row (DataError naming the file and line or row)."""
+    path, too_long = Path(path), TooLong(too_long)
+    source = f"{setting}={path}"
+    suffix = path.suffix.lower()
+    if suffix not in (".jsonl", ".json", ".parquet"):
+        raise DataError(f"{source}: expected a .jsonl or .parquet file of chat rows")
+    if not path.is_file():
+        raise DataError(f"{source}: no such file")
+    summary = ChatSummary(source, max_length)
+    tokens, mask, lengths = array.array("i"), bytearray(), array.array("q")
+    rows = _parquet_rows(path, source) if suffix == ".parquet" else _jsonl_rows(path, source)
+    for where, row in rows:
+        summary.rows_read += 1
+        try:
+            ids, loss = renderer.render(_messages(row))
+        except Refusal as e:
+            raise DataError(f"{source}: {where}: {e}") from None
+        if len(ids) > max_length:
+            if too_long is TooLong.drop or not any(loss[:max_length]):
+                summary.dropped += 1
+                continue
+            ids, loss = ids[:max_length], loss[:max_length]
+            summary.truncated += 1
+        summary.kept += 1
+        summary.response_tokens += sum(loss)
+        tokens.extend(ids)
+        mask.extend(loss)
+        lengths.append(len(ids))
+    if summary.rows_read == 0:
+        raise DataError(f"{source}: no rows")
+    summary.tokens = len(tokens)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(np.frombuffer(lengths, dtype=np.int64), out=offsets[1:])
+    out = ChatTokens(source, np.frombuffer(tokens, dtype=np.int32).copy(), np.frombuffer(mask, dtype=bool), offsets)
+    return out, summary
+
+
+def _messages(row: Any) -> list[dict]:
+    """The row's conversation as [{"role", "content"}] (Refusal on any problem)."""
+    if not isinstance(row, dict):
+        raise Refusal(f"a JSON {type(row).__name__}, expected an object with prompt and response, or messages")
+    has_messages = row.get("messages") is not None
+    has_pair = row.get("prompt") is not None or row.get("response") is not None
+    if has_messages == has_pair:
+        raise Refusal(
+            ("both messages and prompt/response" if has_messages else "neither messages nor prompt/response")
+            + ": expected one of {'prompt': text, 'response': text} or {'messages': [{'role', 'content'}, ...]}"
+        )
+    if has_pair:
+        return [
+            {"role": "user", "content": _text(row.get("prompt"), "prompt")},
+            {"role": "assistant", "content": _text(row.get("response"), "response")},
+        ]
+    value = row["messages"]
+    if not isinstance(value, (list, tuple, np.ndarray)) or len(value) == 0:
+        raise Refusal(f"messages is {_shown(value)}, expected a non-empty list of {{'role', 'content'}} objects")
+    messages = [_message(m, i) for i, m in enumerate(value, start=1)]
+    if not any(m["role"] == "assistant" for m in messages):
+        raise Refusal("no assistant message (nothing to learn from)")
+    return messages
+
+
+def _message(value: Any, number: int) -> dict:
+    if not isinstance(value, dict):
+        raise Refusal(f"message {number} is {_shown(value)}, expected an object with role and content")
+    role = value.get("role")
+    if role not in ROLES:
+        raise Refusal(f"message {number}: role {_shown(role)}, expected one of {', '.join(ROLES)}")
+    return {"role": role, "content": _text(value.get("content"), f"message {number}'s content")}
+
+
+def _text(value: Any, what: str) -> str:
+    if value is None:
+        raise Refusal(f"no {what}")
+    if not isinstance(value, str):
+        raise Refusal(f"{what} is {_shown(value)}, expected text")
+    if not value.strip():
+        raise Refusal(f"{what} is empty")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise Refusal(f"{what} is not valid Unicode text ({e.reason} at character {e.start + 1})") from None
+    return value
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return f"{type(value).__name__} {text[:60]}{'...' if len(text) > 60 else ''}"
+
+
+def _jsonl_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{source}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
+            except RecursionError:  # a few KB of nested brackets: refused, not a traceback
+                raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
+            yield f"line {number}", row
+
+
+def _parquet_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    try:
+        file = pq.ParquetFile(path)
+        names = file.schema_arrow.names
+        columns = [c for c in ("messages", "prompt", "response") if c in names]
+        if not columns:
+            raise DataError(
+                f"{source}: no messages, prompt or response column (its columns: {', '.join(map(repr, names))})"
+            )
+        number = 0
+        for batch in file.iter_batches(batch_size=1024, columns=columns):
+            for row in batch.to_pylist():
+                number += 1
+                yield f"row {number}", row
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"{source}: not a readable parquet file ({e})") from None
