@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import array
 import csv
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from core.config.errors import DataError
+from core.data.json_lines import json_lines
 from recipes.esm2.tokenizer import UNK, encode_residues
 from recipes.esm2_finetune.config import Task
 
@@ -333,22 +333,10 @@ def _parquet_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -
 
 
 def _jsonl_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> Iterator[tuple[tuple, dict]]:
-    try:
-        with open(path, encoding="utf-8-sig") as f:
-            for number, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
-                except RecursionError:  # a few KB of nested brackets: refused, not a traceback
-                    raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
-                if not isinstance(row, dict):
-                    raise DataError(f"{source}: line {number} is not a JSON object (expected one per line)")
-                for column in wanted:
-                    if column not in row and (spec.labels_required or column not in spec.label_columns):
-                        raise DataError(f"{source}: line {number} has no {column!r}")
-                yield ("line", number), row
-    except UnicodeDecodeError as e:
-        raise DataError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    for number, row in json_lines(path, source):
+        if not isinstance(row, dict):
+            raise DataError(f"{source}: line {number} is not a JSON object (expected one per line)")
+        for column in wanted:
+            if column not in row and (spec.labels_required or column not in spec.label_columns):
+                raise DataError(f"{source}: line {number} has no {column!r}")
+        yield ("line", number), row

@@ -35,7 +35,6 @@ Both are counted in the returned ChatSummary.
 from __future__ import annotations
 
 import array
-import json
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -44,6 +43,7 @@ from typing import Any, Iterator, Optional
 import numpy as np
 
 from core.config.errors import DataError
+from core.data.json_lines import json_lines
 from recipes.gpt.options import DATA_CONFIG, Options, given
 from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
 
@@ -300,21 +300,8 @@ def _shown(value: Any) -> str:
 
 
 def _jsonl_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
-    with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
-            except UnicodeDecodeError as e:
-                raise DataError(f"{source}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})") from None
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
-            except RecursionError:  # a few KB of nested brackets: refused, not a traceback
-                raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
-            yield f"line {number}", row
+    for number, row in json_lines(path, source):
+        yield f"line {number}", row
 
 
 def _parquet_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:

@@ -1,0 +1,29 @@
+"""JSON Lines files as users hand them in: one JSON value per line, read a line at a time."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Iterator
+
+from core.config.errors import DataError
+
+
+def json_lines(path: Path, source: str) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed value) of every non-blank line (a byte-order mark on the first is allowed). A line that
+    is not UTF-8, not JSON or nested too deeply for the parser is a DataError naming `source` and the line."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
+            except UnicodeDecodeError as e:
+                raise DataError(f"{source}: line {number} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+            if not line.strip():
+                continue
+            try:
+                value = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
+            except RecursionError:  # a few KB of nested brackets: refused, not a traceback
+                raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
+            yield number, value
