@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -261,12 +261,29 @@ fi
 # fresh init: the speed does not depend on the weights): full fine-tuning, frozen backbone and LoRA side by side;
 # tokens/s and MFU count real tokens and each mode's own FLOPs (recipes/esm2_finetune/recipe.py:work).
 if [[ $what == esm2_finetune ]]; then
+  eager=(--variant "full_eager=finetune.mode=full training.cuda_graphs=none"
+         --variant "lora_eager=finetune.mode=lora training.cuda_graphs=none")
+  ((${ESM2FT_EAGER:-1})) || eager=()  # ESM2FT_EAGER=0: the graphed variants only
   python3 benchmarks/throughput.py --config esm2_finetune --data "" --nproc 1 --out "$OUT" --timeout 300 \
     --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4 checkpoint.init_from=null" \
     --steps ${ESM2_STEPS:-5} --micro-batch 1 --global-batch 8 --variant "full=finetune.mode=full" \
     --variant "frozen=finetune.mode=frozen" --variant "lora=finetune.mode=lora" \
-    --variant "full_eager=finetune.mode=full training.cuda_graphs=none" \
-    --variant "lora_eager=finetune.mode=lora training.cuda_graphs=none" 2>&1 | tee "$OUT/esm2_finetune.log" | tail -8
+    "${eager[@]}" 2>&1 | tee "$OUT/esm2_finetune.log" | tail -8
+fi
+# esm2_finetune_profile (1 GPU, ~2 min): where a graphed step of full fine-tuning and of LoRA spends its GPU time (two
+# profiled optimizer steps of two packs each): $OUT/esm2ft_<mode>_trace_gaps.txt and _profile_summary.txt.
+if [[ $what == esm2_finetune_profile ]]; then
+  for mode in full lora; do
+    rm -rf /tmp/esm2ft_prof
+    python3 train.py --config-name esm2_finetune finetune.mode=$mode checkpoint.init_from=null training.steps=6 \
+      training.global_batch_size=2 training.val_every_n_steps=0 training.val_at_end=false checkpoint.save_final=false \
+      logger.progress_bar=never hydra.run.dir=/tmp/esm2ft_prof checkpoint.path=/tmp/esm2ft_prof/ckpt \
+      training.profile.enabled=true training.profile.start_step=4 training.profile.steps=2 \
+      > "$OUT/esm2ft_${mode}_profile.log" 2>&1 || tail -5 "$OUT/esm2ft_${mode}_profile.log"
+    python3 benchmarks/trace_gaps.py /tmp/esm2ft_prof/profile/rank0.trace.json > "$OUT/esm2ft_${mode}_trace_gaps.txt" 2>&1
+    cp /tmp/esm2ft_prof/profile/rank0.summary.txt "$OUT/esm2ft_${mode}_profile_summary.txt"
+    echo "== $mode"; sed -n 1,12p "$OUT/esm2ft_${mode}_trace_gaps.txt"
+  done
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}

@@ -2,11 +2,12 @@
 
 On a module M whose weight W is [out, in], `M.lora_A.weight` [r, in] and `M.lora_B.weight` [out, r] (B starts at
 zero, so the model starts as the base); M's output gains scale * dropout(x) A^T B^T, scale = alpha / r, where x is
-M's input (LayerNorm'd or RMSNorm'd first for a LayerNormLinear, with the module's own norm parameters). B's rows
-follow W's rows: TE's fused QKV weight's per-head interleaved rows, or with fuse_qkv_params=false the query, key and
-value weights concatenated in that order. The update is added by a forward hook on M, so TE modules and their torch
-twins (core/layers/torch_twins.py) take it alike and keep their own parameter names; the LoRA matmuls run outside
-FP8 (plain torch ops on the hook's side).
+M's input (for a LayerNormLinear: the normalized input M computes anyway, which M is asked to return beside its output
+through `return_layernorm_output`; the hook hands M's caller the output alone). B's rows follow W's rows: TE's fused
+QKV weight's per-head interleaved rows, or with fuse_qkv_params=false the query, key and value weights concatenated in
+that order. The update is added by a forward hook on M, so TE modules and their torch twins
+(core/layers/torch_twins.py) take it alike and keep their own parameter names; the LoRA matmuls run outside FP8
+(plain torch ops on the hook's side), in M's output dtype, the second one adding into M's output in its epilogue.
 
 `merge_lora_weights` folds the pairs of a state dict into the weights (export to Hugging Face, merged = unmerged).
 """
@@ -122,10 +123,12 @@ def _unmatched(key: str, target: str, candidates: dict[str, nn.Module], takes: d
 
 def _kind(module: nn.Module) -> Optional[str]:
     """'Linear' or 'LayerNormLinear' for a module LoRA can take (by class name: TE's and the twins' alike; a
-    torch nn.Linear too), else None."""
+    torch nn.Linear too), else None. A LayerNormLinear must be able to return its normalized input."""
     if isinstance(module, nn.Linear):
         return "Linear"
     name = type(module).__name__
+    if name == "LayerNormLinear" and not hasattr(module, "return_layernorm_output"):
+        return None
     return name if name in LINEAR_KINDS and _base_weights(module) else None
 
 
@@ -151,8 +154,14 @@ def attach(module: nn.Module, name: str, rank: int, alpha: float, dropout: float
     with torch.no_grad():
         module.lora_A.weight.copy_(torch.rand(rank, in_features, generator=generator) * 2 * bound - bound)
         module.lora_B.weight.zero_()
-    normalized = _kind(module) == "LayerNormLinear"
-    module.register_forward_hook(_LoraHook(alpha / rank, dropout, normalized), with_kwargs=True)
+    takes_normalized, hands_back_normalized = False, False
+    if _kind(module) == "LayerNormLinear":
+        # M returns (output, ..., normalized input): the hook reads the last element, and drops it again unless
+        # M's caller asked for it too.
+        takes_normalized, hands_back_normalized = True, bool(module.return_layernorm_output)
+        module.return_layernorm_output = True
+    hook = _LoraHook(alpha / rank, dropout, takes_normalized, hands_back_normalized)
+    module.register_forward_hook(hook, with_kwargs=True)
 
 
 def _name_seed(seed: int, name: str) -> int:
@@ -161,32 +170,36 @@ def _name_seed(seed: int, name: str) -> int:
 
 class _LoraHook:
     """The forward hook: output + scale * dropout(x) A^T B^T, onto the first element of a tuple output (TE's
-    return_bias / return_layernorm_output give (output, bias) / (output, normalized input))."""
+    return_bias gives (output, bias)); for a LayerNormLinear x is the normalized input, the tuple's last element."""
 
-    def __init__(self, scale: float, dropout: float, normalized: bool):
-        self.scale, self.dropout, self.normalized = scale, dropout, normalized
+    def __init__(self, scale: float, dropout: float, takes_normalized: bool, hands_back_normalized: bool):
+        self.scale, self.dropout = scale, dropout
+        self.takes_normalized, self.hands_back_normalized = takes_normalized, hands_back_normalized
 
     def __call__(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        if self.takes_normalized:
+            x = output[-1]
+            rest = output[1:] if self.hands_back_normalized else output[1:-1]
+            out = self.add_update(module, output[0], x)
+            return (out, *rest) if rest else out
         x = args[0] if args else next(iter(kwargs.values()))
-        if self.normalized:
-            x = _normalize(module, x)
-        x = F.dropout(x, self.dropout, module.training)
-        delta = F.linear(F.linear(x, _local(module.lora_A.weight)), _local(module.lora_B.weight)) * self.scale
         if isinstance(output, tuple):
-            return (output[0] + delta.to(output[0].dtype), *output[1:])
-        return output + delta.to(output.dtype)
+            return (self.add_update(module, output[0], x), *output[1:])
+        return self.add_update(module, output, x)
+
+    def add_update(self, module: nn.Module, out: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """out + scale * dropout(x) A^T B^T in out's dtype: the second matmul adds into out (one addmm)."""
+        dtype = out.dtype
+        x = F.dropout(x.to(dtype), self.dropout, module.training)
+        down = F.linear(x, _local(module.lora_A.weight).to(dtype))
+        flat = torch.addmm(
+            out.reshape(-1, out.shape[-1]),
+            down.reshape(-1, down.shape[-1]),
+            _local(module.lora_B.weight).to(dtype).t(),
+            alpha=self.scale,
+        )
+        return flat.view(out.shape)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _normalize(module: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A LayerNormLinear's input as its GEMM sees it: its own LayerNorm or RMSNorm, parameters and eps."""
-    weight = _local(module.layer_norm_weight)
-    weight = weight + 1 if getattr(module, "zero_centered_gamma", False) else weight
-    eps = float(module.eps)
-    if getattr(module, "normalization", "LayerNorm") == "RMSNorm":
-        return F.rms_norm(x, (x.shape[-1],), weight, eps)
-    bias = getattr(module, "layer_norm_bias", None)
-    return F.layer_norm(x, (x.shape[-1],), weight, _local(bias) if bias is not None else None, eps)

@@ -262,7 +262,7 @@ class LayerNormLinear(nn.Module):
     """te.LayerNormLinear: `layer_norm_weight`, `layer_norm_bias` (LayerNorm only), then either one
     `weight`/`bias`, or with `parameters_split` one `<name>_weight`/`<name>_bias` per split (concatenated
     along the output dimension in the given order). parallel_mode "column" splits every output block
-    over the tensor-parallel ranks."""
+    over the tensor-parallel ranks. return_layernorm_output: (output, normalized input), as TE."""
 
     def __init__(
         self,
@@ -280,9 +280,11 @@ class LayerNormLinear(nn.Module):
         tp_group=None,
         tp_size: int = 1,
         sequence_parallel: bool = False,
+        return_layernorm_output: bool = False,
         **unsupported,
     ):
         super().__init__()
+        self.return_layernorm_output = return_layernorm_output
         _reject("LayerNormLinear", sequence_parallel=sequence_parallel, **unsupported)
         if parallel_mode not in (None, "column"):
             raise NotImplementedError(
@@ -313,8 +315,8 @@ class LayerNormLinear(nn.Module):
                 self.register_parameter(prefix + "bias", mark_split(b, 0) if self.column_parallel else b)
                 self._bias_names.append(prefix + "bias")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = _norm(
+    def forward(self, x: torch.Tensor):
+        normalized = _norm(
             x,
             self.normalization,
             _local(self.layer_norm_weight),
@@ -322,13 +324,13 @@ class LayerNormLinear(nn.Module):
             self.eps,
             self.zero_centered_gamma,
         )
-        if self.column_parallel:
-            x = _CopyToTensorParallel.apply(x, self.tp_group)
+        x = _CopyToTensorParallel.apply(normalized, self.tp_group) if self.column_parallel else normalized
         weights = [_local(getattr(self, n)) for n in self._weight_names]
         biases = [_local(getattr(self, n)) for n in self._bias_names]
         weight = torch.cat(weights) if len(weights) > 1 else weights[0]
         bias = (torch.cat(biases) if len(biases) > 1 else biases[0]) if biases else None
-        return F.linear(x, weight, bias)
+        out = F.linear(x, weight, bias)
+        return (out, normalized) if self.return_layernorm_output else out
 
 
 class LayerNormMLP(nn.Module):

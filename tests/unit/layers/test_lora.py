@@ -141,6 +141,45 @@ def test_lora_on_a_layernorm_linear_sees_the_normalized_input(normalization):
     torch.testing.assert_close(module_holder["qkv"](x), expected)
 
 
+def _layernorm_linear_with_lora(**kwargs) -> torch.nn.ModuleDict:
+    torch.manual_seed(0)
+    holder = torch.nn.ModuleDict({"qkv": torch_twins.LayerNormLinear(16, 24, eps=1e-3, **kwargs)})
+    add_lora(holder, ["qkv"], rank=2, alpha=6, dropout=0.0, seed=0)
+    with torch.no_grad():
+        holder["qkv"].layer_norm_weight.normal_()
+        holder["qkv"].lora_B.weight.normal_()
+    return holder
+
+
+def _reference(module, x):
+    normed = F.layer_norm(x, (16,), module.layer_norm_weight, module.layer_norm_bias, 1e-3)
+    update = 3.0 * normed @ module.lora_A.weight.T @ module.lora_B.weight.T
+    return F.linear(normed, module.weight, module.bias) + update, normed
+
+
+def test_lora_gradients_reach_the_input_and_the_norm_through_the_normalized_input():
+    # The hook takes the normalized input the module returns: its gradient must flow back through the norm.
+    module = _layernorm_linear_with_lora()["qkv"]
+    x = torch.randn(5, 16, requires_grad=True)
+    weights = [x, module.layer_norm_weight, module.layer_norm_bias, module.lora_A.weight, module.lora_B.weight]
+    upstream = torch.randn(5, 24)
+    got = torch.autograd.grad(module(x), weights, upstream)
+    expected = torch.autograd.grad(_reference(module, x)[0], weights, upstream)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e)
+
+
+def test_lora_hands_back_the_normalized_input_when_the_caller_asked_for_it():
+    module = _layernorm_linear_with_lora(return_layernorm_output=True)["qkv"]
+    x = torch.randn(5, 16)
+    out, normed = module(x)
+    expected_out, expected_normed = _reference(module, x)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(normed, expected_normed)
+    plain = _layernorm_linear_with_lora()["qkv"]
+    assert isinstance(plain(x), torch.Tensor)  # asked for by the hook alone: the caller sees the output alone
+
+
 class Linear(torch.nn.Module):
     """A layer like TE's Linear with return_bias=True: (output without bias, bias)."""
 
