@@ -103,11 +103,18 @@ class GPTDataConfig(DataConfig):
     cache_dir: str = "${repo_dir:}/outputs/data_cache"  # tokenized text and Megatron-Core's sample index caches
     eod_mask_loss: bool = False  # no loss on predicting the token after an end-of-document
     val_num_samples: Optional[int] = None  # null: the validation split once
+    # Document masks: attention never crosses a document boundary within a sample, rotary positions restart at
+    # each document (recipes/gpt/packing.py). Pretraining samples are split after each end-of-document token.
+    packing: bool = False
+    # Documents one sample keeps apart (its cu_seqlens has this + 2 entries: static shapes); the last ones of a
+    # sample holding more share one span, counted in the log.
+    max_documents_per_sample: int = 64
 
     RANGES: ClassVar[dict[str, Rule]] = {
         # Relative: Megatron-Core divides them by their sum (checked below), so counts serve as well as shares.
         "weights": Numbers(Real(0, 1e15)),
         "val_num_samples": Int(1, INT32_MAX),
+        "max_documents_per_sample": Int(1, 1 << 20),
     }
 
     @staticmethod
@@ -127,12 +134,26 @@ class GPTDataConfig(DataConfig):
                 f"{key}.weights={weights} and {key}.prefixes={list(c.prefixes)}: expected one weight per prefix "
                 "(or weights=null: by size)",
             )
+        check_max_documents(c, key)
         if c.format == TextFormat.text:
             require(
                 c.weights is None or len(weights) == 1,
                 f"{key}.weights={weights}: {key}.format=text makes one dataset of all {key}.text_files; expected "
                 "one weight (or weights=null)",
             )
+
+
+def check_max_documents(c, key: str) -> None:
+    """With data.packing, no more documents per sample than it has tokens (the slots past that stay empty)."""
+    root = c._get_root() if OmegaConf.is_config(c) else None
+    seq = OmegaConf.select(root, "model.seq_length", default=None) if OmegaConf.is_dict(root) else None
+    if not c.packing or not isinstance(seq, int) or isinstance(seq, bool):
+        return
+    require(
+        c.max_documents_per_sample <= seq,
+        f"{key}.max_documents_per_sample={c.max_documents_per_sample} with model.seq_length={seq}: a sample of "
+        f"{seq} tokens holds at most {seq} documents; give at most {seq}",
+    )
 
 
 def tensor_parallel_size(c) -> int:
