@@ -102,3 +102,9 @@ def test_its_chat_template_gives_a_loss_mask_on_exactly_the_responses(tmp_path):
         for (start, end), response in zip(runs, responses):
             assert ids[end - 1] == eot
             assert tokenizer.decode(ids[start : end - 1].tolist(), skip_special_tokens=False) == response.strip()
+
+
+def test_the_shipped_chat_set_renders_whole():
+    """Every row of data/chat_sanity's validation set passes the template's prefix checks (none refused)."""
+    data, summary = read_chat(REPO / "data/chat_sanity/val.jsonl", "data.val_path", chat_template(str(FOLDER)), 4096)
+    assert summary.kept == summary.rows_read > 0 and 0 < summary.response_tokens < summary.tokens
