@@ -421,6 +421,48 @@ def declared_special_ids(file: Path) -> dict[str, int]:
     return found
 
 
+# --- checkpoint.init_from=<a Hugging Face Llama folder> -----------------------------------------------------------
+# The run's model settings that must be config.json's: the shapes, and what the numerics depend on.
+INIT_SETTINGS = (*SHAPE_KEYS, "vocab_size", "rotary_base", "norm_epsilon", "tie_embeddings")
+
+
+def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
+    """checkpoint.init_from=<a LlamaForCausalLM folder>: our weights (fp32), converted in memory (nothing written),
+    when the run's model settings `model` (cfg.model) are the folder's config.json's: ConfigError naming each key that
+    differs (model.vocab_size=null, the tokenizer's padded vocabulary, is checked by the load against the embedding).
+    Safetensors only: a folder with only a pickled pytorch_model.bin is refused, never unpickled."""
+    from core.checkpointing.hf_folders import read_hf_weights, read_json_object
+    from core.config.errors import ConfigError
+
+    folder = Path(folder)
+    file = folder / "config.json"
+    settings = model_settings(read_json_object(file), file)
+    ours = {key: getattr(model, key) for key in INIT_SETTINGS}
+    ours["num_query_groups"] = ours["num_query_groups"] or ours["num_attention_heads"]
+    if ours["vocab_size"] is None:
+        ours["vocab_size"] = settings["vocab_size"]
+    differ = [key for key in INIT_SETTINGS if ours[key] != settings[key]]
+    if differ:
+        field = {**LLAMA_FIELDS, "tie_embeddings": "tie_word_embeddings"}
+        named = [f"model.{k}={ours[k]!r} ({file.name}: {field[k]}={settings[k]!r})" for k in differ]
+        fixes = [f for f in overrides(settings) if f.split("=", 1)[0].removeprefix("model.") in differ]
+        raise ConfigError(
+            f"checkpoint.init_from={folder}: the run's model settings differ from {file}'s: {', '.join(named)}; "
+            f"set them as the folder has them: {' '.join(fixes)}"
+        )
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(
+            f"checkpoint.init_from={folder}: no model.safetensors (or its index); pickled weights "
+            "(pytorch_model.bin) are never loaded: save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    hf = {k: v.float() if v.is_floating_point() else v for k, v in read_hf_weights(folder).items()}
+    if settings["tie_embeddings"] and "lm_head.weight" in hf:
+        if not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
+            raise ValueError(f"{file} says tie_word_embeddings, but lm_head.weight differs from the embedding")
+        del hf["lm_head.weight"]
+    return from_llama(hf, settings, bool(model.fuse_qkv_params))
+
+
 # --- the two commands -------------------------------------------------------------------------------
 
 
