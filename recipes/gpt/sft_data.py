@@ -36,7 +36,8 @@ log = logging.getLogger(__name__)
 
 class ChatRows(Dataset):
     """Rows of `chats`' conversations: {"tokens", "labels" (int64), "loss_mask" (float32): [seq_length], "idx"}, and
-    "cu_seqlens" [max_documents + 2] (int32) when packed (`max_documents` not None)."""
+    when packed (`max_documents` not None) "cu_seqlens" [max_documents + 2] (int32) and "documents" (how many
+    conversations the row holds)."""
 
     def __init__(
         self, chats: ChatTokens, seq_length: int, pad: int, max_documents: Optional[int], shuffle_seed: Optional[int]
@@ -79,6 +80,7 @@ class ChatRows(Dataset):
         row = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "idx": k}
         if self.max_documents is not None:
             row["cu_seqlens"] = torch.from_numpy(row_offsets(lengths, self.seq_length, self.max_documents + 1))
+            row["documents"] = len(lengths)  # the pieces before the padding's: Recipe.work counts their tokens
         return row
 
 
