@@ -528,8 +528,8 @@ class FinetuneConfig:
     def check(c, key: str) -> None:
         for prefix in c.head:
             require(bool(str(prefix).strip(".")), f"{key}.head: {prefix!r} is not a module prefix (e.g. head)")
-        require(
-            c.mode == FinetuneMode.full or len(c.head) > 0,
+        require(  # lora trains its adapters with or without a head (a language model's SFT keeps its output layer)
+            c.mode != FinetuneMode.frozen or len(c.head) > 0,
             f"{key}.mode={c.mode} trains {key}.head, which is empty: name the head's module (e.g. [head])",
         )
 

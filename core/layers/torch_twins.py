@@ -649,11 +649,15 @@ class MultiheadAttention(nn.Module):
         rotary_pos_emb: Optional[torch.Tensor] = None,
         inference_params: Optional[InferenceParams] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
+        causal: Optional[bool] = None,
     ) -> torch.Tensor:
+        """causal: packed sequences only, the call's mask type (None: the constructor's), as TE takes it per call."""
         if self.qkv_format == "thd":
             if cu_seqlens is None or inference_params is not None:
                 raise ValueError("qkv_format='thd' needs cu_seqlens (and takes no KV cache)")
-            return self._packed(x, rotary_pos_emb, cu_seqlens)
+            return self._packed(x, rotary_pos_emb, cu_seqlens, self.causal if causal is None else causal)
+        if causal is not None:
+            raise NotImplementedError("causal: a per-call mask type for packed sequences (qkv_format='thd') only")
         if cu_seqlens is not None:
             raise NotImplementedError("cu_seqlens: packed sequences need qkv_format='thd'")
         if self.qkv_format == "sbhd":
@@ -695,10 +699,10 @@ class MultiheadAttention(nn.Module):
         )
 
     def _packed(
-        self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor
+        self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool
     ) -> torch.Tensor:
         """x [tokens, hidden] holding the sequences cu_seqlens delimits -> [tokens, hidden]. Tokens past the last
-        offset form one more sequence of their own."""
+        offset form one more sequence of their own. causal: each token sees its sequence's tokens up to itself."""
         t = x.shape[0]
         sequence, position = packed_positions(cu_seqlens, t)
         q, k, v = self._split_qkv(self.layernorm_qkv(x[None]), 1, t)
@@ -706,7 +710,7 @@ class MultiheadAttention(nn.Module):
             angles = rotary_pos_emb[position]
             q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
         mask = sequence[:, None] == sequence[None, :]
-        if self.causal:
+        if causal:
             mask = mask.tril()
         out = self._attend(*(u.transpose(1, 2) for u in (q, k, v)), mask, False)
         return self.proj(out.transpose(1, 2).reshape(t, self.num_heads * self.head_dim))
@@ -815,10 +819,11 @@ class TransformerLayer(nn.Module):
         if self.self_attention.qkv_format == "thd":
             if self_attn_mask_type not in (None, "padding", "padding_causal"):
                 raise NotImplementedError(f"self_attn_mask_type={self_attn_mask_type!r} with packed sequences")
+            # The call's mask type wins over the constructor's, as in TE (a causal model run on packed documents).
+            causal = None if self_attn_mask_type is None else self_attn_mask_type == "padding_causal"
             x = hidden_states
-            x = x + F.dropout(
-                self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q), self.hidden_dropout, self.training
-            )
+            attended = self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q, causal=causal)
+            x = x + F.dropout(attended, self.hidden_dropout, self.training)
             return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
         # With a KV cache TE wants a padding mask type; the twin's sequences have no padding, so the
         # padding variants are the same mask as the constructor's.

@@ -5,6 +5,12 @@ Blocks are `layers.TransformerLayer` (TE's on GPUs, the plain-torch twin elsewhe
 With distributed.tp > 1 the blocks are tensor-parallel (each rank holds a block of the KV groups with their
 query heads, and of the MLP's hidden units); the embedding, final norm and output projection stay whole
 on every rank (replicated over the tensor-parallel ranks).
+
+Packed rows (data.packing: recipes/gpt/packing.py): with `cu_seqlens` [rows, slots + 1] the rows run as one packed
+stream of documents (TE's "thd" layout, as ESM-2's packed sequences): causal attention within each document only
+("padding_causal"), rotary positions restarting at each document's first token. The same blocks run both layouts:
+each forward sets the layout its input has (`_use_layout`), so a model trained on packed rows generates and
+predicts on plain ones.
 """
 
 from __future__ import annotations
@@ -14,6 +20,7 @@ from torch import nn
 
 from core.config.errors import ConfigError
 from core.layers.namespace import Layers
+from recipes.esm2.model import flat_offsets
 from recipes.gpt.config import GPTModelConfig
 
 
@@ -65,18 +72,33 @@ class GPT(nn.Module):
         self.final_norm = layers.RMSNorm(h, eps=cfg.norm_epsilon, device=device)
         self.output_layer = None if cfg.tie_embeddings else layers.Linear(h, vocab_size, bias=False, device=device)
 
-    def forward(self, tokens: torch.Tensor, kv_cache=None, labels: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        kv_cache=None,
+        labels: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """tokens [batch, seq] -> logits [batch, seq, vocab]; with `labels` [batch, seq], the cross-entropy of each
         label instead (fp32), without keeping the logits. With a `kv_cache` (from `new_kv_cache`, its `pre_step`
-        called for these tokens) the tokens continue the cached sequences."""
-        logits = self._logits(tokens, kv_cache)
+        called for these tokens) the tokens continue the cached sequences. With `cu_seqlens` [batch, slots + 1]
+        (each row's document offsets: recipes/gpt/packing.py) attention stays within each document and its
+        positions restart."""
+        if cu_seqlens is None:
+            x = self._blocks(tokens, kv_cache)
+        elif kv_cache is not None:
+            raise ValueError("packed rows (cu_seqlens) take no KV cache")
+        else:
+            x = self._packed_blocks(tokens, cu_seqlens).view(*tokens.shape, -1)
+        logits = self._head(x)
         if labels is None:
             return logits
         # A tensor of its own (one float per token), not a view of the flat losses: FSDP2 hooks its backward on
         # the module's output and warns that a view could lose the hook.
         return self.token_cross_entropy(logits, labels).clone()
 
-    def _logits(self, tokens: torch.Tensor, kv_cache) -> torch.Tensor:
+    def _blocks(self, tokens: torch.Tensor, kv_cache) -> torch.Tensor:
+        """tokens [batch, seq] -> the final norm's input [batch, seq, hidden] (causal over each row)."""
         x = self.embedding(tokens)
         if kv_cache is None:
             angles, cached = self.rotary(tokens.shape[1]).to(x.device), {}
@@ -84,7 +106,36 @@ class GPT(nn.Module):
             angles = self.rotary(kv_cache.max_sequence_length).to(x.device)
             cached = dict(inference_params=kv_cache, self_attn_mask_type="padding_causal")
         for block in self.layers:
+            _use_layout(block, "bshd")
             x = block(x, rotary_pos_emb=angles, **cached)
+        return x
+
+    def _packed_blocks(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """tokens [rows, seq], cu_seqlens [rows, slots + 1] -> [rows x seq, hidden]: all rows as one stream."""
+        rows, seq = tokens.shape
+        if cu_seqlens.dim() != 2 or cu_seqlens.shape[0] != rows:
+            raise ValueError(
+                f"cu_seqlens of shape {tuple(cu_seqlens.shape)} for {rows} rows: expected [rows, slots + 1]"
+            )
+        cu = flat_offsets(cu_seqlens, seq)
+        x = self.embedding(tokens.reshape(-1))
+        # A document is at most a row: the positions and the kernels' bound both stop at seq_length.
+        longest = max(seq, self.cfg.seq_length)
+        angles = self.rotary(longest).to(x.device)
+        for block in self.layers:
+            _use_layout(block, "thd")
+            x = block(
+                x,
+                rotary_pos_emb=angles,
+                self_attn_mask_type="padding_causal",
+                cu_seqlens_q=cu,
+                cu_seqlens_kv=cu,
+                max_seqlen_q=longest,
+                max_seqlen_kv=longest,
+            )
+        return x
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         x = self.final_norm(x)
         # The logits stay out of FP8: the vocabulary GEMM is the most sensitive one.
         with self.high_precision():
@@ -102,3 +153,14 @@ class GPT(nn.Module):
             head_dim_k=self.head_dim,
             dtype=dtype,
         )
+
+
+def _use_layout(block: nn.Module, layout: str) -> None:
+    """Run `block` (TE's TransformerLayer or the twin) on inputs of `layout`: "bshd" [batch, seq, hidden] or "thd"
+    [tokens, hidden] with cu_seqlens. Both read the layout from these attributes at each forward, and it is set
+    before every forward (never restored after), so a recomputation in the backward sees the forward's."""
+    attention = block.self_attention
+    attention.qkv_format = layout
+    core_attention = getattr(attention, "core_attention", None)  # TE's DotProductAttention (the twin has none)
+    if core_attention is not None:
+        core_attention.qkv_format = layout

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from recipes.gpt.packing import eod_document_count, eod_document_lengths, row_offsets
 
@@ -70,3 +71,106 @@ def test_a_sample_packs_into_its_row():
     assert sum(lengths) == 64 and offsets[-1] == 64 and np.all(np.diff(offsets) >= 0)
     # every boundary but the merged last span's is just after an end-of-document token
     assert all(tokens[o - 1] == EOD for o in offsets[1 : len(lengths)])
+
+
+# The model on packed rows (the plain-torch twins, fp32): each document as if it were alone.
+
+S, SLOTS, VOCAB = 16, 5, 48
+
+
+def _tiny_gpt():
+    from core.layers.namespace import TORCH_LAYERS
+    from recipes.gpt.config import GPTModelConfig
+    from recipes.gpt.model import GPT
+
+    torch.manual_seed(0)
+    cfg = GPTModelConfig(
+        seq_length=S, hidden_size=32, num_layers=2, num_attention_heads=4, num_query_groups=2, ffn_hidden_size=64
+    )
+    model = GPT(cfg, VOCAB, TORCH_LAYERS)
+    with torch.no_grad():  # sharp attention: a leak between documents, or a position off, shows in the logits
+        for block in model.layers:
+            block.self_attention.layernorm_qkv.weight.mul_(10)
+    return model
+
+
+# row 0: three documents filling it; row 1: two documents, the padding, empty slots
+DOCUMENTS = [[5, 3, 8], [7, 2]]
+
+
+def _packed_batch():
+    tokens = torch.randint(0, VOCAB, (len(DOCUMENTS), S), generator=torch.Generator().manual_seed(1))
+    cu = torch.from_numpy(np.stack([row_offsets(lengths, S, SLOTS) for lengths in DOCUMENTS]))
+    return tokens, cu
+
+
+def _spans():
+    for r, lengths in enumerate(DOCUMENTS):
+        start = 0
+        for n in lengths:
+            yield r, start, n
+            start += n
+
+
+def test_packed_documents_equal_each_document_alone():
+    model = _tiny_gpt()
+    tokens, cu = _packed_batch()
+    packed = model(tokens, cu_seqlens=cu)
+    assert packed.shape == (2, S, VOCAB)
+    for r, start, n in _spans():
+        torch.testing.assert_close(packed[r, start : start + n], model(tokens[r : r + 1, start : start + n])[0])
+    # the padding's tokens change nothing in the documents
+    other = tokens.clone()
+    other[1, 9:] = (other[1, 9:] + 1) % VOCAB
+    torch.testing.assert_close(model(other, cu_seqlens=cu)[1, :9], packed[1, :9])
+    # the same document at a row's start and after another gives the same logits
+    moved = tokens.clone()
+    moved[0, 5:8] = tokens[0, :3]
+    out = model(moved, cu_seqlens=cu)
+    torch.testing.assert_close(out[0, 5:8], model(tokens[:1, :3])[0])
+    # without document masks the second document sees the first (the test's model is sharp enough to tell)
+    assert not torch.allclose(model(tokens)[0, 5:8], packed[0, 5:8], atol=1e-3)
+
+
+def test_plain_rows_run_as_before_after_packed_ones():
+    model = _tiny_gpt()
+    tokens, cu = _packed_batch()
+    before = model(tokens)
+    model(tokens, cu_seqlens=cu)
+    torch.testing.assert_close(model(tokens), before, rtol=0, atol=0)
+    with pytest.raises(ValueError, match="expected \\[rows, slots \\+ 1\\]"):
+        model(tokens, cu_seqlens=cu[0])
+
+
+def test_packed_loss_and_gradients_equal_the_documents_alone():
+    model = _tiny_gpt()
+    tokens, cu = _packed_batch()
+    labels = torch.roll(tokens, -1, dims=1)
+    real = torch.zeros(2, S)
+    real[0, :], real[1, :9] = 1.0, 1.0  # row 1's padding carries no loss
+    (model(tokens, labels=labels, cu_seqlens=cu) * real).sum().backward()
+    packed = {name: p.grad.clone() for name, p in model.named_parameters()}
+    assert all(g.abs().sum() > 0 for g in packed.values())  # every weight learns from packed rows
+    model.zero_grad()
+    for r, start, n in _spans():
+        end = start + n
+        model(tokens[r : r + 1, start:end], labels=labels[r : r + 1, start:end]).sum().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(packed[name], p.grad, msg=name)
+
+
+def test_rotary_positions_restart_at_each_document(monkeypatch):
+    """RoPE's attention depends on position differences only, so a document's logits cannot show where its
+    positions start: the angles the blocks are given are checked instead."""
+    from core.layers import torch_twins
+
+    model = _tiny_gpt()
+    tokens, cu = _packed_batch()
+    seen, rotate = [], torch_twins.apply_rotary_pos_emb
+    monkeypatch.setattr(torch_twins, "apply_rotary_pos_emb", lambda t, freqs: seen.append(freqs) or rotate(t, freqs))
+    model(tokens, cu_seqlens=cu)
+    table = model.rotary(S)
+    expected = [p for lengths in DOCUMENTS for n in [*lengths, S - sum(lengths)] for p in range(n)]
+    assert len(seen) == 2 * 2  # queries and keys of each block
+    for freqs in seen:
+        torch.testing.assert_close(freqs, table[expected], rtol=0, atol=0)

@@ -257,6 +257,32 @@ def test_packed_sequences_equal_each_sequence_alone(mask, single):
         packed(x, rotary_pos_emb=angles)
 
 
+def test_packed_mask_type_of_the_call_wins_over_the_constructors():
+    """As in TE, a call's self_attn_mask_type decides: a layer built "padding" runs causally when called with
+    "padding_causal" (a causal model on packed documents), and one built "padding_causal" sees the whole
+    sequence when called with "padding"."""
+    torch.manual_seed(0)
+    common = dict(hidden_dropout=0.0, attention_dropout=0.0, fuse_qkv_params=True, attn_input_format="thd")
+    layer = tt.TransformerLayer(H, FFN, HEADS, self_attn_mask_type="padding", **common).double()
+    causal = tt.TransformerLayer(H, FFN, HEADS, self_attn_mask_type="padding_causal", **common).double()
+    causal.load_state_dict(layer.state_dict())
+    cu = torch.tensor([0, 4, 9], dtype=torch.int32)
+    x = torch.randn(9, H, dtype=torch.float64)
+    for mask in ("padding", "padding_causal"):
+        torch.testing.assert_close(
+            layer(x, self_attn_mask_type=mask, cu_seqlens_q=cu), causal(x, self_attn_mask_type=mask, cu_seqlens_q=cu)
+        )
+    changed = x.clone()
+    changed[3] = torch.randn(H, dtype=torch.float64)  # the first sequence's last token: only itself sees it, causal
+    out, again = (layer(t, self_attn_mask_type="padding_causal", cu_seqlens_q=cu) for t in (x, changed))
+    torch.testing.assert_close(again[:3], out[:3])
+    assert not torch.allclose(
+        layer(changed, self_attn_mask_type="padding", cu_seqlens_q=cu)[:3],
+        layer(x, self_attn_mask_type="padding", cu_seqlens_q=cu)[:3],
+    )
+    torch.testing.assert_close(again[4:], out[4:])  # nor does the other sequence
+
+
 def test_packed_positions():
     sequence, position = tt.packed_positions(torch.tensor([0, 2, 2, 5], dtype=torch.int32), 7)
     assert sequence.tolist() == [0, 0, 2, 2, 2, 3, 3]
