@@ -6,13 +6,15 @@ automatically, kept by the `checkpoint.keep_*` rules, and converted to and from 
   python checkpoint.py to-torch <step_dir> <out.pt>                 # {name: tensor}, torch.load-able
   python checkpoint.py to-safetensors <step_dir> <out.safetensors>
   python checkpoint.py from-torch <file.pt|file.safetensors> <step_dir>   # weights only: a fresh start
-  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> LlamaForCausalLM, ESM-2 -> EsmForMaskedLM,
-                                                                    # esm2_finetune -> EsmFor*Classification
-  python checkpoint.py to-hf <step_dir> <out_dir> --adapter         # esm2_finetune's LoRA -> a PEFT adapter
+  python checkpoint.py to-hf <step_dir> <out_dir>                   # GPT -> LlamaForCausalLM (LoRA merged, the
+                                                                    # tokenizer and chat template copied), ESM-2
+                                                                    # -> EsmForMaskedLM, esm2_finetune ->
+                                                                    # EsmFor*Classification
+  python checkpoint.py to-hf <step_dir> <out_dir> --adapter         # a GPT's or esm2_finetune's LoRA -> a PEFT adapter
   python checkpoint.py to-hf <file.pt|file.safetensors> <out_dir> --config <the run's config.yaml>
   python checkpoint.py from-hf <hf_dir> <out.safetensors|step_dir>  # a Llama or ESM folder -> GPT, ESM-2 or
                                                                     # esm2_finetune weights (by config.json)
-  python checkpoint.py from-hf <adapter_dir> <out> --base <hf_dir>  # a PEFT LoRA adapter on that model
+  python checkpoint.py from-hf <adapter_dir> <out> --base <hf_dir>  # a PEFT LoRA adapter on that model (Llama, ESM)
 
 One process, no GPU needed. Reading a step folder runs no code from it (DCP's index is read from index.json, or
 from the pickle by PyTorch's weights_only unpickler: core/checkpointing/dcp_index.py; its config.yaml is read as
@@ -164,8 +166,8 @@ def main(argv: Optional[list[str]] = None) -> None:
     command.add_argument(
         "--adapter",
         action="store_true",
-        help="a fine-tuning run's LoRA (finetune.mode=lora) and head as a PEFT adapter (adapter_config.json + "
-        "adapter_model.safetensors) for the Hugging Face model the run started from",
+        help="a fine-tuning run's LoRA (finetune.mode=lora) and head (esm2_finetune) as a PEFT adapter "
+        "(adapter_config.json + adapter_model.safetensors) for the Hugging Face model the run started from",
     )
     command = sub.add_parser(
         "from-hf",
@@ -187,7 +189,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         elif args.command == "to-hf":
             export = exporter(Path(args.step_dir), args.config)
             if args.adapter and not hasattr(export, "export_adapter"):
-                raise ValueError(f"--adapter: {args.step_dir} is not a fine-tuning run with LoRA (esm2_finetune)")
+                raise ValueError(f"--adapter: {args.step_dir} is not a run with LoRA (gpt, esm2_finetune)")
             export.export_to_hf(
                 args.step_dir,
                 args.out_dir,

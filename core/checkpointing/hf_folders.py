@@ -1,10 +1,12 @@
 """Hugging Face model folders and this repository's runs, for the recipes' to-hf / from-hf conversions: reading
 a folder's config.json and weights (safetensors, sharded or not, or a weights-only torch file) without running
 code from them, reading a run's settings and weights, and writing imported weights where
-`checkpoint.init_from` takes them."""
+`checkpoint.init_from` takes them; PEFT LoRA adapters: their adapter_config.json checked, their safetensors read, and
+a run's finetune.lora settings."""
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
 from pathlib import Path
@@ -246,3 +248,86 @@ def write_weights(weights: dict[str, torch.Tensor], target: Path, source: str) -
         save_torch(weights, target)
     else:
         write_weights_step(weights, target, source)
+
+
+# --- PEFT LoRA adapters (adapter_config.json + adapter_model.safetensors) ------------------------------------------
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+PEFT_PREFIX = "base_model.model."  # before the base model's own tensor names
+
+
+def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float]:
+    """(r, lora_alpha) of a PEFT adapter_config.json whose LoRA we compute; ValueError naming the setting otherwise."""
+
+    def need(condition: bool, what: str) -> None:
+        if not condition:
+            raise ValueError(f"{file}: {what}; not a LoRA adapter this recipe computes, nothing was imported")
+
+    need(config.get("peft_type") == "LORA", f"peft_type={config.get('peft_type')!r}, expected 'LORA'")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    need(isinstance(r, int) and not isinstance(r, bool) and 0 < r < 1 << 16, f"r={r!r}")
+    need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0, f"lora_alpha={alpha!r}")
+    for key, plain in (("bias", "none"), ("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
+        need(config.get(key, plain) == plain, f"{key}={config.get(key)!r} (only {plain!r} is mapped)")
+    for key in (
+        "lora_bias",
+        "layers_to_transform",
+        "layer_replication",
+        "target_parameters",
+        "trainable_token_indices",
+    ):
+        need(not config.get(key), f"{key}={config.get(key)!r} (not mapped)")
+    for key in ("rank_pattern", "alpha_pattern"):
+        need(not config.get(key), f"{key}={config.get(key)!r}: one rank and alpha for every module are mapped")
+    return r, float(alpha)
+
+
+def lora_settings(file: Path) -> dict[str, Any]:
+    """finetune.lora of a run's config.yaml (read as plain data): rank, alpha, dropout."""
+    from core.checkpointing.layout import CheckpointError
+    from core.checkpointing.saved_config import read_config_file
+
+    finetune = read_config_file(file).get("finetune")
+    lora = finetune.get("lora") if isinstance(finetune, dict) else None
+    if not isinstance(lora, dict):
+        raise CheckpointError(f"{file}: no finetune.lora settings, but the weights hold LoRA matrices")
+    rank, alpha, dropout = lora.get("rank"), lora.get("alpha"), lora.get("dropout", 0.0)
+    for key, value, fits in (
+        ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank > 0),
+        ("alpha", alpha, isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0),
+        ("dropout", dropout, isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1),
+    ):
+        if not fits:
+            raise CheckpointError(f"{file}: finetune.lora.{key}={value!r}")
+    return {"rank": rank, "alpha": alpha, "dropout": dropout}
+
+
+def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
+    """A PEFT adapter folder: (adapter_config.json, adapter_model.safetensors' tensors, the settings a recipe's export
+    keeps in its metadata under `key`, or {}). A pickled adapter_model.bin is refused, never loaded."""
+    from safetensors import safe_open
+
+    config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
+    if not config_file.is_file():
+        raise FileNotFoundError(f"{folder}: no {ADAPTER_CONFIG} (a PEFT adapter folder holds one)")
+    if not weights.is_file():
+        pickled = [f.name for f in (folder / "adapter_model.bin", folder / "adapter_model.pt") if f.is_file()]
+        raise FileNotFoundError(
+            f"{folder}: no {ADAPTER_WEIGHTS}"
+            + (
+                f" ({pickled[0]} is a pickle, which is never loaded: save the adapter as safetensors)"
+                if pickled
+                else ""
+            )
+        )
+    try:
+        with safe_open(str(weights), "pt") as f:
+            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
+    except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
+        raise ValueError(
+            f"{weights}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was imported"
+        ) from None
+    try:
+        ours = json.loads(metadata.get(key, "{}"))
+    except (json.JSONDecodeError, RecursionError):  # not ours, or crafted: read as an adapter of another tool
+        ours = {}
+    return read_json_object(config_file), tensors, ours if isinstance(ours, dict) else {}

@@ -28,6 +28,7 @@ from core.checkpointing.layout import (
 )
 from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
+from core.config.errors import ConfigError
 from core.layers.tensor_parallel import local_pieces
 
 log = logging.getLogger("checkpoint")
@@ -206,6 +207,8 @@ def _read_hf_folder(
         )
     try:
         return reader(folder)
+    except ConfigError:  # a setting of the run that does not fit the folder: its message names both
+        raise
     except (ValueError, FileNotFoundError, KeyError) as e:
         raise CheckpointError(f"checkpoint.init_from={source}: {e}") from None
 

@@ -518,6 +518,8 @@ class FinetuneConfig:
     # ... * layer_decay ** (L - i) in block i of L (0-based), ** (L + 1) before the first block (embeddings). 1: off.
     layer_decay: float = 1.0
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Module prefixes kept frozen in every mode, over the head and LoRA (e.g. [embedding]: frozen embeddings).
+    frozen: list[str] = field(default_factory=list)
 
     RANGES: ClassVar[dict[str, Rule]] = {
         "backbone_lr_scale": Real(0, 1000, note="0: the backbone's weights stay put (finetune.mode=frozen skips them)"),
@@ -528,8 +530,10 @@ class FinetuneConfig:
     def check(c, key: str) -> None:
         for prefix in c.head:
             require(bool(str(prefix).strip(".")), f"{key}.head: {prefix!r} is not a module prefix (e.g. head)")
-        require(
-            c.mode == FinetuneMode.full or len(c.head) > 0,
+        for prefix in c.frozen:
+            require(bool(str(prefix).strip(".")), f"{key}.frozen: {prefix!r} is not a module prefix (e.g. embedding)")
+        require(  # lora trains its adapters with or without a head (a language model's SFT keeps its output layer)
+            c.mode != FinetuneMode.frozen or len(c.head) > 0,
             f"{key}.mode={c.mode} trains {key}.head, which is empty: name the head's module (e.g. [head])",
         )
 

@@ -7,6 +7,10 @@
           weight is frozen and stored in the forward's compute dtype (precision.autocast_dtype: bf16 on GPUs), which
           halves its memory and spares the per-step cast; core/parallel/parallelize.py keeps it there.
 
+finetune.frozen: module prefixes kept frozen in every mode, over the head and LoRA (e.g. [embedding]: frozen
+embeddings in a full fine-tuning); adapters LoRA puts under them stay frozen too (where the adapters go depends on
+finetune.head and finetune.lora alone, so a checkpoint's model is built the same way without this list).
+
 Frozen weights have requires_grad=False: the optimizer never sees them (core/training/optim.py), DDP and FSDP2 skip
 their gradients, Megatron-FSDP makes neither gradient buffers nor fp32 main weights for them.
 """
@@ -35,19 +39,18 @@ def is_lora(name: str) -> bool:
 def apply(
     model: nn.Module, cfg: FinetuneConfig, seed: int, compute_dtype: Optional[torch.dtype], tp_size: int = 1
 ) -> Optional[str]:
-    """Make `model` train what finetune.mode says (in place). Returns the line to log (trainable parameters of the
-    total), None for mode=full. ConfigError for a head that names no parameter, LoRA targets that name no module,
-    LoRA with tensor parallelism."""
-    if cfg.mode == FinetuneMode.full:
-        return None
-    head = list(cfg.head)
+    """Make `model` train what finetune.mode says, less finetune.frozen (in place). Returns the line to log
+    (trainable parameters of the total), None for mode=full without frozen modules. ConfigError for a head or frozen
+    prefix that names no parameter, LoRA targets that name no module, LoRA with tensor parallelism."""
     names = [name for name, _ in model.named_parameters()]
-    if head and not any(in_head(n, head) for n in names):
-        tops = sorted({n.split(".", 1)[0] for n in names})
-        raise ConfigError(
-            f"finetune.head={head}: no parameter of the model lies under these prefixes (finetune.mode={cfg.mode}); "
-            f"the model's top-level modules: {', '.join(tops)}"
-        )
+    frozen = list(cfg.frozen)
+    for prefix in frozen:
+        _require_parameters(names, "finetune.frozen", [prefix], cfg.mode)
+    if cfg.mode == FinetuneMode.full:
+        return _freeze(model, frozen) if frozen else None
+    head = list(cfg.head)
+    if head:
+        _require_parameters(names, "finetune.head", head, cfg.mode)
     adapted: list[str] = []
     if cfg.mode == FinetuneMode.lora:
         if tp_size > 1:
@@ -59,7 +62,7 @@ def apply(
         adapted = add_lora(model, list(lora.target_modules), lora.rank, lora.alpha, lora.dropout, seed, tuple(head))
     stored = None
     for name, p in model.named_parameters():
-        p.requires_grad_(in_head(name, head) or is_lora(name))
+        p.requires_grad_((in_head(name, head) or is_lora(name)) and not in_head(name, frozen))
         if not p.requires_grad and cfg.mode == FinetuneMode.lora and compute_dtype is not None:
             if p.is_floating_point() and p.dtype != compute_dtype:
                 p.data = p.data.to(compute_dtype)
@@ -74,5 +77,29 @@ def apply(
     return (
         f"finetune.mode={cfg.mode}: {trainable / 1e6:.3f}M of {total / 1e6:.3f}M parameters train "
         f"({100 * trainable / max(total, 1):.2f}%: {what}the head {head or 'none'})"
+        + (f"; kept frozen: {', '.join(frozen)}" if frozen else "")
         + (f"; the frozen weights are stored in {str(stored).removeprefix('torch.')}" if stored else "")
+    )
+
+
+def _require_parameters(names: list[str], key: str, prefixes: list[str], mode: str) -> None:
+    """ConfigError naming `key` where no parameter lies under `prefixes`, with the model's top-level modules."""
+    if not any(in_head(n, prefixes) for n in names):
+        tops = sorted({n.split(".", 1)[0] for n in names})
+        raise ConfigError(
+            f"{key}={prefixes}: no parameter of the model lies under these prefixes (finetune.mode={mode}); the "
+            f"model's top-level modules: {', '.join(tops)}"
+        )
+
+
+def _freeze(model: nn.Module, frozen: list[str]) -> str:
+    """finetune.mode=full with finetune.frozen: every weight trains but those under the prefixes."""
+    for name, p in model.named_parameters():
+        if in_head(name, frozen):
+            p.requires_grad_(False)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"finetune.mode=full: {trainable / 1e6:.3f}M of {total / 1e6:.3f}M parameters train "
+        f"({100 * trainable / max(total, 1):.2f}%); kept frozen: {', '.join(frozen)}"
     )

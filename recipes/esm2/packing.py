@@ -7,8 +7,8 @@ restart (TE's "thd" layout). The padding after the last sequence is cut into pie
 tokens, each one more sequence of its own, and unused slots repeat the last offset (empty sequences): the
 longest sequence is then always <= max_length, and the slot count is fixed.
 
-Which sequences share a pack is planned once per dataset (`plan_packs`: a seeded shuffle, then each pack
-filled in that order until the next sequence does not fit), so a pack is a sample like any other: the loop's
+Which sequences share a pack is planned once per dataset (core/data/pack_planning.py: a seeded shuffle, then
+each pack filled in that order until the next sequence does not fit), so a pack is a sample like any other: the loop's
 sampler shuffles packs per epoch, splits them over ranks and resumes mid-epoch exactly, while each sequence's
 window and masks still change per epoch (recipes/esm2/masking.py). Padded batches are the special case of one
 sequence per pack and budget = max_length.
@@ -20,7 +20,6 @@ dataset exists at once (UniRef90 is 150M+ sequences, planned in every process).
 
 from __future__ import annotations
 
-import array
 import math
 
 import numpy as np
@@ -29,46 +28,10 @@ from torch.utils.data import Dataset
 
 from core.config.errors import DataError
 from core.data.datasets import epoch_index, sample_generator
+from core.data.pack_planning import PLAN_CHUNK, PackPlanner
 from recipes.esm2.masking import IGNORE, Masking, crop_and_mask, framed_length
 from recipes.esm2.sequences import SequenceStore
 from recipes.esm2.tokenizer import PAD, VOCABULARY
-
-PLAN_CHUNK = 1 << 16
-
-
-class PackPlanner:
-    """Pack boundaries for sequences fed in order, a chunk of lengths (tokens, each <= budget) at a time. A pack
-    closes when the next sequence does not fit in what is left of its budget, or when it holds max_sequences."""
-
-    def __init__(self, budget: int, max_sequences: int):
-        self.budget, self.max_sequences = budget, max_sequences
-        self.starts, self.seen, self.used, self.count = array.array("q", [0]), 0, 0, 0
-
-    def add(self, lengths: np.ndarray) -> None:
-        budget, max_sequences, starts = self.budget, self.max_sequences, self.starts
-        used, count = self.used, self.count
-        for i, n in enumerate(lengths.tolist(), self.seen):
-            if used + n > budget or count == max_sequences:
-                starts.append(i)
-                used, count = 0, 0
-            used += n
-            count += 1
-        self.seen += len(lengths)
-        self.used, self.count = used, count
-
-    def finish(self) -> np.ndarray:
-        """starts: pack k holds positions starts[k]:starts[k+1]."""
-        self.starts.append(self.seen)
-        return np.frombuffer(self.starts, dtype=np.int64)  # a view: no second copy of every start
-
-
-def plan_packs(lengths: np.ndarray, budget: int, max_sequences: int) -> np.ndarray:
-    """Pack boundaries for sequences of `lengths` tokens (in the order given, each <= budget): pack k holds
-    positions starts[k]:starts[k+1] (PackPlanner's rule)."""
-    planner = PackPlanner(budget, max_sequences)
-    for start in range(0, len(lengths), PLAN_CHUNK):
-        planner.add(lengths[start : start + PLAN_CHUNK])
-    return planner.finish()
 
 
 class PackedSequences(Dataset):

@@ -27,7 +27,16 @@ from typing import Any, Optional
 
 import torch
 
-from core.checkpointing.hf_folders import override, read_json_object
+from core.checkpointing.hf_folders import (  # noqa: F401 (ADAPTER_*, PEFT_PREFIX: this recipe's names too)
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    check_adapter_config,
+    lora_settings,
+    override,
+    read_adapter,
+    read_json_object,
+)
 from recipes.esm2 import hf as esm_hf
 from recipes.esm2_finetune.model import out_rows
 
@@ -47,8 +56,6 @@ PROBLEM_TYPES = {
 }
 RESIDUE = "residue_classification"
 
-ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-PEFT_PREFIX = "base_model.model."
 # Our LoRA modules -> the PEFT modules they become, per layer (a full-name regex keeps PEFT off the other `dense`).
 PEFT_TARGETS = r"esm\.encoder\.layer\.\d+\.attention\.(self\.(query|key|value)|output\.dense)"
 QKV_PARTS = ("query", "key", "value")
@@ -234,32 +241,6 @@ def adapter_config(m: Any, lora: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float]:
-    """(r, lora_alpha) of a PEFT adapter_config.json whose LoRA we compute; ValueError naming the setting otherwise."""
-
-    def need(condition: bool, what: str) -> None:
-        if not condition:
-            raise ValueError(f"{file}: {what}; not a LoRA adapter this recipe computes, nothing was imported")
-
-    need(config.get("peft_type") == "LORA", f"peft_type={config.get('peft_type')!r}, expected 'LORA'")
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    need(isinstance(r, int) and not isinstance(r, bool) and 0 < r < 1 << 16, f"r={r!r}")
-    need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0, f"lora_alpha={alpha!r}")
-    for key, plain in (("bias", "none"), ("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
-        need(config.get(key, plain) == plain, f"{key}={config.get(key)!r} (only {plain!r} is mapped)")
-    for key in (
-        "lora_bias",
-        "layers_to_transform",
-        "layer_replication",
-        "target_parameters",
-        "trainable_token_indices",
-    ):
-        need(not config.get(key), f"{key}={config.get(key)!r} (not mapped)")
-    for key in ("rank_pattern", "alpha_pattern"):
-        need(not config.get(key), f"{key}={config.get(key)!r}: one rank and alpha for every module are mapped")
-    return r, float(alpha)
-
-
 def _peft_module(name: str) -> Optional[tuple[int, str, str]]:
     """(layer, 'query' | 'key' | 'value' | 'proj', 'lora_A' | 'lora_B') of a PEFT LoRA tensor name we map."""
     found = re.fullmatch(
@@ -350,26 +331,6 @@ def _fused_lora(lora: dict, parts: list, proj: bool, same_a: bool, rank: int, m:
 
 
 # --- the commands: checkpoint.py to-hf [--adapter] / from-hf [--base] -----------------------------------------------
-def lora_settings(file: Path) -> dict[str, Any]:
-    """finetune.lora of a run's config.yaml (read as plain data): rank, alpha, dropout."""
-    from core.checkpointing.layout import CheckpointError
-    from core.checkpointing.saved_config import read_config_file
-
-    finetune = read_config_file(file).get("finetune")
-    lora = finetune.get("lora") if isinstance(finetune, dict) else None
-    if not isinstance(lora, dict):
-        raise CheckpointError(f"{file}: no finetune.lora settings, but the weights hold LoRA matrices")
-    rank, alpha, dropout = lora.get("rank"), lora.get("alpha"), lora.get("dropout", 0.0)
-    for key, value, fits in (
-        ("rank", rank, isinstance(rank, int) and not isinstance(rank, bool) and rank > 0),
-        ("alpha", alpha, isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0),
-        ("dropout", dropout, isinstance(dropout, (int, float)) and not isinstance(dropout, bool) and 0 <= dropout < 1),
-    ):
-        if not fits:
-            raise CheckpointError(f"{file}: finetune.lora.{key}={value!r}")
-    return {"rank": rank, "alpha": alpha, "dropout": dropout}
-
-
 def _read_fine_tuned(source: str, config: Optional[str], verify_checksums: bool) -> tuple[Any, dict, Optional[dict]]:
     """(model settings, fp32 weights, finetune.lora settings or None without LoRA) of a run of this recipe."""
     from core.checkpointing.hf_folders import read_run
@@ -542,37 +503,6 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     return _print_settings(target, m, task, classes, pooling, [])
 
 
-def _read_adapter(folder: Path) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
-    """(adapter_config.json, adapter_model.safetensors' tensors, our settings in its metadata or {})."""
-    from safetensors import safe_open
-
-    config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
-    if not config_file.is_file():
-        raise FileNotFoundError(f"{folder}: no {ADAPTER_CONFIG} (a PEFT adapter folder holds one)")
-    if not weights.is_file():
-        pickled = [f.name for f in (folder / "adapter_model.bin", folder / "adapter_model.pt") if f.is_file()]
-        raise FileNotFoundError(
-            f"{folder}: no {ADAPTER_WEIGHTS}"
-            + (
-                f" ({pickled[0]} is a pickle, which is never loaded: save the adapter as safetensors)"
-                if pickled
-                else ""
-            )
-        )
-    try:
-        with safe_open(str(weights), "pt") as f:
-            tensors, metadata = {k: f.get_tensor(k) for k in f.keys()}, f.metadata() or {}
-    except Exception as e:  # noqa: BLE001 (safetensors' own error type is not a ValueError)
-        raise ValueError(
-            f"{weights}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was imported"
-        ) from None
-    try:
-        ours = json.loads(metadata.get(RECIPE, "{}"))
-    except (json.JSONDecodeError, RecursionError):  # not ours, or crafted: read as an adapter of another tool
-        ours = {}
-    return read_json_object(config_file), tensors, ours if isinstance(ours, dict) else {}
-
-
 def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
     """checkpoint.py from-hf <PEFT adapter> --base <HF ESM-2 folder>: the base's backbone with the adapter's LoRA
     (unmerged: checkpoint.init_from with finetune.mode=lora trains on) and classifier -> esm2_finetune weights;
@@ -580,7 +510,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     from core.checkpointing.hf_folders import read_hf_folder, write_weights
 
     folder = Path(adapter_dir)
-    config, tensors, ours = _read_adapter(folder)
+    config, tensors, ours = read_adapter(folder, RECIPE)
     r, alpha = check_adapter_config(config, folder / ADAPTER_CONFIG)
     base, target, base_config, hf = read_hf_folder(base_dir, out)
     m = esm_hf.check_esm2_config(base_config | {"model_type": "esm"}, base / "config.json", fuse_qkv)
@@ -635,7 +565,7 @@ def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
     leaves it out; the task head keeps its fresh init); an EsmFor*Classification folder (or the mean-pooled model's)
     gives the backbone and its head, when its task, pooling and classes are the run's. The run's model settings must
     be config.json's (ValueError naming the keys that differ)."""
-    from core.checkpointing.hf_folders import read_hf_weights, read_json_object
+    from core.checkpointing.hf_folders import read_hf_weights
 
     file = Path(folder) / "config.json"
     config = read_json_object(file)

@@ -13,12 +13,14 @@ from omegaconf import MISSING, OmegaConf
 from core.config.errors import require
 from core.config.ranges import INT32_MAX, TRANSFORMER_BLOCK_RANGES, Int, Numbers, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
+from recipes.gpt.chat import TooLong
 
 
 class TextFormat(StrEnum):
     text = "text"  # raw text files (.txt / .jsonl / .parquet) tokenized on first use into cache_dir
     indexed = "indexed"  # Megatron .bin/.idx datasets (`python -m recipes.gpt.preprocess`), blended by weights
     mock = "mock"  # Megatron-Core's MockGPTDataset (synthetic, for throughput)
+    chat = "chat"  # chat / instruction rows for fine-tuning (data.train_path, data.val_path): recipes/gpt/chat.py
 
 
 class TextDocument(StrEnum):
@@ -109,6 +111,11 @@ class GPTDataConfig(DataConfig):
     # Documents one sample keeps apart (its cu_seqlens has this + 2 entries: static shapes); the last ones of a
     # sample holding more share one span, counted in the log.
     max_documents_per_sample: int = 64
+    # chat: .jsonl / .parquet files of {"prompt", "response"} or {"messages"} rows (recipes/gpt/chat.py), the loss on
+    # the responses only; rows longer than model.seq_length tokens are truncated or dropped (counted in the log).
+    train_path: Optional[str] = None
+    val_path: Optional[str] = None  # null: no validation
+    too_long: TooLong = TooLong.truncate
 
     RANGES: ClassVar[dict[str, Rule]] = {
         # Relative: Megatron-Core divides them by their sum (checked below), so counts serve as well as shares.
@@ -119,6 +126,7 @@ class GPTDataConfig(DataConfig):
 
     @staticmethod
     def check(c, key: str) -> None:
+        check_chat_keys(c, key)
         require(
             is_valid_split(c.split),
             f"{key}.split={c.split}: expected 1 to 3 numbers >= 0 separated by commas (or slashes), not all 0: "
@@ -140,6 +148,24 @@ class GPTDataConfig(DataConfig):
                 c.weights is None or len(weights) == 1,
                 f"{key}.weights={weights}: {key}.format=text makes one dataset of all {key}.text_files; expected "
                 "one weight (or weights=null)",
+            )
+
+
+def check_chat_keys(c, key: str) -> None:
+    """format=chat reads data.train_path (and data.val_path); the other formats read neither."""
+    if c.format == TextFormat.chat:
+        require(
+            bool(c.train_path),
+            f"{key}.format=chat needs {key}.train_path (a .jsonl or .parquet file of chat rows; {key}.val_path "
+            "for validation)",
+        )
+    else:
+        for name in ("train_path", "val_path"):
+            value = getattr(c, name)
+            require(
+                not value,
+                f"{key}.{name}={value}: only {key}.format=chat reads it ({key}.format={c.format}); give "
+                f"{key}.format=chat, or leave it out",
             )
 
 

@@ -50,6 +50,7 @@ SHAPE_KEYS = ("hidden_size", "num_layers", "num_attention_heads", "num_query_gro
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
+    "chat_template.jinja",  # where transformers saves a chat template besides tokenizer_config.json
     "special_tokens_map.json",
     "tokenizer.model",
     "vocab.json",
@@ -421,17 +422,66 @@ def declared_special_ids(file: Path) -> dict[str, int]:
     return found
 
 
+# --- checkpoint.init_from=<a Hugging Face Llama folder> -----------------------------------------------------------
+# The run's model settings that must be config.json's: the shapes, and what the numerics depend on.
+INIT_SETTINGS = (*SHAPE_KEYS, "vocab_size", "rotary_base", "norm_epsilon", "tie_embeddings")
+
+
+def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
+    """checkpoint.init_from=<a LlamaForCausalLM folder>: our weights (fp32), converted in memory (nothing written),
+    when the run's model settings `model` (cfg.model) are the folder's config.json's: ConfigError naming each key that
+    differs (model.vocab_size=null, the tokenizer's padded vocabulary, is checked by the load against the embedding).
+    Safetensors only: a folder with only a pickled pytorch_model.bin is refused, never unpickled."""
+    from core.checkpointing.hf_folders import read_hf_weights, read_json_object
+    from core.config.errors import ConfigError
+
+    folder = Path(folder)
+    file = folder / "config.json"
+    settings = model_settings(read_json_object(file), file)
+    ours = {key: getattr(model, key) for key in INIT_SETTINGS}
+    ours["num_query_groups"] = ours["num_query_groups"] or ours["num_attention_heads"]
+    if ours["vocab_size"] is None:
+        ours["vocab_size"] = settings["vocab_size"]
+    differ = [key for key in INIT_SETTINGS if ours[key] != settings[key]]
+    if differ:
+        field = {**LLAMA_FIELDS, "tie_embeddings": "tie_word_embeddings"}
+        named = [f"model.{k}={ours[k]!r} ({file.name}: {field[k]}={settings[k]!r})" for k in differ]
+        fixes = [f for f in overrides(settings) if f.split("=", 1)[0].removeprefix("model.") in differ]
+        raise ConfigError(
+            f"checkpoint.init_from={folder}: the run's model settings differ from {file}'s: {', '.join(named)}; "
+            f"set them as the folder has them: {' '.join(fixes)}"
+        )
+    if not any((folder / name).is_file() for name in ("model.safetensors", "model.safetensors.index.json")):
+        raise ConfigError(
+            f"checkpoint.init_from={folder}: no model.safetensors (or its index); pickled weights "
+            "(pytorch_model.bin) are never loaded: save the model with save_pretrained(..., safe_serialization=True)"
+        )
+    hf = {k: v.float() if v.is_floating_point() else v for k, v in read_hf_weights(folder).items()}
+    if settings["tie_embeddings"] and "lm_head.weight" in hf:
+        if not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
+            raise ValueError(f"{file} says tie_word_embeddings, but lm_head.weight differs from the embedding")
+        del hf["lm_head.weight"]
+    return from_llama(hf, settings, bool(model.fuse_qkv_params))
+
+
 # --- the two commands -------------------------------------------------------------------------------
 
 
 def export_to_hf(
-    source: str, out_dir: str, verify_checksums: bool = True, dtype: str = "float32", config: Optional[str] = None
+    source: str,
+    out_dir: str,
+    verify_checksums: bool = True,
+    dtype: str = "float32",
+    config: Optional[str] = None,
+    adapter: bool = False,
 ) -> dict:
     """checkpoint.py to-hf: a GPT step folder (or weights file + its run's config) -> a folder that
-    LlamaForCausalLM.from_pretrained loads. Returns the written config.json."""
+    LlamaForCausalLM.from_pretrained loads, LoRA merged, with the tokenizer's files (its chat template too); with
+    `adapter`, a PEFT LoRA adapter for the Llama the run started from instead. Returns the written config.json."""
+    from core.checkpointing.hf_folders import lora_settings
     from core.checkpointing.layout import CheckpointError
     from core.checkpointing.output_files import save_safetensors
-    from recipes.gpt.tokenizer import build_tokenizer
+    from core.layers.lora import merge_lora_weights
     from recipes.registry import get_recipe
 
     out = Path(out_dir)
@@ -439,42 +489,90 @@ def export_to_hf(
         raise CheckpointError(f"{out} exists and is not empty; choose a new folder")
     saved, weights = read_run(Path(source), config, verify_checksums, "gpt", get_recipe, data_keys=("format",))
     model_cfg, data = saved.section("model"), saved.section("data")
+    weights = {k: v.float() if v.is_floating_point() else v for k, v in weights.items()}  # LoRA's frozen base: bf16
+    ranks = {v.shape[0] for k, v in weights.items() if k.endswith(".lora_A.weight")}
+    lora = lora_settings(saved.file) if ranks else None
+    if lora is not None and ranks != {lora["rank"]}:
+        raise ValueError(
+            f"{saved.file}: finetune.lora.rank={lora['rank']}, the weights' LoRA ranks are {sorted(ranks)}"
+        )
+    if adapter:
+        if lora is None:
+            raise CheckpointError(f"{source}: no LoRA weights (finetune.mode is not lora): leave out --adapter")
+        return export_adapter(weights, model_cfg, lora, out, saved)
+    if lora is not None:
+        weights = merge_lora_weights(weights, lora["alpha"] / lora["rank"])
     vocab_size = weights["embedding.weight"].shape[0]  # the padded vocabulary the model was built with
-    specials: dict[str, Optional[int]] = {}
-    tokenizer_note = ""
-    has_tokenizer = data["format"] != "mock"  # mock data: synthetic ids, no tokenizer
-    if has_tokenizer:
-        tokenizer = build_tokenizer(data["tokenizer"], data["eod_token"])
-        specials["eos"] = tokenizer.eod
-        if data["tokenizer"] == "byte":
-            specials["pad"] = tokenizer.pad  # a real id of the byte tokenizer.json written below
-            tokenizer_note = (
-                f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
-                f"padding = id {tokenizer.pad})"
-            )
-        else:  # the folder's own bos/pad tokens; its pad id in the data pipeline is no token at all
-            specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
-            tokenizer_note = f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
     torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
     hf = {k: v.to(torch_dtype) for k, v in to_llama_checked(weights, model_cfg, vocab_size).items()}
     out.mkdir(parents=True, exist_ok=True)
+    specials, copied, tokenizer_note = write_tokenizer_files(out, data)
     save_safetensors(hf, out / "model.safetensors", metadata={"format": "pt"})
     written = llama_config(model_cfg, vocab_size, specials, dtype)
     (out / "config.json").write_text(json.dumps(written, indent=2) + "\n")
-    copied = []
-    if has_tokenizer and data["tokenizer"] == "byte":
-        copied = write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad)
-    elif has_tokenizer:
-        folder = tokenizer_file(data["tokenizer"]).parent
-        for name in TOKENIZER_FILES:
-            if (folder / name).is_file():
-                shutil.copyfile(folder / name, out / name)  # the umask's mode, not the source's
-                copied.append(name)
     print(
-        f"wrote {out}: LlamaForCausalLM, {sum(v.numel() for v in hf.values()):,} parameters ({dtype}), "
-        f"{len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else "")
+        f"wrote {out}: LlamaForCausalLM{', LoRA merged' if lora else ''}, {sum(v.numel() for v in hf.values()):,} "
+        f"parameters ({dtype}), {len(hf)} tensors{tokenizer_note}" + (f"; wrote {', '.join(copied)}" if copied else "")
     )
     return written
+
+
+def write_tokenizer_files(out: Path, data: dict) -> tuple[dict[str, Optional[int]], list[str], str]:
+    """The run's tokenizer into `out`: the byte tokenizer written as a tokenizer.json, a Hugging Face folder's files
+    copied (its chat template with them); mock data has none. Returns (special ids for config.json, the files, a
+    note for the printed line)."""
+    from recipes.gpt.tokenizer import build_tokenizer
+
+    if data["format"] == "mock":  # synthetic ids, no tokenizer
+        return {}, [], ""
+    tokenizer = build_tokenizer(data["tokenizer"], data["eod_token"])
+    specials: dict[str, Optional[int]] = {"eos": tokenizer.eod}
+    if data["tokenizer"] == "byte":
+        specials["pad"] = tokenizer.pad  # a real id of the byte tokenizer.json written here
+        note = (
+            f"; tokenizer byte (ids 0-255 = UTF-8 bytes, end of document = id {tokenizer.eod}, "
+            f"padding = id {tokenizer.pad})"
+        )
+        return specials, write_byte_tokenizer(out, tokenizer.eod, tokenizer.pad), note
+    # the folder's own bos/pad tokens; its pad id in the data pipeline is no token at all
+    specials |= declared_special_ids(tokenizer_file(data["tokenizer"]))
+    folder, copied = tokenizer_file(data["tokenizer"]).parent, []
+    for name in TOKENIZER_FILES:
+        if (folder / name).is_file():
+            shutil.copyfile(folder / name, out / name)  # the umask's mode, not the source's
+            copied.append(name)
+    return specials, copied, f"; tokenizer {data['tokenizer']} (end of document = id {tokenizer.eod})"
+
+
+def export_adapter(weights: dict[str, torch.Tensor], m: dict, lora: dict, out: Path, saved: Any = None) -> dict:
+    """to-hf --adapter: adapter_config.json + adapter_model.safetensors (recipes/gpt/hf_adapter.py) for the
+    LlamaForCausalLM the run started from (its checkpoint.init_from, when that is a Hugging Face folder)."""
+    from core.checkpointing.hf_folders import ADAPTER_CONFIG, ADAPTER_WEIGHTS
+    from core.checkpointing.output_files import save_safetensors
+    from recipes.gpt.hf_adapter import adapter_config, adapter_to_peft
+
+    tensors, targets = adapter_to_peft(weights, m)
+    base = _hf_init_from(saved.file) if saved is not None else None
+    written = adapter_config(lora, targets, base)
+    out.mkdir(parents=True, exist_ok=True)
+    save_safetensors(tensors, out / ADAPTER_WEIGHTS, metadata={"format": "pt"})
+    (out / ADAPTER_CONFIG).write_text(json.dumps(written, indent=2) + "\n")
+    print(
+        f"wrote {out}: a PEFT LoRA adapter (r={lora['rank']}, alpha={lora['alpha']:g}, {len(tensors)} tensors on "
+        f"{', '.join(targets)}) for the LlamaForCausalLM {base or 'the run started from'}: "
+        "PeftModel.from_pretrained(base, folder)"
+    )
+    return written
+
+
+def _hf_init_from(file: Path) -> Optional[str]:
+    """A run's checkpoint.init_from when it is a Hugging Face folder (config.json beside its weights), else None."""
+    from core.checkpointing.saved_config import read_config_file
+    from core.checkpointing.weights import is_hf_folder
+
+    checkpoint = read_config_file(file).get("checkpoint")
+    init_from = checkpoint.get("init_from") if isinstance(checkpoint, dict) else None
+    return str(Path(init_from).resolve()) if isinstance(init_from, str) and is_hf_folder(Path(init_from)) else None
 
 
 def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
@@ -497,3 +595,39 @@ def import_from_hf(hf_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
         f"train, predict or generate with: {override('checkpoint.init_from', target)} {settings_line}{tokenizer}"
     )
     return overrides(settings)
+
+
+def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: bool = True) -> list[str]:
+    """checkpoint.py from-hf <PEFT adapter> --base <HF Llama folder>: the base's weights with the adapter's LoRA
+    (unmerged: checkpoint.init_from with finetune.mode=lora trains on; recipes/gpt/hf_adapter.py) -> our weights;
+    prints and returns the settings (finetune.lora's too)."""
+    from core.checkpointing.hf_folders import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_config, read_adapter
+    from recipes.gpt.hf_adapter import lora_from_peft
+
+    folder = Path(adapter_dir)
+    config, tensors, _ = read_adapter(folder, "gpt")
+    r, alpha = check_adapter_config(config, folder / ADAPTER_CONFIG)
+    base, target, base_config, hf = read_hf_folder(base_dir, out)
+    settings = model_settings(base_config, base / "config.json")
+    lora, rank = lora_from_peft(tensors, r, settings, fuse_qkv, folder / ADAPTER_WEIGHTS)
+    weights = from_llama(hf, settings, fuse_qkv) | lora
+    write_weights(weights, target, str(folder))
+    modules = [
+        m for m, key in (("layernorm_qkv", ".layernorm_qkv."), ("proj", ".proj.")) if any(key in k for k in lora)
+    ]
+    dropout = config.get("lora_dropout", 0.0)
+    settings_line = overrides(settings) + ([] if fuse_qkv else ["model.fuse_qkv_params=false"])
+    settings_line += [
+        "finetune.mode=lora",
+        "finetune.head=[]",
+        f"finetune.lora.rank={rank}",
+        f"finetune.lora.alpha={alpha * rank / r:g}",  # alpha / rank: PEFT's scale alpha / r
+        f"finetune.lora.target_modules=[{','.join(modules)}]",
+    ] + ([f"finetune.lora.dropout={dropout:g}"] if isinstance(dropout, (int, float)) and 0 < dropout < 1 else [])
+    tokenizer = f" {override('data.tokenizer', base)}" if (base / "tokenizer.json").is_file() else ""
+    print(
+        f"wrote {len(weights)} tensors to {target} (LoRA rank {rank} from r={r})\n"
+        f"train, predict or generate with: {override('checkpoint.init_from', target)} {' '.join(settings_line)}"
+        f"{tokenizer}"
+    )
+    return settings_line

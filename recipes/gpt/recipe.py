@@ -1,6 +1,8 @@
-"""The GPT recipe: decoder-only language model pretraining on Megatron-Core datasets.
+"""The GPT recipe: decoder-only language model pretraining on Megatron-Core datasets, and supervised fine-tuning
+on chat rows (data.format=chat: recipes/gpt/sft_data.py).
 
 torchrun --nproc-per-node 2 train.py --config-name gpt_sanity          # the shipped corpus, a CPU is enough
+torchrun --nproc-per-node 2 train.py --config-name gpt_sft_sanity      # the shipped chat set, a tiny Llama
 torchrun --nproc-per-node 8 train.py --config-name gpt_125m data=gpt_indexed data.prefixes=[/data/corpus]
 """
 
@@ -21,6 +23,7 @@ from recipes.base import Datasets, Recipe
 from recipes.gpt.config import GPTDataConfig, GPTModelConfig
 from recipes.gpt.data import build_gpt_datasets, document_windows, padded_vocab_size
 from recipes.gpt.model import GPT
+from recipes.gpt.sft_data import chat_splits
 from recipes.gpt.tokenizer import build_tokenizer
 
 
@@ -106,6 +109,9 @@ class GPTRecipe(Recipe):
 
     def _splits(self) -> dict:
         training = self.cfg.training
+        if self.cfg.data.format == "chat":  # whole conversations: epochs are known, training.epochs works
+            train, val = chat_splits(self.cfg, self.tokenizer.eod)
+            return {"train": train, "val": val, "test": None}
         if training.steps is None:  # Megatron's indexed datasets are built for a number of samples
             raise ConfigError(
                 "training.epochs: the GPT recipe's datasets are built for a number of samples; give training.steps"
@@ -136,6 +142,11 @@ class GPTRecipe(Recipe):
         """predict.py: the split's documents in windows of seq_length tokens (per-document perplexity)."""
         if name not in ("train", "val", "test"):
             raise ConfigError(f"predict.split={name}: the GPT's splits are train, val and test (data.split)")
+        if self.cfg.data.format == "chat":
+            raise ConfigError(
+                "predict.py scores documents of data.format=text or indexed; data.format=chat's validation loss "
+                "and perplexity (response tokens only) are in the training run's validation figures"
+            )
         if self.cfg.data.format == "mock":
             raise ConfigError(
                 "predict.py scores documents, and data.format=mock (synthetic tokens, for throughput) "

@@ -17,11 +17,12 @@ import torch
 
 from core.config.errors import ConfigError
 from core.data.datasets import EpochIndex, sample_generator
+from core.data.pack_planning import plan_packs
 from core.layers.namespace import TORCH_LAYERS
 from recipes.esm2 import hf as esm_hf
 from recipes.esm2.masking import IGNORE, Masking, crop_and_mask
 from recipes.esm2.model import ESM2, MASK_RATIO_TRAIN, VOCAB_SIZE
-from recipes.esm2.packing import PackedSequences, plan_packs
+from recipes.esm2.packing import PackedSequences
 from recipes.esm2.sequences import build_store, read_store, write_store
 from recipes.esm2.sources import records
 from recipes.esm2.tokenizer import CLS, EOS, MASK, PAD, SPECIAL, VOCABULARY, decode, encode_residues

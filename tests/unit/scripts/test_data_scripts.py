@@ -143,3 +143,60 @@ def test_shard_images_writes_every_split_and_says_how_to_train(tmp_path, monkeyp
             "--samples-per-shard",
             "0",
         )
+
+
+def chat_answers(messages: list[dict]) -> list[str]:
+    """The assistant turns data/chat_sanity/README.md's rules give for the conversation's user turns."""
+    import re
+
+    system = messages[0]["content"] if messages[0]["role"] == "system" else None
+    answers, first = [], None
+    for message in messages:
+        if message["role"] != "user":
+            continue
+        q = message["content"]
+        if m := re.fullmatch(r"What is (\d+) \+ (\d+)\?", q):
+            total = int(m[1]) + int(m[2])
+            answer, result, first = f"{m[1]} + {m[2]} = {total}", str(total), total
+        elif m := re.fullmatch(r"Now add (\d)\.", q):
+            answer, result = f"{first} + {m[1]} = {first + int(m[1])}", str(first + int(m[1]))
+        elif m := re.fullmatch(r"Reverse the word (\w+)\.", q):
+            answer, result = f"{m[1]} reversed is {m[1][::-1]}", m[1][::-1]
+        elif m := re.fullmatch(r"Write in capitals: (\w+ \w+)", q):
+            answer, result = f"In capitals: {m[1].upper()}", m[1].upper()
+        elif m := re.fullmatch(r"How many letters are in (\w+)\?", q):
+            answer, result = f"{m[1]} has {len(m[1])} letters", str(len(m[1]))
+        elif m := re.fullmatch(r"Sort these words: (\w+ \w+ \w+)", q):
+            answer = result = " ".join(sorted(m[1].split()))
+            answer = f"In order: {answer}"
+        else:
+            m = re.fullmatch(r"Spell (\w+) with dashes\.", q)
+            answer, result = f"{m[1]} spelled: {'-'.join(m[1])}", "-".join(m[1])
+        answers.append(
+            result
+            if system == "Reply with the result only."
+            else answer.upper()
+            if "capital" in (system or "")
+            else answer
+        )
+    return answers
+
+
+def test_the_shipped_chat_set_is_what_the_script_makes_and_follows_its_rules(tmp_path, monkeypatch):
+    import json
+
+    run_script("make_chat_sanity", monkeypatch, "--out", str(tmp_path / "chat"))
+    shipped = REPO / "data" / "chat_sanity"
+    assert digests(tmp_path / "chat") == {k: v for k, v in digests(shipped).items() if k.endswith(".jsonl")}
+    assert sum(p.stat().st_size for p in shipped.iterdir()) < 300_000
+    shapes = set()
+    for split in ("train", "val"):
+        for line in (shipped / f"{split}.jsonl").read_text().splitlines():
+            row = json.loads(line)
+            messages = row.get("messages") or [
+                {"role": "user", "content": row["prompt"]},
+                {"role": "assistant", "content": row["response"]},
+            ]
+            assert [m["content"] for m in messages if m["role"] == "assistant"] == chat_answers(messages), line
+            shapes.add(("pair" if "prompt" in row else messages[0]["role"], len(messages) > 3))
+    assert shapes >= {("pair", False), ("system", False), ("system", True), ("user", False), ("user", True)}

@@ -71,6 +71,33 @@ def test_a_head_that_names_nothing_is_refused_with_the_top_level_modules():
         finetune.apply(Tiny(), _cfg(mode="frozen", head=["classifier"]), 0, None)
 
 
+@pytest.mark.parametrize("mode", ["full", "frozen", "lora"])
+def test_frozen_prefixes_stay_frozen_in_every_mode(mode):
+    """finetune.frozen over every mode: the embedding and block 0 (LoRA adapters there too) never train; in full
+    mode the rest still does, and the line says what is kept frozen."""
+    model = Tiny()
+    head = ["head"] if mode == "lora" else ["head", "layers"]  # frozen: block 0 is frozen though in the head
+    cfg = _cfg(mode=mode, frozen=["embedding", "layers.0."], head=head, lora={"target_modules": ["proj"]})
+    line = finetune.apply(model, cfg, 0, None)
+    trainable = _trainable(model)
+    assert trainable and not any(n.startswith(("embedding.", "layers.0.")) for n in trainable)
+    assert "kept frozen: embedding, layers.0." in line
+    if mode == "full":
+        assert trainable == {n for n, _ in model.named_parameters() if not n.startswith(("embedding.", "layers.0."))}
+    if mode == "lora":
+        assert hasattr(model.layers[0].self_attention.proj, "lora_A")  # placed by head and lora alone, kept frozen
+        assert "layers.1.self_attention.proj.lora_A.weight" in trainable
+    model(torch.randint(0, 10, (2, 5))).sum().backward()
+    assert model.embedding.weight.grad is None and model.layers[0].self_attention.proj.weight.grad is None
+    assert any(p.grad is not None for n, p in model.named_parameters() if n.startswith("layers.1."))
+
+
+@pytest.mark.parametrize("mode", ["full", "lora"])
+def test_a_frozen_prefix_that_names_nothing_is_refused(mode):
+    with pytest.raises(ConfigError, match=r"finetune.frozen=\['embeddings'\]: no parameter .* embedding, final_norm"):
+        finetune.apply(Tiny(), _cfg(mode=mode, frozen=["embedding", "embeddings"]), 0, None)
+
+
 def test_lora_trains_adapters_and_head_and_stores_the_rest_in_the_compute_dtype():
     model = Tiny()
     line = finetune.apply(model, _cfg(mode="lora", lora={"rank": 2}), 0, torch.bfloat16)
