@@ -105,9 +105,12 @@ class GPTDataConfig(DataConfig):
     cache_dir: str = "${repo_dir:}/outputs/data_cache"  # tokenized text and Megatron-Core's sample index caches
     eod_mask_loss: bool = False  # no loss on predicting the token after an end-of-document
     val_num_samples: Optional[int] = None  # null: the validation split once
-    # Documents packed into each row with document masks (cu_seqlens: attention and positions stay within each).
+    # Document masks: attention never crosses a document boundary within a sample, rotary positions restart at
+    # each document (recipes/gpt/packing.py). Pretraining samples are split after each end-of-document token.
     packing: bool = False
-    max_documents_per_sample: int = 64  # packing: documents one row holds at most
+    # Documents one sample keeps apart (its cu_seqlens has this + 2 entries: static shapes); the last ones of a
+    # sample holding more share one span, counted in the log.
+    max_documents_per_sample: int = 64
     # chat: .jsonl / .parquet files of {"prompt", "response"} or {"messages"} rows (recipes/gpt/chat.py), the loss on
     # the responses only; rows longer than model.seq_length tokens are truncated or dropped (counted in the log).
     train_path: Optional[str] = None
@@ -118,7 +121,7 @@ class GPTDataConfig(DataConfig):
         # Relative: Megatron-Core divides them by their sum (checked below), so counts serve as well as shares.
         "weights": Numbers(Real(0, 1e15)),
         "val_num_samples": Int(1, INT32_MAX),
-        "max_documents_per_sample": Int(1, INT32_MAX),
+        "max_documents_per_sample": Int(1, 1 << 20),
     }
 
     @staticmethod
@@ -139,6 +142,7 @@ class GPTDataConfig(DataConfig):
                 f"{key}.weights={weights} and {key}.prefixes={list(c.prefixes)}: expected one weight per prefix "
                 "(or weights=null: by size)",
             )
+        check_max_documents(c, key)
         if c.format == TextFormat.text:
             require(
                 c.weights is None or len(weights) == 1,
@@ -163,6 +167,19 @@ def check_chat_keys(c, key: str) -> None:
                 f"{key}.{name}={value}: only {key}.format=chat reads it ({key}.format={c.format}); give "
                 f"{key}.format=chat, or leave it out",
             )
+
+
+def check_max_documents(c, key: str) -> None:
+    """With data.packing, no more documents per sample than it has tokens (the slots past that stay empty)."""
+    root = c._get_root() if OmegaConf.is_config(c) else None
+    seq = OmegaConf.select(root, "model.seq_length", default=None) if OmegaConf.is_dict(root) else None
+    if not c.packing or not isinstance(seq, int) or isinstance(seq, bool):
+        return
+    require(
+        c.max_documents_per_sample <= seq,
+        f"{key}.max_documents_per_sample={c.max_documents_per_sample} with model.seq_length={seq}: a sample of "
+        f"{seq} tokens holds at most {seq} documents; give at most {seq}",
+    )
 
 
 def tensor_parallel_size(c) -> int:

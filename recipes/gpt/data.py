@@ -2,7 +2,9 @@
 sample index, train/validation/test split by Megatron-Core) or MockGPTDataset.
 
 Samples are dicts of tensors: "tokens" [seq], "labels" [seq] (the next tokens), "loss_mask" [seq] (0 on
-padding, and after an end-of-document with data.eod_mask_loss), "position_ids" [seq], and "idx".
+padding, and after an end-of-document with data.eod_mask_loss), "position_ids" [seq], and "idx"; with data.packing
+also "cu_seqlens" [data.max_documents_per_sample + 2] (int32): the sample's documents, each ending after an
+end-of-document token, so attention stays within each (recipes/gpt/packing.py).
 Megatron-Core builds the sample indices once and caches them in data.cache_dir; `dataset[i]` is the
 same sample on every call and rank (a resumed run continues on the same tokens).
 """
@@ -28,6 +30,7 @@ from core.data.partial_outputs import Stopped
 from recipes.gpt.config import GPTDataConfig
 from recipes.gpt.megatron_core import import_quietly
 from recipes.gpt.options import DATA_CONFIG
+from recipes.gpt.packing import eod_document_count, eod_document_lengths, row_offsets
 from recipes.gpt.tokenizer import build_tokenizer
 
 log = logging.getLogger(__name__)
@@ -57,11 +60,41 @@ class MockTokenizer:
         self.unique_identifiers = {"tokenizer": "mock", "vocab_size": vocab_size}
 
 
-class Samples(Dataset):
-    """A Megatron-Core GPT dataset with the sample's index added, indexed by int or EpochIndex."""
+class DocumentOffsets:
+    """data.packing for Megatron samples: a sample's "cu_seqlens", its documents split after each end-of-document
+    token. A sample of more than `max_documents` documents keeps the first ones apart and lets the last ones share
+    the final span; `merged` counts such samples in this process, logged at the 1st, 2nd, 4th, 8th, ... one."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
+    def __init__(self, eod: int, max_documents: int):
+        self.eod, self.max_documents, self.merged = eod, max_documents, 0
+
+    def __call__(self, tokens: torch.Tensor, idx: int) -> torch.Tensor:
+        ids = tokens.numpy()
+        lengths = eod_document_lengths(ids, self.eod, self.max_documents)
+        if len(lengths) == self.max_documents:
+            documents = eod_document_count(ids, self.eod)
+            if documents > self.max_documents:
+                self.merged += 1
+                if self.merged & (self.merged - 1) == 0:
+                    log.warning(
+                        "data.packing: sample %d holds %d documents, more than data.max_documents_per_sample=%d: "
+                        "its last %d share one span (attention crosses them); %d such samples in this process",
+                        idx,
+                        documents,
+                        self.max_documents,
+                        documents - self.max_documents + 1,
+                        self.merged,
+                    )
+        offsets = row_offsets(lengths, len(ids), self.max_documents + 1)
+        return torch.from_numpy(offsets)
+
+
+class Samples(Dataset):
+    """A Megatron-Core GPT dataset with the sample's index added, indexed by int or EpochIndex; with
+    `documents` (data.packing) each sample's document offsets too."""
+
+    def __init__(self, dataset, documents: Optional[DocumentOffsets] = None):
+        self.dataset, self.documents = dataset, documents
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -72,6 +105,8 @@ class Samples(Dataset):
         idx = epoch_index(index).idx
         sample = {k: v for k, v in self.dataset[idx].items() if k in ("tokens", "labels", "loss_mask", "position_ids")}
         sample["idx"] = idx
+        if self.documents is not None:
+            sample["cu_seqlens"] = self.documents(sample["tokens"], idx)
         return sample
 
 
@@ -233,7 +268,8 @@ def build_gpt_datasets(
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=".*pad.*")
         train, val, test = builder(cls, [num_train_samples, data.val_num_samples, None], lambda: True, config).build()
-    return tuple(Samples(d) if d is not None and len(d) else None for d in (train, val, test))
+    documents = DocumentOffsets(tokenizer.eod, data.max_documents_per_sample) if data.packing else None
+    return tuple(Samples(d, documents) if d is not None and len(d) else None for d in (train, val, test))
 
 
 class DocumentWindows(Dataset):

@@ -203,8 +203,29 @@ class GPTRecipe(Recipe):
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
         mask = batch["loss_mask"].float()
-        token_loss = model(batch["tokens"], labels=batch["labels"])
+        # data.packing: document masks from the sample's cu_seqlens (recipes/gpt/packing.py)
+        token_loss = model(batch["tokens"], labels=batch["labels"], cu_seqlens=batch.get("cu_seqlens"))
         return {"loss": (token_loss * mask).sum(dim=1), "count": mask.sum(dim=1)}
+
+    def work(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Packed rows (data.packing): the micro-batch's real tokens and their training FLOPs, 6 N per token plus,
+        per document of s tokens, the attention's 12 L H s^2 (forward + backward). A row's documents are its
+        first `documents` pieces where the batch gives "documents" [rows] (the pieces after them are padding), else
+        all of them (a pretraining sample is documents throughout). Unpacked rows: None (seq_length tokens each)."""
+        cu_seqlens = batch.get("cu_seqlens")
+        if cu_seqlens is None:
+            return None
+        lengths = cu_seqlens.diff(dim=1).double()
+        if "documents" in batch:
+            pieces = torch.arange(lengths.shape[1], device=lengths.device)
+            lengths = lengths * (pieces < batch["documents"].reshape(-1, 1).to(lengths.device))
+        m = self.cfg.model
+        tokens = lengths.sum()
+        flops = (
+            6.0 * self.non_embedding_parameters() * tokens
+            + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
+        )
+        return tokens, flops
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
         return {**means, "perplexity": math.exp(min(means["loss"], 50.0))}

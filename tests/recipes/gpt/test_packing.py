@@ -174,3 +174,114 @@ def test_rotary_positions_restart_at_each_document(monkeypatch):
     assert len(seen) == 2 * 2  # queries and keys of each block
     for freqs in seen:
         torch.testing.assert_close(freqs, table[expected], rtol=0, atol=0)
+
+
+# Pretraining with data.packing: the Megatron samples' document offsets, the recipe's forward and work.
+
+
+def _packed_recipe(tmp_path, *overrides):
+    from recipes.gpt.recipe import GPTRecipe
+    from tests.support.helpers import validated_config
+
+    return GPTRecipe(
+        validated_config(
+            "gpt_sanity",
+            [
+                "checkpoint.path=unused",
+                f"data.cache_dir={tmp_path}/cache",
+                "training.steps=2",
+                "data.packing=true",
+                "model.seq_length=64",
+                *overrides,
+            ],
+        )
+    )
+
+
+def test_a_pretraining_sample_gets_its_document_offsets_and_shared_spans_are_told(caplog):
+    from recipes.gpt.data import DocumentOffsets
+
+    offsets = DocumentOffsets(EOD, max_documents=2)
+    cu = offsets(torch.tensor([1, EOD, 2, 3, EOD, 4, 5, 6]), idx=0)
+    assert cu.dtype == torch.int32 and cu.tolist() == [0, 2, 8, 8]  # two documents fill the sample: no padding
+    assert offsets.merged == 1  # the last two documents share the span 2:8
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="recipes.gpt.data"):
+        for idx in range(1, 6):
+            offsets(torch.tensor([EOD, EOD, EOD, 1]), idx)
+        offsets(torch.tensor([1, 2, EOD, 3]), 6)  # two documents: kept apart, not counted
+    assert offsets.merged == 6
+    told = [r.getMessage() for r in caplog.records]
+    assert len(told) == 2 and "sample 1 holds 4 documents" in told[0] and "its last 3 share one span" in told[0]
+    assert "sample 3" in told[1] and "4 such samples in this process" in told[1]  # at the 1st, 2nd, 4th, ...: 2, 4
+
+
+def test_the_recipe_runs_packed_rows_and_counts_their_real_tokens(tmp_path):
+    from core.layers.namespace import TORCH_LAYERS
+
+    recipe = _packed_recipe(tmp_path, "data.max_documents_per_sample=3", "model.num_layers=1")
+    model = recipe.build_model(TORCH_LAYERS, torch.device("cpu"))
+    rng = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 65), generator=rng)
+    cu = torch.from_numpy(np.stack([row_offsets([20, 30, 14], 64, 4), row_offsets([64], 64, 4)]))
+    batch = {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(2, 64), "cu_seqlens": cu}
+    out = recipe.forward(model, batch, training=True)
+    packed = model(batch["tokens"], labels=batch["labels"], cu_seqlens=cu).sum(1)
+    torch.testing.assert_close(out["loss"], packed)
+    assert not torch.allclose(out["loss"][0], model(batch["tokens"], labels=batch["labels"]).sum(1)[0])
+    m, n = recipe.cfg.model, recipe.non_embedding_parameters()
+    tokens, flops = recipe.work(batch)
+    assert tokens == 2 * 64  # pretraining samples are documents throughout
+    assert flops == 6.0 * n * 128 + 12.0 * m.num_layers * m.hidden_size * (20**2 + 30**2 + 14**2 + 64**2)
+    # rows with padding name their documents: the pieces after them are not counted
+    padded = dict(batch, cu_seqlens=torch.from_numpy(np.stack([row_offsets([10], 64, 4), row_offsets([64], 64, 4)])))
+    tokens, flops = recipe.work(dict(padded, documents=torch.tensor([1, 1])))
+    assert tokens == 10 + 64 and flops == 6.0 * n * 74 + 12.0 * m.num_layers * m.hidden_size * (10**2 + 64**2)
+    assert recipe.work({k: v for k, v in batch.items() if k != "cu_seqlens"}) is None  # unpacked: per sample
+
+
+def test_max_documents_per_sample_is_checked(tmp_path):
+    from core.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="max_documents_per_sample=65 with model.seq_length=64"):
+        _packed_recipe(tmp_path, "data.max_documents_per_sample=65")
+    with pytest.raises(ConfigError, match="max_documents_per_sample"):
+        _packed_recipe(tmp_path, "data.max_documents_per_sample=0")
+
+
+@pytest.mark.slow
+def test_pretraining_with_packing_on_two_processes(tmp_path):
+    from tests.support.helpers import REPO, read_records, run_python_ranks
+
+    proc = run_python_ranks(
+        2,
+        REPO / "train.py",
+        "--config-name",
+        "gpt_sanity",
+        "data.packing=true",
+        "data.max_documents_per_sample=2",
+        "model.seq_length=64",
+        "model.num_layers=1",
+        "model.hidden_size=32",
+        "model.ffn_hidden_size=64",
+        "training.steps=4",
+        "training.micro_batch_size=4",
+        "training.global_batch_size=16",
+        "training.val_every_n_steps=4",
+        "training.limit_val_batches=2",
+        "training.log_every_n_steps=2",
+        "data.num_workers=0",
+        "logger.progress_bar=never",
+        f"data.cache_dir={tmp_path}/cache",
+        f"hydra.run.dir={tmp_path}/run",
+        f"checkpoint.path={tmp_path}/ckpt",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "more than data.max_documents_per_sample=2" in proc.stdout + proc.stderr
+    rows = read_records(tmp_path / "run")
+    train = [r for r in rows if "split" not in r]
+    (val,) = [r for r in rows if r.get("split") == "val"]
+    assert len(train) == 2 and all(np.isfinite(r["loss"]) for r in train) and np.isfinite(val["loss"])
+    # real tokens from Recipe.work: a pretraining sample is documents throughout
+    assert train[-1]["tokens_per_sec_per_gpu"] == pytest.approx(train[-1]["samples_per_sec_per_gpu"] * 64, rel=1e-6)
