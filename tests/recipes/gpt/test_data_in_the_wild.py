@@ -46,6 +46,8 @@ def indexed(tmp_path: Path, prefix: Path, tokenizer: str = "byte") -> SimpleName
         split="100,0,0",
         cache_dir=str(tmp_path / "cache"),
         eod_mask_loss=False,
+        packing=False,
+        max_documents_per_sample=64,
         val_num_samples=None,
     )
 

@@ -180,6 +180,8 @@ def test_the_shipped_sft_configs_compose_with_the_shapes_they_name():
     assert sanity.data.format == "chat" and sanity.data.packing and sanity.model.hidden_size == 64
     assert Path(sanity.checkpoint.init_from) == REPO / "data" / "tiny_llama" == Path(sanity.data.tokenizer)
     assert Path(sanity.data.train_path).is_file() and Path(sanity.data.val_path).is_file()
-    big = compose_config("llama_sft", ["checkpoint.init_from=/models/x", "data.train_path=chats.jsonl"])
+    big = compose_config(
+        "llama_sft", ["checkpoint.init_from=/models/x", "data.tokenizer=/models/x", "data.train_path=chats.jsonl"]
+    )
     assert big.data.tokenizer == "/models/x" and big.model.num_query_groups == 8 and big.model.seq_length == 4096
     assert big.precision.param_dtype == "bf16" and big.distributed.mfsdp.zero_dp_strategy == 3

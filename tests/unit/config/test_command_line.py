@@ -28,7 +28,7 @@ def test_the_configs_to_choose_from_and_the_usage():
     assert ", ".join(configs) in usage
     assert "_schema" not in usage and "== Config ==" not in usage  # Hydra's store, not configs one can choose
     assert (
-        "  data: digits, esm2_finetune_sanity, gpt_indexed" in usage
+        "  data: chat_sanity, digits, esm2_finetune_sanity, gpt_indexed" in usage
         and "  scheduler: constant, cosine, linear, wsd" in usage
     )
     line = command_line.missing_config("train.py", from_checkpoint=False)
