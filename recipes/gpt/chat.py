@@ -130,6 +130,11 @@ class PlainTemplate:
         """The conversation, then the assistant's header: where its reply starts (generate.py)."""
         return self.render(messages)[0] + [int(i) for i in self.tokenizer.encode(PLAIN_HEADERS["assistant"])]
 
+    def prompt_text(self, messages: list[dict]) -> str:
+        """The text of prompt_ids (an earlier assistant turn's end-of-document id has none)."""
+        turns = [PLAIN_HEADERS[m["role"]] + m["content"] + ("" if m["role"] == "assistant" else "\n") for m in messages]
+        return "".join(turns) + PLAIN_HEADERS["assistant"]
+
     def end_of_turn_ids(self) -> list[int]:
         """The ids that end an assistant's turn: the end-of-document id the template appends after it."""
         return [self.tokenizer.eod]
@@ -184,6 +189,10 @@ class HFChatTemplate:
         (generate.py). Refusal when the template refuses it."""
         text = self._text(messages, True)
         return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """The text prompt_ids encodes: the template's rendering with its generation prompt."""
+        return self._text(messages, True)
 
     def end_of_turn_ids(self) -> list[int]:
         """The ids that end an assistant's turn: the folder's eos_token, and the special token the template itself

@@ -323,3 +323,15 @@ def test_prompt_messages_refuse_what_a_model_cannot_answer(value, says):
     with pytest.raises(Refusal, match=re.escape(says)):
         prompt_messages(value)
     assert prompt_messages(ASK) == ASK
+
+
+@pytest.mark.parametrize("spec", ["byte", "template"])
+def test_prompt_text_is_what_prompt_ids_encode(tmp_path, spec):
+    renderer = chat_template(spec if spec == "byte" else str(_bpe_folder(tmp_path / "tok", LLAMA3_LIKE)))
+    messages = MULTI_TURN["messages"][:4]  # an earlier assistant turn among them
+    text, ids = renderer.prompt_text(messages), renderer.prompt_ids(messages)
+    if spec == "byte":  # the earlier turn's end-of-document id has no text
+        assert ids.count(renderer.tokenizer.eod) == 1 and renderer.tokenizer.decode(ids) == text
+    else:
+        assert text == renderer.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids == ids
