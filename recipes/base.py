@@ -6,6 +6,7 @@ Everything else has a default, or is an opt-in protocol that the tool needing it
 
     prediction (predict.py)        split + predict                  (PREDICTION)
     generation (generate.py)       tokenizer + vocab_size + new_kv_cache + next_logits (GENERATION)
+    chat prompts (generate.py)     chat_prompt + end_of_turn_ids (CHAT)
     MFU and tokens/s in the log    tokens_per_sample, flops_per_sample, work (None: not reported)
     validation metrics             validation_metrics + summarize_validation (default: the loss)
     metrics over every item        forward's "items" in evaluation + summarize_items (default: none)
@@ -31,6 +32,7 @@ from core.layers.namespace import Layers
 # `require` before any work; their contracts are documented where the Recipe below lists them.
 PREDICTION = ("split", "predict")
 GENERATION = ("tokenizer", "vocab_size", "new_kv_cache", "next_logits")
+CHAT = ("chat_prompt", "end_of_turn_ids")
 
 
 @dataclass

@@ -588,7 +588,8 @@ class GenerateConfig:
     """generate.py: continue prompts with the language model of `checkpoint.init_from` (GPT recipe)."""
 
     prompt: Optional[str] = None  # one prompt
-    prompt_file: Optional[str] = None  # one prompt per line; .jsonl: a "prompt" field per line
+    prompt_file: Optional[str] = None  # one prompt per line; .jsonl: a "prompt" text or a chat's "messages" per line
+    chat: bool = False  # each text prompt as the one user message of a chat (rendered by the chat template)
     max_new_tokens: int = 200  # per prompt (the model sees the last model.seq_length tokens at most)
     greedy: bool = False  # the most likely token each time (temperature, top_k, top_p unused)
     temperature: float = 1.0  # sampling: logits / temperature
@@ -596,7 +597,8 @@ class GenerateConfig:
     top_p: float = 1.0  # sampling: only the most likely tokens whose probabilities add up to top_p
     samples_per_prompt: int = 1
     seed: int = 0  # sample j of prompt i draws from (seed, i, j): the same seed gives the same text
-    stop_at_eod: bool = True  # end a continuation at the end-of-document token
+    stop_at_eod: bool = True  # end a continuation at the end-of-document token (a chat's reply: also at end of turn)
+    stream: bool = True  # print each new token's text as it comes (else each continuation once done)
     kv_cache: bool = True  # false: recompute the whole sequence for every token (a reference)
     # A .jsonl file, appended to as each continuation is done; one that exists is continued after its last line
     # (when made with the same settings: docs/gpt.md). null: <run dir>/generations.jsonl

@@ -10,7 +10,7 @@ recipe's generation protocol (recipes/base.py: GENERATION), the `Decoder` below.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Optional, Protocol
+from typing import Any, Callable, ContextManager, Mapping, Optional, Protocol
 
 import torch
 from torch import nn
@@ -61,8 +61,13 @@ def sample_generator(seed: int, prompt_index: int, sample_index: int) -> torch.G
 
 @dataclass
 class Continuation:
-    tokens: list[int]  # the new tokens (the end-of-document token included when it ended the text)
-    stop: str  # "eod" or "length"
+    tokens: list[int]  # the new tokens (the stop token included when one ended the text)
+    stop: str  # the stop token's reason ("eod", "end_of_turn"), or "length"
+
+    @property
+    def text_tokens(self) -> list[int]:
+        """The tokens of the text: the stop token left out."""
+        return self.tokens if self.stop == "length" else self.tokens[:-1]
 
 
 @torch.no_grad()
@@ -75,14 +80,16 @@ def continue_prompt(
     sampling: Sampling,
     generator: Optional[torch.Generator],
     banned: list[int],
-    eod: Optional[int],
+    stops: Mapping[int, str],
     device: torch.device,
     autocast: Callable[[], ContextManager],
     kv_cache_dtype: Optional[torch.dtype],
+    on_token: Optional[Callable[[int], None]] = None,
 ) -> Continuation:
-    """Up to `max_new_tokens` tokens after `prompt`, `model` run by `decoder` (the recipe); stop early at `eod` (if
-    given). `banned` token ids (the vocabulary's padding rows, the tokenizer's padding id) are never chosen.
-    `kv_cache_dtype`: the dtype of the cached keys and values (that of the attention inputs), or None for no cache.
+    """Up to `max_new_tokens` tokens after `prompt`, `model` run by `decoder` (the recipe); stop early at a token of
+    `stops` ({id: the reason the Continuation gives}). `banned` token ids (the vocabulary's padding rows, the
+    tokenizer's padding id) are never chosen. `kv_cache_dtype`: the dtype of the cached keys and values (that of the
+    attention inputs), or None for no cache. `on_token`: called with each new token of the text as it is chosen.
 
     The model sees at most `context` tokens (its training sequence length): when the text outgrows that,
     the window restarts on its last context // 2 tokens (with a cache: a new cache, filled with them).
@@ -111,8 +118,10 @@ def continue_prompt(
             last[banned] = float("-inf")
         token = sampling.choose(last, generator)
         text.append(token)
-        if eod is not None and token == eod:
-            return Continuation(text[len(prompt) :], "eod")
+        if token in stops:
+            return Continuation(text[len(prompt) :], stops[token])
+        if on_token is not None:
+            on_token(token)
     return Continuation(text[len(prompt) :], "length")
 
 

@@ -1,8 +1,9 @@
 """generate.py's output: one JSON record per finished continuation, appended (and flushed) in input order as each
 is done, so a stopped or killed run keeps what it finished and a run with the same output continues after it.
 
-  <output>                  one {"prompt", "sample", "text", "new_tokens", "stop"} per line; record k is sample
-                            k % samples of prompt k // samples
+  <output>                  one {"prompt", "sample", "text", "new_tokens", "stop"} per line, and "messages" for a
+                            chat prompt (its conversation; "prompt": the text rendered from it); record k is
+                            sample k % samples of prompt k // samples
   <output>.settings.json    what made them: the checkpoint, the prompts (count and SHA-256), the decoding, model
                             and tokenizer settings; written (whole or not at all) before the first record
 
@@ -18,7 +19,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 from core.config.errors import ConfigError, DataError
 from core.config.file_shape import read_small_file
@@ -28,21 +29,31 @@ log = logging.getLogger("generate")
 SETTINGS_SUFFIX = ".settings.json"
 SETTINGS_MAX_BYTES = 16 * 1024 * 1024  # the settings are a few hundred bytes; room for long paths and lists
 RECORD_KEYS = ("prompt", "sample", "text", "new_tokens", "stop")
+CHAT_KEY = "messages"  # a chat prompt's record has it too
+
+# A prompt as its records name it: its text, or {"prompt": text, "messages": conversation} for a chat prompt.
+PromptFields = Union[str, dict]
+
+
+def _fields(prompt: PromptFields) -> dict:
+    return {"prompt": prompt} if isinstance(prompt, str) else prompt
 
 
 def settings_file(output: Path) -> Path:
     return output.with_name(output.name + SETTINGS_SUFFIX)
 
 
-def prompts_identity(prompts: list[str]) -> dict:
-    """The prompts as the settings file records them: how many, and the SHA-256 of all of them in order."""
+def prompts_identity(prompts: list[PromptFields]) -> dict:
+    """The prompts as the settings file records them: how many, and the SHA-256 of all of them in order (a text's
+    JSON, or a chat prompt's fields' JSON)."""
     digest = hashlib.sha256()
     for prompt in prompts:
-        digest.update(json.dumps(prompt).encode() + b"\n")
+        fields = _fields(prompt)
+        digest.update(json.dumps(fields["prompt"] if len(fields) == 1 else fields).encode() + b"\n")
     return {"count": len(prompts), "sha256": digest.hexdigest()}
 
 
-def continue_output(output: Path, settings: dict, prompts: list[str], samples: int) -> int:
+def continue_output(output: Path, settings: dict, prompts: list[PromptFields], samples: int) -> int:
     """Make `output` ready to be appended to; the number of records it already holds (0 for a new one), of the
     len(prompts) * samples the run writes in all."""
     for path in (output, settings_file(output)):
@@ -140,7 +151,7 @@ def _complete_lines(output: Path) -> Iterator[tuple[int, bytes]]:
             yield offset, line
 
 
-def _check_records(output: Path, prompts: list[str], samples: int) -> int:
+def _check_records(output: Path, prompts: list[PromptFields], samples: int) -> int:
     """How many records `output` holds, each checked against its position; a torn last line is cut off."""
     done, end = 0, 0
     for end, line in _complete_lines(output):
@@ -150,7 +161,12 @@ def _check_records(output: Path, prompts: list[str], samples: int) -> int:
                 "writes: move it away, or choose another generate.output"
             )
         record, (i, j) = _parse(line), divmod(done, samples)
-        if record is None or record["prompt"] != prompts[i] or record["sample"] != j:
+        expected = _fields(prompts[i])
+        if (
+            record is None
+            or any(record.get(k) != expected.get(k) for k in ("prompt", CHAT_KEY))
+            or record["sample"] != j
+        ):
             raise DataError(
                 f"generate.output={output}: line {done + 1} is not the record of prompt {i + 1}, sample "
                 f"{j + 1}: move it away, or choose another generate.output"
@@ -173,9 +189,9 @@ def _parse(line: bytes) -> Optional[dict]:
         record = json.loads(line)
     except (ValueError, RecursionError):
         return None
-    if not isinstance(record, dict) or set(record) != set(RECORD_KEYS) or not isinstance(record["prompt"], str):
+    if not isinstance(record, dict) or set(record) - {CHAT_KEY} != set(RECORD_KEYS):  # (a chat prompt's has messages)
         return None
-    return record
+    return record if isinstance(record["prompt"], str) else None
 
 
 class Appender:

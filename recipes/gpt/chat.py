@@ -126,6 +126,19 @@ class PlainTemplate:
                 mask += [False] * len(content)
         return ids, mask
 
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation, then the assistant's header: where its reply starts (generate.py)."""
+        return self.render(messages)[0] + [int(i) for i in self.tokenizer.encode(PLAIN_HEADERS["assistant"])]
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """The text of prompt_ids (an earlier assistant turn's end-of-document id has none)."""
+        turns = [PLAIN_HEADERS[m["role"]] + m["content"] + ("" if m["role"] == "assistant" else "\n") for m in messages]
+        return "".join(turns) + PLAIN_HEADERS["assistant"]
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids that end an assistant's turn: the end-of-document id the template appends after it."""
+        return [self.tokenizer.eod]
+
 
 class HFChatTemplate:
     """A Hugging Face tokenizer folder's own chat template, the mask found by rendering prefixes."""
@@ -170,6 +183,35 @@ class HFChatTemplate:
             start, end = len(encoded[k]), len(encoded[k + 1])
             mask[start:end] = [True] * (end - start)
         return ids, mask
+
+    def prompt_ids(self, messages: list[dict]) -> list[int]:
+        """The conversation rendered with the template's generation prompt: where the assistant's reply starts
+        (generate.py). Refusal when the template refuses it."""
+        text = self._text(messages, True)
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def prompt_text(self, messages: list[dict]) -> str:
+        """The text prompt_ids encodes: the template's rendering with its generation prompt."""
+        return self._text(messages, True)
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids that end an assistant's turn: the folder's eos_token, and the special token the template itself
+        puts after an assistant's content when that is another (Llama 3's <|eot_id|>, ChatML's <|im_end|>)."""
+        ids = [] if self.tokenizer.eos_token_id is None else [int(self.tokenizer.eos_token_id)]
+        probe = [{"role": "user", "content": "Hello."}, {"role": "assistant", "content": "Hi there."}]
+        try:
+            start, end = self._text(probe[:1], True), self._text(probe, False)
+        except Refusal:  # a template with rules of its own (a system turn first, ...): the eos_token alone
+            return ids
+        at = end.find(probe[1]["content"], len(start) if end.startswith(start) else 0)
+        if at >= 0:
+            after = end[at + len(probe[1]["content"]) :]
+            special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
+            encoded = self.tokenizer.backend_tokenizer.encode(after, add_special_tokens=False).ids
+            first = next((i for i in encoded if i in special), None)  # the end of the turn, before any newline
+            if first is not None and first not in ids:
+                ids.append(first)
+        return ids
 
     def _check_turn(self, whole: str, start: str, end: str, content: str) -> None:
         """The texts up to an assistant message's start and end begin the whole conversation, and between them
@@ -323,3 +365,18 @@ def _parquet_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
                 yield f"row {number}", row
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None
+
+
+# --- prompts for generation ------------------------------------------------------------------------------------
+def prompt_messages(value: Any) -> list[dict]:
+    """A prompt's conversation for generate.py ([{"role", "content"}], the messages of a chat row) that the model is
+    to answer: its last message from the user or the system. Refusal on any problem."""
+    if not isinstance(value, (list, tuple)) or len(value) == 0:
+        raise Refusal(f"messages is {_shown(value)}, expected a non-empty list of {{'role', 'content'}} objects")
+    messages = [_message(m, i) for i, m in enumerate(value, start=1)]
+    if messages[-1]["role"] == "assistant":
+        raise Refusal(
+            f"message {len(messages)} (the last) is the assistant's: a prompt ends with the user's or the system's "
+            "message, which the model answers"
+        )
+    return messages

@@ -79,6 +79,29 @@ class GPTRecipe(Recipe):
             )
         return build_tokenizer(data_cfg.tokenizer, data_cfg.eod_token)
 
+    # generate.py's chat prompts (recipes/base.py: CHAT): data.tokenizer's chat template (recipes/gpt/chat.py).
+    @functools.cached_property
+    def _chat_template(self):
+        from recipes.gpt import chat
+
+        return chat.chat_template(self.cfg.data.tokenizer, self.cfg.data.eod_token)
+
+    def chat_prompt(self, messages) -> tuple[list[dict], str, list[int]]:
+        """A conversation (chat rows' messages, the last one the user's or the system's) checked, then its text and
+        token ids with the template's generation prompt; ValueError saying what is wrong with it."""
+        from recipes.gpt import chat
+
+        try:
+            messages = chat.prompt_messages(messages)
+            template = self._chat_template
+            return messages, template.prompt_text(messages), [int(i) for i in template.prompt_ids(messages)]
+        except chat.Refusal as e:
+            raise ValueError(str(e)) from None
+
+    def end_of_turn_ids(self) -> list[int]:
+        """The ids that end an assistant's turn in the chat template (where a chat reply stops)."""
+        return [int(i) for i in self._chat_template.end_of_turn_ids()]
+
     # generate.py (core/generation/decoding.py) runs the model through these two.
     def new_kv_cache(self, model: nn.Module, max_length: int, dtype: torch.dtype):
         """An empty key/value cache for one sequence (TE's InferenceParams, or the twin's)."""

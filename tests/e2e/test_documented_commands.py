@@ -141,7 +141,8 @@ def test_gpt_md_tensor_parallel_after_gpt_sanity_trains_then_generate_without_a_
     assert (
         "--config-name gpt_sanity: the config outputs/gpt_sanity/distributed.tp@2/checkpoints/step_1 was trained with"
         in out
-        and "--- prompt 1 (length, 4 tokens)\nThe whale" in out
+        and "--- prompt 1\nThe whale" in out
+        and "\n--- (length, 4 tokens)" in out
     )
 
 

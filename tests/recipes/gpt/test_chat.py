@@ -4,13 +4,14 @@ tokenizer made here (a byte-level BPE trained on a few sentences), with and with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
 import pytest
 
 from core.config.errors import DataError
-from recipes.gpt.chat import HFChatTemplate, PlainTemplate, chat_template, read_chat
+from recipes.gpt.chat import HFChatTemplate, PlainTemplate, Refusal, chat_template, prompt_messages, read_chat
 
 SPECIALS = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
 LLAMA3_LIKE = (
@@ -268,3 +269,69 @@ def test_a_template_without_a_generation_prompt_is_refused(tmp_path):
     path = _jsonl(tmp_path / "chat.jsonl", [PAIR])
     with pytest.raises(DataError, match="line 1: .* does not end its generation prompt where the assistant's content"):
         read_chat(path, "data.train_path", renderer, 1000)
+
+
+# --- prompts for generate.py -------------------------------------------------------------------------------------
+ASK = [{"role": "system", "content": "you are a helpful cat"}, {"role": "user", "content": "what is two plus two"}]
+
+
+def test_template_prompt_ids_are_what_transformers_renders_with_the_generation_prompt(tmp_path):
+    renderer = chat_template(str(_bpe_folder(tmp_path / "tok", LLAMA3_LIKE)))
+    expected = renderer.tokenizer.apply_chat_template(ASK, tokenize=True, add_generation_prompt=True)
+    expected = expected if isinstance(expected, list) else expected["input_ids"]  # (newer versions: a BatchEncoding)
+    assert renderer.prompt_ids(ASK) == list(expected)
+    # ... which is where a trained reply starts: the start of the conversation with the reply rendered
+    answered = ASK + [{"role": "assistant", "content": "four"}]
+    ids, mask = renderer.render(answered)
+    assert ids[: len(renderer.prompt_ids(ASK))] == renderer.prompt_ids(ASK) and mask.index(True) == len(expected)
+
+
+def test_template_end_of_turn_is_the_eos_token_and_the_templates_own(tmp_path):
+    folder = _bpe_folder(tmp_path / "tok", LLAMA3_LIKE)
+    eot = chat_template(str(folder)).tokenizer.convert_tokens_to_ids("<|eot_id|>")
+    assert chat_template(str(folder)).end_of_turn_ids() == [eot]
+    # A folder whose eos_token is another token (Llama 3's base <|end_of_text|>): both end a turn.
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "<|begin_of_text|>"}))
+    renderer = chat_template(str(folder))
+    assert renderer.end_of_turn_ids() == [renderer.tokenizer.convert_tokens_to_ids("<|begin_of_text|>"), eot]
+
+
+@pytest.mark.parametrize("spec", ["byte", "folder"])
+def test_plain_prompt_ids_end_with_the_assistant_header_and_its_turn_with_the_eod(tmp_path, spec):
+    renderer = chat_template(spec if spec == "byte" else str(_bpe_folder(tmp_path / "tok", None)))
+    assert isinstance(renderer, PlainTemplate)
+    prompt = renderer.prompt_ids(ASK)
+    text = "<|system|>\nyou are a helpful cat\n<|user|>\nwhat is two plus two\n<|assistant|>\n"
+    assert renderer.tokenizer.decode(prompt) == text
+    ids, mask = renderer.render(ASK + [{"role": "assistant", "content": "four"}])
+    assert ids[: len(prompt)] == prompt and mask.index(True) == len(prompt)
+    assert renderer.end_of_turn_ids() == [renderer.tokenizer.eod] == [ids[-1]]
+
+
+@pytest.mark.parametrize(
+    "value, says",
+    [
+        (ASK + [{"role": "assistant", "content": "four"}], "message 3 (the last) is the assistant's"),
+        ([{"role": "robot", "content": "hi"}], "message 1: role str 'robot'"),
+        ([{"role": "user", "content": 7}], "message 1's content is int 7"),
+        ([], "messages is list []"),
+        ("hi", "messages is str 'hi'"),
+    ],
+)
+def test_prompt_messages_refuse_what_a_model_cannot_answer(value, says):
+    with pytest.raises(Refusal, match=re.escape(says)):
+        prompt_messages(value)
+    assert prompt_messages(ASK) == ASK
+
+
+@pytest.mark.parametrize("spec", ["byte", "template"])
+def test_prompt_text_is_what_prompt_ids_encode(tmp_path, spec):
+    renderer = chat_template(spec if spec == "byte" else str(_bpe_folder(tmp_path / "tok", LLAMA3_LIKE)))
+    messages = MULTI_TURN["messages"][:4]  # an earlier assistant turn among them
+    text, ids = renderer.prompt_text(messages), renderer.prompt_ids(messages)
+    if spec == "byte":  # the earlier turn's end-of-document id has no text
+        assert ids.count(renderer.tokenizer.eod) == 1 and renderer.tokenizer.decode(ids) == text
+    else:
+        assert text == renderer.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        assert renderer.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids == ids

@@ -136,14 +136,14 @@ def test_odd_text_and_settings_are_named_not_tracebacks(tmp_path, capsys):
     with pytest.raises(ConfigError, match=r"tokenizer_config.json: eos_token is \['</s>'\], expected a token's text"):
         build_tokenizer(str(folder))
     for name, content, says in (
-        ("n.jsonl", '{"prompt": null}\n', 'n.jsonl:1: expected a JSON object with a "prompt" string'),
+        ("n.jsonl", '\n{"prompt": null}\n', 'n.jsonl: line 2: expected a JSON object with a "prompt" string'),
         ("bad.txt", b"The whale \xff\n", "bad.txt: not UTF-8 text"),
     ):
         (tmp_path / name).write_bytes(content if isinstance(content, bytes) else content.encode())
         with pytest.raises(DataError, match=f"^generate.prompt_file={re.escape(str(tmp_path))}/{says}"):
             generate.read_prompts(tmp_path / name)
     (tmp_path / "bom.txt").write_bytes(b"\xef\xbb\xbfThe whale\r\nCall me\r\n")
-    assert generate.read_prompts(tmp_path / "bom.txt") == ["The whale", "Call me"]
+    assert [p.text for p in generate.read_prompts(tmp_path / "bom.txt")] == ["The whale", "Call me"]
     # --decode of a .bin/.idx made elsewhere (no <prefix>.json): the tokenizer given
     (tmp_path / "a.txt").write_text("hello there")
     preprocess([tmp_path / "a.txt"], tmp_path / "p")
