@@ -255,6 +255,35 @@ ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetens
 PEFT_PREFIX = "base_model.model."  # before the base model's own tensor names
 
 
+def peft_lora_config(
+    lora: dict[str, Any],
+    task_type: str,
+    targets: list[str],
+    base: Optional[str] = None,
+    modules_to_save: Optional[list[str]] = None,
+) -> dict[str, Any]:
+    """A PEFT adapter_config.json for LoRA adapters of finetune.lora's rank, alpha and dropout on `targets` (plain
+    LoRA: no bias, DoRA or rsLoRA), as PEFT writes one for `task_type` (CAUSAL_LM, SEQ_CLS, TOKEN_CLS)."""
+    return {
+        "peft_type": "LORA",
+        "task_type": task_type,
+        "base_model_name_or_path": base,
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": targets,
+        "modules_to_save": modules_to_save,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+
+
 def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float]:
     """(r, lora_alpha) of a PEFT adapter_config.json whose LoRA we compute; ValueError naming the setting otherwise."""
 

@@ -34,6 +34,7 @@ from core.checkpointing.hf_folders import (  # noqa: F401 (ADAPTER_*, PEFT_PREFI
     check_adapter_config,
     lora_settings,
     override,
+    peft_lora_config,
     read_adapter,
     read_json_object,
 )
@@ -221,24 +222,8 @@ def adapter_to_peft(weights: dict[str, torch.Tensor], m: Any) -> dict[str, torch
 
 def adapter_config(m: Any, lora: dict[str, Any]) -> dict[str, Any]:
     """adapter_config.json of adapter_to_peft's tensors (finetune.lora's rank, alpha and dropout)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "TOKEN_CLS" if m.task == RESIDUE else "SEQ_CLS",
-        "base_model_name_or_path": None,
-        "r": lora["rank"],
-        "lora_alpha": lora["alpha"],
-        "lora_dropout": lora["dropout"],
-        "target_modules": PEFT_TARGETS,
-        "modules_to_save": ["classifier"],
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
+    task_type = "TOKEN_CLS" if m.task == RESIDUE else "SEQ_CLS"
+    return peft_lora_config(lora, task_type, PEFT_TARGETS, modules_to_save=["classifier"])
 
 
 def _peft_module(name: str) -> Optional[tuple[int, str, str]]:

@@ -23,7 +23,7 @@ from typing import Any, Optional
 
 import torch
 
-from core.checkpointing.hf_folders import PEFT_PREFIX
+from core.checkpointing.hf_folders import PEFT_PREFIX, peft_lora_config
 from recipes.gpt.hf import _heads, _qkv_rows
 
 QKV = ("q", "k", "v")
@@ -79,24 +79,7 @@ def adapter_to_peft(weights: dict[str, torch.Tensor], m: dict) -> tuple[dict[str
 
 def adapter_config(lora: dict[str, Any], targets: list[str], base: Optional[str]) -> dict[str, Any]:
     """adapter_config.json of adapter_to_peft's tensors (finetune.lora's rank, alpha and dropout)."""
-    return {
-        "peft_type": "LORA",
-        "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": base,
-        "r": lora["rank"],
-        "lora_alpha": lora["alpha"],
-        "lora_dropout": lora["dropout"],
-        "target_modules": targets,
-        "modules_to_save": None,
-        "bias": "none",
-        "fan_in_fan_out": False,
-        "use_rslora": False,
-        "use_dora": False,
-        "init_lora_weights": True,
-        "inference_mode": True,
-        "rank_pattern": {},
-        "alpha_pattern": {},
-    }
+    return peft_lora_config(lora, "CAUSAL_LM", targets, base)
 
 
 def lora_from_peft(tensors: dict[str, torch.Tensor], r: int, m: dict, fused: bool, file: Path) -> tuple[dict, int]:

@@ -58,6 +58,13 @@ CASES = {
     ),
     "gpt-te-seq128": ("gpt_sanity", SMALL_GPT),
     "gpt-te-seq200": ("gpt_sanity", [*SMALL_GPT, "model.seq_length=200"]),
+    # Document masks: packed rows of the mock documents (thd, padding_causal), and SFT of the shipped tiny Llama on
+    # the shipped chat rows with LoRA (packed conversations, the loss on the responses only).
+    "gpt-te-packed": ("gpt_sanity", [*SMALL_GPT, "data.packing=true", "data.max_documents_per_sample=16"]),
+    "gptsft-te-lora": (
+        "gpt_sft_sanity",
+        ["precision=bf16", "distributed=mfsdp", "model.backend=te", "finetune.mode=lora", *EVERY_STEP],
+    ),
     "esm2-te-packed": ("esm2_sanity", SMALL_ESM),
     # Fine-tuning heads (pooled through the packing boundaries, or per residue) with the backbone frozen (no backward
     # through it), with LoRA (frozen bf16 weights beside trainable adapters in each Megatron-FSDP unit), in full,
