@@ -234,12 +234,17 @@ class GPTRecipe(Recipe):
         """Packed rows (data.packing): the micro-batch's real tokens and their training FLOPs, 6 N per token plus,
         per document of s tokens, the attention's 12 L H s^2 (forward + backward). A row's documents are its
         first `documents` pieces where the batch gives "documents" [rows] (the pieces after them are padding), else
-        all of them (a pretraining sample is documents throughout). Unpacked rows: None (seq_length tokens each)."""
+        all of them (a pretraining sample is documents throughout). Unpacked rows of one conversation padded
+        ("real_tokens" [rows]): those tokens, and the attention over them alone. Other unpacked rows: None
+        (seq_length tokens each)."""
         cu_seqlens = batch.get("cu_seqlens")
-        if cu_seqlens is None:
+        if cu_seqlens is None and "real_tokens" not in batch:
             return None
-        lengths = cu_seqlens.diff(dim=1).double()
-        if "documents" in batch:
+        if cu_seqlens is None:
+            lengths = batch["real_tokens"].reshape(-1, 1).double()
+        else:
+            lengths = cu_seqlens.diff(dim=1).double()
+        if cu_seqlens is not None and "documents" in batch:
             pieces = torch.arange(lengths.shape[1], device=lengths.device)
             lengths = lengths * (pieces < batch["documents"].reshape(-1, 1).to(lengths.device))
         m = self.cfg.model

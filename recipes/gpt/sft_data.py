@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 class ChatRows(Dataset):
     """Rows of `chats`' conversations: {"tokens", "labels" (int64), "loss_mask" (float32): [seq_length], "idx"}, and
     when packed (`max_documents` not None) "cu_seqlens" [max_documents + 2] (int32) and "documents" (how many
-    conversations the row holds)."""
+    conversations the row holds), else "real_tokens" (the conversation's positions before the padding)."""
 
     def __init__(
         self, chats: ChatTokens, seq_length: int, pad: int, max_documents: Optional[int], shuffle_seed: Optional[int]
@@ -81,6 +81,8 @@ class ChatRows(Dataset):
         if self.max_documents is not None:
             row["cu_seqlens"] = torch.from_numpy(row_offsets(lengths, self.seq_length, self.max_documents + 1))
             row["documents"] = len(lengths)  # the pieces before the padding's: Recipe.work counts their tokens
+        else:
+            row["real_tokens"] = lengths[0]  # the positions before the padding: Recipe.work counts them
         return row
 
 

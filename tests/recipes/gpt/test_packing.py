@@ -237,7 +237,10 @@ def test_the_recipe_runs_packed_rows_and_counts_their_real_tokens(tmp_path):
     padded = dict(batch, cu_seqlens=torch.from_numpy(np.stack([row_offsets([10], 64, 4), row_offsets([64], 64, 4)])))
     tokens, flops = recipe.work(dict(padded, documents=torch.tensor([1, 1])))
     assert tokens == 10 + 64 and flops == 6.0 * n * 74 + 12.0 * m.num_layers * m.hidden_size * (10**2 + 64**2)
-    assert recipe.work({k: v for k, v in batch.items() if k != "cu_seqlens"}) is None  # unpacked: per sample
+    unpacked = {k: v for k, v in batch.items() if k != "cu_seqlens"}
+    assert recipe.work(unpacked) is None  # unpacked pretraining samples: seq_length tokens each
+    tokens, flops = recipe.work(dict(unpacked, real_tokens=torch.tensor([10, 64])))  # SFT rows, one padded chat each
+    assert tokens == 10 + 64 and flops == 6.0 * n * 74 + 12.0 * m.num_layers * m.hidden_size * (10**2 + 64**2)
 
 
 def test_max_documents_per_sample_is_checked(tmp_path):

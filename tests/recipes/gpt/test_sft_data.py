@@ -56,7 +56,8 @@ def test_a_padded_row_shifts_within_its_conversation_and_scores_exactly_the_resp
     row = rows[0]
     whole = _ids("<|user|>\nhi\n<|assistant|>\nok") + [BYTE.eod]
     n = len(whole) - 1
-    assert set(row) == {"tokens", "labels", "loss_mask", "idx"} and row["idx"] == 0
+    assert set(row) == {"tokens", "labels", "loss_mask", "idx", "real_tokens"} and row["idx"] == 0
+    assert row["real_tokens"] == n  # what Recipe.work counts for a padded row
     assert row["tokens"].dtype == row["labels"].dtype == torch.int64 and row["loss_mask"].dtype == torch.float32
     assert row["tokens"][:n].tolist() == whole[:-1] and row["labels"][:n].tolist() == whole[1:]
     assert row["tokens"][n:].eq(BYTE.eod).all() and row["labels"][n:].eq(0).all()

@@ -415,11 +415,14 @@ def test_a_number_out_of_range_ends_the_command_line_run_with_one_line(tmp_path)
 )
 def test_the_shipped_configs_pass(config, tmp_path):
     """Every shipped config validates as it is, given only what it asks the user for (`???`, e.g. esm2_finetune's
-    checkpoint.init_from: the user's pretrained weights; llama_sft's data.train_path and data.tokenizer: the user's chat rows and Llama folder)."""
+    checkpoint.init_from: the user's pretrained weights; llama_sft's data.train_path and data.tokenizer: the user's
+    chat rows and Llama folder)."""
     from omegaconf import OmegaConf
 
     asked = sorted(OmegaConf.missing_keys(compose_config(config, [f"checkpoint.path={tmp_path}"])))
-    assert set(asked) <= {"checkpoint.init_from", "data.train_path", "data.tokenizer"}, f"{config} leaves {asked} to the user"
+    assert set(asked) <= {"checkpoint.init_from", "data.train_path", "data.tokenizer"}, (
+        f"{config} leaves {asked} to the user"
+    )
     validated_config(config, [f"checkpoint.path={tmp_path}", *(f"{key}={tmp_path}/given" for key in asked)])
 
 
