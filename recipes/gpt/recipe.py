@@ -249,10 +249,7 @@ class GPTRecipe(Recipe):
             lengths = lengths * (pieces < batch["documents"].reshape(-1, 1).to(lengths.device))
         m = self.cfg.model
         tokens = lengths.sum()
-        flops = (
-            6.0 * self.non_embedding_parameters() * tokens
-            + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
-        )
+        flops = self.flops_per_token() * tokens + 12.0 * m.num_layers * m.hidden_size * lengths.square().sum()
         return tokens, flops
 
     def summarize_validation(self, means: dict[str, float]) -> dict[str, float]:
@@ -275,10 +272,34 @@ class GPTRecipe(Recipe):
     def flops_per_sample(self) -> float:
         """Training FLOPs of one sequence of S tokens: S x (6 N + 12 L H S), N = non-embedding parameters
         (the output projection included), 12 L H S the attention scores and their weighting of the values
-        (forward + backward, causal masking not discounted)."""
+        (forward + backward, causal masking not discounted); 6 N as finetune.mode trains (flops_per_token)."""
         model_cfg = self.cfg.model
         s = model_cfg.seq_length
-        return s * (6.0 * self.non_embedding_parameters() + 12.0 * model_cfg.num_layers * model_cfg.hidden_size * s)
+        return s * (self.flops_per_token() + 12.0 * model_cfg.num_layers * model_cfg.hidden_size * s)
+
+    def flops_per_token(self) -> float:
+        """The weights' matmul FLOPs of a training token as finetune.mode trains them: 2 per parameter forward, 2 for
+        the input's gradient, 2 for the weight's own. Full: 6 N. LoRA: no weight gradients for the frozen weights
+        (4 N) and 6 per adapter parameter. Frozen: the forward (2 N) and the weight gradients of the weights under
+        finetune.head (no input gradient is needed below them: the output projection is the GPT's only head)."""
+        ft, n = self.cfg.finetune, self.non_embedding_parameters()
+        mode = str(ft.mode)
+        if mode == "lora":
+            return 4.0 * n + 6.0 * self.adapter_parameters(list(ft.lora.target_modules), ft.lora.rank)
+        if mode == "frozen":
+            head = self.vocab_size * self.cfg.model.hidden_size if "output_layer" in list(ft.head) else 0
+            return 2.0 * n + 2.0 * head
+        return 6.0 * n
+
+    def adapter_parameters(self, targets: list[str], rank: int) -> int:
+        """LoRA parameters a token multiplies through: rank x (inputs + outputs) of each targeted Linear layer."""
+        m = self.cfg.model
+        h, heads = m.hidden_size, m.num_attention_heads
+        kv = (m.num_query_groups or heads) * (h // heads)
+        per_layer = {"layernorm_qkv": h + h + 2 * kv, "proj": 2 * h}
+        total = sum(m.num_layers * per_layer[t] for t in targets if t in per_layer)
+        total += h + self.vocab_size if "output_layer" in targets else 0
+        return rank * total
 
 
 RECIPE = GPTRecipe

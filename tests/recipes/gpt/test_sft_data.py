@@ -186,3 +186,26 @@ def test_the_shipped_sft_configs_compose_with_the_shapes_they_name():
     )
     assert big.data.tokenizer == "/models/x" and big.model.num_query_groups == 8 and big.model.seq_length == 4096
     assert big.precision.param_dtype == "bf16" and big.distributed.mfsdp.zero_dp_strategy == 3
+
+
+def test_flops_count_what_finetune_mode_trains():
+    """MFU's FLOPs: full 6 N per token; LoRA 4 N (no weight gradients for frozen weights) + 6 per adapter parameter,
+    counted from the model's own adapters; frozen with the output projection as the head: 2 N + its weight gradient."""
+    from core.layers.namespace import TORCH_LAYERS
+    from core.training import finetune
+    from recipes.registry import get_recipe
+
+    def recipe(*overrides):
+        cfg = validated_config("gpt_sft_sanity", ["checkpoint.path=unused", "checkpoint.init_from=null", *overrides])
+        return get_recipe("gpt")(cfg)
+
+    full = recipe()
+    n = full.non_embedding_parameters()
+    assert full.flops_per_token() == 6.0 * n
+    lora = recipe("finetune.mode=lora", "finetune.lora.target_modules=[layernorm_qkv,proj,output_layer]")
+    model = lora.build_model(TORCH_LAYERS, torch.device("cpu"))
+    finetune.apply(model, lora.cfg.finetune, 0, None)
+    adapters = sum(p.numel() for name, p in model.named_parameters() if ".lora_" in name)
+    assert lora.flops_per_token() == 4.0 * n + 6.0 * adapters
+    frozen = recipe("finetune.mode=frozen", "finetune.head=[output_layer]")
+    assert frozen.flops_per_token() == 2.0 * n + 2.0 * frozen.vocab_size * frozen.cfg.model.hidden_size
