@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -284,6 +284,27 @@ if [[ $what == esm2_finetune_profile ]]; then
     cp /tmp/esm2ft_prof/profile/rank0.summary.txt "$OUT/esm2ft_${mode}_profile_summary.txt"
     echo "== $mode"; sed -n 1,12p "$OUT/esm2ft_${mode}_trace_gaps.txt"
   done
+fi
+# sft (1 GPU, ~9 min): issue 52's SFT speed on a chat set with real instruction data's lengths
+# (benchmarks/chat_lengths.py: median ~700 tokens, a long tail to 4,000; byte tokenizer, random weights: the speed does
+# not depend on them). gpt_1b rows of 4,096 tokens packed with document masks against one conversation per row padded to
+# 4,096 (the longest); gpt_1b pretraining (mock documents) with document masks against without; the Llama-3-8B shape
+# with LoRA on rows of 4,096 (llama_sft as shipped but its data). Real tokens; MFU counts what each mode trains.
+if [[ $what == sft ]]; then
+  python3 benchmarks/chat_lengths.py /tmp/chats/train.jsonl --rows 20000 | tee "$OUT/sft_chat_set.txt"
+  chats="data=chat_sanity data.tokenizer=byte data.train_path=/tmp/chats/train.jsonl data.val_path=null data.num_workers=4"
+  quiet="training.val_every_n_steps=0 training.val_at_end=false checkpoint.init_from=null finetune.head=[]"
+  python3 benchmarks/throughput.py --config gpt_1b --data "" --nproc 1 --out "$OUT" --timeout 400 --steps ${SFT_STEPS:-5} \
+    --extra "$chats $quiet model.seq_length=4096 model.vocab_size=50304" --micro-batch 4 --global-batch 32 \
+    --variant "sft_packed=data.packing=true data.max_documents_per_sample=64" --variant "sft_padded=data.packing=false" \
+    2>&1 | tee "$OUT/sft_gpt_1b.log" | tail -4
+  python3 benchmarks/throughput.py --config gpt_1b --data "" --nproc 1 --out "$OUT" --timeout 400 --steps ${SFT_STEPS:-5} \
+    --extra "training.val_every_n_steps=0 training.val_at_end=false" --micro-batch 16 --global-batch 128 \
+    --variant "pretrain_unmasked=" --variant "pretrain_document_masks=data.packing=true" \
+    2>&1 | tee "$OUT/pretrain_gpt_1b.log" | tail -4
+  python3 benchmarks/throughput.py --config llama_sft --data "" --nproc 1 --out "$OUT" --timeout 500 --steps ${SFT_STEPS:-5} \
+    --extra "$chats $quiet model.vocab_size=128256" --micro-batch 1 --global-batch 8 --variant "llama3_8b_lora=finetune.mode=lora" \
+    2>&1 | tee "$OUT/sft_llama3_8b_lora.log" | tail -3
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}
