@@ -76,7 +76,7 @@ def apply(
     )
     return (
         f"finetune.mode={cfg.mode}: {trainable / 1e6:.3f}M of {total / 1e6:.3f}M parameters train "
-        f"({100 * trainable / max(total, 1):.2f}%: {what}the head {head or 'none'})"
+        f"({100 * trainable / max(total, 1):.2f}%: {what}{f'the head {head}' if head else 'no head'})"
         + (f"; kept frozen: {', '.join(frozen)}" if frozen else "")
         + (f"; the frozen weights are stored in {str(stored).removeprefix('torch.')}" if stored else "")
     )
