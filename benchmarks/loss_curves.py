@@ -70,7 +70,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--variant", action="append", default=[], help='"name=override ..."; the first is the reference')
-    p.add_argument("--extra", default="", help="overrides added to every variant")
+    p.add_argument("--extra", default="", help="overrides added to every variant (a variant's own win over them)")
     p.add_argument("--window", type=int, default=20, help="steps of smoothing before comparing")
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--plot", action="store_true")
@@ -165,7 +165,7 @@ def main() -> None:
     for spec in args.variant:
         name, _, overrides = spec.partition("=")
         curves[name] = train_losses(
-            args.config, args.nproc, args.steps, shlex.split(overrides) + shlex.split(args.extra), args.timeout
+            args.config, args.nproc, args.steps, shlex.split(args.extra) + shlex.split(overrides), args.timeout
         )
         print(
             f"{name}: {len(curves[name])} steps, first loss {curves[name][0]:.4f}, last {curves[name][-1]:.4f}",

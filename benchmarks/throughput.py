@@ -84,7 +84,7 @@ def _parser() -> argparse.ArgumentParser:
         help='"name=override override ..." (repeatable); default: the config as is',
     )
     p.add_argument("--phases", action="store_true", help="also time forward/backward, grad sync, optimizer")
-    p.add_argument("--extra", default="", help="overrides added to every variant")
+    p.add_argument("--extra", default="", help="overrides added to every variant (a variant's own win over them)")
     p.add_argument("--data", default="synthetic", help='data config for every variant ("": the config\'s own)')
     p.add_argument("--concurrent", type=int, default=1, help="with --nproc 1: variants run at once, one per GPU")
     p.add_argument("--timeout", type=float, default=900, help="seconds per variant run before it counts as failed")
@@ -111,9 +111,10 @@ def main() -> None:
     def measure(name: str, overrides: str, mb: int) -> dict:
         # Without --global-batch no gradient accumulation: the global batch is micro-batch x ranks.
         global_batch = args.global_batch or mb * args.nproc
+        # The variant's own overrides come after --extra's: Hydra keeps a key's last value, so a variant's wins.
         ov = (
-            shlex.split(overrides)
-            + shlex.split(args.extra)
+            shlex.split(args.extra)
+            + shlex.split(overrides)
             + [f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
         )
         gpu = free_gpus.get()

@@ -49,6 +49,26 @@ def run_train(
             raise TrainRunFailed(f"timed out after {timeout:.0f} s:\n{output[-2000:]}") from None
         output = proc.stdout + proc.stderr
         if proc.returncode != 0:
-            raise TrainRunFailed(f"{' '.join(cmd)} failed:\n{output[-3000:]}")
+            raise TrainRunFailed(f"{' '.join(cmd)} failed:\n{rank_error(output)}")
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     return rows, output
+
+
+# torchrun's own report of a failed rank (its logger's name, and the exception it raises after the ranks end).
+LAUNCHER_LINES = (
+    "torch/distributed/elastic",
+    "torch.distributed.elastic",
+    "torch/distributed/run.py",
+    "ChildFailedError",
+)
+
+
+def rank_error(output: str, lines: int = 40) -> str:
+    """The end of what the ranks wrote before torchrun's report of their failure (which only says that a rank
+    failed, and where its error file would be): the failing rank's own error is its last lines."""
+    text = output.splitlines()
+    first = next((i for i, line in enumerate(text) if any(mark in line for mark in LAUNCHER_LINES)), len(text))
+    if first > 0 and text[first - 1].startswith("Traceback"):  # torchrun's own traceback starts the report
+        first -= 1
+    ranks = [line for line in text[:first] if line.strip()] or text
+    return "\n".join(ranks[-lines:])

@@ -169,3 +169,42 @@ def test_throughput_global_batch_accumulates_like_a_real_run(tmp_path, monkeypat
     with pytest.raises(SystemExit) as refused:
         runpy.run_path(script, run_name="__main__")
     assert refused.value.code == 2 and runs == []
+
+
+def test_throughput_variant_overrides_win_over_extra_and_a_failing_run_reports_its_rank_error(tmp_path, monkeypatch):
+    """A variant's own overrides follow --extra's (Hydra keeps a key's last value: the variant's wins), and a run
+    that fails reports the failing rank's error line, not torchrun's report that a rank failed."""
+    monkeypatch.syspath_prepend(str(REPO / "benchmarks"))
+    monkeypatch.delenv("OUT", raising=False)
+    import train_runs
+
+    launcher_report = (
+        "[rank0]: Traceback (most recent call last):\n[rank0]:   File train.py, line 9\n"
+        "[rank0]: core.config.errors.ConfigError: model.seq_length=4096 is too long for this\n"
+        "E1128 00:00:00.000 12 torch/distributed/elastic/multiprocessing/api.py:900] failed (exitcode: 1)\n"
+        "Traceback (most recent call last):\n  File torch/distributed/run.py, line 1, in main\n"
+        "torch.distributed.elastic.multiprocessing.errors.ChildFailedError:\n====\ntrain.py FAILED\n"
+    )
+    assert train_runs.rank_error(launcher_report).splitlines()[-1].endswith("is too long for this")
+    assert train_runs.rank_error("just one line") == "just one line"
+
+    runs = []
+
+    def fake_run_train(config, nproc, overrides, timeout=None, gpus=None):
+        runs.append(overrides)
+        raise train_runs.TrainRunFailed("cmd failed:\n" + train_runs.rank_error(launcher_report))
+
+    monkeypatch.setattr(train_runs, "run_train", fake_run_train)
+    monkeypatch.setattr(
+        sys,
+        "argv",
+        ["throughput.py", "--config", "gpt_1b", "--nproc", "1", "--steps", "3", "--out", str(tmp_path)]
+        + ["--extra", "model.seq_length=2048 data.num_workers=2", "--variant", "long=model.seq_length=4096"],
+    )
+    runpy.run_path(str(REPO / "benchmarks" / "throughput.py"), run_name="__main__")
+    (overrides,) = runs
+    seq = [o for o in overrides if o.startswith("model.seq_length=")]
+    assert seq[-1] == "model.seq_length=4096" and "data.num_workers=2" in overrides
+    (written,) = tmp_path.glob("gpt_1b-1gpu-*.json")
+    (row,) = json.loads(written.read_text())["results"]
+    assert row["error"].splitlines()[-1].endswith("ConfigError: model.seq_length=4096 is too long for this")
