@@ -1,6 +1,6 @@
 """predict.py with nothing but checkpoint.init_from, for every shipped config: its defaults work on the config's
 shipped data (the test split where the data has one, else val, said in the log), or, where the config's data has
-nothing to predict on (the GPT's mock data), one line says so."""
+nothing to predict on (the GPT's mock data, its chat rows), one line says so."""
 
 from __future__ import annotations
 
@@ -39,6 +39,18 @@ ON_SHIPPED_DATA = {
             "model.seq_length=32",
         ],
     ),
+    "gpt chat": (
+        "gpt_sft_sanity",
+        [
+            "checkpoint.init_from=null",
+            "model.hidden_size=32",
+            "model.num_layers=1",
+            "model.num_attention_heads=2",
+            "model.num_query_groups=2",
+            "model.ffn_hidden_size=64",
+            "model.seq_length=64",
+        ],
+    ),
 }
 
 
@@ -60,7 +72,9 @@ SHIPPED = sorted(p.stem for p in (REPO / "configs").glob("*.yaml") if p.stem != 
 def _kind(cfg) -> str:
     if cfg.recipe == "mnist":
         return f"mnist {cfg.model.task}"
-    return "gpt mock" if cfg.recipe == "gpt" and cfg.data.format == "mock" else cfg.recipe
+    if cfg.recipe == "gpt" and cfg.data.format in ("mock", "chat"):
+        return f"gpt {cfg.data.format}"
+    return cfg.recipe
 
 
 def _shipped_kinds() -> set[str]:
@@ -123,6 +137,8 @@ def test_predict_with_only_a_checkpoint_works_for_every_shipped_config(tmp_path)
             )
         elif kind == "gpt mock":
             ok = proc.returncode == 2 and "config error: predict.py scores documents, and data.format=mock" in out
+        elif kind == "gpt chat":  # chat rows: the training run's validation is the response-only figure
+            ok = proc.returncode == 2 and "config error: " in out and "data.format=chat" in out
         else:
             expected = given or {"esm2": "val", "vit": "val"}.get(kind, "test")  # data/digits has train and val only
             said = given is not None or f"predict.split is not given: predicting on the {expected} split" in out
