@@ -357,6 +357,9 @@ def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torc
         ) from None
     try:
         ours = json.loads(metadata.get(key, "{}"))
-    except (json.JSONDecodeError, RecursionError):  # not ours, or crafted: read as an adapter of another tool
+    except (
+        ValueError,
+        RecursionError,
+    ):  # not ours, or crafted (e.g. an integer of thousands of digits): read as an adapter of another tool
         ours = {}
     return read_json_object(config_file), tensors, ours if isinstance(ours, dict) else {}
