@@ -17,6 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, 
 
 from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
 from core.config.file_shape import problems, shown
+from core.config.schema import LoraConfig
 
 
 def _plain_file_name(name: str) -> str:
@@ -293,8 +294,9 @@ def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float
 
     need(config.get("peft_type") == "LORA", f"peft_type={config.get('peft_type')!r}, expected 'LORA'")
     r, alpha = config.get("r"), config.get("lora_alpha")
-    need(isinstance(r, int) and not isinstance(r, bool) and 0 < r < 1 << 16, f"r={r!r}")
-    need(isinstance(alpha, (int, float)) and not isinstance(alpha, bool) and alpha > 0, f"lora_alpha={alpha!r}")
+    # finetune.lora's own ranges: a value they refuse (lora_alpha=1e400 is inf) would give a command that fails
+    for key, value, rule in (("r", r, LoraConfig.RANGES["rank"]), ("lora_alpha", alpha, LoraConfig.RANGES["alpha"])):
+        need(rule.accepts(value), f"{key}={shown(value)}: expected {rule.expected(key)}")
     for key, plain in (("bias", "none"), ("use_rslora", False), ("use_dora", False), ("fan_in_fan_out", False)):
         need(config.get(key, plain) == plain, f"{key}={config.get(key)!r} (only {plain!r} is mapped)")
     for key in (
@@ -308,6 +310,21 @@ def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float
     for key in ("rank_pattern", "alpha_pattern"):
         need(not config.get(key), f"{key}={config.get(key)!r}: one rank and alpha for every module are mapped")
     return r, float(alpha)
+
+
+def our_lora_alpha(r: int, alpha: float, rank: int, file: Path) -> float:
+    """finetune.lora.alpha for an adapter's LoRA of PEFT rank `r` and lora_alpha `alpha`, read as one LoRA of rank
+    `rank` (PEFT's fused q/k/v: a multiple of r), keeping PEFT's scale alpha / r; ValueError naming `file` if that
+    rank or alpha is beyond finetune.lora's ranges (checked before anything is written: the settings printed
+    for the import would be refused)."""
+    ours = alpha * rank / r
+    for key, value, rule in (("rank", rank, LoraConfig.RANGES["rank"]), ("alpha", ours, LoraConfig.RANGES["alpha"])):
+        if not rule.accepts(value):
+            raise ValueError(
+                f"{file}: r={r}, lora_alpha={alpha:g} give finetune.lora.{key}={value:g}: expected "
+                f"{rule.expected(key)}; nothing was imported"
+            )
+    return ours
 
 
 def lora_settings(file: Path) -> dict[str, Any]:
@@ -357,6 +374,9 @@ def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torc
         ) from None
     try:
         ours = json.loads(metadata.get(key, "{}"))
-    except (json.JSONDecodeError, RecursionError):  # not ours, or crafted: read as an adapter of another tool
+    except (
+        ValueError,
+        RecursionError,
+    ):  # not ours, or crafted (e.g. an integer of thousands of digits): read as an adapter of another tool
         ours = {}
     return read_json_object(config_file), tensors, ours if isinstance(ours, dict) else {}

@@ -11,7 +11,8 @@ from core.config.errors import DataError
 
 def json_lines(path: Path, source: str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line (a byte-order mark on the first is allowed). A line that
-    is not UTF-8, not JSON or nested too deeply for the parser is a DataError naming `source` and the line."""
+    is not UTF-8, not JSON, nested too deeply for the parser or holding an integer longer than Python converts
+    (sys.get_int_max_str_digits) is a DataError naming `source` and the line."""
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             try:
@@ -24,6 +25,8 @@ def json_lines(path: Path, source: str) -> Iterator[tuple[int, Any]]:
                 value = json.loads(line)
             except json.JSONDecodeError as e:
                 raise DataError(f"{source}: line {number} is not JSON ({e.msg})") from None
+            except ValueError as e:  # an integer of thousands of digits, which int() refuses to convert
+                raise DataError(f"{source}: line {number} is not JSON Python reads ({str(e).split(';')[0]})") from None
             except RecursionError:  # a few KB of nested brackets: refused, not a traceback
                 raise DataError(f"{source}: line {number} nests its JSON too deeply") from None
             yield number, value

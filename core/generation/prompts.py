@@ -49,11 +49,12 @@ class Rendered:
 
 
 def read_prompts(path: Path) -> list[Prompt]:
-    """One prompt per non-empty line; in a .jsonl file, a {"prompt": text} or {"messages": [...]} object per line."""
+    """One prompt per non-empty line; in a .jsonl file (any case: .JSONL too), a {"prompt": text} or {"messages": [...]}
+    object per line."""
     source = f"generate.prompt_file={path}"
     if not path.is_file():
         raise DataError(f"{source}: no such file")
-    prompts = _json_prompts(path, source) if path.suffix == ".jsonl" else _text_prompts(path, source)
+    prompts = _json_prompts(path, source) if path.suffix.lower() == ".jsonl" else _text_prompts(path, source)
     for prompt in prompts:
         if prompt.text is not None and lone_surrogate(prompt.text):
             raise DataError(f"{prompt.where}: the prompt holds a lone UTF-16 surrogate (\\ud800-\\udfff): not text")

@@ -10,18 +10,22 @@ the whole continuation for every token costs little beside the model's forward p
 
 One case cannot be streamed exactly: a decoder that rewrites text already out. SentencePiece's byte fallback does,
 for a model that writes byte tokens that are no UTF-8 (each byte of such a run, an ASCII one too, becomes U+FFFD
-once an invalid one follows); the streamed text then keeps the byte's character, the output file has U+FFFD.
+once an invalid one follows). The stream then goes on from where the new text parts from what is out: the rewritten
+part comes out again after it (the screen shows the byte's character, then the U+FFFD that replaced it), and every
+later token's text follows as usual; the output file has the decoder's text alone.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Sequence
 
 REPLACEMENT = "\ufffd"  # what a decoder gives for bytes that are not (yet) a whole UTF-8 character
 
 
 class TextStream:
-    """push(token) each new token, then end(): the pieces of decode(tokens) in order."""
+    """push(token) each new token, then end(): the pieces of decode(tokens) in order (after a rewrite, those of the
+    rewritten text from where it differs: module docstring)."""
 
     def __init__(self, decode: Callable[[Sequence[int]], str]):
         self.decode = decode
@@ -38,7 +42,13 @@ class TextStream:
         return self._piece(self.decode(self.tokens))
 
     def _piece(self, text: str) -> str:
-        if len(text) <= len(self.out) or not text.startswith(self.out):  # (a decoder that rewrites what is out)
+        if text.startswith(self.out):
+            start = len(self.out)
+        elif self.out.startswith(text):  # shorter: a character held back, nothing new yet
             return ""
-        piece, self.out = text[len(self.out) :], text
+        else:  # a decoder that rewrote text already out: on from where the two part, never silent from here
+            start = len(os.path.commonprefix([self.out, text]))
+        piece = text[start:]
+        if piece:
+            self.out = text
         return piece

@@ -33,6 +33,7 @@ from core.checkpointing.hf_folders import (  # noqa: F401 (ADAPTER_*, PEFT_PREFI
     PEFT_PREFIX,
     check_adapter_config,
     lora_settings,
+    our_lora_alpha,
     override,
     peft_lora_config,
     read_adapter,
@@ -502,6 +503,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     backbone = {k: v for k, v in hf.items() if not k.startswith(("lm_head.", "classifier."))}  # the base's own heads
     weights = esm_hf.from_hf(backbone, m, {}, model_class="backbone")
     lora, rank = adapter_from_peft(tensors, r, m, folder / ADAPTER_WEIGHTS)
+    our_alpha = our_lora_alpha(r, alpha, rank, folder / ADAPTER_CONFIG)
     head = {k: lora.pop(k) for k in list(lora) if k.startswith("classifier.")}
     task, classes, pooling, why = _adapter_task(head, ours, m.hidden_size, folder / ADAPTER_WEIGHTS)
     weights |= lora | head_from_hf(head, task)
@@ -511,7 +513,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     extra = [
         "finetune.mode=lora",
         f"finetune.lora.rank={rank}",
-        f"finetune.lora.alpha={alpha * rank / r:g}",  # alpha / rank: PEFT's scale alpha / r
+        f"finetune.lora.alpha={our_alpha:g}",
         f"finetune.lora.target_modules=[{','.join(modules)}]",
     ]
     if why:

@@ -601,7 +601,13 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     """checkpoint.py from-hf <PEFT adapter> --base <HF Llama folder>: the base's weights with the adapter's LoRA
     (unmerged: checkpoint.init_from with finetune.mode=lora trains on; recipes/gpt/hf_adapter.py) -> our weights;
     prints and returns the settings (finetune.lora's too)."""
-    from core.checkpointing.hf_folders import ADAPTER_CONFIG, ADAPTER_WEIGHTS, check_adapter_config, read_adapter
+    from core.checkpointing.hf_folders import (
+        ADAPTER_CONFIG,
+        ADAPTER_WEIGHTS,
+        check_adapter_config,
+        our_lora_alpha,
+        read_adapter,
+    )
     from recipes.gpt.hf_adapter import lora_from_peft
 
     folder = Path(adapter_dir)
@@ -610,6 +616,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     base, target, base_config, hf = read_hf_folder(base_dir, out)
     settings = model_settings(base_config, base / "config.json")
     lora, rank = lora_from_peft(tensors, r, settings, fuse_qkv, folder / ADAPTER_WEIGHTS)
+    our_alpha = our_lora_alpha(r, alpha, rank, folder / ADAPTER_CONFIG)
     weights = from_llama(hf, settings, fuse_qkv) | lora
     write_weights(weights, target, str(folder))
     modules = [
@@ -621,7 +628,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
         "finetune.mode=lora",
         "finetune.head=[]",
         f"finetune.lora.rank={rank}",
-        f"finetune.lora.alpha={alpha * rank / r:g}",  # alpha / rank: PEFT's scale alpha / r
+        f"finetune.lora.alpha={our_alpha:g}",
         f"finetune.lora.target_modules=[{','.join(modules)}]",
     ] + ([f"finetune.lora.dropout={dropout:g}"] if isinstance(dropout, (int, float)) and 0 < dropout < 1 else [])
     tokenizer = f" {override('data.tokenizer', base)}" if (base / "tokenizer.json").is_file() else ""

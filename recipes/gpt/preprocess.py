@@ -71,7 +71,7 @@ def read_jsonl(path: Path, text_key: str, named: str, key_named: str) -> Iterato
                 continue
             try:
                 record = json.loads(line)
-            except (json.JSONDecodeError, RecursionError) as e:
+            except (ValueError, RecursionError) as e:  # ValueError: JSONDecodeError, or an integer int() refuses
                 raise DataError(f"{named}:{number}: not JSON ({type(e).__name__}: {str(e)[:100]})") from None
             if not isinstance(record, dict) or not isinstance(record.get(text_key), str):
                 raise DataError(f"{named}:{number}: no text under the key {text_key!r} ({key_named})")

@@ -107,7 +107,7 @@ def read_settings_file(file: Path, named: str = "") -> dict:
     where = f"{named}: {file}" if named else str(file)
     try:
         settings = json.loads(file.read_bytes())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8 or JSON, or a too long integer
         raise DataError(
             f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then run again"
         ) from None

@@ -82,3 +82,17 @@ def test_a_piece_comes_as_soon_as_its_character_is_whole():
     assert [stream.push(b) for b in b"a"] == ["a"]
     assert [stream.push(b) for b in cat] == ["", "", "", "🐈"]
     assert stream.push(cat[0]) == "" and stream.end() == REPLACEMENT  # cut off: what decode gives too
+
+
+def test_after_a_decoder_rewrites_what_is_out_the_stream_goes_on():
+    """SentencePiece's byte fallback makes 'A' (an ASCII byte token) U+FFFD once an invalid byte follows it: the
+    stream then prints the rewritten text from where it parts from what is out, and every later token's text."""
+    from tokenizers import Tokenizer, decoders, models
+
+    vocab = {"<unk>": 0, "<0x41>": 1, "<0xFF>": 2, "b": 3, "c": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.decoder = decoders.Sequence([decoders.ByteFallback(), decoders.Fuse()])
+    decode = lambda ids: tok.decode(list(ids), skip_special_tokens=False)  # noqa: E731
+    ids = [1, 2, 3, 4, 3, 4]
+    assert decode(ids[:1]) == "A" and decode(ids) == REPLACEMENT * 2 + "bcbc"  # the 'A' rewritten
+    assert _pieces(decode, ids) == ["A", "", REPLACEMENT * 2 + "b", "c", "b", "c", ""]
