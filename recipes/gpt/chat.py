@@ -45,10 +45,12 @@ import numpy as np
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
 from recipes.gpt.options import DATA_CONFIG, Options, given
+from recipes.gpt.template_sandbox import BoundedTemplate
 from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
 
 ROLES = ("system", "user", "assistant")
 PLAIN_HEADERS = {role: f"<|{role}|>\n" for role in ROLES}
+PARQUET_BATCH_ROWS = 64  # rows decoded at once (each within the row groups' checked bounds)
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a folder's chat template besides tokenizer_config
 
 
@@ -108,7 +110,8 @@ class PlainTemplate:
         self.tokenizer = tokenizer
         self.name = "the plain chat template"
 
-    def render(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
+    def render(self, messages: list[dict], max_length: Optional[int] = None) -> tuple[list[int], list[bool]]:
+        """(ids, mask) of the conversation (max_length: unused, the plain template's cost is linear)."""
         ids: list[int] = []
         mask: list[bool] = []
         for message in messages:
@@ -150,45 +153,74 @@ class HFChatTemplate:
             self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         except Exception as e:  # noqa: BLE001 (a damaged folder raises many kinds)
             raise DataError(f"{named}: transformers cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
-        if not self.tokenizer.chat_template:
+        source = self.tokenizer.chat_template
+        if not source:
             raise DataError(f"{named}: transformers finds no chat template there")
+        if isinstance(source, dict) and all(isinstance(v, str) for v in source.values()):
+            source = source.get("default")  # HF's named templates ([{name, template}]): the one it uses by default
+        if not isinstance(source, str):
+            raise DataError(
+                f"{named}: chat_template is {type(source).__name__}, expected a string (or a list of "
+                "{name, template} with a 'default')"
+            )
+        try:
+            self.template = BoundedTemplate(source)
+        except Exception as e:  # noqa: BLE001 (the template is someone else's code: any error is its own)
+            raise DataError(
+                f"{named}: its chat template does not compile ({type(e).__name__}: {str(e)[:200]})"
+            ) from None
         self.name = f"the chat template of {named}"
 
     def _text(self, messages: list[dict], generation_prompt: bool) -> str:
-        from jinja2 import TemplateError
-
+        """What transformers' apply_chat_template(tokenize=False) renders, within the rendering's budget."""
+        variables = {**self.tokenizer.special_tokens_map, "tools": None, "documents": None}
         try:
-            return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
-        except TemplateError as e:
+            return self.template.render(
+                [dict(m) for m in messages], add_generation_prompt=generation_prompt, **variables
+            )
+        except Exception as e:  # noqa: BLE001 (the template is someone else's code: any error is its own)
             raise Refusal(f"{self.name} refuses this conversation ({type(e).__name__}: {str(e)[:200]})") from None
 
-    def render(self, messages: list[dict]) -> tuple[list[int], list[bool]]:
-        texts, contents = [self._text(messages, False)], []
+    def _ids(self, text: str) -> list[int]:
+        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render(self, messages: list[dict], max_length: Optional[int] = None) -> tuple[list[int], list[bool]]:
+        """(ids, mask) of the conversation; with `max_length`, the mask is found only for the assistant turns that
+        start within the first max_length tokens (the others do not survive truncation), and a conversation of
+        more messages than max_length (each renders to a token at least) is refused before any rendering."""
+        if max_length is not None and len(messages) > max_length:
+            raise Refusal(
+                f"{len(messages)} messages, more than the {max_length} tokens a row holds (each message takes a "
+                "token at least)"
+            )
+        whole = self._text(messages, False)
+        ids = self._ids(whole)
+        mask = [False] * len(ids)
         for i, message in enumerate(messages):
-            if message["role"] == "assistant":
-                texts += [self._text(messages[:i], True), self._text(messages[: i + 1], False)]
-                contents.append(message["content"])
-        encoded = [e.ids for e in self.tokenizer.backend_tokenizer.encode_batch(texts, add_special_tokens=False)]
-        ids, mask = encoded[0], [False] * len(encoded[0])
-        for k, content in zip(range(1, len(texts), 2), contents):
-            self._check_turn(texts[0], texts[k], texts[k + 1], content)
-            for text, prefix in zip(texts[k : k + 2], encoded[k : k + 2]):
+            if message["role"] != "assistant":
+                continue
+            start_text = self._text(messages[:i], True)
+            start = self._ids(start_text)
+            if max_length is not None and len(start) >= max_length:
+                break  # this turn and later ones begin past the truncation
+            end_text = self._text(messages[: i + 1], False)
+            end = self._ids(end_text)
+            self._check_turn(whole, start_text, end_text, message["content"])
+            for name, prefix in (("start", start), ("end", end)):
                 if ids[: len(prefix)] != prefix:
                     raise Refusal(
                         f"{self.name} cannot give a response-only loss mask: the conversation up to an assistant "
-                        f"message's {'start' if text is texts[k] else 'end'} does not tokenize as the start of the "
-                        "whole conversation (tokens merge across the turn's boundary); use a template without "
-                        "that, or a tokenizer folder without a chat template (the plain template)"
+                        f"message's {name} does not tokenize as the start of the whole conversation (tokens merge "
+                        "across the turn's boundary); use a template without that, or a tokenizer folder without a "
+                        "chat template (the plain template)"
                     )
-            start, end = len(encoded[k]), len(encoded[k + 1])
-            mask[start:end] = [True] * (end - start)
+            mask[len(start) : len(end)] = [True] * (len(end) - len(start))
         return ids, mask
 
     def prompt_ids(self, messages: list[dict]) -> list[int]:
         """The conversation rendered with the template's generation prompt: where the assistant's reply starts
         (generate.py). Refusal when the template refuses it."""
-        text = self._text(messages, True)
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        return self._ids(self._text(messages, True))
 
     def prompt_text(self, messages: list[dict]) -> str:
         """The text prompt_ids encodes: the template's rendering with its generation prompt."""
@@ -234,8 +266,9 @@ class HFChatTemplate:
 def chat_template(spec: str, eod_token: Optional[str] = None, options: Options = DATA_CONFIG):
     """What renders conversations for the tokenizer `spec` (byte, or a local HF folder): its chat template when the
     folder has one, else the plain template (`eod_token`: its end of turn, null: the folder's eos_token)."""
-    folder = Path(spec)
-    if spec != "byte" and folder.is_dir() and _has_template(folder, given(options.tokenizer, spec)):
+    folder = Path(spec) if Path(spec).is_dir() else Path(spec).parent  # a tokenizer.json: its folder's template,
+    # the one recipes/gpt/hf.py exports with it
+    if spec != "byte" and Path(spec).exists() and _has_template(folder, given(options.tokenizer, spec)):
         return HFChatTemplate(folder, given(options.tokenizer, spec))
     return PlainTemplate(build_tokenizer(spec, eod_token, options))
 
@@ -261,11 +294,11 @@ def read_chat(
         raise DataError(f"{source}: no such file")
     summary = ChatSummary(source, max_length)
     tokens, mask, lengths = array.array("i"), bytearray(), array.array("q")
-    rows = _parquet_rows(path, source) if suffix == ".parquet" else _jsonl_rows(path, source)
+    rows = _parquet_rows(path, source, max_length) if suffix == ".parquet" else _jsonl_rows(path, source)
     for where, row in rows:
         summary.rows_read += 1
         try:
-            ids, loss = renderer.render(_messages(row))
+            ids, loss = renderer.render(_messages(row), max_length)
         except Refusal as e:
             raise DataError(f"{source}: {where}: {e}") from None
         if len(ids) > max_length:
@@ -346,7 +379,7 @@ def _jsonl_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
         yield f"line {number}", row
 
 
-def _parquet_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
+def _parquet_rows(path: Path, source: str, max_length: int) -> Iterator[tuple[str, Any]]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -358,13 +391,33 @@ def _parquet_rows(path: Path, source: str) -> Iterator[tuple[str, Any]]:
             raise DataError(
                 f"{source}: no messages, prompt or response column (its columns: {', '.join(map(repr, names))})"
             )
+        _check_row_groups(file, source, columns, max_length)
         number = 0
-        for batch in file.iter_batches(batch_size=1024, columns=columns):
+        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
             for row in batch.to_pylist():
                 number += 1
                 yield f"row {number}", row
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None
+
+
+def _check_row_groups(file, source: str, columns: list[str], max_length: int) -> None:
+    """Refuses, from the file's metadata and before reading it, a row group whose columns hold more values than its
+    rows can use: each message takes a token at least, so a row needs no more than max_length of them (a few
+    compressed bytes can otherwise expand to gigabytes of messages)."""
+    meta = file.metadata
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        cap = (group.num_rows + 1) * max_length
+        for c in range(group.num_columns):
+            column = group.column(c)
+            top = column.path_in_schema.split(".")[0]
+            if top in columns and column.num_values > cap:
+                raise DataError(
+                    f"{source}: row group {g + 1} ({group.num_rows} rows) holds {column.num_values:,} values of "
+                    f"{column.path_in_schema}, more than its rows can use ({max_length} tokens a row, a message "
+                    "takes one at least)"
+                )
 
 
 # --- prompts for generation ------------------------------------------------------------------------------------

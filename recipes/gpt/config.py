@@ -112,7 +112,7 @@ class GPTDataConfig(DataConfig):
     # sample holding more share one span, counted in the log.
     max_documents_per_sample: int = 64
     # chat: .jsonl / .parquet files of {"prompt", "response"} or {"messages"} rows (recipes/gpt/chat.py), the loss on
-    # the responses only; rows longer than model.seq_length tokens are truncated or dropped (counted in the log).
+    # the responses only; rows longer than model.seq_length + 1 tokens (seq_length positions) are truncated or dropped.
     train_path: Optional[str] = None
     val_path: Optional[str] = None  # null: no validation
     too_long: TooLong = TooLong.truncate

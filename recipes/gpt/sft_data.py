@@ -1,8 +1,8 @@
 """Chat rows for supervised fine-tuning (data.format=chat): conversations -> the GPT recipe's samples.
 
 Each split's file (data.train_path, data.val_path) is read once by recipes/gpt/chat.py (`read_chat`: rendered with
-data.tokenizer's chat template or the plain template, a response-only mask, rows longer than model.seq_length
-truncated or dropped by data.too_long; its summary line logged once, by rank 0).
+data.tokenizer's chat template or the plain template, a response-only mask, rows longer than model.seq_length + 1
+tokens (model.seq_length positions) truncated or dropped by data.too_long; its summary line logged once, by rank 0).
 
 A conversation of n tokens gives n - 1 positions: inputs ids[:-1], labels ids[1:], loss_mask = its mask[1:] (a
 position is scored when the token it predicts is the response's), so labels never cross into another conversation.
@@ -101,7 +101,8 @@ def chat_splits(cfg, tokenizer_eod: int) -> tuple[ChatRows, Optional[ChatRows]]:
         if not path:
             splits.append(None)
             continue
-        chats, summary = read_chat(path, setting, renderer, seq_length, data.too_long)
+        # n tokens make n - 1 positions: a row of seq_length positions holds a conversation of seq_length + 1
+        chats, summary = read_chat(path, setting, renderer, seq_length + 1, data.too_long)
         if not dist.is_initialized() or dist.get_rank() == 0:
             log.info("%s", summary.line())
         if len(chats) == 0:

@@ -153,7 +153,7 @@ def test_the_recipe_builds_chat_rows_logs_each_split_once_and_counts_response_to
         datasets = recipe.build_datasets()
     lines = [r.getMessage() for r in caplog.records if r.name == "recipes.gpt.sft_data"]
     assert len(lines) == 2 and "data.train_path=" in lines[0] and "data.val_path=" in lines[1]
-    assert "20 rows read, 20 kept (0 truncated to 128 tokens)" in lines[0] and "response tokens" in lines[0]
+    assert "20 rows read, 20 kept (0 truncated to 129 tokens)" in lines[0] and "response tokens" in lines[0]
     assert recipe.vocab_size == 384  # the byte tokenizer's 258 ids, padded to a multiple of 128
     assert "cu_seqlens" in datasets.train[0] and "cu_seqlens" in datasets.val[0]
     # the validation rows are in file order: the first holds the file's first conversations
@@ -209,3 +209,12 @@ def test_flops_count_what_finetune_mode_trains():
     assert lora.flops_per_token() == 4.0 * n + 6.0 * adapters
     frozen = recipe("finetune.mode=frozen", "finetune.head=[output_layer]")
     assert frozen.flops_per_token() == 2.0 * n + 2.0 * frozen.vocab_size * frozen.cfg.model.hidden_size
+
+
+def test_a_conversation_of_seq_length_plus_one_tokens_fills_a_row_whole(tmp_path):
+    # n tokens make n - 1 positions: the row keeps the conversation's last token, its end of turn, as a label
+    shortest = min(ROWS, key=lambda r: len(PlainTemplate(BYTE).render(chat_messages(r))[0]))
+    n = len(PlainTemplate(BYTE).render(chat_messages(shortest))[0])
+    rows = _recipe(tmp_path, "model.vocab_size=null", f"model.seq_length={n - 1}", "data.too_long=drop")
+    row = rows.build_datasets().train[0]
+    assert row["labels"][-1].item() == BYTE.eod and row["loss_mask"][-1].item() == 1.0
