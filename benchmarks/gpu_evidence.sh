@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|packing_gap|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -29,7 +29,7 @@ fp8="precision=fp8_delayed precision.param_dtype=bf16"
 # and idle gaps: $OUT/<prefix>_profile.log, _trace_gaps.txt, _profile_summary.txt.
 profile_gpt_1b() {
   rm -rf /tmp/gpt_prof
-  python3 train.py --config-name gpt_1b training.steps=12 training.global_batch_size=16 training.val_every_n_steps=0 \
+  python3 train.py --config-name gpt_1b "${@:2}" training.steps=12 training.global_batch_size=16 training.val_every_n_steps=0 \
     training.val_at_end=false checkpoint.save_final=false logger.progress_bar=never hydra.run.dir=/tmp/gpt_prof \
     checkpoint.path=/tmp/gpt_prof/ckpt training.profile.enabled=true training.profile.start_step=9 training.profile.steps=3 \
     > "$OUT/$1_profile.log" 2>&1
@@ -305,6 +305,20 @@ if [[ $what == sft ]]; then
   python3 benchmarks/throughput.py --config llama_sft --data "" --nproc 1 --out "$OUT" --timeout 500 --steps ${SFT_STEPS:-5} \
     --extra "$chats $quiet model.vocab_size=128256" --micro-batch 1 --global-batch 8 --variant "llama3_8b_lora=finetune.mode=lora" \
     2>&1 | tee "$OUT/sft_llama3_8b_lora.log" | tail -3
+fi
+# packing_gap (1 GPU, ~7 min): what document masks cost gpt_1b pretraining (mock documents, sequence 2,048): unmasked
+# against masked with 64 (as configured), 16 and 4 document slots a row, in one run; then a profiled step of the
+# unmasked and of the masked run (which attention backend TE picks: *_profile.log, NVTE_DEBUG).
+if [[ $what == packing_gap ]]; then
+  python3 benchmarks/throughput.py --config gpt_1b --data "" --nproc 1 --out "$OUT" --timeout 500 --steps ${GAP_STEPS:-5} \
+    --extra "training.val_every_n_steps=0 training.val_at_end=false" --micro-batch 16 --global-batch 64 \
+    --variant "unmasked=" --variant "masks_64=data.packing=true" \
+    --variant "masks_16=data.packing=true data.max_documents_per_sample=16" \
+    --variant "masks_4=data.packing=true data.max_documents_per_sample=4" \
+    2>&1 | tee "$OUT/packing_gap.log" | tail -6
+  NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 profile_gpt_1b packing_gap_unmasked
+  NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2 profile_gpt_1b packing_gap_masks_64 data.packing=true
+  for v in unmasked masks_64; do echo "== $v"; sed -n 1,14p "$OUT/packing_gap_${v}_trace_gaps.txt"; done
 fi
 if [[ $what == esm2_peer ]]; then
   peer=${2:?usage: gpu_evidence.sh esm2_peer PEER_RECIPE_DIR (bionemo-recipes/recipes/esm2_native_te)}
