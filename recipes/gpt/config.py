@@ -109,8 +109,9 @@ class GPTDataConfig(DataConfig):
     # each document (recipes/gpt/packing.py). Pretraining samples are split after each end-of-document token.
     packing: bool = False
     # Documents one sample keeps apart (its cu_seqlens has this + 2 entries: static shapes); the last ones of a
-    # sample holding more share one span, counted in the log.
-    max_documents_per_sample: int = 64
+    # sample holding more share one span, counted in the log. Every slot costs attention time, used or not
+    # (docs/performance.md): raise it for corpora of documents much shorter than seq_length / 16.
+    max_documents_per_sample: int = 16
     # chat: .jsonl / .parquet files of {"prompt", "response"} or {"messages"} rows (recipes/gpt/chat.py), the loss on
     # the responses only; rows longer than model.seq_length + 1 tokens (seq_length positions) are truncated or dropped.
     train_path: Optional[str] = None

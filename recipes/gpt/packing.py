@@ -6,10 +6,6 @@ restart (TE's "thd" layout, ESM-2's convention: recipes/esm2/packing.py). The pa
 a piece of its own, and unused slots repeat the last offset (empty documents): every row has the same shapes,
 which CUDA graphs need. slots = data.max_documents_per_sample + 1 (the +1 for the padding piece).
 
-Every slot costs attention time, empty or not (TE's thd kernels run per slot up to the longest a document may be:
-docs/performance.md), so a batch without CUDA graphs or compilation drops the empty slots all its rows end in
-(`collate_trimming_slots`), keeping a power of two of them: a few shapes over a run.
-
 Pretraining (`eod_document_lengths`) splits a Megatron sample after each end-of-document token, as Megatron's
 reset_attention_mask / reset_position_ids do; a sample of more documents than a row has slots for keeps the first
 ones apart and lets the last ones share the final span (attention then crosses their boundaries, as it does
@@ -21,8 +17,6 @@ from __future__ import annotations
 from typing import Sequence
 
 import numpy as np
-import torch
-from torch.utils.data import default_collate
 
 
 def row_offsets(lengths: Sequence[int], budget: int, slots: int) -> np.ndarray:
@@ -66,24 +60,3 @@ def eod_document_lengths(tokens: np.ndarray, eod: int, max_documents: int) -> li
     ends = ends[: max_documents - 1]
     bounds = np.concatenate(([0], ends, [len(tokens)]))
     return np.diff(bounds).tolist()
-
-
-def trimmed_slots(cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """A batch's cu_seqlens [rows, slots + 1] without the empty slots at the end of every row: [rows, k + 1], k the
-    pieces the fullest row uses rounded up to a power of two (at most slots). Each row keeps its pieces, so the
-    attention, the positions and the real-token counts are those of the untrimmed batch."""
-    if cu_seqlens.dim() != 2 or cu_seqlens.shape[1] < 2:
-        raise ValueError(f"cu_seqlens of shape {tuple(cu_seqlens.shape)}: expected [rows, slots + 1]")
-    slots = cu_seqlens.shape[1] - 1
-    ends = cu_seqlens[:, -1:]
-    used = int((cu_seqlens < ends).sum(dim=1).max()) if cu_seqlens.shape[0] else 1  # offsets before each row's end
-    keep = min(slots, 1 << max(used - 1, 0).bit_length())
-    return cu_seqlens[:, : keep + 1].contiguous()
-
-
-def collate_trimming_slots(samples: list[dict]) -> dict:
-    """torch's default_collate, then the batch's "cu_seqlens" trimmed (`trimmed_slots`) where it has them."""
-    batch = default_collate(samples)
-    if isinstance(batch, dict) and "cu_seqlens" in batch:
-        batch["cu_seqlens"] = trimmed_slots(batch["cu_seqlens"])
-    return batch

@@ -23,7 +23,6 @@ from recipes.base import Datasets, Recipe
 from recipes.gpt.config import GPTDataConfig, GPTModelConfig
 from recipes.gpt.data import build_gpt_datasets, document_windows, padded_vocab_size
 from recipes.gpt.model import GPT
-from recipes.gpt.packing import collate_trimming_slots
 from recipes.gpt.sft_data import chat_splits
 from recipes.gpt.tokenizer import build_tokenizer
 
@@ -220,13 +219,6 @@ class GPTRecipe(Recipe):
             "tokens": int(total),
             "perplexity": math.exp(min(columns["nll"].sum().item() / max(total, 1), 50.0)),
         }
-
-    def collate_fn(self):
-        """data.packing: batches drop their rows' common empty document slots (recipes/gpt/packing.py), unless
-        CUDA graphs or compilation may run, which want every batch in one shape."""
-        training = self.cfg.training
-        static = training.cuda_graphs != "none" or training.compile
-        return collate_trimming_slots if self.cfg.data.packing and not static else None
 
     def loss_count(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()

@@ -7,13 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from recipes.gpt.packing import (
-    collate_trimming_slots,
-    eod_document_count,
-    eod_document_lengths,
-    row_offsets,
-    trimmed_slots,
-)
+from recipes.gpt.packing import eod_document_count, eod_document_lengths, row_offsets
 
 
 def test_row_offsets_documents_then_padding_then_empty_slots():
@@ -138,39 +132,6 @@ def test_packed_documents_equal_each_document_alone():
     assert not torch.allclose(model(tokens)[0, 5:8], packed[0, 5:8], atol=1e-3)
 
 
-def test_a_batch_drops_the_empty_slots_all_its_rows_end_in():
-    cu = torch.from_numpy(np.stack([row_offsets([5, 3, 8], 16, 9), row_offsets([7, 2], 16, 9)]))
-    # the fullest rows use 3 pieces (row 1: two documents and the padding): 4 kept, a power of two
-    assert trimmed_slots(cu).tolist() == [[0, 5, 8, 16, 16], [0, 7, 9, 16, 16]]
-    assert trimmed_slots(cu[:, :5]).tolist() == trimmed_slots(cu).tolist()
-    # a row that uses every slot keeps them all; rows of one document keep one
-    full = torch.from_numpy(np.stack([row_offsets([1] * 8, 16, 9), row_offsets([16], 16, 9)]))
-    assert trimmed_slots(full).shape == (2, 10) and torch.equal(trimmed_slots(full), full)
-    assert trimmed_slots(full[1:]).tolist() == [[0, 16]]
-    with pytest.raises(ValueError, match="expected \\[rows, slots \\+ 1\\]"):
-        trimmed_slots(cu[0])
-    samples = [{"tokens": torch.arange(16), "cu_seqlens": torch.from_numpy(row_offsets([4, 12], 16, 9))}] * 3
-    batch = collate_trimming_slots(samples)
-    assert batch["tokens"].shape == (3, 16) and batch["cu_seqlens"].tolist() == [[0, 4, 16]] * 3
-    assert collate_trimming_slots([{"tokens": torch.arange(4)}] * 2)["tokens"].shape == (2, 4)  # no offsets: as is
-
-
-def test_trimmed_slots_change_no_logit_and_no_gradient():
-    model = _tiny_gpt()
-    tokens, cu = _packed_batch()
-    wide = torch.cat([cu, cu[:, -1:].expand(-1, 6)], dim=1)  # six more empty slots
-    assert trimmed_slots(wide).shape[1] < wide.shape[1]
-    labels = torch.roll(tokens, -1, dims=1)
-    grads = []
-    for offsets in (wide, trimmed_slots(wide), cu):
-        model.zero_grad()
-        model(tokens, labels=labels, cu_seqlens=offsets).sum().backward()
-        grads.append([p.grad.clone() for p in model.parameters()])
-        torch.testing.assert_close(model(tokens, cu_seqlens=offsets), model(tokens, cu_seqlens=wide), rtol=0, atol=0)
-    for got, expected in zip(grads[1] + grads[2], grads[0] + grads[0]):
-        torch.testing.assert_close(got, expected, rtol=0, atol=0)
-
-
 def test_plain_rows_run_as_before_after_packed_ones():
     model = _tiny_gpt()
     tokens, cu = _packed_batch()
@@ -280,14 +241,6 @@ def test_the_recipe_runs_packed_rows_and_counts_their_real_tokens(tmp_path):
     assert recipe.work(unpacked) is None  # unpacked pretraining samples: seq_length tokens each
     tokens, flops = recipe.work(dict(unpacked, real_tokens=torch.tensor([10, 64])))  # SFT rows, one padded chat each
     assert tokens == 10 + 64 and flops == 6.0 * n * 74 + 12.0 * m.num_layers * m.hidden_size * (10**2 + 64**2)
-
-
-def test_packed_batches_are_trimmed_unless_graphs_or_compilation_want_one_shape(tmp_path):
-    assert _packed_recipe(tmp_path).collate_fn() is collate_trimming_slots
-    assert _packed_recipe(tmp_path, "training.cuda_graphs=auto").collate_fn() is None
-    assert _packed_recipe(tmp_path, "training.cuda_graphs=forward_backward").collate_fn() is None
-    assert _packed_recipe(tmp_path, "training.compile=true").collate_fn() is None
-    assert _packed_recipe(tmp_path, "data.packing=false").collate_fn() is None
 
 
 def test_max_documents_per_sample_is_checked(tmp_path):
