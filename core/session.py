@@ -32,7 +32,7 @@ from core.layers.tensor_parallel import full_numel
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
 from core.runtime import Runtime, resolve
-from core.training import finetune
+from core.training import finetune, memory_plan
 from core.training.nonfinite import NonFiniteError
 from core.training.precision import autocast_factory
 
@@ -112,6 +112,8 @@ def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
     (core/training/finetune.py), wrapped by core.parallel
     (`training=False` leaves out activation recomputation and compilation). Returns it and its full
     parameter count."""
+    if training:  # per-GPU memory from the settings: logged, and a run that cannot fit stops here, saying what would
+        memory_plan.check_run(sess.cfg, sess.recipe, sess.env, sess.runtime, log)
     layers = get_layers(sess.runtime.layers, sess.env.tensor_parallel())
     model = sess.recipe.build_model(layers, sess.env.device)
     # finetune.mode: which weights train (LoRA adapters added), before the wrappers see the parameters.

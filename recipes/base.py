@@ -27,6 +27,7 @@ from core.config.errors import ConfigError
 from core.config.schema import DataConfig, ModelConfig
 from core.data.loading import to_device
 from core.layers.namespace import Layers
+from core.training.memory_plan import BlockShape
 
 # The opt-in protocols: the methods (or properties) a recipe defines to support a tool. The tool checks them with
 # `require` before any work; their contracts are documented where the Recipe below lists them.
@@ -88,6 +89,10 @@ class Recipe(ABC):
     def unit_modules(self, layers: Layers) -> list[type]:
         """Module classes that FSDP shards, gathers and frees as one unit (the transformer block; for a small
         model, its linear layers)."""
+
+    def block_shape(self) -> Optional[BlockShape]:
+        """The transformer's shape for the memory plan (core/training/memory_plan.py); None: no plan (small models)."""
+        return None
 
     def no_weight_decay(self, model: nn.Module) -> set[str]:
         """Names of matrix-shaped parameters that take no weight decay (biases and norm weights,

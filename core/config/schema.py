@@ -63,6 +63,12 @@ class NonFinitePolicy(StrEnum):
     skip = "skip"  # skip that optimizer step (one host sync per step to decide)
 
 
+class MemoryPlanMode(StrEnum):
+    refuse = "refuse"  # print the plan; stop before building the model when it cannot fit the GPU, naming what would
+    warn = "warn"  # print the plan; only warn when it cannot fit
+    off = "off"
+
+
 class CudaGraphs(StrEnum):
     none = "none"  # every micro-batch launched from Python
     # Each micro-batch's forward and backward replayed as one CUDA graph (core/training/cuda_graphs.py).
@@ -193,6 +199,8 @@ class TrainingConfig:
     # Recompute each transformer block's activations in the backward pass instead of keeping them
     # (core/parallel/activation_checkpointing.py): less memory, about one more forward pass of compute.
     activation_checkpointing: bool = False
+    # Per-GPU memory estimated from the settings before the model is built (core/training/memory_plan.py).
+    memory_plan: MemoryPlanMode = MemoryPlanMode.refuse
     # torch.compile each transformer block's forward (core/parallel/compilation.py): fuses the elementwise
     # work of plain-torch blocks; TE blocks keep their own kernels (TE code is not traced).
     compile: bool = False

@@ -30,6 +30,8 @@ def param_generator(seed: int, name: str) -> torch.Generator:
 def init_parameters(model: nn.Module, seed: int, rule: InitRule, tp: TensorParallel = TensorParallel()) -> None:
     split = splits(model) if tp.size > 1 else {}
     for name, param in model.named_parameters():
+        if param.is_meta:  # a model built for its shapes alone (core/training/memory_plan.py) holds no values
+            continue
         values = torch.empty(full_shape(param.shape, split.get(name), tp.size), dtype=torch.float32)
         if rule(name, values, param_generator(seed, name)) is False:
             continue

@@ -17,6 +17,7 @@ from core.data.datasets import mix_seed
 from core.layers.namespace import Layers
 from core.layers.torch_twins import packed_positions
 from core.layers.weight_init import init_parameters, standard_rule
+from core.training.memory_plan import BlockShape
 from recipes.base import Datasets, Recipe
 from recipes.esm2.config import ESM2DataConfig, ESM2ModelConfig
 from recipes.esm2.masking import Masking
@@ -50,6 +51,10 @@ class ESM2Recipe(Recipe):
         model = ESM2(self.cfg.model, layers, device=device)
         init_parameters(model, self.cfg.seed, standard_rule(self.cfg.model.init_std), layers.tp)
         return model
+
+    def block_shape(self) -> BlockShape:
+        m = self.cfg.model
+        return BlockShape(m.num_layers, m.hidden_size, m.ffn_hidden_size, m.hidden_size, False, VOCAB_SIZE)
 
     def unit_modules(self, layers: Layers) -> list[type]:
         return [layers.TransformerLayer]

@@ -23,6 +23,7 @@ from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
 from core.metrics.task_metrics import task_metric_names
 from core.training.finetune import in_head
+from core.training.memory_plan import BlockShape
 from recipes.base import Datasets, Recipe
 from recipes.esm2.recipe import ESM2Recipe
 from recipes.esm2_finetune import predictions
@@ -110,6 +111,10 @@ class ESM2FinetuneRecipe(Recipe):
         model = ESM2TaskModel(self.cfg.model, layers, device=device)
         init_parameters(model, self.cfg.seed, standard_rule(self.cfg.model.init_std), layers.tp)
         return model
+
+    def block_shape(self) -> BlockShape:
+        m = self.cfg.model  # the task heads' outputs are per sequence or few per token: not counted
+        return BlockShape(m.num_layers, m.hidden_size, m.ffn_hidden_size, m.hidden_size, gated=False)
 
     def unit_modules(self, layers: Layers) -> list[type]:
         return [layers.TransformerLayer]

@@ -19,6 +19,7 @@ from torch import nn
 from core.config.errors import ConfigError
 from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
+from core.training.memory_plan import BlockShape
 from recipes.base import Datasets, Recipe
 from recipes.gpt.config import GPTDataConfig, GPTModelConfig
 from recipes.gpt.data import build_gpt_datasets, document_windows, padded_vocab_size
@@ -126,6 +127,12 @@ class GPTRecipe(Recipe):
 
         init_parameters(model, self.cfg.seed, rule, layers.tp)
         return model
+
+    def block_shape(self) -> BlockShape:
+        m = self.cfg.model
+        head_dim = m.hidden_size // m.num_attention_heads
+        kv = (m.num_query_groups or m.num_attention_heads) * head_dim
+        return BlockShape(m.num_layers, m.hidden_size, m.ffn_hidden_size, kv, gated=True, logits=self.vocab_size)
 
     def unit_modules(self, layers: Layers) -> list[type]:
         return [layers.TransformerLayer]

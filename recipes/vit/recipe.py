@@ -16,6 +16,7 @@ from core.checkpointing.layout import resolve_checkpoint
 from core.config.errors import ConfigError
 from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
+from core.training.memory_plan import BlockShape
 from recipes.base import Datasets, Recipe
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
 from recipes.vit.data import (
@@ -109,6 +110,11 @@ class ViTRecipe(Recipe):
         model = VisionTransformer(self.cfg.model, layers, device=device)
         init_parameters(model, self.cfg.seed, standard_rule(self.cfg.model.init_std))
         return model
+
+    def block_shape(self) -> BlockShape:
+        m = self.cfg.model
+        ffn = int(m.hidden_size * m.mlp_ratio)
+        return BlockShape(m.depth, m.hidden_size, ffn, m.hidden_size, gated=False)
 
     def unit_modules(self, layers: Layers) -> list[type]:
         return [layers.TransformerLayer]

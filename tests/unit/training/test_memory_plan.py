@@ -1,0 +1,145 @@
+"""The memory plan (core/training/memory_plan.py): estimates against peaks measured on GPUs, what each setting
+changes, and the refusal that names settings that fit."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core.config.errors import ConfigError
+from core.training import memory_plan as mp
+from recipes.registry import get_recipe
+from tests.support.helpers import validated_config
+
+LLAMA_8B = ["model=llama3_8b", "model.vocab_size=32000", "training.micro_batch_size=1"]
+CHATS = ["checkpoint.init_from=null", "data.tokenizer=byte", "data.train_path=unused.jsonl"]
+TASK = ["checkpoint.init_from=null", "model.classes=[a,b]"]
+
+# Shipped configs as typed (one GPU unless said), and the peak torch allocated in the run's log (peak_mem_gib), from
+# benchmarks/results/<folder>.
+MEASURED = [
+    ("gpt_1b", [], 1, 47.9, "2026-12-02-sft-packing-h200"),
+    ("gpt_1b", ["training.micro_batch_size=32"], 1, 80.8, "2026-11-23-perf4-h200"),
+    ("gpt_1b", ["model.seq_length=4096", "training.micro_batch_size=8"], 1, 48.0, "2026-11-23-perf4-h200"),
+    ("gpt_1b", ["precision.fp8.enabled=true"], 1, 46.6, "2026-11-25-cuda-graphs-2-h200"),
+    ("gpt_125m", [], 1, 9.6, "2026-11-25-qkv-rope-h200"),
+    ("gpt_125m", ["training.micro_batch_size=32"], 1, 27.9, "2026-11-25-cuda-graphs-2-h200"),
+    ("vit_base_patch16_224", [], 1, 18.5, "2026-11-27-two-gpus-h200x2"),
+    ("vit_base_patch16_224", [], 2, 17.3, "2026-11-27-two-gpus-h200x2"),
+    ("vit_base_patch16_224", ["training.micro_batch_size=512"], 1, 30.8, "2026-11-23-perf4-h200"),
+    ("esm2_650m", [], 1, 21.7, "2026-11-27-esm2-and-gpu-suite-h100"),
+    ("esm2_650m", ["precision.param_dtype=fp32"], 1, 24.2, "2026-11-27-esm2-and-gpu-suite-h100"),
+    ("esm2_finetune", TASK, 1, 21.7, "2026-11-27-esm2-finetune-lora-h200"),
+    ("esm2_finetune_lora", TASK, 1, 8.7, "2026-11-27-esm2-finetune-lora-h200"),
+    ("llama_sft", [*CHATS, "finetune.mode=lora"], 1, 30.9, "2026-12-02-sft-packing-h200"),
+    # the Llama-3-8B shape over gpt_1b with ZeRO-3 on 2 GPUs (../shared/notes: 2 x H200, 2026-11-27)
+    ("gpt_1b", [*LLAMA_8B, "distributed.mfsdp.zero_dp_strategy=3"], 2, 83.7, "notes"),
+]
+
+
+def _plan(name, overrides, gpus=1, capacity=None, backend="mfsdp"):
+    cfg = validated_config(name, ["checkpoint.path=unused", *overrides])
+    recipe = get_recipe(cfg.recipe)(cfg)
+    return mp.plan_for_run(cfg, recipe, gpus, gpus, 1, backend, capacity)
+
+
+@pytest.mark.parametrize("name, overrides, gpus, measured, source", MEASURED, ids=lambda v: None)
+def test_estimates_are_within_15_percent_of_measured_peaks(name, overrides, gpus, measured, source):
+    plan, _ = _plan(name, overrides, gpus)
+    estimate = plan.total / mp.GIB
+    assert abs(estimate / measured - 1) < 0.15, (
+        f"{name} {overrides} on {gpus}: ~{estimate:.1f} GiB, {measured} measured"
+    )
+
+
+def test_zero_levels_divide_what_they_shard():
+    plans = {z: _plan("gpt_1b", [f"distributed.mfsdp.zero_dp_strategy={z}"], gpus=4)[0].parts for z in range(4)}
+    assert plans[1]["optimizer state"] == plans[0]["optimizer state"] / 4
+    assert plans[1]["master weights"] == plans[0]["master weights"] / 4
+    assert plans[1]["gradients"] == plans[0]["gradients"]
+    assert plans[2]["gradients"] == plans[0]["gradients"] / 4
+    assert plans[2]["weights"] == plans[0]["weights"]
+    assert plans[3]["weights"] == plans[0]["weights"] / 4 and plans[3]["gathered units"] > 0
+    assert plans[0]["activations"] == plans[3]["activations"]  # data parallelism splits samples, not a sample
+
+
+def test_activation_checkpointing_keeps_each_blocks_input_and_one_block():
+    full = _plan("gpt_1b", [])[0]
+    checkpointed = _plan("gpt_1b", ["training.activation_checkpointing=true"])[0]
+    cfg = validated_config("gpt_1b", ["checkpoint.path=unused"])
+    m, tokens = cfg.model, 16 * 2048
+    per_block = full.parts["activations"] / m.num_layers
+    assert checkpointed.parts["activations"] == pytest.approx(m.num_layers * m.hidden_size * 2 * tokens + per_block)
+    assert checkpointed.total < 0.5 * full.total
+
+
+def test_lora_keeps_no_optimizer_state_for_the_frozen_weights():
+    lora = _plan("llama_sft", [*CHATS, "finetune.mode=lora"])[0].parts
+    full = _plan("llama_sft", [*CHATS, "finetune.mode=full"])[0].parts
+    assert lora["optimizer state"] < full["optimizer state"] / 1000
+    assert lora["weights"] == pytest.approx(full["weights"], rel=0.01)  # bf16 either way
+    assert lora["activations"] < full["activations"]
+
+
+def test_the_8b_shape_at_zero_0_is_refused_naming_what_fits():
+    """The issue's case: the Llama-3-8B shape typed over gpt_1b (ZeRO-0) on 8 GPUs of 80 GiB."""
+    capacity = 80 * mp.GIB
+    plan, suggestions = _plan("gpt_1b", LLAMA_8B, gpus=8, capacity=capacity)
+    assert plan.total > capacity
+    assert suggestions and suggestions[0][0] == "distributed.mfsdp.zero_dp_strategy=3"
+    assert all(p.total <= capacity for _, p in suggestions)
+    with pytest.raises(ConfigError, match=r"set distributed.mfsdp.zero_dp_strategy=3: ~\d+\.\d GiB") as e:
+        mp.check(plan, capacity, suggestions, "refuse")
+    assert "training.memory_plan=warn" in str(e.value) and "optimizer state" in str(e.value)
+    assert "set distributed.mfsdp.zero_dp_strategy=3" in mp.check(plan, capacity, suggestions, "warn")
+    # one GPU: no ZeRO level helps; nothing fits
+    plan, suggestions = _plan("gpt_1b", LLAMA_8B, gpus=1, capacity=capacity)
+    assert suggestions == []
+    with pytest.raises(ConfigError, match="use more GPUs"):
+        mp.check(plan, capacity, suggestions, "refuse")
+
+
+def test_a_smaller_micro_batch_that_divides_the_global_batch_is_advised():
+    capacity = 40 * mp.GIB  # gpt_1b at micro-batch 16 needs ~48 GiB
+    plan, suggestions = _plan("gpt_1b", [], capacity=capacity)
+    assert plan.total > capacity
+    assert suggestions[0][0] == "training.micro_batch_size=8"  # 128 = 8 x 16: divides; fewest changes first
+    assert mp.check(_plan("gpt_1b", [])[0], 140 * mp.GIB, [], "refuse") is None
+    assert "little room" in mp.check(plan, plan.total / 0.95, [], "refuse")
+
+
+def test_a_run_on_a_gpu_that_is_too_small_stops_before_the_model_is_built(monkeypatch, caplog):
+    cfg = validated_config("gpt_1b", ["checkpoint.path=unused", *LLAMA_8B])
+    recipe = get_recipe(cfg.recipe)(cfg)
+    env = SimpleNamespace(device=torch.device("cuda", 0), dp_shard=8, dp_size=8, tp=1, is_main=True)
+    runtime = SimpleNamespace(device_type="cuda", parallel="mfsdp")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * mp.GIB))
+    log = __import__("logging").getLogger("test_memory_plan")
+    with pytest.raises(ConfigError, match="set distributed.mfsdp.zero_dp_strategy=3"):
+        mp.check_run(cfg, recipe, env, runtime, log)
+    with caplog.at_level("INFO", logger="test_memory_plan"):
+        mp.check_run(cfg, recipe, env, SimpleNamespace(device_type="cpu", parallel="fsdp2"), log)
+        assert caplog.text == ""  # CPU runs have no plan
+        warned = validated_config("gpt_1b", ["checkpoint.path=unused", *LLAMA_8B, "training.memory_plan=warn"])
+        mp.check_run(warned, recipe, env, runtime, log)
+    assert "memory plan per GPU" in caplog.text and "does not fit" not in caplog.text
+    assert "set distributed.mfsdp.zero_dp_strategy=3" in caplog.text
+
+
+def test_the_plan_counts_parameters_without_allocating_or_initializing_them():
+    cfg = validated_config("llama_sft", ["checkpoint.path=unused", *CHATS, "finetune.mode=lora"])
+    params = mp.count_parameters(get_recipe(cfg.recipe)(cfg), cfg)
+    assert params.total == 8_034_979_840 and params.trained == 4_718_592 and params.blocks_trained == "some"
+    h, f, kv = 4096, 14336, 1024
+    assert params.unit == h * (h + 2 * kv) + h * h + 3 * f * h + 2 * h + 8 * (h + (h + 2 * kv)) + 8 * (h + h)
+
+
+def test_the_command_line_prints_the_plan_and_says_whether_it_fits(capsys):
+    assert mp.main(["--config-name", "gpt_1b", "--gpus", "8", "--gpu-memory-gib", "80", *LLAMA_8B]) == 1
+    out = capsys.readouterr().out
+    assert out.startswith("memory plan per GPU: ~") and "of 80.0 GiB" in out and "optimizer state" in out
+    assert "does not fit" in out and "zero_dp_strategy=3" in out
+    assert mp.main(["--config-name", "gpt_1b", "--gpu-memory-gib", "80"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("fits")
