@@ -288,7 +288,12 @@ def check_run(cfg: DictConfig, recipe, env, runtime, log) -> None:
     backend = str(runtime.parallel)
     if backend == "fsdp2" and not cfg.distributed.fsdp2.reshard_after_forward:
         backend = "fsdp2-zero2"
-    result = plan_for_run(cfg, recipe, env.dp_shard, env.dp_size, env.tp, backend, capacity)
+    try:
+        result = plan_for_run(cfg, recipe, env.dp_shard, env.dp_size, env.tp, backend, capacity)
+    except Exception as e:  # the plan advises: a model it cannot take apart still trains, unplanned
+        if env.is_main:
+            log.warning("memory plan: not estimated (%s: %s)", type(e).__name__, e)
+        return
     if result is None:
         return
     plan, suggestions = result

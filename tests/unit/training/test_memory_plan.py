@@ -126,6 +126,10 @@ def test_a_run_on_a_gpu_that_is_too_small_stops_before_the_model_is_built(monkey
         mp.check_run(warned, recipe, env, runtime, log)
     assert "memory plan per GPU" in caplog.text and "does not fit" not in caplog.text
     assert "set distributed.mfsdp.zero_dp_strategy=3" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="test_memory_plan"):  # a model the plan cannot build: told, not fatal
+        mp.check_run(cfg, SimpleNamespace(block_shape=recipe.block_shape, build_model=None), env, runtime, log)
+    assert "memory plan: not estimated (TypeError" in caplog.text
 
 
 def test_the_plan_counts_parameters_without_allocating_or_initializing_them():
