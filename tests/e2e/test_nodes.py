@@ -2,7 +2,8 @@
 scripts/slurm/train.sbatch runs on every node) started twice at once as two nodes of 2 CPU workers, whose torchrun
 agents meet at a c10d rendezvous as on a cluster; the 4 workers train with HSDP (sharded within a node, replicated
 across). SIGTERM to one node's torchrun stops the workers of both nodes at the same step with a checkpoint; the same
-command again resumes and ends with the uninterrupted run's losses and checkpoint, bit for bit."""
+command again resumes and ends with the uninterrupted run's losses and checkpoint, bit for bit. train.sbatch's own
+steps (the warning, SIGTERM to every node, the requeue) run with stand-ins for SLURM's commands."""
 
 from __future__ import annotations
 
@@ -211,3 +212,47 @@ def test_docs_show_the_slurm_scripts_as_they_are():
         assert f"```bash\n{script.read_text()}```\n" in page, f"docs/clusters.md does not show {script.name} as it is"
         assert os.access(script, os.X_OK), script
         subprocess.run(["bash", "-n", str(script)], check=True)
+
+
+# Stand-ins for SLURM's commands and for node.sh, for train.sbatch's own logic: srun starts the task on 2 "nodes" and
+# notes their pids, scancel signals them, scontrol notes what it was asked (and how many nodes had stopped by then);
+# each node notes its arguments and stops on SIGTERM.
+FAKES = {
+    "bin/srun": 'for node in 0 1; do SLURM_NODEID=$node "$@" & echo $! >> tasks; done; wait',
+    "bin/scancel": 'echo "$*" >> scancel.log; kill -s "${1#--signal=}" $(cat tasks)',
+    "bin/scontrol": 'echo "$* ($(grep -c stopped nodes.log) nodes stopped)" >> scontrol.log',
+    "scripts/slurm/node.sh": "trap 'echo \"$SLURM_NODEID stopped: $*\" >> nodes.log; exit 0' TERM\n"
+    'echo "$SLURM_NODEID started" >> nodes.log; while true; do sleep 0.05; done',
+}
+
+
+def test_the_sbatch_script_stops_every_node_at_the_warning_and_requeues(tmp_path):
+    """train.sbatch as SLURM runs it, with stand-ins for srun, scancel, scontrol and node.sh: at the warning
+    (SIGUSR1 to the script, `--signal=B:USR1@300`) SIGTERM goes to every node's task, and once they have all ended
+    the job is requeued."""
+    for name, body in FAKES.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(f"#!/bin/bash\n{body}\n")
+        (tmp_path / name).chmod(0o755)
+    tag = uuid.uuid4().hex
+    path = f"{tmp_path / 'bin'}{os.pathsep}{os.environ['PATH']}"
+    env = {**os.environ, "PATH": path, "SLURM_JOB_ID": "77", PROCESS_TAG: tag}
+    job = subprocess.Popen(["bash", str(SBATCH), "--config-name", "vit_sanity", "a=b c"], cwd=tmp_path, env=env)
+    try:
+        nodes = tmp_path / "nodes.log"
+        deadline = time.monotonic() + 30
+        while not (nodes.exists() and nodes.read_text().count("started") == 2):
+            assert job.poll() is None and time.monotonic() < deadline, "the nodes did not start"
+            time.sleep(0.05)
+        job.send_signal(signal.SIGUSR1)
+        assert job.wait(timeout=30) == 0
+    finally:
+        kill_processes(tagged_processes(tag))
+    assert sorted(nodes.read_text().splitlines()) == [
+        "0 started",
+        "0 stopped: --config-name vit_sanity a=b c",
+        "1 started",
+        "1 stopped: --config-name vit_sanity a=b c",
+    ]
+    assert (tmp_path / "scancel.log").read_text() == "--signal=TERM 77\n"
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 77 (2 nodes stopped)\n"
