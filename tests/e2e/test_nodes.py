@@ -44,8 +44,8 @@ class Launch:
 
 def _listening(port: int) -> bool:
     """Whether a socket of this machine listens on `port` (read from /proc: no connection made to it)."""
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
+    for table in (Path("/proc/net/tcp"), Path("/proc/net/tcp6")):
+        for line in table.read_text().splitlines()[1:] if table.exists() else []:  # no tcp6 without IPv6
             local, state = line.split()[1], line.split()[3]
             if int(local.rsplit(":", 1)[1], 16) == port and state == "0A":
                 return True
