@@ -5,7 +5,6 @@ torchrun with 2 CPU processes and 2 loader workers each (the setup in which jobs
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import time
 import uuid
@@ -16,36 +15,14 @@ import pytest
 from PIL import Image
 
 from tests.support.checkpoint_harness import TINY
-from tests.support.helpers import torchrun
+from tests.support.helpers import PROCESS_TAG, kill_processes, tagged_processes, torchrun
 
 BOUND_S = 90  # every failing run must have ended by then (each takes ~20 s to start and fail on 2 cores)
 WORKERS = ["data.num_workers=2"]
 
 
-def _tagged(tag: str) -> list[int]:
-    """Live processes started under this test's tag (they inherit its environment)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if f"FAULT_TEST_TAG={tag}".encode() in environ.read_bytes():
-                status = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
-                if status != "Z":
-                    found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
-
-
-def _kill(pids: list[int]) -> None:
-    for pid in pids:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def _start(tmp_path: Path, overrides: list[str], fault: dict, tag: str) -> subprocess.Popen:
-    env = {**os.environ, "FAULT_TEST_TAG": tag, **fault}
+    env = {**os.environ, PROCESS_TAG: tag, **fault}
     return subprocess.Popen(
         torchrun(
             2,
@@ -68,14 +45,14 @@ def _ends_in_bound(proc: subprocess.Popen, tag: str, started: float) -> str:
     try:
         out, _ = proc.communicate(timeout=max(1.0, BOUND_S - (time.time() - started)))
     except subprocess.TimeoutExpired:
-        _kill(_tagged(tag))
+        kill_processes(tagged_processes(tag))
         out, _ = proc.communicate()
         pytest.fail(f"the job did not end within {BOUND_S} s:\n{out[-3000:]}")
     deadline = time.time() + 15  # loader workers notice their parent is gone within a few seconds
-    while _tagged(tag) and time.time() < deadline:
+    while tagged_processes(tag) and time.time() < deadline:
         time.sleep(0.2)
-    left = _tagged(tag)
-    _kill(left)
+    left = tagged_processes(tag)
+    kill_processes(left)
     assert not left, f"processes left running after the job ended: {left}\n{out[-3000:]}"
     return out
 
@@ -132,8 +109,8 @@ def test_workers_stop_when_torchrun_is_killed(tmp_path):
     proc.kill()  # torchrun only
     killed = time.time()
     proc.communicate()
-    while _tagged(tag) and time.time() < killed + 20:
+    while tagged_processes(tag) and time.time() < killed + 20:
         time.sleep(0.2)
-    left = _tagged(tag)
-    _kill(left)
+    left = tagged_processes(tag)
+    kill_processes(left)
     assert not left, "workers went on training without their launcher"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -144,6 +145,33 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+PROCESS_TAG = "RECIPES_TEST_TAG"  # set in a started command's environment: it and every process it starts have it
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes (zombies left out) whose environment holds PROCESS_TAG=<tag>: a command a test started with
+    it, and everything that command started, also once reparented (torchrun's workers run in sessions of their own)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if f"{PROCESS_TAG}={tag}".encode() in environ.read_bytes():
+                status = (environ.parent / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                if status != "Z":
+                    found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def kill_processes(pids: list[int]) -> None:
+    """SIGKILL each of `pids` that is still there."""
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 # Workers fork from a server process that has imported these once, instead of each importing them anew (seconds
