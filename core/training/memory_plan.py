@@ -1,6 +1,5 @@
-"""How much memory a training run takes on each GPU, estimated from its settings before anything is built.
-
-    python -m core.training.memory_plan --config-name gpt_1b model=llama3_8b --gpus 8 --gpu-memory-gib 80
+"""How much memory a training run takes on each GPU, estimated from its settings before anything is built
+(for any machine, without a GPU: scripts/memory_plan.py).
 
 A run holds, per GPU (bytes per parameter on the left, what divides them on the right):
   weights           the compute copy (bf16: 2, fp32: 4)            ZeRO-3 / FSDP2: over dp_shard
@@ -25,9 +24,7 @@ A run that would not fit its GPU stops before building the model, naming setting
 
 from __future__ import annotations
 
-import argparse
 import itertools
-import sys
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -302,49 +299,3 @@ def check_run(cfg: DictConfig, recipe, env, runtime, log) -> None:
     line = check(plan, capacity, suggestions, mode)
     if line and env.is_main:
         log.warning("%s", line)
-
-
-def main(argv: Optional[list[str]] = None) -> int:
-    """Print a config's memory plan for N GPUs of a given size, on any machine (nothing is built)."""
-    from hydra import compose, initialize_config_dir
-
-    from core.config.validation import validate
-    from core.distributed import launch
-    from recipes.registry import get_recipe, register_configs
-
-    p = argparse.ArgumentParser(description=main.__doc__)
-    p.add_argument("--config-name", required=True)
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (x distributed.tp)")
-    p.add_argument("--gpu-memory-gib", type=float, default=80.0)
-    p.add_argument("overrides", nargs="*", help="key=value, as train.py takes them")
-    args = p.parse_args(argv)
-    register_configs()
-    launch.register_resolvers()
-    # No run: the checkpoint folder (named from Hydra's run) only needs to be a string here.
-    overrides = ["checkpoint.path=memory-plan", *args.overrides]
-    with initialize_config_dir(config_dir=str(launch.REPO_DIR / "configs"), version_base="1.3"):
-        cfg = validate(compose(config_name=args.config_name, overrides=overrides))
-    recipe = get_recipe(cfg.recipe)(cfg)
-    tp = int(cfg.distributed.tp)
-    dp = args.gpus
-    outer = int(cfg.distributed.dp_outer)
-    shard = dp // outer if int(cfg.distributed.dp_shard) == -1 else int(cfg.distributed.dp_shard)
-    backend = "mfsdp" if str(cfg.distributed.backend) in ("auto", "mfsdp") else str(cfg.distributed.backend)
-    capacity = args.gpu_memory_gib * GIB
-    result = plan_for_run(cfg, recipe, shard, dp, tp, backend, capacity)
-    if result is None:
-        print(f"{args.config_name}: no memory plan (recipe {cfg.recipe} gives no block shape)")
-        return 0
-    plan, suggestions = result
-    print("\n".join(plan.lines(capacity)))
-    try:
-        line = check(plan, capacity, suggestions, "refuse")
-    except ConfigError as e:
-        print(f"does not fit: {e}")
-        return 1
-    print(line or "fits")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
