@@ -24,12 +24,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     from core.config.errors import ConfigError
     from core.config.validation import validate
     from core.distributed import launch
+    from core.distributed.env import mesh_shape
+    from core.runtime import Machine, resolve_parallel_backend
     from core.training import memory_plan as mp
     from recipes.registry import get_recipe, register_configs
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config-name", required=True)
-    p.add_argument("--gpus", type=int, default=1, help="data-parallel GPUs (each distributed.tp of them a model copy)")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the run: the world size, dp_outer x dp_shard x tp")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("overrides", nargs="*", help="key=value, as train.py takes them")
     args = p.parse_args(argv)
@@ -40,11 +42,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = validate(compose(config_name=args.config_name, overrides=overrides))
     recipe = get_recipe(cfg.recipe)(cfg)
-    dp, tp, outer = args.gpus, int(cfg.distributed.tp), int(cfg.distributed.dp_outer)
-    shard = dp // outer if int(cfg.distributed.dp_shard) == -1 else int(cfg.distributed.dp_shard)
-    backend = "mfsdp" if str(cfg.distributed.backend) in ("auto", "mfsdp") else str(cfg.distributed.backend)
+    d = cfg.distributed
+    outer, shard, tp = mesh_shape(args.gpus, int(d.dp_outer), int(d.dp_shard), int(d.tp))  # as a run resolves it
+    backend = str(resolve_parallel_backend(d.backend, Machine(cuda=True, te=True)))
     capacity = args.gpu_memory_gib * mp.GIB
-    result = mp.plan_for_run(cfg, recipe, shard, dp, tp, backend, capacity)
+    result = mp.plan_for_run(cfg, recipe, shard, outer * shard, tp, backend, capacity)
     if result is None:
         print(f"{args.config_name}: no memory plan (recipe {cfg.recipe} gives no block shape)")
         return 0

@@ -142,7 +142,7 @@ def _activation_bytes(block: BlockShape, blocks_trained: str, s: Settings) -> fl
     return block.layers * per_block
 
 
-def count_parameters(recipe, cfg: DictConfig, tp: int = 1) -> Parameters:
+def count_parameters(recipe, cfg: DictConfig) -> Parameters:
     """The recipe's model built on the meta device (shapes only: no memory, no initialization) with the plain-torch
     layers (the TE layers' twins: the same parameters), made to train what finetune.mode says."""
     from core.layers.namespace import TORCH_LAYERS
@@ -169,7 +169,9 @@ def settings_of(cfg: DictConfig, recipe, dp_shard: int, tp: int, backend: str) -
     param_bytes = bytes_of[str(precision.param_dtype)]
     autocast = precision.autocast_dtype
     compute_bytes = bytes_of[str(autocast)] if autocast is not None else param_bytes
-    zero = {"mfsdp": int(cfg.distributed.mfsdp.zero_dp_strategy), "fsdp2": 3, "fsdp2-zero2": 2, "ddp": 0}[backend]
+    distributed = cfg.distributed
+    fsdp2_zero = 3 if distributed.fsdp2.reshard_after_forward else 2
+    zero = {"mfsdp": int(distributed.mfsdp.zero_dp_strategy), "fsdp2": fsdp2_zero, "ddp": 0}[backend]
     return Settings(
         backend=backend,
         zero=zero,
@@ -190,7 +192,7 @@ def advice(
     """Up to three settings that would fit `capacity`: a higher ZeRO level (Megatron-FSDP over several ranks), a
     smaller micro-batch that still divides the global batch, activation checkpointing, and their mixes; those
     without recomputation first, then the fewest changes and the largest micro-batch."""
-    zeros = [z for z in range(s.zero, 4)] if s.backend == "mfsdp" and s.dp_shard > 1 else [s.zero]
+    zeros = list(range(s.zero, 4)) if s.backend == "mfsdp" and s.dp_shard > 1 else [s.zero]
     batches = [b for b in range(s.micro_batch, 0, -1) if global_batch % (b * dp_size) == 0]
     checkpointing = [s.activation_checkpointing] + ([True] if not s.activation_checkpointing else [])
     found = []
@@ -264,7 +266,7 @@ def plan_for_run(
     block = recipe.block_shape()
     if block is None:
         return None
-    params = count_parameters(recipe, cfg, tp)
+    params = count_parameters(recipe, cfg)
     s = settings_of(cfg, recipe, dp_shard, tp, backend)
     plan = estimate(block, params, s)
     suggestions = (
@@ -282,11 +284,8 @@ def check_run(cfg: DictConfig, recipe, env, runtime, log) -> None:
     if mode == "off" or runtime.device_type != "cuda":
         return
     capacity = float(torch.cuda.get_device_properties(env.device).total_memory)
-    backend = str(runtime.parallel)
-    if backend == "fsdp2" and not cfg.distributed.fsdp2.reshard_after_forward:
-        backend = "fsdp2-zero2"
     try:
-        result = plan_for_run(cfg, recipe, env.dp_shard, env.dp_size, env.tp, backend, capacity)
+        result = plan_for_run(cfg, recipe, env.dp_shard, env.dp_size, env.tp, str(runtime.parallel), capacity)
     except Exception as e:  # the plan advises: a model it cannot take apart still trains, unplanned
         if env.is_main:
             log.warning("memory plan: not estimated (%s: %s)", type(e).__name__, e)
