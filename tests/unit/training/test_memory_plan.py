@@ -132,7 +132,13 @@ def test_a_run_on_a_gpu_that_is_too_small_stops_before_the_model_is_built(monkey
     assert "memory plan: not estimated (TypeError" in caplog.text
 
 
-def test_the_plan_counts_parameters_without_allocating_or_initializing_them():
+def test_the_plan_counts_parameters_without_allocating_or_initializing_them(monkeypatch):
+    from core.layers import weight_init
+
+    def drawn(*args):
+        raise AssertionError("a weight was initialized for the plan")
+
+    monkeypatch.setattr(weight_init, "param_generator", drawn)  # a model on the meta device draws no values
     cfg = validated_config("llama_sft", ["checkpoint.path=unused", *CHATS, "finetune.mode=lora"])
     params = mp.count_parameters(get_recipe(cfg.recipe)(cfg), cfg)
     assert params.total == 8_034_979_840 and params.trained == 4_718_592 and params.blocks_trained == "some"
