@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|packing_gap|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|packing_gap|memory_rows|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -169,10 +169,11 @@ if [[ $what == graphs_losses ]]; then
     --variant "eager=training.cuda_graphs=none" --variant "graphed=training.cuda_graphs=forward_backward" \
     --variant "eager_seed1235=training.cuda_graphs=none seed=1235" 2>&1 | tee "$OUT/graphs_losses.log" | tail -6
 fi
-# jpeg (1 GPU, ~9 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
+# jpeg (1 GPU, ~6 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
 # images and on 20,000 generated ImageNet-sized JPEGs, from the folder and from tar shards (the files as they
-# are), decoded by PIL in 16 loader workers (the default way) or on the GPU (nvImageCodec); bf16 and FP8; all in
-# one run. jpeg_decoders (~2 min): the decoders alone and beside a stand-in step (benchmarks/jpeg_decoders.py).
+# are): decoded by PIL in 16 loader workers (the default way), or on the GPU (nvImageCodec) with 6 workers that
+# only read the files; bf16 and FP8; all in one run. jpeg_decoders (~2 min): the decoders alone and beside a
+# stand-in step (benchmarks/jpeg_decoders.py), with the queues a decoding run sets and with the driver's default.
 # jpeg_data: the 20,000 JPEGs and their shards alone (jpeg makes them when /tmp/jpeg_shards is not there yet),
 # so that the measurement itself fits one call of the GPU machine.
 if [[ $what == jpeg || $what == jpeg_data ]] && [[ ! -d /tmp/jpeg_shards ]]; then
@@ -183,21 +184,36 @@ if [[ $what == jpeg ]]; then
   folder="data=imagefolder data.root=/tmp/jpegs"
   shards="data=shards data.root=/tmp/jpeg_shards"
   pil="data.decode_on=workers data.num_workers=16"
+  gpu="data.decode_on=device data.num_workers=6"
   python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 --steps ${JPEG_STEPS:-10} --micro-batch 256 \
     --global-batch 2048 --data "" --extra "data.num_classes=10" --out "$OUT" --timeout 300 \
     --variant "synthetic=data=synthetic data.num_workers=16" \
     --variant "folder_pil16=$folder $pil" \
     --variant "shards_pil16=$shards $pil" \
-    --variant "folder_gpu=$folder data.decode_on=device" \
-    --variant "shards_gpu=$shards data.decode_on=device" \
+    --variant "folder_gpu6=$folder $gpu" \
+    --variant "shards_gpu6=$shards $gpu" \
     --variant "fp8_synthetic=data=synthetic data.num_workers=16 $fp8" \
-    --variant "fp8_folder_pil16=$folder $pil $fp8" \
-    --variant "fp8_shards_pil16=$shards $pil $fp8" \
-    --variant "fp8_folder_gpu=$folder data.decode_on=device $fp8" \
+    --variant "fp8_folder_gpu6=$folder $gpu $fp8" \
     2>&1 | tee "$OUT/jpeg_training.log" | tail -14
 fi
 if [[ $what == jpeg_decoders ]]; then
-  python3 benchmarks/jpeg_decoders.py --out "$OUT" 2>&1 | tee "$OUT/jpeg_decoders.log" | tail -8
+  for connections in 32 0; do
+    python3 benchmarks/jpeg_decoders.py --out "$OUT" --step vit --connections $connections \
+      --decoders nvimgcodec-hw nvimgcodec-hw+reuse+crop loop 2>&1 | tee "$OUT/jpeg_decoders_$connections.log" | tail -4
+  done
+fi
+# memory_rows (1 GPU, ~2 min): the shipped configs whose memory plan has no measured row yet, as typed for a few
+# steps: the plan's line and the peak torch allocated (docs/performance.md "Memory plan").
+if [[ $what == memory_rows ]]; then
+  for config in esm2_8m esm2_150m; do
+    rm -rf "/tmp/mem_$config"
+    python3 train.py --config-name $config training.steps=6 training.log_every_n_steps=3 training.val_every_n_steps=0 \
+      training.val_at_end=false checkpoint.save_final=false logger.progress_bar=never hydra.run.dir="/tmp/mem_$config" \
+      checkpoint.path="/tmp/mem_$config/ckpt" > "$OUT/memory_$config.log" 2>&1
+    grep -h "memory plan per GPU" "$OUT/memory_$config.log" | tail -1
+    python3 -c "import json,sys; r=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], 'peak_mem_gib', max(x.get('peak_mem_gib', 0) for x in r))" \
+      "/tmp/mem_$config/metrics.jsonl" $config
+  done
 fi
 if [[ $what == revisions ]]; then
   other=${2:?usage: gpu_evidence.sh revisions OTHER_CHECKOUT}

@@ -69,6 +69,7 @@ def main() -> None:
     from core.config.validation import validate
     from core.data.datasets import MultiEpochDatasetResampler
     from core.distributed import launch
+    from core.runtime import request_cuda_connections
     from recipes.registry import get_recipe, register_configs
 
     register_configs()
@@ -77,6 +78,7 @@ def main() -> None:
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base="1.3"):
         cfg = validate(compose(config_name=args.config, overrides=args.overrides + ["checkpoint.path=unused"]))
     recipe = get_recipe(cfg.recipe)(cfg)
+    request_cuda_connections(recipe.cuda_connections())  # as a run does, before CUDA starts
     train_set = recipe.build_datasets().train
     batch_size = args.batch_size or cfg.training.micro_batch_size
     needed = (max(args.workers) + 1) * (args.batches + args.warmup + 8) * batch_size

@@ -19,6 +19,7 @@ import argparse
 import datetime
 import io
 import json
+import os
 import sys
 import tempfile
 import time
@@ -68,8 +69,9 @@ def torchvision_decoder():
     return decode
 
 
-def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
-    """kinds: backends joined by '/', in order of preference (e.g. hw/hybrid)."""
+def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool, options: str = "", threads: int = 0):
+    """kinds: backends joined by '/', in order of preference (e.g. hw/hybrid); options and threads: the
+    Decoder's own (its options string, max_num_cpu_threads)."""
     import torch
     from nvidia import nvimgcodec
 
@@ -78,7 +80,11 @@ def nvimgcodec_decoder(kinds: str, roi: bool, reuse: bool, crop: bool):
         "gpu": nvimgcodec.BackendKind.GPU_ONLY,
         "hybrid": nvimgcodec.BackendKind.HYBRID_CPU_GPU,
     }
-    decoder = nvimgcodec.Decoder(backends=[nvimgcodec.Backend(backend[k]) for k in kinds.split("/")])
+    decoder = nvimgcodec.Decoder(
+        backends=[nvimgcodec.Backend(backend[k]) for k in kinds.split("/")],
+        options=options,
+        max_num_cpu_threads=threads,
+    )
     params = nvimgcodec.DecodeParams(sample_format=nvimgcodec.P_RGB, apply_exif_orientation=False)
     pools, calls = [None] * 3, [0]  # reuse: three batches' output buffers in turn, no allocation once grown
 
@@ -291,6 +297,10 @@ def main() -> None:
     )
     parser.add_argument("--backend", default="auto", help="loop: data.device_decoder")
     parser.add_argument("--threads", type=int, default=1, help="loop: data.decode_threads")
+    parser.add_argument("--decoder-options", default="", help="nvImageCodec Decoder options, e.g. :num_cuda_streams=1")
+    parser.add_argument(
+        "--decoder-threads", type=int, default=0, help="nvImageCodec max_num_cpu_threads (0: its default)"
+    )
     parser.add_argument(
         "--decoders",
         nargs="+",
@@ -303,8 +313,20 @@ def main() -> None:
             "nvimgcodec-hybrid",
         ],
     )
+    parser.add_argument(
+        "--connections",
+        type=int,
+        default=None,
+        help="CUDA_DEVICE_MAX_CONNECTIONS (default: what a run decoding on the GPU sets, recipes/vit/jpeg.py; "
+        "0: the driver's default)",
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
     args = parser.parse_args()
+    from core.runtime import request_cuda_connections
+    from recipes.vit.jpeg import CUDA_CONNECTIONS
+
+    connections = CUDA_CONNECTIONS if args.connections is None else args.connections
+    request_cuda_connections(connections or None)  # before CUDA starts
     import torch
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -321,7 +343,14 @@ def main() -> None:
                 decode = torchvision_decoder()
             else:
                 kinds, *options = name.removeprefix("nvimgcodec-").split("+")
-                decode = nvimgcodec_decoder(kinds, "roi" in options, "reuse" in options, "crop" in options)
+                decode = nvimgcodec_decoder(
+                    kinds,
+                    "roi" in options,
+                    "reuse" in options,
+                    "crop" in options,
+                    args.decoder_options,
+                    args.decoder_threads,
+                )
             rows.append(measure(name, decode, files, boxes, args.batch, args))
         except Exception as e:  # one decoder failing (no hardware engine, say) does not end the others
             traceback.print_exc()
@@ -344,7 +373,14 @@ def main() -> None:
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
     (out / f"jpeg_decoders-{stamp}.json").write_text(
         json.dumps(
-            {"device": torch.cuda.get_device_name(), "images": args.images, "batch": args.batch, "rows": rows}, indent=1
+            {
+                "device": torch.cuda.get_device_name(),
+                "images": args.images,
+                "batch": args.batch,
+                "cuda_connections": os.environ.get("CUDA_DEVICE_MAX_CONNECTIONS", "driver default"),
+                "rows": rows,
+            },
+            indent=1,
         )
     )
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
@@ -78,6 +79,35 @@ class Runtime:
         """TE's FP8 recipe object, or None. Built at first use, after the process has picked its GPU:
         importing TransformerEngine before that could open a CUDA context on GPU 0 in every process."""
         return fp8_recipe(self.fp8) if self.fp8 is not None else None
+
+
+CUDA_CONNECTIONS_ENV = "CUDA_DEVICE_MAX_CONNECTIONS"
+
+
+def request_cuda_connections(wanted: Optional[int]) -> None:
+    """Give this process `wanted` CUDA hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS) before its CUDA
+    context exists, which reads the variable once. A value set outside wins; a smaller one, or a context
+    already started, is warned about: GPU work on a side stream may then wait behind the step's kernels."""
+    if wanted is None:
+        return
+    given = os.environ.get(CUDA_CONNECTIONS_ENV)
+    if given is not None:
+        if not given.isdigit() or int(given) < wanted:
+            log.warning(
+                "%s=%s is set: this run's data work on the GPU wants %d queues and may wait behind the step's "
+                'kernels (docs/performance.md, "Real JPEGs while training")',
+                CUDA_CONNECTIONS_ENV,
+                given,
+                wanted,
+            )
+        return
+    if torch.cuda.is_initialized():
+        log.warning(
+            "CUDA started before %s could be set to %d: the driver's default applies", CUDA_CONNECTIONS_ENV, wanted
+        )
+        return
+    os.environ[CUDA_CONNECTIONS_ENV] = str(wanted)
+    log.info("%s=%d: the recipe queues GPU work beside the step", CUDA_CONNECTIONS_ENV, wanted)
 
 
 def resolve_parallel_backend(backend: ParallelBackend, machine: Machine) -> ParallelBackend:

@@ -31,7 +31,7 @@ from core.layers.namespace import get_layers
 from core.layers.tensor_parallel import full_numel
 from core.parallel.base import Parallel
 from core.parallel.parallelize import parallelize
-from core.runtime import Runtime, resolve
+from core.runtime import Runtime, request_cuda_connections, resolve
 from core.training import finetune, memory_plan
 from core.training.nonfinite import NonFiniteError
 from core.training.precision import autocast_factory
@@ -72,6 +72,7 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     recipe_type = get_recipe(cfg.recipe)
     cfg = recipe_type.resolve_config(cfg, is_main=launch.global_rank() == 0)  # e.g. sizes taken from the data
     recipe = recipe_type(cfg)
+    request_cuda_connections(recipe.cuda_connections())  # before anything starts CUDA
     runtime = resolve(cfg)
     dist_cfg = cfg.distributed
     env = distributed.setup(

@@ -122,6 +122,12 @@ class Recipe(ABC):
         """How many training batches to_device works on at once (threads)."""
         return 1
 
+    def cuda_connections(self) -> Optional[int]:
+        """The hardware work queues (CUDA_DEVICE_MAX_CONNECTIONS) this run's GPU needs, or None: the driver's
+        default. A to_device that queues GPU work of its own beside the step (ViT's JPEG decoding) needs more:
+        streams beyond the queues share them, and its work then waits behind the step's queued kernels."""
+        return None
+
     # --- task (required: forward) ----------------------------------------------------------------
     @abstractmethod
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:

@@ -29,6 +29,10 @@ log = logging.getLogger(__name__)
 
 BACKENDS = ("auto", "hardware", "cuda")
 KEEP_BATCHES = 3  # decoded images kept alive while the kernels that read them may still be queued
+# CUDA_DEVICE_MAX_CONNECTIONS for a run that decodes on the GPU (the driver's most; its default is 8). The decoder
+# queues its work on streams of its own; where two streams share a hardware queue, the later one's work waits for
+# everything queued before it, and the decode waited for the whole training step (docs/performance.md).
+CUDA_CONNECTIONS = 32
 
 
 def nvimgcodec():

@@ -29,6 +29,7 @@ from recipes.vit.data import (
     image_classes,
     prediction_samples,
 )
+from recipes.vit.jpeg import CUDA_CONNECTIONS
 from recipes.vit.model import VisionTransformer
 
 log = logging.getLogger("train")
@@ -138,6 +139,10 @@ class ViTRecipe(Recipe):
 
     def prefetch_threads(self) -> int:
         return self.cfg.data.decode_threads if self.cfg.data.decode_on == "device" else 1
+
+    def cuda_connections(self) -> Optional[int]:
+        # The decoder's streams and the step's each get a queue of their own (docs/performance.md).
+        return CUDA_CONNECTIONS if self.cfg.data.decode_on == "device" else None
 
     @functools.cached_property
     def _device_transform(self) -> Transform:

@@ -156,8 +156,10 @@ def test_training_with_device_decoding_runs_end_to_end(tmp_path):
         f"checkpoint.path={tmp_path}/ckpt",
         "logger.progress_bar=never",
     ]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    env = {k: v for k, v in os.environ.items() if k != "CUDA_DEVICE_MAX_CONNECTIONS"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "CUDA_DEVICE_MAX_CONNECTIONS=32: the recipe queues GPU work beside the step" in proc.stderr + proc.stdout
     rows = read_records(tmp_path / "run")
     assert [r["step"] for r in rows if "split" not in r] == [1, 2, 3]
     assert any(r.get("split") == "val" and r["top1"] >= 0 for r in rows)
@@ -194,3 +196,37 @@ def test_the_gpu_crop_kernel_gives_the_torch_paths_pixels():
     assert [row[0] for row in rows] == ["True", "False"]
     for _, max_levels, share in rows:
         assert float(max_levels) <= 1.01 and float(share) < 0.01, rows
+
+
+def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_starts(monkeypatch, caplog):
+    """The decoder's streams get hardware queues of their own (CUDA_DEVICE_MAX_CONNECTIONS, read once when the
+    CUDA context starts): session.start sets it from the recipe unless the user did, and says when it cannot."""
+    from core import runtime
+    from recipes.vit.jpeg import CUDA_CONNECTIONS
+    from recipes.vit.recipe import ViTRecipe
+
+    on_device = compose_config("vit_sanity", ["data=imagefolder", "data.root=/unused", "data.decode_on=device"])
+    assert ViTRecipe(on_device).cuda_connections() == CUDA_CONNECTIONS
+    assert ViTRecipe(compose_config("vit_sanity", [])).cuda_connections() is None
+
+    monkeypatch.delenv(runtime.CUDA_CONNECTIONS_ENV, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    runtime.request_cuda_connections(None)
+    assert runtime.CUDA_CONNECTIONS_ENV not in os.environ
+    runtime.request_cuda_connections(CUDA_CONNECTIONS)
+    assert os.environ[runtime.CUDA_CONNECTIONS_ENV] == str(CUDA_CONNECTIONS)
+
+    caplog.set_level("WARNING")
+    for given, warned in (("8", True), ("1", True), ("32", False), ("many", True)):
+        caplog.clear()
+        monkeypatch.setenv(runtime.CUDA_CONNECTIONS_ENV, given)
+        runtime.request_cuda_connections(CUDA_CONNECTIONS)
+        assert os.environ[runtime.CUDA_CONNECTIONS_ENV] == given  # the user's value wins
+        assert (runtime.CUDA_CONNECTIONS_ENV in caplog.text) == warned, given
+
+    caplog.clear()
+    monkeypatch.delenv(runtime.CUDA_CONNECTIONS_ENV)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    runtime.request_cuda_connections(CUDA_CONNECTIONS)
+    assert runtime.CUDA_CONNECTIONS_ENV not in os.environ
+    assert "CUDA started before" in caplog.text
