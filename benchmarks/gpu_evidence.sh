@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|sft|packing_gap|memory_rows|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_3b|sft|packing_gap|memory_rows|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -272,6 +272,13 @@ if [[ $what == esm2 ]]; then
     2>&1 | tee "$OUT/esm2_packed.log" | tail -7
   python3 benchmarks/throughput.py "${esm[@]}" --micro-batch 8 --global-batch 64 --variant "padded_bf16=data.packing=false" \
     2>&1 | tee "$OUT/esm2_padded.log" | tail -3
+fi
+# esm2_3b (1 GPU, ~2 min): esm2_3b as configured (packs of 8,192 tokens, 8 per optimizer step here; one GPU runs
+# ZeRO-0 and CUDA graphs, as the config does on several): real tokens/s, MFU and the peak memory.
+if [[ $what == esm2_3b ]]; then
+  python3 benchmarks/throughput.py --config esm2_3b --data "" --nproc 1 --out "$OUT" --timeout 300 --steps ${ESM2_STEPS:-3} \
+    --extra "training.val_every_n_steps=0 training.val_at_end=false data.num_workers=4" --micro-batch 1 --global-batch 8 \
+    --variant "as_typed=" 2>&1 | tee "$OUT/esm2_3b.log" | tail -3
 fi
 # esm2_finetune (1 GPU, ~5 min): esm2_650m fine-tuned on the shipped sanity task's sequences (packed, bf16, from a
 # fresh init: the speed does not depend on the weights): full fine-tuning, frozen backbone and LoRA side by side;
