@@ -177,8 +177,9 @@ fi
 # jpeg_data: the 20,000 JPEGs and their shards alone (jpeg makes them when /tmp/jpeg_shards is not there yet),
 # so that the measurement itself fits one call of the GPU machine.
 if [[ $what == jpeg || $what == jpeg_data ]] && [[ ! -d /tmp/jpeg_shards ]]; then
-  python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
-  python3 scripts/shard_images.py --root /tmp/jpegs --out /tmp/jpeg_shards 2>&1 | tail -2
+  { python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 --classes 10 --workers 16
+    python3 scripts/shard_images.py --root /tmp/jpegs --out /tmp/jpeg_shards; } > "$OUT/jpeg_data.log" 2>&1
+  tail -3 "$OUT/jpeg_data.log"
 fi
 if [[ $what == jpeg ]]; then
   folder="data=imagefolder data.root=/tmp/jpegs"

@@ -281,7 +281,7 @@ def measure(name, decode, files, boxes, batch, args) -> dict:
     }
 
 
-def main() -> None:
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=3072)
     parser.add_argument("--batch", type=int, default=256)
@@ -321,7 +321,11 @@ def main() -> None:
         "0: the driver's default)",
     )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results"))
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = _parser().parse_args()
     from core.runtime import request_cuda_connections
     from recipes.vit.jpeg import CUDA_CONNECTIONS
 

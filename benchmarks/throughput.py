@@ -29,7 +29,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
-from train_runs import TrainRunFailed, run_train
+from train_runs import TrainRunFailed, error_headline, run_train
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("forward_backward", "grad_sync_clip", "optimizer")
@@ -152,7 +152,7 @@ def _print_table(args: argparse.Namespace, results: list[dict], device: str) -> 
     print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps, {batch}\n{header}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {r['error'].splitlines()[-1][:80]}")
+            print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {error_headline(r['error'])[-100:]}")
             continue
         rate = r["tokens_per_sec_per_gpu"] if tokens else r["samples_per_sec_per_gpu"]
         line = (

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -72,3 +73,14 @@ def rank_error(output: str, lines: int = 40) -> str:
         first -= 1
     ranks = [line for line in text[:first] if line.strip()] or text
     return "\n".join(ranks[-lines:])
+
+
+# A line that states an error: an exception's "SomeError: ..." or a logger's ERROR line (the run's own "data error").
+ERROR_LINE = re.compile(r"(\w*(Error|Exception)\b.*:|\]\[ERROR\]|\bERROR\b)")
+
+
+def error_headline(error: str) -> str:
+    """The line of a failed run's output that says what went wrong: the last one naming an error, not whatever
+    a library printed after it (a warning at exit), else the last line."""
+    text = [line for line in error.splitlines() if line.strip()] or [""]
+    return next((line for line in reversed(text) if ERROR_LINE.search(line)), text[-1])

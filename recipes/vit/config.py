@@ -36,8 +36,8 @@ class DecodeOn(StrEnum):
 
 
 class DeviceDecoder(StrEnum):
-    # decode_on=device on a GPU. The hardware JPEG engines (A100, H100, H200, ...) use no SMs, so decoding
-    # beside the step costs it the least; they are the fastest where a GPU has them (docs/performance.md).
+    # decode_on=device on a GPU. The hardware JPEG engines (A100, H100, H200, ...) are the fastest where a GPU
+    # has them (docs/performance.md).
     auto = "auto"  # hardware where the GPU has JPEG engines, else cuda
     hardware = "hardware"
     cuda = "cuda"  # nvJPEG's CUDA kernels, Huffman decoding on CPU threads

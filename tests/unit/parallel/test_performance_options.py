@@ -187,6 +187,14 @@ def test_throughput_variant_overrides_win_over_extra_and_a_failing_run_reports_i
     )
     assert train_runs.rank_error(launcher_report).splitlines()[-1].endswith("is too long for this")
     assert train_runs.rank_error("just one line") == "just one line"
+    # The table's line names the error even where a library printed a warning after it.
+    logged = "[2026-12-02][train][ERROR] - data error: data.root=/x: /x/index.json: no such file"
+    assert (
+        train_runs.error_headline(f"{logged}\n/te/__init__.py:130: RuntimeWarning: no Jax\n  warnings.warn(\n")
+        == logged
+    )
+    assert train_runs.error_headline(launcher_report).endswith("ChildFailedError:")
+    assert train_runs.error_headline("nothing named\nat all\n") == "at all"
 
     runs = []
 
