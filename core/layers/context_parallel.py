@@ -1,0 +1,126 @@
+"""Context parallelism's arithmetic: which tokens of a sequence each of `cp_size` ranks holds, and self-attention
+over the whole sequence computed from each rank's share.
+
+A sequence of length L is cut into 2 x cp_size equal chunks; rank r holds chunk r and chunk 2 x cp_size - 1 - r,
+in that order. Under a causal mask the late chunks see more keys than the early ones, so pairing one of each gives
+every rank the same work; TransformerEngine's context-parallel attention splits the same way (its rotary
+embedding and THD kernels assume it), so a model built on either backend sees the same tokens per rank. Packed
+rows (THD) split each sequence so; their lengths must be multiples of 2 x cp_size.
+
+The attention here is the plain-torch one (`attend_over_context`): each rank gathers every rank's keys and values
+and attends with its own queries, masked by global positions (and sequences). It is exact, and the reference
+for faster kernels, not one of them: it holds the whole sequence's keys and values on every rank.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+def load_balanced_positions(length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
+    """The positions (int64, [length / cp_size]) of a sequence of `length` that rank `cp_rank` of `cp_size` holds."""
+    chunks = 2 * cp_size
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is not a rank of {cp_size}")
+    if length % chunks:
+        raise ValueError(
+            f"a sequence of {length} tokens does not split into 2 x {cp_size} equal chunks for context parallelism "
+            f"(make its length a multiple of {chunks})"
+        )
+    size = length // chunks
+    first = torch.arange(cp_rank * size, (cp_rank + 1) * size, device=device)
+    return torch.cat([first, first + (chunks - 1 - 2 * cp_rank) * size])
+
+
+def packed_load_balanced_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """For packed sequences at offsets `cu_seqlens` [sequences + 1] (empty ones allowed): the indices into the packed
+    stream that rank `cp_rank` holds, each sequence split as `load_balanced_positions` splits one, in stream order
+    of the sequences. The rank's own cu_seqlens are `cu_seqlens // cp_size`."""
+    if not 0 <= cp_rank < cp_size:
+        raise ValueError(f"cp_rank={cp_rank} is not a rank of {cp_size}")
+    chunks = 2 * cp_size
+    offsets = cu_seqlens.long()
+    lengths = offsets.diff()
+    if bool((lengths % chunks).any()):
+        bad = int(lengths[lengths % chunks != 0][0])
+        raise ValueError(
+            f"a packed sequence of {bad} tokens does not split into 2 x {cp_size} equal chunks for context "
+            f"parallelism (pad each sequence to a multiple of {chunks})"
+        )
+    size = lengths // chunks  # each sequence's chunk
+    held = 2 * size  # tokens of each sequence on this rank
+    sequence = torch.repeat_interleave(torch.arange(len(lengths), device=offsets.device), held)
+    within = torch.arange(sequence.numel(), device=offsets.device) - (torch.cumsum(held, 0) - held)[sequence]
+    chunk_size = size[sequence]
+    late = within >= chunk_size  # the rank's second chunk of that sequence
+    start = torch.where(late, (chunks - 1 - cp_rank) * chunk_size - chunk_size, cp_rank * chunk_size)
+    return offsets[:-1][sequence] + start + within
+
+
+class _GatherAlong(torch.autograd.Function):
+    """Every rank's `x`, joined along `dim` in rank order; the gradient of each rank's part is the sum of what every
+    rank's use of it contributed (all-reduced, then this rank's part: gloo has no reduce-scatter)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
+        ctx.dim, ctx.group = dim, group
+        ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(ctx.size)]
+        dist.all_gather(parts, x, group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
+
+
+def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's `x` joined along `dim` (same shape on every rank), differentiable."""
+    return _GatherAlong.apply(x, dim, group)
+
+
+def _gather_constant(x: torch.Tensor, group) -> torch.Tensor:
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def attend_over_context(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    group,
+    causal: bool,
+    sequences: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+) -> torch.Tensor:
+    """Self-attention of this rank's queries over the keys and values of every rank in `group`.
+
+    q [batch, heads, s, d], k and v [batch, groups, s, d] (grouped-query attention: heads a multiple of groups):
+    this rank's s tokens, at `positions` [s] (their places in the whole row or packed stream, as
+    `load_balanced_positions` or `packed_load_balanced_positions` give them); every rank holds the same number.
+    `sequences` [s]: each token's sequence in a packed stream (attention stays within one). causal: a token sees
+    the tokens at or before its position. Returns [batch, heads, s, d]."""
+    keys, values = gather_along(k, 2, group), gather_along(v, 2, group)
+    key_positions = _gather_constant(positions, group)
+    mask = None
+    if causal:
+        mask = key_positions[None, :] <= positions[:, None]
+    if sequences is not None:
+        same = _gather_constant(sequences, group)[None, :] == sequences[:, None]
+        mask = same if mask is None else mask & same
+    per_group = q.shape[1] // keys.shape[1]
+    if per_group > 1:
+        keys, values = keys.repeat_interleave(per_group, dim=1), values.repeat_interleave(per_group, dim=1)
+    return F.scaled_dot_product_attention(
+        q, keys, values, attn_mask=mask, dropout_p=dropout_p, scale=1.0 / math.sqrt(q.shape[-1])
+    )
