@@ -3,8 +3,8 @@ over the whole sequence computed from each rank's share.
 
 A sequence of length L is cut into 2 x cp_size equal chunks; rank r holds chunk r and chunk 2 x cp_size - 1 - r,
 in that order. Under a causal mask the late chunks see more keys than the early ones, so pairing one of each gives
-every rank the same work; TransformerEngine's context-parallel attention splits the same way (its rotary
-embedding and THD kernels assume it), so a model built on either backend sees the same tokens per rank. Packed
+every rank the same work. It is the split Megatron-LM hands TransformerEngine's context-parallel attention,
+whose causal kernels assume it, so a model built on either layer backend sees the same tokens per rank. Packed
 rows (THD) split each sequence so; their lengths must be multiples of 2 x cp_size.
 
 The attention here is the plain-torch one (`attend_over_context`): each rank gathers every rank's keys and values
