@@ -152,7 +152,7 @@ def _print_table(args: argparse.Namespace, results: list[dict], device: str) -> 
     print(f"\n{args.config} on {args.nproc} x {device}, {args.steps} timed steps, {batch}\n{header}")
     for r in results:
         if "error" in r:
-            print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {error_headline(r['error'])[-100:]}")
+            print(f"{r['variant']:<22}{r['micro_batch']:>5}  FAILED: {error_headline(r['error'])[:100]}")
             continue
         rate = r["tokens_per_sec_per_gpu"] if tokens else r["samples_per_sec_per_gpu"]
         line = (

@@ -76,11 +76,15 @@ def rank_error(output: str, lines: int = 40) -> str:
 
 
 # A line that states an error: an exception's "SomeError: ..." or a logger's ERROR line (the run's own "data error").
-ERROR_LINE = re.compile(r"(\w*(Error|Exception)\b.*:|\]\[ERROR\]|\bERROR\b)")
+ERROR_LINE = re.compile(r"(\w*(Error|Exception)\b(.*:|\s*$)|\]\[ERROR\]|\bERROR\b)")
+
+
+RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s*")
 
 
 def error_headline(error: str) -> str:
     """The line of a failed run's output that says what went wrong: the last one naming an error, not whatever
-    a library printed after it (a warning at exit), else the last line."""
+    a library printed after it (a warning at exit), else the last line; without torchrun's "[rankN]:" prefix."""
     text = [line for line in error.splitlines() if line.strip()] or [""]
-    return next((line for line in reversed(text) if ERROR_LINE.search(line)), text[-1])
+    line = next((line for line in reversed(text) if ERROR_LINE.search(line)), text[-1])
+    return RANK_PREFIX.sub("", line)

@@ -77,7 +77,7 @@ class _GatherAlong(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        grad = grad.contiguous()
+        grad = grad.clone(memory_format=torch.contiguous_format)  # autograd may hand the same tensor to others
         dist.all_reduce(grad, group=ctx.group)
         return grad.chunk(ctx.size, dim=ctx.dim)[ctx.rank].contiguous(), None, None
 

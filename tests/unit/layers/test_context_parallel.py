@@ -56,7 +56,8 @@ def _reference(q, k, v, causal, sequences):
 
 def _compare_worker(case: str) -> dict:
     """On every rank: the same whole q, k, v and output weights; this rank's share attended over the context;
-    its output and gradients against the one-process reference at this rank's positions."""
+    its output and gradients against the one-process reference at this rank's positions. case: causal or "full"
+    (no mask), one row or "packed" sequences, grouped-query attention or "mha"."""
     dist.init_process_group("gloo")
     try:
         return _compare(case, dist.get_rank(), dist.get_world_size())
@@ -66,11 +67,12 @@ def _compare_worker(case: str) -> dict:
 
 def _compare(case: str, rank: int, size: int) -> dict:
     torch.manual_seed(0)
-    length, heads, groups, d = 16 * size, 4, 2, 8
+    length, heads, d = 16 * size, 4, 8
+    groups = heads if "mha" in case else 2  # grouped-query attention, or a key and value head per query head
     q, k, v = (torch.randn(2, n, length, d, dtype=torch.float64) for n in (heads, groups, groups))
     weights = torch.randn(2, heads, length, d, dtype=torch.float64)
-    causal, sequences = case != "full", None
-    if case == "packed":
+    causal, sequences = "full" not in case, None
+    if case.startswith("packed"):
         lengths = [4 * size, 0, 8 * size, 4 * size]  # multiples of 2 x ranks; an empty slot
         cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
         positions = packed_load_balanced_positions(cu, size, rank)
@@ -95,7 +97,30 @@ def _compare(case: str, rank: int, size: int) -> dict:
 
 
 @pytest.mark.parametrize("ranks", [2, 4])
-@pytest.mark.parametrize("case", ["causal", "full", "packed"])
+@pytest.mark.parametrize("case", ["causal", "causal mha", "full", "packed", "packed full"])
 def test_attention_over_the_context_equals_attention_on_one_process(case, ranks):
     for rank, diffs in enumerate(run_workers(ranks, _compare_worker, case)):
         assert max(diffs.values()) < 1e-12, (rank, diffs)
+
+
+def _shared_gradient_worker() -> list[float]:
+    dist.init_process_group("gloo")
+    try:
+        from core.layers.context_parallel import gather_along
+
+        rank = dist.get_rank()
+        x = torch.full((2,), float(rank + 1), requires_grad=True)
+        w = torch.arange(4.0, requires_grad=True)
+        # The sum's backward hands one gradient tensor to both its inputs, and autograd runs the later-made node (the
+        # gather's) first: the gather must not change that tensor in place.
+        scaled = w * 1
+        ((scaled + gather_along(x, 0, dist.group.WORLD)) * torch.arange(1.0, 5.0)).sum().backward()
+        return [*w.grad.tolist(), *x.grad.tolist()]
+    finally:
+        dist.destroy_process_group()
+
+
+def test_the_gathers_backward_leaves_a_gradient_other_inputs_share_alone():
+    for rank, grads in enumerate(run_workers(2, _shared_gradient_worker)):
+        assert grads[:4] == [1.0, 2.0, 3.0, 4.0], rank
+        assert grads[4:] == ([2.0, 4.0] if rank == 0 else [6.0, 8.0]), rank  # both ranks' terms, this rank's part

@@ -193,7 +193,12 @@ def test_throughput_variant_overrides_win_over_extra_and_a_failing_run_reports_i
         train_runs.error_headline(f"{logged}\n/te/__init__.py:130: RuntimeWarning: no Jax\n  warnings.warn(\n")
         == logged
     )
-    assert train_runs.error_headline(launcher_report).endswith("ChildFailedError:")
+    assert train_runs.error_headline(train_runs.rank_error(launcher_report)) == (
+        "core.config.errors.ConfigError: model.seq_length=4096 is too long for this"
+    )
+    oom = "[rank0]: torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB.\n[rank0]: See docs"
+    assert train_runs.error_headline(oom).startswith("torch.OutOfMemoryError: CUDA out of memory")
+    assert train_runs.error_headline("x\nAssertionError\nsome note") == "AssertionError"
     assert train_runs.error_headline("nothing named\nat all\n") == "at all"
 
     runs = []
