@@ -62,6 +62,14 @@ def packed_load_balanced_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_ra
     return offsets[:-1][sequence] + start + within
 
 
+def _all_gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:
+    """Every rank's `x` joined along `dim` in rank order (no gradient)."""
+    x = x.contiguous()
+    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, x, group=group)
+    return torch.cat(parts, dim=dim)
+
+
 class _GatherAlong(torch.autograd.Function):
     """Every rank's `x`, joined along `dim` in rank order; the gradient of each rank's part is the sum of what every
     rank's use of it contributed (all-reduced, then this rank's part: gloo has no reduce-scatter)."""
@@ -70,10 +78,7 @@ class _GatherAlong(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, dim: int, group) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         ctx.rank, ctx.size = dist.get_rank(group), dist.get_world_size(group)
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(ctx.size)]
-        dist.all_gather(parts, x, group=group)
-        return torch.cat(parts, dim=dim)
+        return _all_gathered(x, dim, group)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -85,12 +90,6 @@ class _GatherAlong(torch.autograd.Function):
 def gather_along(x: torch.Tensor, dim: int, group) -> torch.Tensor:
     """Every rank's `x` joined along `dim` (same shape on every rank), differentiable."""
     return _GatherAlong.apply(x, dim, group)
-
-
-def _gather_constant(x: torch.Tensor, group) -> torch.Tensor:
-    parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, x.contiguous(), group=group)
-    return torch.cat(parts)
 
 
 def attend_over_context(
@@ -111,12 +110,12 @@ def attend_over_context(
     `sequences` [s]: each token's sequence in a packed stream (attention stays within one). causal: a token sees
     the tokens at or before its position. Returns [batch, heads, s, d]."""
     keys, values = gather_along(k, 2, group), gather_along(v, 2, group)
-    key_positions = _gather_constant(positions, group)
+    key_positions = _all_gathered(positions, 0, group)
     mask = None
     if causal:
         mask = key_positions[None, :] <= positions[:, None]
     if sequences is not None:
-        same = _gather_constant(sequences, group)[None, :] == sequences[:, None]
+        same = _all_gathered(sequences, 0, group)[None, :] == sequences[:, None]
         mask = same if mask is None else mask & same
     per_group = q.shape[1] // keys.shape[1]
     if per_group > 1:
