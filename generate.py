@@ -273,7 +273,7 @@ def whole_weights(cfg: DictConfig) -> DictConfig:
     OmegaConf.set_readonly(cfg, False)  # (a validated config is read-only; this copy is checked again)
     with open_dict(cfg):
         cfg.distributed.backend = "ddp"
-        cfg.distributed.dp_shard, cfg.distributed.tp = -1, 1
+        cfg.distributed.dp_shard, cfg.distributed.tp, cfg.distributed.cp = -1, 1, 1
         cfg.precision.param_dtype = "fp32"
         cfg.precision.fp8.enabled = False
     return cfg

@@ -29,7 +29,7 @@ import hydra
 import torch
 import torch.distributed as dist
 from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import session
 from core.checkpointing.saved_config import adopt_saved_model
@@ -69,6 +69,7 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
     register_configs()
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
     check_supports(cfg, PREDICTION, "predict.py")
+    cfg = without_context_parallelism(cfg)
     with session.start(cfg, run_dir, get_recipe) as sess:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(sess, training=False)
@@ -109,6 +110,19 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
         local = predict_rows(sess, parallel.wrapped, loader)
         output = Path(sess.cfg.predict.output) if sess.cfg.predict.output else run_dir / "predictions.csv"
         return write_predictions(sess, local, output, dataset)
+
+
+def without_context_parallelism(cfg: DictConfig) -> DictConfig:
+    """Prediction runs whole samples on each rank: distributed.cp (a training layout, e.g. the trained config's)
+    becomes 1, its ranks data-parallel ones."""
+    if cfg.distributed.cp == 1:
+        return cfg
+    log.info("predict.py: distributed.cp=%s is a training layout; predicting with distributed.cp=1", cfg.distributed.cp)
+    cfg = cfg.copy()
+    OmegaConf.set_readonly(cfg, False)
+    with open_dict(cfg):
+        cfg.distributed.cp = 1
+    return cfg
 
 
 def predict_rows(sess: session.Session, model: torch.nn.Module, loader) -> dict[str, torch.Tensor]:

@@ -176,6 +176,7 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
             sess.recipe.tokens_per_sample(),
             sess.recipe.flops_per_sample(),
             training.time_phases,
+            ranks_per_sample=env.tp * env.cp,
         )
         run = Run(
             sess,
@@ -353,11 +354,12 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
     step's gradients if its loss or gradient norm is not finite and training.on_nonfinite=skip."""
     parallel, env, recipe, meter = run.parallel, run.session.env, run.session.recipe, run.meter
     last = len(micro_batches) - 1
-    # The loss is the mean over every loss term (sample or token) of the global batch, so count them first.
-    # The backends average gradients over data-parallel ranks; dp_size undoes that.
+    # The loss is the mean over every loss term (sample or token) of the global batch, so count them first (over
+    # the ranks holding different tokens: data- and context-parallel). The backends average gradients over those
+    # ranks; dp_cp_size undoes that.
     count = sum(recipe.loss_count(b) for b in micro_batches).to(env.device, torch.float64)
-    dist.all_reduce(count, group=env.dp_group)
-    loss_scale = env.dp_size / count  # a device tensor: no host sync here
+    dist.all_reduce(count, group=env.dp_cp_group)
+    loss_scale = env.dp_cp_size / count  # a device tensor: no host sync here
     meter.add_work([recipe.work(b) for b in micro_batches])  # real tokens and FLOPs where samples differ
     loss_sum = torch.zeros((), device=env.device)
     with meter.phase("forward_backward"):
@@ -382,7 +384,7 @@ def train_step(run: Run, step: int, micro_batches: list[dict]) -> StepOutput:
 def step_figures(run: Run, out: StepOutput) -> dict[str, float]:
     """The step's mean loss over the global batch, learning rate and gradient norm (host syncs happen only here,
     at logging and saving steps)."""
-    dist.all_reduce(out.loss_sum, group=run.session.env.dp_group)
+    dist.all_reduce(out.loss_sum, group=run.session.env.dp_cp_group)
     return {"loss": (out.loss_sum / out.count).item(), "lr": out.lr, "grad_norm": out.grad_norm.item()}
 
 
@@ -399,8 +401,15 @@ def validate(run: Run, step: int) -> dict[str, float]:
     sess = run.session
     if run.data.val_loader is None or not run.schedule.validates(step):
         return {}
+    env = sess.env
     metrics = evaluate(
-        sess.recipe, run.parallel.wrapped, run.data.val_loader, sess.autocast, sess.env.device, sess.env.dp_group
+        sess.recipe,
+        run.parallel.wrapped,
+        run.data.val_loader,
+        sess.autocast,
+        env.device,
+        env.dp_group,
+        env.context_parallel(),
     )
     run.callbacks.on_validation_end(run, step, metrics)  # the logger writes them; early stopping may ask to stop
     return metrics

@@ -90,9 +90,11 @@ def request_cuda_connections(wanted: Optional[int]) -> None:
     already started, is warned about: GPU work on a side stream may then wait behind the step's kernels."""
     if wanted is None:
         return
+    main = os.environ.get("RANK", "0") == "0"  # every rank does the same: one says so
     given = os.environ.get(CUDA_CONNECTIONS_ENV)
     if given is not None:
-        if not given.isdigit() or int(given) < wanted:
+        count = given.strip()
+        if main and not (count.isascii() and count.isdigit() and int(count) >= wanted):
             log.warning(
                 "%s=%s is set: this run's data work on the GPU wants %d queues and may wait behind the step's "
                 'kernels (docs/performance.md, "Real JPEGs while training")',
@@ -102,12 +104,14 @@ def request_cuda_connections(wanted: Optional[int]) -> None:
             )
         return
     if torch.cuda.is_initialized():
-        log.warning(
-            "CUDA started before %s could be set to %d: the driver's default applies", CUDA_CONNECTIONS_ENV, wanted
-        )
+        if main:
+            log.warning(
+                "CUDA started before %s could be set to %d: the driver's default applies", CUDA_CONNECTIONS_ENV, wanted
+            )
         return
     os.environ[CUDA_CONNECTIONS_ENV] = str(wanted)
-    log.info("%s=%d: the recipe queues GPU work beside the step", CUDA_CONNECTIONS_ENV, wanted)
+    if main:
+        log.info("%s=%d: the recipe queues GPU work beside the step", CUDA_CONNECTIONS_ENV, wanted)
 
 
 def resolve_parallel_backend(backend: ParallelBackend, machine: Machine) -> ParallelBackend:
@@ -216,11 +220,13 @@ def cuda_graphs_mesh_refusals(cfg: DictConfig, dp_size: int, dp_outer: int, tp: 
     kernels only: a collective that must run inside a micro-batch would be skipped, or would have to be captured
     and has not been checked against eager runs. With several data-parallel ranks and ZeRO-0 a micro-batch holds
     none; its gradients are all-reduced after the step's last (core/training/cuda_graphs.py)."""
-    if dp_size == 1 and tp == 1:
+    cp = int(cfg.distributed.cp)
+    if dp_size == 1 and tp == 1 and cp == 1:
         return []
     zero = int(cfg.distributed.mfsdp.zero_dp_strategy)
     refusals = [
         (tp > 1, f"needs distributed.tp=1 (not {tp}): tensor parallelism's collectives run inside every layer"),
+        (cp > 1, f"needs distributed.cp=1 (not {cp}): context parallelism's exchanges run inside every attention"),
         (
             zero != 0,
             f"on {dp_size} data-parallel ranks needs distributed.mfsdp.zero_dp_strategy=0 (not {zero}): "

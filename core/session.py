@@ -72,22 +72,24 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
     recipe_type = get_recipe(cfg.recipe)
     cfg = recipe_type.resolve_config(cfg, is_main=launch.global_rank() == 0)  # e.g. sizes taken from the data
     recipe = recipe_type(cfg)
+    if cfg.distributed.cp > 1:  # before any process starts: the recipe splits its sequences, or refuses
+        recipe.check_context_parallel(int(cfg.distributed.cp))
     request_cuda_connections(recipe.cuda_connections())  # before anything starts CUDA
     runtime = resolve(cfg)
     dist_cfg = cfg.distributed
     env = distributed.setup(
-        dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes, runtime.device_type
+        dist_cfg.dp_outer, dist_cfg.dp_shard, dist_cfg.tp, dist_cfg.timeout_minutes, runtime.device_type, dist_cfg.cp
     )
     try:
         runtime = runtime.on_mesh(cfg, env.dp_size, env.dp_outer, env.tp)
-        # FP8 scales agree over all ranks that hold parts of the same tensors (data- and tensor-parallel).
-        amax_group = env.dp_group if env.tp == 1 else dist.group.WORLD
+        # FP8 scales agree over all ranks that hold parts of the same tensors (data-, context- and tensor-parallel).
+        amax_group = env.dp_cp_group if env.tp == 1 else dist.group.WORLD
         autocast = autocast_factory(env.device, runtime.autocast_dtype, runtime.fp8_recipe, amax_group)
         if env.is_main:
             run_dir.mkdir(parents=True, exist_ok=True)
             save_config(cfg, run_dir / "resolved_config.yaml")
             log.info(
-                "recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d x tp=%d "
+                "recipe %s | %d ranks on %s | distributed.backend=%s%s | mesh dp_outer=%d x dp_shard=%d%s x tp=%d "
                 "| model.backend=%s%s%s | run dir %s",
                 cfg.recipe,
                 env.world_size,
@@ -96,6 +98,7 @@ def start(cfg: DictConfig, run_dir: Path, get_recipe: Callable[[str], type]) -> 
                 " (auto)" if runtime.parallel_auto else "",
                 env.dp_outer,
                 env.dp_shard,
+                f" x cp={env.cp}" if env.cp > 1 else "",
                 env.tp,
                 runtime.layers,
                 " (auto)" if runtime.layers_auto else "",
@@ -115,8 +118,9 @@ def build_model(sess: Session, training: bool = True) -> tuple[Parallel, int]:
     parameter count."""
     if training:  # per-GPU memory from the settings: logged, and a run that cannot fit stops here, saying what would
         memory_plan.check_run(sess.cfg, sess.recipe, sess.env, sess.runtime, log)
-    layers = get_layers(sess.runtime.layers, sess.env.tensor_parallel())
+    layers = get_layers(sess.runtime.layers, sess.env.tensor_parallel(), sess.env.context_parallel())
     model = sess.recipe.build_model(layers, sess.env.device)
+    layers.cp.apply(model, layers.TransformerLayer)  # distributed.cp: attention over every cp rank's tokens
     # finetune.mode: which weights train (LoRA adapters added), before the wrappers see the parameters.
     summary = finetune.apply(model, sess.cfg.finetune, sess.cfg.seed, sess.runtime.autocast_dtype, sess.env.tp)
     if summary and sess.is_main:

@@ -11,6 +11,7 @@ Everything else has a default, or is an opt-in protocol that the tool needing it
     validation metrics             validation_metrics + summarize_validation (default: the loss)
     metrics over every item        forward's "items" in evaluation + summarize_items (default: none)
     Hugging Face conversion        recipes/<name>/hf.py with export_to_hf, import_from_hf and HF_MODEL_TYPES
+    context parallelism            check_context_parallel + context_parallel_share (default: distributed.cp refused)
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from torch.utils.data import Dataset
 from core.config.errors import ConfigError
 from core.config.schema import DataConfig, ModelConfig
 from core.data.loading import to_device
+from core.layers.context_parallel import ContextParallel
 from core.layers.namespace import Layers
 from core.training.memory_plan import BlockShape
 
@@ -127,6 +129,20 @@ class Recipe(ABC):
         default. A to_device that queues GPU work of its own beside the step (ViT's JPEG decoding) needs more:
         streams beyond the queues share them, and its work then waits behind the step's queued kernels."""
         return None
+
+    # --- context parallelism (distributed.cp > 1): optional ----------------------------------------
+    def check_context_parallel(self, cp_size: int) -> None:
+        """Refuse, before any work, a distributed.cp this recipe cannot split its samples over (ConfigError)."""
+        raise ConfigError(
+            f"distributed.cp={cp_size}: the {self.name} recipe does not split its samples over context-parallel "
+            "ranks; use distributed.cp=1"
+        )
+
+    def context_parallel_share(self, batch: dict, cp: ContextParallel) -> dict:
+        """This rank's share of a batch on the device: each sequence's tokens at the positions `cp` gives this rank
+        (the model's attention then covers the whole group's). loss_count and forward count the share's terms; the
+        loop sums them over the context-parallel ranks."""
+        raise NotImplementedError(f"the {self.name} recipe has no context-parallel share of its batches")
 
     # --- task (required: forward) ----------------------------------------------------------------
     @abstractmethod

@@ -31,7 +31,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config-name", required=True)
-    p.add_argument("--gpus", type=int, default=1, help="GPUs of the run: the world size, dp_outer x dp_shard x tp")
+    p.add_argument("--gpus", type=int, default=1, help="GPUs of the run: the world size, dp_outer x dp_shard x cp x tp")
     p.add_argument("--gpu-memory-gib", type=float, default=80.0)
     p.add_argument("overrides", nargs="*", help="key=value, as train.py takes them")
     args = p.parse_args(argv)
@@ -43,10 +43,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         cfg = validate(compose(config_name=args.config_name, overrides=overrides))
     recipe = get_recipe(cfg.recipe)(cfg)
     d = cfg.distributed
-    outer, shard, tp = mesh_shape(args.gpus, int(d.dp_outer), int(d.dp_shard), int(d.tp))  # as a run resolves it
+    outer, shard, cp, tp = mesh_shape(args.gpus, int(d.dp_outer), int(d.dp_shard), int(d.tp), int(d.cp))
     backend = str(resolve_parallel_backend(d.backend, Machine(cuda=True, te=True)))
     capacity = args.gpu_memory_gib * mp.GIB
-    result = mp.plan_for_run(cfg, recipe, shard, outer * shard, tp, backend, capacity)
+    result = mp.plan_for_run(cfg, recipe, shard, outer * shard, tp, backend, capacity, cp=cp)
     if result is None:
         print(f"{args.config_name}: no memory plan (recipe {cfg.recipe} gives no block shape)")
         return 0

@@ -41,7 +41,14 @@ NEUTRAL_KEYS = (
     "optim.fused",
     "scheduler.on_extend",
 )
-LAYOUT_KEYS = ("distributed", "distributed.backend", "distributed.dp_outer", "distributed.dp_shard", "distributed.tp")
+LAYOUT_KEYS = (
+    "distributed",
+    "distributed.backend",
+    "distributed.dp_outer",
+    "distributed.dp_shard",
+    "distributed.tp",
+    "distributed.cp",
+)
 START_KEYS = ("checkpoint.init_from",)
 
 

@@ -308,10 +308,13 @@ class DDPConfig:
 @dataclass
 class DistributedConfig:
     backend: ParallelBackend = ParallelBackend.auto
-    # Device mesh: dp_outer x dp_shard x tp must equal the world size; -1 = what is left.
+    # Device mesh: dp_outer x dp_shard x cp x tp must equal the world size; -1 = what is left.
     dp_shard: int = -1
     dp_outer: int = 1  # > 1: hybrid sharding (HSDP), replicas over dp_outer
     tp: int = 1  # tensor-parallel size (the GPT recipe): attention heads and MLP split over tp ranks
+    # Context-parallel size (the GPT recipe): each sequence's tokens split over cp ranks, which attend over each
+    # other's keys and values (core/layers/context_parallel.py); the weights are sharded over dp_shard x cp.
+    cp: int = 1
     timeout_minutes: float = 30.0
     # Each backend's own settings; the one that `backend` picks is used.
     mfsdp: MFSDPConfig = field(default_factory=MFSDPConfig)
@@ -323,6 +326,7 @@ class DistributedConfig:
         "dp_shard": Int(1, INT32_MAX, also=-1, note="-1: what is left"),
         "dp_outer": Int(1, INT32_MAX),
         "tp": Int(1, INT32_MAX),
+        "cp": Int(1, INT32_MAX),
         # A week: a collective that waits longer has hung; datetime.timedelta overflows far above. Below 6 s,
         # ranks that start a moment apart time out at start-up (1e-300: "timed out after 0ms").
         "timeout_minutes": Real(0.1, 7 * 24 * 60),

@@ -17,6 +17,7 @@ from core.data.datasets import MultiEpochDatasetResampler
 from core.data.loading import PREFETCH_DEPTH, make_loader, prefetch_to_device
 from core.data.sampling import EvalBatchSampler, GlobalBatchSampler, PaddedEval
 from core.distributed.env import DistEnv
+from core.training.device_batches import device_mover
 from core.training.length import run_length
 
 
@@ -87,7 +88,7 @@ class TrainingData:
             iter(loader),
             env.device,
             count,
-            self.recipe.to_device,
+            device_mover(self.recipe, env.context_parallel()),
             threads=self.recipe.prefetch_threads(),
             depth=max(PREFETCH_DEPTH, self.accumulation),
         )

@@ -19,11 +19,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.config.errors import ConfigError
+from core.layers.context_parallel import ContextParallel
 from core.layers.tensor_parallel import TensorParallel
 
 log = logging.getLogger(__name__)
 
-MESH_DIMS = ("dp_outer", "dp_shard", "tp")
+MESH_DIMS = ("dp_outer", "dp_shard", "cp", "tp")
 
 
 @dataclass
@@ -32,11 +33,15 @@ class DistEnv:
     world_size: int
     local_rank: int
     device: torch.device
-    mesh: DeviceMesh  # dims ("dp_outer", "dp_shard", "tp")
-    dp_mesh: DeviceMesh  # "dp_outer" x "dp_shard" flattened: all data-parallel peers of this rank
+    mesh: DeviceMesh  # dims ("dp_outer", "dp_shard", "cp", "tp")
+    dp_mesh: DeviceMesh  # "dp_outer" x "dp_shard" flattened: the ranks that take different samples
     dp_outer: int
     dp_shard: int
     tp: int
+    cp: int = 1
+    # "dp_outer" x "dp_shard" x "cp" flattened: the ranks that hold different tokens of the batch, over which the
+    # loss is counted and gradients are reduced (the data-parallel ranks without context parallelism).
+    dp_cp_mesh: Optional[DeviceMesh] = None
 
     @property
     def is_main(self) -> bool:
@@ -53,6 +58,28 @@ class DistEnv:
     @property
     def dp_group(self) -> dist.ProcessGroup:
         return self.dp_mesh.get_group()
+
+    @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        return (self.dp_cp_mesh or self.dp_mesh).get_group()
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.mesh["cp"].get_group()
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh["cp"].get_local_rank()
+
+    def context_parallel(self) -> ContextParallel:
+        if self.cp == 1:
+            return ContextParallel()
+        ranks = [int(r) for r in self.mesh["cp"].mesh.flatten().tolist()]
+        return ContextParallel(self.cp, self.cp_rank, self.cp_group, ranks)
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -114,9 +141,10 @@ def _job_store(rank: int, world_size: int, timeout: datetime.timedelta) -> dist.
     return dist.PrefixStore(f"recipes/job{_JOBS_STARTED}", _STORE)
 
 
-def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[int, int, int]:
-    """Resolve -1 entries and check that the mesh covers the world exactly."""
-    sizes = {"distributed.dp_outer": dp_outer, "distributed.dp_shard": dp_shard, "distributed.tp": tp}
+def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """Resolve -1 entries and check that the mesh covers the world exactly: (dp_outer, dp_shard, cp, tp)."""
+    sizes = {"distributed.dp_outer": dp_outer, "distributed.dp_shard": dp_shard, "distributed.cp": cp}
+    sizes["distributed.tp"] = tp
     unknown = [k for k, v in sizes.items() if v == -1]
     for k, v in sizes.items():
         if v == 0 or v < -1:
@@ -133,18 +161,24 @@ def mesh_shape(world_size: int, dp_outer: int, dp_shard: int, tp: int) -> tuple[
                 f"({' x '.join(f'{k}={v}' for k, v in sizes.items() if v != -1)})"
             )
         sizes[unknown[0]] = world_size // known
-    product = sizes["distributed.dp_outer"] * sizes["distributed.dp_shard"] * sizes["distributed.tp"]
+    product = 1
+    for v in sizes.values():
+        product *= v
     if product != world_size:
+        names = " x ".join(k.removeprefix("distributed.") for k in sizes)
         raise ConfigError(
-            "device mesh dp_outer x dp_shard x tp = "
-            f"{sizes['distributed.dp_outer']} x {sizes['distributed.dp_shard']} x {sizes['distributed.tp']} "
-            f"= {product}, "
+            f"device mesh {names} = {' x '.join(str(v) for v in sizes.values())} = {product}, "
             f"but the world size is {world_size} (processes launched); make them multiply to {world_size}"
         )
-    return sizes["distributed.dp_outer"], sizes["distributed.dp_shard"], sizes["distributed.tp"]
+    return (
+        sizes["distributed.dp_outer"],
+        sizes["distributed.dp_shard"],
+        sizes["distributed.cp"],
+        sizes["distributed.tp"],
+    )
 
 
-def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_type: str) -> DistEnv:
+def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_type: str, cp: int = 1) -> DistEnv:
     """Start the process group (NCCL on CUDA, gloo on CPU) on `device_type` (core/runtime.py decides it), pick
     this rank's device, build the mesh."""
     _export_slurm_env_if_needed()
@@ -152,7 +186,7 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     # Validate the mesh before touching any device or process group.
-    dp_outer, dp_shard, tp = mesh_shape(world_size, dp_outer, dp_shard, tp)
+    dp_outer, dp_shard, cp, tp = mesh_shape(world_size, dp_outer, dp_shard, tp, cp)
 
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
@@ -177,9 +211,13 @@ def setup(dp_outer: int, dp_shard: int, tp: int, timeout_minutes: float, device_
             device_id=device if bind else None,
         )
         _DEVICE_BOUND_WORLD_STARTED = _DEVICE_BOUND_WORLD_STARTED or bind
-    mesh = init_device_mesh(device_type, (dp_outer, dp_shard, tp), mesh_dim_names=MESH_DIMS)
+    mesh = init_device_mesh(device_type, (dp_outer, dp_shard, cp, tp), mesh_dim_names=MESH_DIMS)
     dp_mesh = mesh["dp_outer", "dp_shard"]._flatten("dp")
-    return DistEnv(rank, world_size, local_rank, device, mesh, dp_mesh, dp_outer, dp_shard, tp)
+    dp_cp_mesh = None
+    if cp > 1:
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")  # what FSDP shards over (core/parallel/)
+        dp_cp_mesh = mesh["dp_outer", "dp_shard", "cp"]._flatten("dp_cp")
+    return DistEnv(rank, world_size, local_rank, device, mesh, dp_mesh, dp_outer, dp_shard, tp, cp, dp_cp_mesh)
 
 
 def teardown() -> None:

@@ -15,6 +15,7 @@ for faster kernels, not one of them: it holds the whole sequence's keys and valu
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -60,6 +61,36 @@ def packed_load_balanced_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_ra
     late = within >= chunk_size  # the rank's second chunk of that sequence
     start = torch.where(late, (chunks - 1 - cp_rank) * chunk_size - chunk_size, cp_rank * chunk_size)
     return offsets[:-1][sequence] + start + within
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """This rank's context-parallel group (`distributed.cp`), as models and layers need it."""
+
+    size: int = 1
+    rank: int = 0
+    group: Optional[dist.ProcessGroup] = None
+    ranks: tuple[int, ...] = ()  # the group's global ranks, in group order (TE's cp_global_ranks)
+
+    def positions(self, length: int, device=None) -> torch.Tensor:
+        """The positions this rank holds of a sequence of `length` tokens."""
+        return load_balanced_positions(length, self.size, self.rank, device)
+
+    def share(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `x`, whose dimension `dim` holds whole sequences."""
+        if self.size == 1:
+            return x
+        return x.index_select(dim, self.positions(x.shape[dim], x.device))
+
+    def apply(self, model: torch.nn.Module, layer_class: type) -> None:
+        """Make every `layer_class` (TE's TransformerLayer or its twin) of `model` attend over the whole group's
+        tokens: TE's `set_context_parallel_group`, which the twin's TransformerLayer takes alike."""
+        if self.size == 1:
+            return
+        stream = torch.cuda.Stream() if torch.cuda.is_available() else None  # TE's ring overlaps on it
+        for module in model.modules():
+            if isinstance(module, layer_class):
+                module.set_context_parallel_group(self.group, list(self.ranks), stream, "p2p")
 
 
 def _all_gathered(x: torch.Tensor, dim: int, group) -> torch.Tensor:

@@ -19,6 +19,7 @@ import torch
 import torch.utils.checkpoint
 
 from core.layers import te_transformer_layer, torch_twins
+from core.layers.context_parallel import ContextParallel
 from core.layers.tensor_parallel import TensorParallel
 
 
@@ -45,6 +46,8 @@ class Layers:
     InferenceParams: type
     # The tensor-parallel group: models pass `tp.layer_kwargs()` to the layers that support it.
     tp: TensorParallel = field(default_factory=TensorParallel)
+    # The context-parallel group: models running on a share of each sequence take its positions from it.
+    cp: ContextParallel = field(default_factory=ContextParallel)
 
 
 def te_available() -> bool:
@@ -126,8 +129,9 @@ def te_wgrad_fusable_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
     ]
 
 
-def get_layers(backend: str, tp: TensorParallel = TensorParallel()) -> Layers:
-    """The layers of a resolved `model.backend` (te or torch); `tp` is this rank's tensor-parallel group."""
+def get_layers(backend: str, tp: TensorParallel = TensorParallel(), cp: ContextParallel = ContextParallel()) -> Layers:
+    """The layers of a resolved `model.backend` (te or torch); `tp` and `cp` are this rank's tensor- and
+    context-parallel groups."""
     if backend not in ("te", "torch"):
         raise ValueError(f"get_layers({backend!r}): expected a resolved layer backend, te or torch")
-    return replace(_te_layers() if backend == "te" else TORCH_LAYERS, tp=tp)
+    return replace(_te_layers() if backend == "te" else TORCH_LAYERS, tp=tp, cp=cp)

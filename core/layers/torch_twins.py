@@ -31,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from core.layers.context_parallel import attend_over_context, load_balanced_positions, packed_load_balanced_positions
 from core.layers.tensor_parallel import GLU_ACTIVATIONS, mark_split
 
 # TE's default init_method: normal(0, 0.023) for every weight; biases start at zero.
@@ -599,6 +600,7 @@ class MultiheadAttention(nn.Module):
         self.attention_dropout = attention_dropout
         self.causal = attn_mask_type in ("causal", "padding_causal")
         self.qkv_format = qkv_format
+        self.cp_group, self.cp_size, self.cp_rank = None, 1, 0  # set_context_parallel_group
         self.fuse_qkv_params = fuse_qkv_params
         parallel = dict(tp_group=tp_group, tp_size=tp_size) if tp_size > 1 else {}
         common = dict(
@@ -660,6 +662,8 @@ class MultiheadAttention(nn.Module):
             raise NotImplementedError("causal: a per-call mask type for packed sequences (qkv_format='thd') only")
         if cu_seqlens is not None:
             raise NotImplementedError("cu_seqlens: packed sequences need qkv_format='thd'")
+        if self.cp_size > 1 and inference_params is not None:
+            raise NotImplementedError("a KV cache with context parallelism")
         if self.qkv_format == "sbhd":
             x = x.transpose(0, 1)  # compute in [batch, seq, hidden]
         b, s, _ = x.shape
@@ -673,6 +677,11 @@ class MultiheadAttention(nn.Module):
                 raise ValueError("MultiheadAttention needs a layer_number to use a KV cache")
             k, v = inference_params.step(self.layer_number, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
+        if self.cp_size > 1:  # this rank's share of each row; rotary_pos_emb held its positions' angles
+            positions = load_balanced_positions(s * self.cp_size, self.cp_size, self.cp_rank, q.device)
+            out = attend_over_context(q, k, v, positions, self.cp_group, self.causal, dropout_p=self._dropout())
+            out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
+            return out.transpose(0, 1) if self.qkv_format == "sbhd" else out
         causal, mask = self.causal, None
         if self.causal and start > 0:  # queries at positions start.. see every cached key and the new ones before them
             causal = False
@@ -694,26 +703,48 @@ class MultiheadAttention(nn.Module):
             v,
             attn_mask=mask,
             is_causal=causal,
-            dropout_p=self.attention_dropout if self.training else 0.0,
+            dropout_p=self._dropout(),
             scale=1.0 / math.sqrt(self.head_dim),
         )
+
+    def _dropout(self) -> float:
+        return self.attention_dropout if self.training else 0.0
 
     def _packed(
         self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool
     ) -> torch.Tensor:
         """x [tokens, hidden] holding the sequences cu_seqlens delimits -> [tokens, hidden]. Tokens past the last
-        offset form one more sequence of their own. causal: each token sees its sequence's tokens up to itself."""
+        offset form one more sequence of their own. causal: each token sees its sequence's tokens up to itself.
+        With context parallelism, as with TE: x holds this rank's share of every sequence and cu_seqlens delimits the
+        whole stream (each sequence a multiple of 2 x cp_size tokens); positions count from each sequence's start."""
         t = x.shape[0]
-        sequence, position = packed_positions(cu_seqlens, t)
+        if self.cp_size > 1:
+            index = self._context_share(cu_seqlens, t)
+            sequence, position = packed_positions(cu_seqlens, int(cu_seqlens[-1]))
+            sequence, position = sequence[index], position[index]
+        else:
+            sequence, position = packed_positions(cu_seqlens, t)
         q, k, v = self._split_qkv(self.layernorm_qkv(x[None]), 1, t)
         if rotary_pos_emb is not None:  # each sequence's positions start at 0
             angles = rotary_pos_emb[position]
             q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
-        mask = sequence[:, None] == sequence[None, :]
-        if causal:
-            mask = mask.tril()
-        out = self._attend(*(u.transpose(1, 2) for u in (q, k, v)), mask, False)
+        q, k, v = (u.transpose(1, 2) for u in (q, k, v))
+        if self.cp_size > 1:
+            out = attend_over_context(q, k, v, index, self.cp_group, causal, sequence, self._dropout())
+        else:
+            mask = sequence[:, None] == sequence[None, :]
+            out = self._attend(q, k, v, mask.tril() if causal else mask, False)
         return self.proj(out.transpose(1, 2).reshape(t, self.num_heads * self.head_dim))
+
+    def _context_share(self, cu_seqlens: torch.Tensor, tokens: int) -> torch.Tensor:
+        """The places in the whole packed stream of this rank's `tokens` tokens."""
+        total = int(cu_seqlens[-1])
+        if tokens * self.cp_size != total:
+            raise ValueError(
+                f"context parallelism over {self.cp_size} ranks: cu_seqlens covers {total} tokens, but this rank "
+                f"holds {tokens} (every token of the stream must belong to a sequence)"
+            )
+        return packed_load_balanced_positions(cu_seqlens, self.cp_size, self.cp_rank)
 
 
 class TransformerLayer(nn.Module):
@@ -837,6 +868,14 @@ class TransformerLayer(nn.Module):
         x = hidden_states
         x = x + F.dropout(self.self_attention(x, rotary_pos_emb, inference_params), self.hidden_dropout, self.training)
         return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
+
+    def set_context_parallel_group(self, cp_group, cp_global_ranks, cp_stream=None, cp_comm_type: str = "p2p") -> None:
+        """TE's: attend over the tokens of every rank of `cp_group`, each holding its share of every sequence
+        (core/layers/context_parallel.py); the stream and communication type are TE's kernels' concern."""
+        attention = self.self_attention
+        attention.cp_group = cp_group
+        attention.cp_size = dist.get_world_size(cp_group) if cp_group is not None else 1
+        attention.cp_rank = dist.get_rank(cp_group) if cp_group is not None else 0
 
 
 def packed_positions(cu_seqlens: torch.Tensor, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,9 +26,13 @@ class ThroughputMeter(Callback):
         tokens_per_sample: Optional[int],
         flops_per_sample: Optional[float],
         time_phases: bool = False,
+        ranks_per_sample: int = 1,
     ):
-        """`tokens_per_sample` / `flops_per_sample`: the recipe's (None: no tokens/s / no MFU in the record)."""
+        """`tokens_per_sample` / `flops_per_sample`: the recipe's (None: no tokens/s / no MFU in the record).
+        `ranks_per_sample`: how many ranks share the work of each sample (tensor- x context-parallel): the recipe's
+        work of a micro-batch counts whole samples, and each of those ranks does its part."""
         self.device, self.global_batch_size, self.world_size = device, global_batch_size, world_size
+        self.ranks_per_sample = ranks_per_sample
         self.tokens_per_sample, self.flops_per_sample, self.time_phases = (
             tokens_per_sample,
             flops_per_sample,
@@ -51,7 +55,7 @@ class ThroughputMeter(Callback):
         sync, read at the next record); a list of None changes nothing."""
         counted = [torch.stack([tokens, flops]).double() for tokens, flops in (w for w in work if w is not None)]
         if counted:
-            total = torch.stack(counted).sum(0)
+            total = torch.stack(counted).sum(0) / self.ranks_per_sample
             self.work = total if self.work is None else self.work + total
 
     @contextlib.contextmanager

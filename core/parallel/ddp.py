@@ -18,7 +18,7 @@ class DDP(Parallel):
         wrapped = DistributedDataParallel(
             model,
             device_ids=[env.device.index] if env.device.type == "cuda" else None,
-            process_group=env.dp_group,
+            process_group=env.dp_cp_group,  # the ranks holding different tokens (context parallelism too)
             bucket_cap_mb=cfg.bucket_cap_mb,
             gradient_as_bucket_view=cfg.gradient_as_bucket_view,
             find_unused_parameters=cfg.find_unused_parameters,

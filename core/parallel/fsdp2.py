@@ -29,7 +29,10 @@ class FSDP2(Parallel):
         if env.tp > 1:
             _tensor_parallel_as_dtensors(model, env.mesh["tp"])
         # 1-d mesh (FSDP) or 2-d (HSDP: replicate over dp_outer, shard over dp_shard).
-        mesh = env.mesh["dp_outer", "dp_shard"] if env.dp_outer > 1 else env.mesh["dp_shard"]
+        # With context parallelism the weights are sharded over the cp ranks too: they hold different tokens, so
+        # their gradients are reduced as data-parallel ones are.
+        shard = "dp_shard_cp" if env.cp > 1 else "dp_shard"
+        mesh = env.mesh["dp_outer", shard] if env.dp_outer > 1 else env.mesh[shard]
         mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=DTYPES[cfg.reduce_dtype])
         units = tuple(unit_modules)
         for module in model.modules():

@@ -1,4 +1,4 @@
-"""Megatron-FSDP: ZeRO 0-3 and HSDP over the ("dp_outer", "dp_shard", "tp") mesh.
+"""Megatron-FSDP: ZeRO 0-3 and HSDP over the ("dp_outer", "dp_shard", "cp", "tp") mesh (sharding over dp_shard x cp).
 
 Follows `fully_shard_model` + an optimizer built over the wrapped module's parameters +
 `fully_shard_optimizer`, rather than `fully_shard(model, optimizer)`, because the latter replaces the
@@ -99,7 +99,7 @@ class MegatronFSDP(Parallel):
             log.info("one GPU: Megatron-FSDP runs ZeRO-0 (zero_dp_strategy=%d has nothing to shard)", zero)
             zero = 0
         if cfg.te_fuse_wgrad_accumulation:
-            _fuse_te_wgrad_accumulation(model, zero, env.dp_shard)
+            _fuse_te_wgrad_accumulation(model, zero, env.dp_shard * env.cp)
         policy = megatron_fsdp.MixedPrecisionPolicy(
             main_params_dtype=dtype(cfg.main_params_dtype),
             main_grads_dtype=dtype(cfg.main_grads_dtype),
@@ -108,10 +108,11 @@ class MegatronFSDP(Parallel):
         wrapper = megatron_fsdp.fully_shard_model(
             model,
             device_mesh=env.mesh,
-            dp_shard_dim="dp_shard",
+            # With context parallelism, over the flattened dp_shard x cp ranks (core/distributed/env.py).
+            dp_shard_dim="dp_shard_cp" if env.cp > 1 else "dp_shard",
             dp_outer_dim="dp_outer" if hsdp else None,
             tp_dim="tp",
-            hybrid_fsdp_group=env.dp_group if hsdp else None,
+            hybrid_fsdp_group=env.dp_cp_group if hsdp else None,
             fsdp_unit_modules=unit_modules,
             zero_dp_strategy=zero,
             outer_dp_sharding_strategy=int(cfg.outer_dp_sharding_strategy),
@@ -136,7 +137,7 @@ class MegatronFSDP(Parallel):
         self.zero = zero  # in effect (one rank runs ZeRO-0)
         # One data-parallel rank without sharding: the gradients are already complete in the main-gradient
         # buffer, and "reducing" them would only copy 4 bytes per parameter through a one-rank all-reduce.
-        self.nothing_to_reduce = zero == 0 and env.dp_size == 1
+        self.nothing_to_reduce = zero == 0 and env.dp_cp_size == 1
         self._reduction_order: list | None = None  # reduce_gradients' parameters, listed at its first call
         # wrapper.module is the user's model; its parameters are now Megatron-FSDP's distributed
         # (DTensor) optimizer parameters under their original names.

@@ -15,21 +15,30 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from core.layers.context_parallel import ContextParallel
+from core.training.device_batches import device_mover
+
 
 @torch.no_grad()
 def evaluate(
-    recipe, model: nn.Module, loader, autocast: Callable[[], ContextManager], device: torch.device, dp_group
+    recipe,
+    model: nn.Module,
+    loader,
+    autocast: Callable[[], ContextManager],
+    device: torch.device,
+    dp_group,
+    cp: ContextParallel = ContextParallel(),
 ) -> dict[str, float]:
     """Metric sums over every valid sample (padding samples count for nothing), reduced over the
-    data-parallel group, turned into the recipe's reported metrics; with the recipe's figures over every valid
-    item when its forward returns "items"."""
+    data-parallel group (and the context-parallel one: its ranks hold shares of the same samples), turned into the
+    recipe's reported metrics; with the recipe's figures over every valid item when its forward returns "items"."""
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     item_parts: list[dict[str, torch.Tensor]] = []
     for batch in loader:
         valid_rows = batch.pop("valid")
         valid = valid_rows.to(device, torch.float64)
-        batch = recipe.to_device(batch, device)
+        batch = device_mover(recipe, cp)(batch, device)
         with autocast():
             out = recipe.forward(model, batch, training=False)
         items = out.pop("items", None)
@@ -41,6 +50,8 @@ def evaluate(
     keys = sorted(sums)
     totals = torch.stack([sums[k] for k in keys])
     dist.all_reduce(totals, group=dp_group)
+    if cp.size > 1:
+        dist.all_reduce(totals, group=cp.group)
     totals = dict(zip(keys, totals.tolist()))
     count = totals.pop("count")
     metrics = recipe.summarize_validation({k: v / count for k, v in totals.items()})

@@ -2,7 +2,7 @@
 (for any machine, without a GPU: scripts/memory_plan.py).
 
 A run holds, per GPU (bytes per parameter on the left, what divides them on the right):
-  weights           the compute copy (bf16: 2, fp32: 4)            ZeRO-3 / FSDP2: over dp_shard
+  weights           the compute copy (bf16: 2, fp32: 4)            ZeRO-3 / FSDP2: over dp_shard x cp
   master weights    fp32 copies of the trained weights (4)          ZeRO >= 1 / FSDP2
   gradients         fp32 main gradients of the trained weights (4)  ZeRO >= 2 / FSDP2
   optimizer state   AdamW's two fp32 moments (8)                    ZeRO >= 1 / FSDP2
@@ -11,12 +11,13 @@ A run holds, per GPU (bytes per parameter on the left, what divides them on the 
   logits            the output layer's bf16 logits per token (language models)
   workspace         GEMM and attention workspaces and the allocator's slack (a constant)
 Frozen weights (finetune.mode=lora or frozen) take their compute copy only. Tensor parallelism divides the weights'
-parts and the blocks' inner activations. Activations per token and block, in elements of the compute dtype: the
-attention's input and normalized input, query, key, value and output (4 h + 2 kv), the MLP's input, normalized
-input, first and activated outputs (2 h + 3 f gated, 2 h + 2 f otherwise); a frozen block keeps what its backward
-to the input needs (4 h + 2 kv, and h + 2 f gated or h + f); activation checkpointing keeps each block's input
-and one block's whole set. It counts what torch allocates (torch.cuda.max_memory_allocated), which is what the logs'
-peak memory reports; docs/performance.md compares it with measured peaks.
+parts and the blocks' inner activations; context parallelism (distributed.cp) the tokens of each sample, and the
+sharded parts with dp_shard (the backends shard over both). Activations per token and block, in elements of the
+compute dtype: the attention's input and normalized input, query, key, value and output (4 h + 2 kv), the MLP's input,
+normalized input, first and activated outputs (2 h + 3 f gated, 2 h + 2 f otherwise); a frozen block keeps what its
+backward to the input needs (4 h + 2 kv, and h + 2 f gated or h + f); activation checkpointing keeps each block's
+input and one block's whole set. It counts what torch allocates (torch.cuda.max_memory_allocated), which is what the
+logs' peak memory reports; docs/performance.md compares it with measured peaks.
 
 A run that would not fit its GPU stops before building the model, naming settings that would fit
 (`training.memory_plan=warn` only warns, `off` skips the plan).
@@ -32,6 +33,7 @@ import torch
 from omegaconf import DictConfig
 
 from core.config.errors import ConfigError
+from core.training.precision import DTYPES
 
 GIB = 2**30
 WORKSPACE_BYTES = 0.5 * GIB
@@ -73,6 +75,7 @@ class Settings:
     param_bytes: int  # the compute copy's dtype
     compute_bytes: int  # activations' dtype (autocast's, else the weights')
     fp8: bool
+    cp: int = 1  # context parallelism: each GPU holds 1/cp of each sample's tokens
 
 
 @dataclass(frozen=True)
@@ -89,14 +92,16 @@ class MemoryPlan:
         head = (
             f"memory plan per GPU: ~{self.total / GIB:.1f} GiB"
             + (f" of {capacity / GIB:.1f} GiB" if capacity else "")
-            + f" ({s.backend} ZeRO-{s.zero} over {s.dp_shard}, tp={s.tp}, micro-batch {s.micro_batch} x "
+            + f" ({s.backend} ZeRO-{s.zero} over {s.dp_shard * max(s.cp, 1)}, tp={s.tp}"
+            + (f", cp={s.cp}" if s.cp > 1 else "")
+            + f", micro-batch {s.micro_batch} x "
             f"{s.tokens} tokens{', activation checkpointing' if s.activation_checkpointing else ''})"
         )
         return [head] + [f"  {name:<16} {value / GIB:8.2f} GiB" for name, value in self.parts.items() if value]
 
 
 def estimate(block: BlockShape, params: Parameters, s: Settings) -> MemoryPlan:
-    shard = max(s.dp_shard, 1)
+    shard = max(s.dp_shard, 1) * max(s.cp, 1)
     tp = max(s.tp, 1)
     total, trained = params.total / tp, params.trained / tp
     frozen = total - trained
@@ -120,7 +125,7 @@ def estimate(block: BlockShape, params: Parameters, s: Settings) -> MemoryPlan:
     if s.zero >= 3 and shard > 1:
         unit = params.unit / tp
         parts["gathered units"] = unit * (2 * s.param_bytes + (4 if params.blocks_trained != "none" else 0))
-    tokens = s.micro_batch * s.tokens
+    tokens = s.micro_batch * s.tokens / max(s.cp, 1)
     parts["activations"] = tokens * _activation_bytes(block, params.blocks_trained, s)
     parts["logits"] = tokens * block.logits * s.compute_bytes / tp
     return MemoryPlan(parts, s)
@@ -162,13 +167,12 @@ def count_parameters(recipe, cfg: DictConfig) -> Parameters:
     return Parameters(total, trained, unit, state)
 
 
-def settings_of(cfg: DictConfig, recipe, dp_shard: int, tp: int, backend: str) -> Settings:
+def settings_of(cfg: DictConfig, recipe, dp_shard: int, tp: int, backend: str, cp: int = 1) -> Settings:
     """The plan's settings from a validated config and the run's resolved mesh and backend."""
-    bytes_of = {"fp32": 4, "bf16": 2, "fp16": 2}
     precision = cfg.precision
-    param_bytes = bytes_of[str(precision.param_dtype)]
+    param_bytes = DTYPES[str(precision.param_dtype)].itemsize
     autocast = precision.autocast_dtype
-    compute_bytes = bytes_of[str(autocast)] if autocast is not None else param_bytes
+    compute_bytes = DTYPES[str(autocast)].itemsize if autocast is not None else param_bytes
     distributed = cfg.distributed
     fsdp2_zero = 3 if distributed.fsdp2.reshard_after_forward else 2
     zero = {"mfsdp": int(distributed.mfsdp.zero_dp_strategy), "fsdp2": fsdp2_zero, "ddp": 0}[backend]
@@ -183,6 +187,7 @@ def settings_of(cfg: DictConfig, recipe, dp_shard: int, tp: int, backend: str) -
         param_bytes=param_bytes,
         compute_bytes=compute_bytes,
         fp8=bool(precision.fp8.enabled),
+        cp=cp,
     )
 
 
@@ -192,7 +197,7 @@ def advice(
     """Up to three settings that would fit `capacity`: a higher ZeRO level (Megatron-FSDP over several ranks), a
     smaller micro-batch that still divides the global batch, activation checkpointing, and their mixes; those
     without recomputation first, then the fewest changes and the largest micro-batch."""
-    zeros = list(range(s.zero, 4)) if s.backend == "mfsdp" and s.dp_shard > 1 else [s.zero]
+    zeros = list(range(s.zero, 4)) if s.backend == "mfsdp" and s.dp_shard * s.cp > 1 else [s.zero]
     batches = [b for b in range(s.micro_batch, 0, -1) if global_batch % (b * dp_size) == 0]
     checkpointing = [s.activation_checkpointing] + ([True] if not s.activation_checkpointing else [])
     found = []
@@ -261,13 +266,14 @@ def plan_for_run(
     tp: int,
     backend: str,
     capacity: Optional[float],
+    cp: int = 1,
 ):
     """(plan, advice) for a run about to be built; None where the recipe gives no block shape."""
     block = recipe.block_shape()
     if block is None:
         return None
     params = count_parameters(recipe, cfg)
-    s = settings_of(cfg, recipe, dp_shard, tp, backend)
+    s = settings_of(cfg, recipe, dp_shard, tp, backend, cp)
     plan = estimate(block, params, s)
     suggestions = (
         advice(block, params, s, capacity, int(cfg.training.global_batch_size), dp_size)
@@ -285,7 +291,9 @@ def check_run(cfg: DictConfig, recipe, env, runtime, log) -> None:
         return
     capacity = float(torch.cuda.get_device_properties(env.device).total_memory)
     try:
-        result = plan_for_run(cfg, recipe, env.dp_shard, env.dp_size, env.tp, str(runtime.parallel), capacity)
+        result = plan_for_run(
+            cfg, recipe, env.dp_shard, env.dp_size, env.tp, str(runtime.parallel), capacity, cp=env.cp
+        )
     except Exception as e:  # the plan advises: a model it cannot take apart still trains, unplanned
         if env.is_main:
             log.warning("memory plan: not estimated (%s: %s)", type(e).__name__, e)

@@ -46,6 +46,7 @@ class GPT(nn.Module):
         self.high_precision = layers.high_precision  # the logits stay out of FP8: see forward
         self.token_cross_entropy = layers.token_cross_entropy  # fused (TE) or plain torch
         self.kv_cache_class, self.kv_heads, self.head_dim = layers.InferenceParams, groups // tp, h // heads
+        self.cp = layers.cp  # distributed.cp: each row holds this rank's share of a longer sequence
         self.embedding = nn.Embedding(vocab_size, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
         self.layers = nn.ModuleList(
@@ -101,7 +102,12 @@ class GPT(nn.Module):
         """tokens [batch, seq] -> the final norm's input [batch, seq, hidden] (causal over each row)."""
         x = self.embedding(tokens)
         if kv_cache is None:
-            angles, cached = self.rotary(tokens.shape[1]).to(x.device), {}
+            seq = tokens.shape[1] * self.cp.size
+            angles, cached = self.rotary(seq).to(x.device), {}
+            if self.cp.size > 1:  # the angles of this rank's positions (TE rotates bshd rows by the first s given)
+                angles = angles[self.cp.positions(seq, x.device)]
+        elif self.cp.size > 1:
+            raise ValueError("a KV cache with context parallelism (distributed.cp > 1)")
         else:  # the layers pick the new tokens' positions from the cache
             angles = self.rotary(kv_cache.max_sequence_length).to(x.device)
             cached = dict(inference_params=kv_cache, self_attn_mask_type="padding_causal")
@@ -113,6 +119,8 @@ class GPT(nn.Module):
     def _packed_blocks(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """tokens [rows, seq], cu_seqlens [rows, slots + 1] -> [rows x seq, hidden]: all rows as one stream."""
         rows, seq = tokens.shape
+        if self.cp.size > 1:
+            raise ValueError("packed rows with context parallelism (distributed.cp > 1)")
         if cu_seqlens.dim() != 2 or cu_seqlens.shape[0] != rows:
             raise ValueError(
                 f"cu_seqlens of shape {tuple(cu_seqlens.shape)} for {rows} rows: expected [rows, slots + 1]"

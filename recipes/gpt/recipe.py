@@ -230,6 +230,31 @@ class GPTRecipe(Recipe):
     def loss_count(self, batch: dict) -> torch.Tensor:
         return batch["loss_mask"].sum()
 
+    def check_context_parallel(self, cp_size: int) -> None:
+        """Rows of seq_length tokens (pretraining text, or one conversation each), each cut into 2 x cp chunks
+        (core/layers/context_parallel.py)."""
+        data, seq = self.cfg.data, self.cfg.model.seq_length
+        if data.packing:
+            raise ConfigError(
+                f"distributed.cp={cp_size} with data.packing=true: packed documents are not split over "
+                "context-parallel ranks yet; use data.packing=false"
+            )
+        if seq % (2 * cp_size):
+            raise ConfigError(
+                f"model.seq_length={seq} with distributed.cp={cp_size}: each row is cut into 2 x {cp_size} equal "
+                f"chunks; make the sequence length a multiple of {2 * cp_size}"
+            )
+
+    def context_parallel_share(self, batch: dict, cp) -> dict:
+        """Every per-token tensor ([rows, seq, ...]: tokens, labels, loss_mask, position_ids) at this rank's
+        positions; the model rotates them at those positions and attends over the group's. Per-row figures
+        (real_tokens) stay whole: `work` counts whole rows, and the meter shares them among the cp ranks."""
+        seq = batch["tokens"].shape[1]
+        return {
+            k: cp.share(v, 1) if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq else v
+            for k, v in batch.items()
+        }
+
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
         mask = batch["loss_mask"].float()

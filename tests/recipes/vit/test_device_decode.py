@@ -210,6 +210,7 @@ def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_star
     assert ViTRecipe(compose_config("vit_sanity", [])).cuda_connections() is None
 
     monkeypatch.delenv(runtime.CUDA_CONNECTIONS_ENV, raising=False)
+    monkeypatch.delenv("RANK", raising=False)  # rank 0, or a plain process
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
     runtime.request_cuda_connections(None)
     assert runtime.CUDA_CONNECTIONS_ENV not in os.environ
@@ -217,7 +218,8 @@ def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_star
     assert os.environ[runtime.CUDA_CONNECTIONS_ENV] == str(CUDA_CONNECTIONS)
 
     caplog.set_level("WARNING")
-    for given, warned in (("8", True), ("1", True), ("32", False), ("many", True)):
+    cases = (("8", True), ("1", True), ("32", False), (" 32 ", False), ("64", False), ("many", True), ("\u00b2", True))
+    for given, warned in cases:
         caplog.clear()
         monkeypatch.setenv(runtime.CUDA_CONNECTIONS_ENV, given)
         runtime.request_cuda_connections(CUDA_CONNECTIONS)
@@ -230,3 +232,7 @@ def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_star
     runtime.request_cuda_connections(CUDA_CONNECTIONS)
     assert runtime.CUDA_CONNECTIONS_ENV not in os.environ
     assert "CUDA started before" in caplog.text
+    caplog.clear()
+    monkeypatch.setenv("RANK", "1")  # the other ranks stay quiet: rank 0 says it for all
+    runtime.request_cuda_connections(CUDA_CONNECTIONS)
+    assert caplog.text == ""

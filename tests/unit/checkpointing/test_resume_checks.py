@@ -24,6 +24,7 @@ from core.config.errors import ConfigError
 from core.config.validation import save_config
 from core.data.datasets import MultiEpochDatasetResampler, epoch_index
 from core.data.pipeline import TrainingData
+from core.layers.context_parallel import ContextParallel
 from recipes.base import Datasets
 from tests.support.helpers import compose_config, validated_config
 
@@ -154,7 +155,7 @@ def test_the_training_stream_continues_from_any_position():
             },
         }
     )
-    env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0)
+    env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0, context_parallel=ContextParallel)
     data = TrainingData(_Recipe(), cfg, env, accumulation=4)
     stream = MultiEpochDatasetResampler(_Positions(), num_samples=10**6, seed=3)
     for consumed in (1000, 72, 0):

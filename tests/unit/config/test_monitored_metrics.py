@@ -69,7 +69,7 @@ def test_the_loops_train_metrics_are_the_ones_checked(monkeypatch):
     import train
 
     monkeypatch.setattr(train.dist, "all_reduce", lambda tensor, group=None: None)
-    run = SimpleNamespace(session=SimpleNamespace(env=SimpleNamespace(dp_group=None)))
+    run = SimpleNamespace(session=SimpleNamespace(env=SimpleNamespace(dp_group=None, dp_cp_group=None)))
     out = train.StepOutput(torch.tensor(3.0), torch.tensor(2.0), torch.tensor(1.0), 0.1)
     assert sorted(train.step_figures(run, out)) == sorted(TRAIN_METRICS)
 

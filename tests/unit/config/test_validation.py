@@ -74,10 +74,16 @@ def test_validate_names_missing_value():
 
 
 def test_mesh_must_cover_world():
-    assert mesh_shape(8, 1, -1, 2) == (1, 4, 2)
-    assert mesh_shape(8, 2, 2, 2) == (2, 2, 2)
+    assert mesh_shape(8, 1, -1, 2) == (1, 4, 1, 2)
+    assert mesh_shape(8, 2, 2, 2) == (2, 2, 1, 2)
+    assert mesh_shape(8, 1, -1, 1, cp=4) == (1, 2, 4, 1)  # (dp_outer, dp_shard, cp, tp)
+    assert mesh_shape(8, 2, -1, 2, cp=2) == (2, 1, 2, 2)
     with pytest.raises(ConfigError, match="world size is 4"):
         mesh_shape(4, 1, 3, 1)
+    with pytest.raises(ConfigError, match=r"dp_outer x dp_shard x cp x tp = 1 x 2 x 3 x 1 = 6"):
+        mesh_shape(4, 1, 2, 1, cp=3)
+    with pytest.raises(ConfigError, match="distributed.cp=-1 may be|only one of"):
+        mesh_shape(4, 1, -1, 1, cp=-1)
     with pytest.raises(ConfigError, match="not divisible"):
         mesh_shape(6, 1, -1, 4)
     with pytest.raises(ConfigError, match="positive"):
@@ -118,7 +124,7 @@ def test_vit_base_runs_as_typed_on_1_to_8_gpus(gpus):
         compose_config("vit_base_patch16_224", [f"distributed.dp_shard={gpus}", "checkpoint.path=./ckpts/vit"])
     )
     t, d = cfg.training, cfg.distributed
-    dp_outer, dp_shard, tp = mesh_shape(gpus, d.dp_outer, d.dp_shard, d.tp)
+    dp_outer, dp_shard, _, tp = mesh_shape(gpus, d.dp_outer, d.dp_shard, d.tp, d.cp)
     assert (dp_outer * dp_shard, tp) == (gpus, 1)
     accumulation = accumulation_steps(t.global_batch_size, t.micro_batch_size, dp_outer * dp_shard)
     step = []

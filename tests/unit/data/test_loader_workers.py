@@ -12,6 +12,7 @@ from torch.utils.data import DataLoader, Dataset
 from core.config.errors import DataError, message_of
 from core.data.loading import prefetch_to_device
 from core.data.pipeline import TrainingData
+from core.layers.context_parallel import ContextParallel
 from core.training.evaluation import evaluate
 from recipes.base import Datasets
 
@@ -72,7 +73,7 @@ def test_validation_workers_are_forked_before_the_first_step_and_serve_every_val
             },
         }
     )
-    env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0)
+    env = SimpleNamespace(device=torch.device("cpu"), dp_size=1, dp_rank=0, context_parallel=ContextParallel)
     data = TrainingData(_Recipe(), cfg, env, accumulation=2)
     assert _worker_pids(data.val_loader) == []
     batches = data.micro_batches(0, 8)  # what train() calls before its first step

@@ -124,3 +124,84 @@ def test_the_gathers_backward_leaves_a_gradient_other_inputs_share_alone():
     for rank, grads in enumerate(run_workers(2, _shared_gradient_worker)):
         assert grads[:4] == [1.0, 2.0, 3.0, 4.0], rank
         assert grads[4:] == ([2.0, 4.0] if rank == 0 else [6.0, 8.0]), rank  # both ranks' terms, this rank's part
+
+
+def _layer_worker(layout: str) -> dict:
+    """On every rank: the same twin TransformerLayer (float64) and the same whole input; this rank's share through
+    the layer made context-parallel (set_context_parallel_group, as on TE's) against the whole input through the
+    plain layer: outputs at this rank's positions, and the weights' gradients summed over the ranks."""
+    dist.init_process_group("gloo")
+    try:
+        from core.layers.torch_twins import RotaryPositionEmbedding, TransformerLayer
+
+        rank, size = dist.get_rank(), dist.get_world_size()
+        torch.manual_seed(0)
+        hidden, heads = 32, 4
+        packed = layout == "thd"
+        layer = TransformerLayer(
+            hidden,
+            64,
+            heads,
+            num_gqa_groups=2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            self_attn_mask_type="padding_causal" if packed else "causal",
+            attn_input_format=layout,
+            bias=False,
+            activation="swiglu",
+            normalization="RMSNorm",
+            params_dtype=torch.float64,
+        ).double()
+        context = TransformerLayer(
+            hidden,
+            64,
+            heads,
+            num_gqa_groups=2,
+            hidden_dropout=0.0,
+            attention_dropout=0.0,
+            self_attn_mask_type="padding_causal" if packed else "causal",
+            attn_input_format=layout,
+            bias=False,
+            activation="swiglu",
+            normalization="RMSNorm",
+            params_dtype=torch.float64,
+        ).double()
+        context.load_state_dict(layer.state_dict())
+        context.set_context_parallel_group(dist.group.WORLD, list(range(size)))
+        length = 8 * size
+        angles = RotaryPositionEmbedding(hidden // heads)(length).double()
+        weights = torch.randn(2 * length if packed else length, hidden, dtype=torch.float64)
+        if packed:  # two rows of sequences 4 x size, 0 and 4 x size tokens, as one stream
+            cu = torch.tensor([0, 4 * size, 4 * size, 8 * size, 12 * size, 16 * size], dtype=torch.int32)
+            x = torch.randn(2 * length, hidden, dtype=torch.float64)
+            positions = packed_load_balanced_positions(cu, size, rank)
+            kwargs = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=length, max_seqlen_kv=length)
+            expected = layer(x, rotary_pos_emb=angles, **kwargs)
+            out = context(x[positions], rotary_pos_emb=angles, **kwargs)  # whole angles: the layer finds positions
+            (expected * weights).sum().backward()
+            (out * weights[positions]).sum().backward()
+            expected = expected[positions]
+        else:
+            x = torch.randn(2, length, hidden, dtype=torch.float64)
+            positions = load_balanced_positions(length, size, rank)
+            expected = layer(x, rotary_pos_emb=angles)
+            out = context(x[:, positions], rotary_pos_emb=angles[positions])  # bshd: the model picks the angles
+            (expected * weights).sum().backward()
+            (out * weights[positions]).sum().backward()
+            expected = expected[:, positions]
+        diffs = {"output": (out - expected).abs().max().item()}
+        for (name, p), q in zip(context.named_parameters(), layer.parameters()):
+            dist.all_reduce(p.grad)  # each rank's tokens' share of the gradient
+            diffs[name] = (p.grad - q.grad).abs().max().item()
+        return diffs
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("layout", ["bshd", "thd"])
+def test_a_context_parallel_transformer_layer_equals_the_whole_one(layout):
+    """The twin TransformerLayer given this rank's share (bshd rows with their positions' rotary angles; thd streams
+    with the whole stream's cu_seqlens, as TE takes them) gives the whole layer's output at those positions, and
+    its weights' gradients add up over the ranks to the whole layer's."""
+    for rank, diffs in enumerate(run_workers(2, _layer_worker, layout)):
+        assert max(diffs.values()) < 1e-12, (rank, diffs)

@@ -42,3 +42,20 @@ def test_a_recipe_without_accounting_reports_no_tokens_and_no_mfu(monkeypatch):
     record = meter.record()
     assert record["samples_per_sec_per_gpu"] == 1.0
     assert "tokens_per_sec_per_gpu" not in record and "mfu" not in record
+
+
+def test_counted_work_is_shared_by_the_ranks_that_split_each_sample(monkeypatch):
+    """With tensor or context parallelism (ranks_per_sample = tp x cp) every such rank is handed the same samples'
+    whole work by the recipe, and does its part: per GPU, the work divided among them, as the per-sample figures
+    divide by the world size."""
+    clock = iter([100.0, 102.0, 200.0])
+    monkeypatch.setattr(meter_module.time, "perf_counter", lambda: next(clock))
+    meter = ThroughputMeter(
+        torch.device("cpu"), 8, world_size=4, tokens_per_sample=1000, flops_per_sample=1e9, ranks_per_sample=4
+    )
+    meter.peak_flops = 1e12
+    meter.add_work([(torch.tensor(8000), torch.tensor(8e9))])  # the 8 samples' whole work, on each of the 4 ranks
+    meter.step_done()
+    record = meter.record()
+    assert record["tokens_per_sec_per_gpu"] == 1000.0 == record["samples_per_sec_per_gpu"] * 1000
+    assert record["mfu"] == 1e9 / 1e12

@@ -66,6 +66,19 @@ def test_zero_levels_divide_what_they_shard():
     assert plans[0]["activations"] == plans[3]["activations"]  # data parallelism splits samples, not a sample
 
 
+def test_context_parallelism_splits_each_samples_tokens_and_shards_with_dp_shard():
+    cfg = validated_config("gpt_1b", ["checkpoint.path=unused", "distributed.mfsdp.zero_dp_strategy=3"])
+    recipe = get_recipe(cfg.recipe)(cfg)
+    dp4 = mp.plan_for_run(cfg, recipe, 4, 4, 1, "mfsdp", None)[0]
+    dp2_cp2 = mp.plan_for_run(cfg, recipe, 2, 2, 1, "mfsdp", None, cp=2)[0]
+    one = mp.plan_for_run(cfg, recipe, 1, 1, 1, "mfsdp", None)[0]
+    for part in ("weights", "master weights", "gradients", "optimizer state", "gathered units"):
+        assert dp2_cp2.parts[part] == dp4.parts[part], part  # sharded over dp_shard x cp = 4 ranks either way
+    assert dp2_cp2.parts["activations"] == one.parts["activations"] / 2
+    assert dp2_cp2.parts["logits"] == one.parts["logits"] / 2
+    assert "ZeRO-3 over 4, tp=1, cp=2" in dp2_cp2.lines()[0]
+
+
 def test_activation_checkpointing_keeps_each_blocks_input_and_one_block():
     full = _plan("gpt_1b", [])[0]
     checkpointed = _plan("gpt_1b", ["training.activation_checkpointing=true"])[0]
@@ -114,7 +127,7 @@ def test_a_smaller_micro_batch_that_divides_the_global_batch_is_advised():
 def test_a_run_on_a_gpu_that_is_too_small_stops_before_the_model_is_built(monkeypatch, caplog):
     cfg = validated_config("gpt_1b", ["checkpoint.path=unused", *LLAMA_8B])
     recipe = get_recipe(cfg.recipe)(cfg)
-    env = SimpleNamespace(device=torch.device("cuda", 0), dp_shard=8, dp_size=8, tp=1, is_main=True)
+    env = SimpleNamespace(device=torch.device("cuda", 0), dp_shard=8, dp_size=8, tp=1, cp=1, is_main=True)
     runtime = SimpleNamespace(device_type="cuda", parallel="mfsdp")
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: SimpleNamespace(total_memory=80 * mp.GIB))
     log = __import__("logging").getLogger("test_memory_plan")
