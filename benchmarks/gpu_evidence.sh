@@ -3,7 +3,7 @@
 # Everything is logged to ${OUT:-benchmarks/results}.
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
-#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_3b|sft|packing_gap|memory_rows|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
+#                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_3b|sft|packing_gap|memory_rows|jpeg_queues|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
 #                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
@@ -194,6 +194,23 @@ if [[ $what == jpeg ]]; then
     --variant "folder_gpu6=$folder $gpu" \
     --variant "shards_gpu6=$shards $gpu" \
     2>&1 | tee "$OUT/jpeg_training.log" | tail -14
+fi
+# jpeg_queues (1 GPU, ~6 min with the data): the shipped ViT-B decoding real JPEGs on the GPU with 6 loader workers,
+# with the 32 CUDA queues a decoding run asks for and with the driver's 8 (CUDA_DEVICE_MAX_CONNECTIONS set outside
+# wins), each beside synthetic images, twice, in one call: whether the queues matter to training at all.
+if [[ $what == jpeg_queues ]]; then
+  [[ -d /tmp/jpegs/train ]] || python3 scripts/make_jpeg_imagefolder.py --out /tmp/jpegs --train 20000 --val 1000 \
+    --classes 10 --workers 16 > "$OUT/jpeg_data.log" 2>&1
+  for round in 1 2; do
+    for queues in 32 8; do
+      CUDA_DEVICE_MAX_CONNECTIONS=$queues python3 benchmarks/throughput.py --config vit_base_patch16_224 --nproc 1 \
+        --steps ${JPEG_STEPS:-10} --micro-batch 256 --global-batch 2048 --data "" --extra "data.num_classes=10" \
+        --out "$OUT/queues${queues}_round$round" --timeout 300 \
+        --variant "synthetic=data=synthetic data.num_workers=16" \
+        --variant "folder_gpu6=data=imagefolder data.root=/tmp/jpegs data.decode_on=device data.num_workers=6" \
+        2>&1 | tee "$OUT/jpeg_queues${queues}_round$round.log" | tail -4
+    done
+  done
 fi
 if [[ $what == jpeg_decoders ]]; then
   for connections in 32 0; do

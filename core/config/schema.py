@@ -312,8 +312,8 @@ class DistributedConfig:
     dp_shard: int = -1
     dp_outer: int = 1  # > 1: hybrid sharding (HSDP), replicas over dp_outer
     tp: int = 1  # tensor-parallel size (the GPT recipe): attention heads and MLP split over tp ranks
-    # Context-parallel size (the GPT recipe): each sequence's tokens split over cp ranks, which attend over each
-    # other's keys and values (core/layers/context_parallel.py); the weights are sharded over dp_shard x cp.
+    # Context-parallel size (the GPT and ESM-2 recipes): each sequence's tokens split over cp ranks, which attend over
+    # each other's keys and values (core/layers/context_parallel.py); the weights are sharded over dp_shard x cp.
     cp: int = 1
     timeout_minutes: float = 30.0
     # Each backend's own settings; the one that `backend` picks is used.

@@ -132,6 +132,7 @@ def attend_over_context(
     causal: bool,
     sequences: Optional[torch.Tensor] = None,
     dropout_p: float = 0.0,
+    real: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Self-attention of this rank's queries over the keys and values of every rank in `group`.
 
@@ -139,7 +140,8 @@ def attend_over_context(
     this rank's s tokens, at `positions` [s] (their places in the whole row or packed stream, as
     `load_balanced_positions` or `packed_load_balanced_positions` give them); every rank holds the same number.
     `sequences` [s]: each token's sequence in a packed stream (attention stays within one). causal: a token sees
-    the tokens at or before its position. Returns [batch, heads, s, d]."""
+    the tokens at or before its position. `real` [s]: False for padding within a sequence's slot, which no token
+    attends to (a padding query sees itself alone). Returns [batch, heads, s, d]."""
     keys, values = gather_along(k, 2, group), gather_along(v, 2, group)
     key_positions = _all_gathered(positions, 0, group)
     mask = None
@@ -148,6 +150,9 @@ def attend_over_context(
     if sequences is not None:
         same = _all_gathered(sequences, 0, group)[None, :] == sequences[:, None]
         mask = same if mask is None else mask & same
+    if real is not None:
+        seen = _all_gathered(real, 0, group)[None, :] | (key_positions[None, :] == positions[:, None])
+        mask = seen if mask is None else mask & seen
     per_group = q.shape[1] // keys.shape[1]
     if per_group > 1:
         keys, values = keys.repeat_interleave(per_group, dim=1), values.repeat_interleave(per_group, dim=1)

@@ -652,12 +652,16 @@ class MultiheadAttention(nn.Module):
         inference_params: Optional[InferenceParams] = None,
         cu_seqlens: Optional[torch.Tensor] = None,
         causal: Optional[bool] = None,
+        cu_seqlens_padded: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """causal: packed sequences only, the call's mask type (None: the constructor's), as TE takes it per call."""
+        """causal: packed sequences only, the call's mask type (None: the constructor's), as TE takes it per call.
+        cu_seqlens_padded: packed sequences laid out with padding after each (TE's): cu_seqlens then add up their
+        real lengths, and no real token attends to the padding."""
         if self.qkv_format == "thd":
             if cu_seqlens is None or inference_params is not None:
                 raise ValueError("qkv_format='thd' needs cu_seqlens (and takes no KV cache)")
-            return self._packed(x, rotary_pos_emb, cu_seqlens, self.causal if causal is None else causal)
+            causal = self.causal if causal is None else causal
+            return self._packed(x, rotary_pos_emb, cu_seqlens, causal, cu_seqlens_padded)
         if causal is not None:
             raise NotImplementedError("causal: a per-call mask type for packed sequences (qkv_format='thd') only")
         if cu_seqlens is not None:
@@ -711,28 +715,41 @@ class MultiheadAttention(nn.Module):
         return self.attention_dropout if self.training else 0.0
 
     def _packed(
-        self, x: torch.Tensor, rotary_pos_emb: Optional[torch.Tensor], cu_seqlens: torch.Tensor, causal: bool
+        self,
+        x: torch.Tensor,
+        rotary_pos_emb: Optional[torch.Tensor],
+        cu_seqlens: torch.Tensor,
+        causal: bool,
+        cu_seqlens_padded: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """x [tokens, hidden] holding the sequences cu_seqlens delimits -> [tokens, hidden]. Tokens past the last
         offset form one more sequence of their own. causal: each token sees its sequence's tokens up to itself.
         With context parallelism, as with TE: x holds this rank's share of every sequence and cu_seqlens delimits the
         whole stream (each sequence a multiple of 2 x cp_size tokens); positions count from each sequence's start."""
         t = x.shape[0]
+        layout = cu_seqlens if cu_seqlens_padded is None else cu_seqlens_padded
         if self.cp_size > 1:
-            index = self._context_share(cu_seqlens, t)
-            sequence, position = packed_positions(cu_seqlens, int(cu_seqlens[-1]))
+            index = self._context_share(layout, t)
+            sequence, position = packed_positions(layout, int(layout[-1]))
             sequence, position = sequence[index], position[index]
         else:
-            sequence, position = packed_positions(cu_seqlens, t)
+            index = torch.arange(t, device=x.device)
+            sequence, position = packed_positions(layout, t)
+        real = None
+        if cu_seqlens_padded is not None:  # each sequence's first tokens are real, the rest of its slot padding
+            lengths = torch.cat([cu_seqlens.long().diff(), cu_seqlens.new_zeros(1, dtype=torch.long)])
+            real = position < lengths[sequence]
         q, k, v = self._split_qkv(self.layernorm_qkv(x[None]), 1, t)
         if rotary_pos_emb is not None:  # each sequence's positions start at 0
             angles = rotary_pos_emb[position]
             q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
         q, k, v = (u.transpose(1, 2) for u in (q, k, v))
         if self.cp_size > 1:
-            out = attend_over_context(q, k, v, index, self.cp_group, causal, sequence, self._dropout())
+            out = attend_over_context(q, k, v, index, self.cp_group, causal, sequence, self._dropout(), real)
         else:
             mask = sequence[:, None] == sequence[None, :]
+            if real is not None:  # padding is no real token's key; a padding query sees itself (defined, unused)
+                mask = mask & (real[None, :] | (index[None, :] == index[:, None]))
             out = self._attend(q, k, v, mask.tril() if causal else mask, False)
         return self.proj(out.transpose(1, 2).reshape(t, self.num_heads * self.head_dim))
 
@@ -840,12 +857,18 @@ class TransformerLayer(nn.Module):
         cu_seqlens_kv: Optional[torch.Tensor] = None,
         max_seqlen_q: Optional[int] = None,
         max_seqlen_kv: Optional[int] = None,
+        cu_seqlens_q_padded: Optional[torch.Tensor] = None,
+        cu_seqlens_kv_padded: Optional[torch.Tensor] = None,
+        pad_between_seqs: Optional[bool] = None,
         **unsupported,
     ) -> torch.Tensor:
         if attention_mask is not None or any(v is not None for v in unsupported.values()):
             raise NotImplementedError("the torch TransformerLayer takes no attention_mask or extra forward arguments")
         if cu_seqlens_kv is not None and cu_seqlens_kv is not cu_seqlens_q:
             raise NotImplementedError("self-attention over packed sequences: cu_seqlens_kv must be cu_seqlens_q")
+        if cu_seqlens_kv_padded is not cu_seqlens_q_padded:
+            raise NotImplementedError("self-attention over padded sequences: cu_seqlens_kv_padded must be the q's")
+        # pad_between_seqs: TE's hint that the padded offsets differ from the real ones; the mask here needs none.
         # max_seqlen_*: a bound TE's kernels size their work by; the masked attention here needs none.
         if self.self_attention.qkv_format == "thd":
             if self_attn_mask_type not in (None, "padding", "padding_causal"):
@@ -853,7 +876,9 @@ class TransformerLayer(nn.Module):
             # The call's mask type wins over the constructor's, as in TE (a causal model run on packed documents).
             causal = None if self_attn_mask_type is None else self_attn_mask_type == "padding_causal"
             x = hidden_states
-            attended = self.self_attention(x, rotary_pos_emb, cu_seqlens=cu_seqlens_q, causal=causal)
+            attended = self.self_attention(
+                x, rotary_pos_emb, cu_seqlens=cu_seqlens_q, causal=causal, cu_seqlens_padded=cu_seqlens_q_padded
+            )
             x = x + F.dropout(attended, self.hidden_dropout, self.training)
             return x + F.dropout(self.layernorm_mlp(x), self.hidden_dropout, self.training)
         # With a KV cache TE wants a padding mask type; the twin's sequences have no padding, so the

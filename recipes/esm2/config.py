@@ -65,6 +65,9 @@ class ESM2DataConfig(DataConfig):
     packing: bool = True
     tokens_per_pack: int = 8192
     max_sequences_per_pack: int = 64
+    # Each sequence padded to a multiple of this many tokens (padding no real token attends to). Context parallelism
+    # needs multiples of 2 x distributed.cp (1: that, or no padding without it).
+    pad_sequences_to_multiple_of: int = 1
     mask_fraction: float = 0.15  # residues selected for prediction; of those:
     mask_replace: float = 0.8  # shown as <mask>
     random_replace: float = 0.1  # shown as a random amino acid (the rest unchanged)
@@ -75,6 +78,7 @@ class ESM2DataConfig(DataConfig):
         "split_seed": Int(0, INT32_MAX),
         "tokens_per_pack": Int(3, INT32_MAX),
         "max_sequences_per_pack": Int(1, INT32_MAX),
+        "pad_sequences_to_multiple_of": Int(1, INT32_MAX),
         "mask_fraction": Real(0, 1, open_low=True),
         "mask_replace": Real(0, 1),
         "random_replace": Real(0, 1),

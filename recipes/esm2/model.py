@@ -7,16 +7,20 @@ GELU, LayerNorm, then the embedding matrix (tied) plus a bias.
 
 The input is rows of packed sequences (recipes/esm2/packing.py): tokens [rows, budget] and cu_seqlens
 [rows, slots + 1]; the blocks see all rows as one packed stream ("thd"): TE's fused attention with
-cu_seqlens on GPUs, the plain-torch twin's masked attention elsewhere (same parameter names).
+cu_seqlens on GPUs, the plain-torch twin's masked attention elsewhere (same parameter names). With sequences
+padded to a multiple (seqlens: their real lengths) the padding is left out of every real token's attention; with
+context parallelism (distributed.cp) each rank holds its share of every sequence (core/layers/context_parallel.py).
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from core.config.errors import ConfigError
+from core.layers.context_parallel import packed_load_balanced_positions
 from core.layers.namespace import Layers
 from core.layers.torch_twins import packed_positions
 from recipes.esm2.tokenizer import MASK, PAD, VOCABULARY
@@ -55,6 +59,7 @@ class ESM2(nn.Module):
         if layers.tp.size > 1:
             raise ConfigError(f"distributed.tp={layers.tp.size}: the ESM-2 recipe has no tensor parallelism; use tp=1")
         self.cfg, self.high_precision, self.max_seq_length = cfg, layers.high_precision, cfg.max_seq_length
+        self.cp = layers.cp
         self.token_cross_entropy = layers.token_cross_entropy
         self.embedding = nn.Embedding(TABLE_ROWS, h, device=device)
         self.rotary = layers.RotaryPositionEmbedding(h // heads, rotary_base=cfg.rotary_base).to(device)
@@ -88,54 +93,72 @@ class ESM2(nn.Module):
         cu_seqlens: torch.Tensor,
         labels: torch.Tensor | None = None,
         hidden_layer: int | None = None,
+        seqlens: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """tokens [rows, budget], cu_seqlens [rows, slots + 1] -> logits [rows, budget, vocab]; with `labels`
         [rows, budget], each token's cross-entropy instead (fp32; labels < 0 count 0); with `hidden_layer`, the
         hidden states [rows, budget, hidden] after that many blocks (0: the embeddings; num_layers: after the
-        final LayerNorm)."""
-        rows, budget = tokens.shape
-        flat_tokens = tokens.reshape(-1)
-        cu = flat_offsets(cu_seqlens, budget)
-        x = self.embed(flat_tokens, cu)
+        final LayerNorm). `seqlens` [rows, slots]: the real tokens of each slot where cu_seqlens are offsets of
+        padded sequences. With context parallelism tokens and labels are [rows, budget / cp], this rank's share."""
+        rows, width = tokens.shape
+        cu = flat_offsets(cu_seqlens, width * self.cp.size)  # the whole stream's (padded) offsets
+        offsets = dict(cu_seqlens_q=cu, cu_seqlens_kv=cu)
+        if seqlens is not None:  # TE's layout of padded sequences: real lengths, and the padded offsets
+            real = torch.cat([cu.new_zeros(1), seqlens.reshape(-1).cumsum(0).to(cu.dtype)])
+            padded = dict(cu_seqlens_q_padded=cu, cu_seqlens_kv_padded=cu, pad_between_seqs=True)
+            offsets = dict(cu_seqlens_q=real, cu_seqlens_kv=real, **padded)
+        x = self.embed(tokens.reshape(-1), cu, seqlens)
         angles = self.rotary(self.max_seq_length).to(x.device)
         if hidden_layer == 0:
-            return x.view(rows, budget, -1)
+            return x.view(rows, width, -1)
         for i, block in enumerate(self.layers):
             x = block(
                 x,
                 rotary_pos_emb=angles,
                 self_attn_mask_type="padding",
-                cu_seqlens_q=cu,
-                cu_seqlens_kv=cu,
                 max_seqlen_q=self.max_seq_length,
                 max_seqlen_kv=self.max_seq_length,
+                **offsets,
             )
             if hidden_layer == i + 1 and hidden_layer < len(self.layers):
-                return x.view(rows, budget, -1)
+                return x.view(rows, width, -1)
         x = self.final_norm(x)
         if hidden_layer is not None:
-            return x.view(rows, budget, -1)
+            return x.view(rows, width, -1)
         with self.high_precision():  # the vocabulary projection stays out of FP8 (33 columns, and sensitive)
             logits = self.lm_head(x, self.embedding.weight)
         if labels is None:
-            return logits.view(rows, budget, -1)
+            return logits.view(rows, width, -1)
         flat_labels = labels.reshape(-1)
         # A tensor of its own, not a view: FSDP2 hooks its backward on the module's output.
         loss = self.token_cross_entropy(logits, flat_labels.clamp(min=0)) * (flat_labels >= 0)
-        return loss.view(rows, budget).clone()
+        return loss.view(rows, width).clone()
 
-    def embed(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """Token embeddings [tokens, hidden] with ESM-2's token dropout per sequence; padding zeroed."""
+    def embed(
+        self, tokens: torch.Tensor, cu_seqlens: torch.Tensor, seqlens: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """Token embeddings [tokens, hidden] with ESM-2's token dropout per sequence (its share of <mask> tokens
+        over its real tokens, over every context-parallel rank's share); padding zeroed."""
         x = self.embedding(tokens)
         is_mask = tokens == MASK
         if self.cfg.token_dropout:
             x = x.masked_fill(is_mask[:, None], 0.0)
-            sequence, _ = packed_positions(cu_seqlens, tokens.shape[0])
+            cp = self.cp
+            sequence, _ = packed_positions(cu_seqlens, tokens.shape[0] * cp.size)
+            if cp.size > 1:  # the sequences of this rank's tokens
+                sequence = sequence[packed_load_balanced_positions(cu_seqlens, cp.size, cp.rank)]
             slots = cu_seqlens.shape[0]  # one more than the sequences: tokens past the last offset (none here)
             masked = torch.zeros(slots, device=x.device).index_add_(0, sequence, is_mask.float())
-            length = torch.zeros(slots, device=x.device).index_add_(
-                0, sequence, torch.ones_like(is_mask, dtype=torch.float)
-            )
+            if seqlens is not None:
+                length = torch.cat([seqlens.reshape(-1).float(), seqlens.new_zeros(1, dtype=torch.float)])
+            else:
+                length = torch.zeros(slots, device=x.device).index_add_(
+                    0, sequence, torch.ones_like(is_mask, dtype=torch.float)
+                )
+            if cp.size > 1:
+                dist.all_reduce(masked, group=cp.group)
+                if seqlens is None:
+                    dist.all_reduce(length, group=cp.group)
             scale = (1 - MASK_RATIO_TRAIN) / (1 - masked / length.clamp(min=1))
             x = x * scale[sequence, None].to(x.dtype)
         return x * (tokens != PAD)[:, None].to(x.dtype)

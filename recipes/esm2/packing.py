@@ -7,6 +7,11 @@ restart (TE's "thd" layout). The padding after the last sequence is cut into pie
 tokens, each one more sequence of its own, and unused slots repeat the last offset (empty sequences): the
 longest sequence is then always <= max_length, and the slot count is fixed.
 
+With `multiple` > 1 (data.pad_sequences_to_multiple_of; 2 x distributed.cp for context parallelism, whose ranks
+each take 2 equal chunks of every sequence) each sequence's slot is padded to a multiple of it: "cu_seqlens" are
+then the padded offsets and "seqlens" [slots] the real tokens of each slot (TE's cu_seqlens_padded and
+cu_seqlens); padding tokens are <pad> with no label, and no real token attends to them.
+
 Which sequences share a pack is planned once per dataset (core/data/pack_planning.py: a seeded shuffle, then
 each pack filled in that order until the next sequence does not fit), so a pack is a sample like any other: the loop's
 sampler shuffles packs per epoch, splits them over ranks and resumes mid-epoch exactly, while each sequence's
@@ -37,7 +42,8 @@ from recipes.esm2.tokenizer import PAD, VOCABULARY
 class PackedSequences(Dataset):
     """Packs of the store's sequences `indices`: item k (an int, or an EpochIndex for the epoch's random
     windows and masks) is a dict of "tokens" and "labels" [budget] (int64), "cu_seqlens" [slots + 1] (int32) and
-    "sequences" [max_sequences] (the store indices of its sequences, -1 for none)."""
+    "sequences" [max_sequences] (the store indices of its sequences, -1 for none); with `multiple` > 1 also
+    "seqlens" [slots] (int32)."""
 
     def __init__(
         self,
@@ -49,9 +55,13 @@ class PackedSequences(Dataset):
         masking: Masking,
         seed: int,
         shuffle_seed: int | None,
+        multiple: int = 1,
     ):
         if max_length < 3 or budget < max_length:
             raise ValueError(f"budget={budget}, max_length={max_length}: expected 3 <= max_length <= budget")
+        if budget % multiple or max_length % multiple:
+            raise ValueError(f"budget={budget}, max_length={max_length}: expected multiples of {multiple}")
+        self.multiple = multiple
         self.store, self.masking, self.seed = store, masking, seed
         self.budget, self.max_length, self.max_sequences = budget, max_length, max_sequences
         self.slots = max_sequences + math.ceil(budget / max_length)  # + the padding's pieces
@@ -62,7 +72,7 @@ class PackedSequences(Dataset):
         planner, self.real_tokens = PackPlanner(budget, max_sequences), 0
         for start in range(0, len(order), PLAN_CHUNK):
             lengths = framed_length(store.lengths_of(order[start : start + PLAN_CHUNK]), max_length)
-            planner.add(lengths)
+            planner.add(-(-lengths // multiple) * multiple)  # the slots they take
             self.real_tokens += int(lengths.sum())
         self.order, self.starts = order, planner.finish()
 
@@ -76,7 +86,7 @@ class PackedSequences(Dataset):
         members = self.order[self.starts[k] : self.starts[k + 1]]
         tokens = torch.full((self.budget,), PAD, dtype=torch.int64)
         labels = torch.full((self.budget,), IGNORE, dtype=torch.int64)
-        offsets = [0]
+        offsets, real = [0], []
         for i in members.tolist():
             residues = self.store.sequence(i)
             if len(residues) and int(residues.max()) >= len(VOCABULARY):
@@ -87,15 +97,21 @@ class PackedSequences(Dataset):
             t, y = crop_and_mask(residues, self.max_length, self.masking, sample_generator(self.seed, epoch, i))
             start = offsets[-1]
             tokens[start : start + len(t)], labels[start : start + len(t)] = t, y
-            offsets.append(start + len(t))
+            offsets.append(start + -(-len(t) // self.multiple) * self.multiple)
+            real.append(len(t))
         while offsets[-1] < self.budget:  # the padding, in pieces the attention kernels' bound covers
             offsets.append(min(offsets[-1] + self.max_length, self.budget))
+            real.append(offsets[-1] - offsets[-2])
         offsets += [self.budget] * (self.slots + 1 - len(offsets))
+        real += [0] * (self.slots - len(real))
         sequences = torch.full((self.max_sequences,), -1, dtype=torch.int64)
         sequences[: len(members)] = torch.from_numpy(members)
-        return {
+        pack = {
             "tokens": tokens,
             "labels": labels,
             "cu_seqlens": torch.tensor(offsets, dtype=torch.int32),
             "sequences": sequences,
         }
+        if self.multiple > 1:
+            pack["seqlens"] = torch.tensor(real, dtype=torch.int32)
+        return pack

@@ -14,6 +14,7 @@ from torch import nn
 
 from core.config.errors import ConfigError
 from core.data.datasets import mix_seed
+from core.layers.context_parallel import packed_load_balanced_positions
 from core.layers.namespace import Layers
 from core.layers.torch_twins import packed_positions
 from core.layers.weight_init import init_parameters, standard_rule
@@ -81,12 +82,40 @@ class ESM2Recipe(Recipe):
             )
         return data.tokens_per_pack, data.max_sequences_per_pack
 
+    def sequence_multiple(self) -> int:
+        """What each sequence is padded to a multiple of: data.pad_sequences_to_multiple_of, or 2 x distributed.cp
+        where that is 1 (context parallelism cuts every sequence into 2 x cp equal chunks)."""
+        multiple, cp = int(self.cfg.data.pad_sequences_to_multiple_of), int(self.cfg.distributed.cp)
+        if cp > 1 and multiple == 1:
+            multiple = 2 * cp
+        if multiple % (2 * cp if cp > 1 else 1):
+            raise ConfigError(
+                f"data.pad_sequences_to_multiple_of={multiple} with distributed.cp={cp}: context parallelism cuts "
+                f"each sequence into 2 x {cp} equal chunks; give a multiple of {2 * cp} (or 1)"
+            )
+        row, key = self.pack_shape()[0], "data.tokens_per_pack" if self.cfg.data.packing else "model.max_seq_length"
+        for size, name in ((row, key), (self.cfg.model.max_seq_length, "model.max_seq_length")):
+            if size % multiple:
+                raise ConfigError(
+                    f"{name}={size}: sequences are padded to multiples of {multiple} (data.pad_sequences_to_multiple_of"
+                    f"{f', distributed.cp={cp}' if cp > 1 else ''}), which must divide it"
+                )
+        return multiple
+
     def _packs(self, store: SequenceStore, indices: np.ndarray, shuffle_seed: int | None) -> PackedSequences:
         data = self.cfg.data
         budget, max_sequences = self.pack_shape()
         masking = Masking(data.mask_fraction, data.mask_replace, data.random_replace)
         return PackedSequences(
-            store, indices, budget, self.cfg.model.max_seq_length, max_sequences, masking, self.cfg.seed, shuffle_seed
+            store,
+            indices,
+            budget,
+            self.cfg.model.max_seq_length,
+            max_sequences,
+            masking,
+            self.cfg.seed,
+            shuffle_seed,
+            self.sequence_multiple(),
         )
 
     def build_datasets(self) -> Datasets:
@@ -217,11 +246,22 @@ class ESM2Recipe(Recipe):
     def loss_count(self, batch: dict) -> torch.Tensor:
         return (batch["labels"] >= 0).sum()
 
+    def check_context_parallel(self, cp_size: int) -> None:
+        """Packs whose sequences are padded to multiples of 2 x cp (sequence_multiple says what does not divide)."""
+        self.sequence_multiple()
+
+    def context_parallel_share(self, batch: dict, cp) -> dict:
+        """This rank's tokens and labels of every sequence of each pack (chunks r and 2 x cp - 1 - r of each, as TE's
+        context-parallel attention takes them); the packs' offsets, real lengths and sequences stay whole."""
+        rows = [packed_load_balanced_positions(cu, cp.size, cp.rank) for cu in batch["cu_seqlens"]]
+        index = torch.stack(rows)
+        return {**batch, "tokens": batch["tokens"].gather(1, index), "labels": batch["labels"].gather(1, index)}
+
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per row: the summed cross-entropy of its selected residues, and their number; in validation also
         those of the residues shown as <mask> alone (the others are shown as themselves or as a random residue,
         which a model can learn to copy: they make the loss lower than what it knows of proteins)."""
-        token_loss = model(batch["tokens"], batch["cu_seqlens"], labels=batch["labels"])
+        token_loss = model(batch["tokens"], batch["cu_seqlens"], labels=batch["labels"], seqlens=batch.get("seqlens"))
         out = {"loss": token_loss.sum(dim=1), "count": (batch["labels"] >= 0).sum(dim=1).to(token_loss.dtype)}
         if not training:
             shown_masked = (batch["tokens"] == MASK) & (batch["labels"] >= 0)
@@ -254,7 +294,9 @@ class ESM2Recipe(Recipe):
         of s tokens, the attention's 12 L H s^2 (forward + backward)."""
         m = self.cfg.model
         sequences = batch["sequences"]
-        lengths = batch["cu_seqlens"].diff(dim=1)[:, : sequences.shape[1]].double() * (sequences >= 0)
+        # the slots' real tokens: their lengths, or where sequences are padded (data.pad_sequences_to_multiple_of)
+        lengths = batch["seqlens"] if "seqlens" in batch else batch["cu_seqlens"].diff(dim=1)
+        lengths = lengths[:, : sequences.shape[1]].double() * (sequences >= 0)
         tokens = lengths.sum()
         flops = (
             6.0 * self.non_embedding_parameters() * tokens
