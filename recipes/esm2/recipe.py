@@ -103,20 +103,15 @@ class ESM2Recipe(Recipe):
         return multiple
 
     def _packs(self, store: SequenceStore, indices: np.ndarray, shuffle_seed: int | None) -> PackedSequences:
+        """Training and validation packs, each sequence padded to sequence_multiple()."""
         data = self.cfg.data
-        budget, max_sequences = self.pack_shape()
         masking = Masking(data.mask_fraction, data.mask_replace, data.random_replace)
-        return PackedSequences(
-            store,
-            indices,
-            budget,
-            self.cfg.model.max_seq_length,
-            max_sequences,
-            masking,
-            self.cfg.seed,
-            shuffle_seed,
-            self.sequence_multiple(),
-        )
+        return self._packed(store, indices, masking, shuffle_seed, self.sequence_multiple())
+
+    def _packed(self, store, indices, masking: Masking, shuffle_seed: int | None, multiple: int) -> PackedSequences:
+        budget, max_sequences = self.pack_shape()
+        max_length, seed = self.cfg.model.max_seq_length, self.cfg.seed
+        return PackedSequences(store, indices, budget, max_length, max_sequences, masking, seed, shuffle_seed, multiple)
 
     def build_datasets(self) -> Datasets:
         """Packs of the training sequences (which share a pack: planned once, from the seed) and of the validation
@@ -152,18 +147,8 @@ class ESM2Recipe(Recipe):
 
     def _prediction_packs(self, store: SequenceStore, indices: np.ndarray) -> PackedSequences:
         """In order; 15% of each sequence's residues (seeded) shown as <mask> for its masked perplexity."""
-        budget, max_sequences = self.pack_shape()
         masking = Masking(self.cfg.data.mask_fraction, replace_with_mask=1.0, replace_with_random=0.0)
-        return PackedSequences(
-            store,
-            indices,
-            budget,
-            self.cfg.model.max_seq_length,
-            max_sequences,
-            masking,
-            self.cfg.seed,
-            shuffle_seed=None,
-        )
+        return self._packed(store, indices, masking, shuffle_seed=None, multiple=1)
 
     def default_split(self) -> str:
         return "val"  # its splits are train, val and all: no test

@@ -138,10 +138,7 @@ def _layer_worker(layout: str) -> dict:
         torch.manual_seed(0)
         hidden, heads = 32, 4
         packed = layout == "thd"
-        layer = TransformerLayer(
-            hidden,
-            64,
-            heads,
+        options = dict(
             num_gqa_groups=2,
             hidden_dropout=0.0,
             attention_dropout=0.0,
@@ -151,21 +148,8 @@ def _layer_worker(layout: str) -> dict:
             activation="swiglu",
             normalization="RMSNorm",
             params_dtype=torch.float64,
-        ).double()
-        context = TransformerLayer(
-            hidden,
-            64,
-            heads,
-            num_gqa_groups=2,
-            hidden_dropout=0.0,
-            attention_dropout=0.0,
-            self_attn_mask_type="padding_causal" if packed else "causal",
-            attn_input_format=layout,
-            bias=False,
-            activation="swiglu",
-            normalization="RMSNorm",
-            params_dtype=torch.float64,
-        ).double()
+        )
+        layer, context = (TransformerLayer(hidden, 64, heads, **options).double() for _ in range(2))
         context.load_state_dict(layer.state_dict())
         context.set_context_parallel_group(dist.group.WORLD, list(range(size)))
         length = 8 * size
