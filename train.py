@@ -138,9 +138,10 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
         on_failure.callback(checkpointer.close)
         accumulation = accumulation_steps(training.global_batch_size, training.micro_batch_size, env.dp_size)
         user_callbacks = build_callbacks(training.callbacks)
-        # 2. Seeds: dropout etc. differ between data-parallel ranks but agree within a tensor-parallel group.
+        # 2. Seeds: dropout etc. differ between ranks that hold different tokens (data- and context-parallel) but
+        #    agree within a tensor-parallel group.
         for seed in (torch.manual_seed, random.seed, np.random.seed):
-            seed(cfg.seed + env.dp_rank)
+            seed(cfg.seed + env.dp_cp_rank)
         # 3. The model, built by the recipe on every rank and parallelized (core/session.py).
         parallel, num_params = session.build_model(sess)
         # 4. Data; its size gives the run's length when it is given in epochs. With it, whether the run validates:

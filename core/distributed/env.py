@@ -64,6 +64,10 @@ class DistEnv:
         return self.dp_size * self.cp
 
     @property
+    def dp_cp_rank(self) -> int:
+        return (self.dp_cp_mesh or self.dp_mesh).get_local_rank()
+
+    @property
     def dp_cp_group(self) -> dist.ProcessGroup:
         return (self.dp_cp_mesh or self.dp_mesh).get_group()
 

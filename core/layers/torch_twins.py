@@ -673,16 +673,20 @@ class MultiheadAttention(nn.Module):
         b, s, _ = x.shape
         q, k, v = self._split_qkv(self.layernorm_qkv(x), b, s)
         start = inference_params.sequence_start if inference_params is not None else 0
+        positions = None
+        if self.cp_size > 1:  # this rank's share of each row, at these places in it
+            positions = load_balanced_positions(s * self.cp_size, self.cp_size, self.cp_rank, x.device)
         if rotary_pos_emb is not None:  # positions enter through queries and keys only
-            angles = rotary_pos_emb[start:]  # the new tokens continue after the cached ones
+            # the new tokens continue after the cached ones; with context parallelism the angles are the whole
+            # row's, and this rank's are picked (as TE's rotary embedding does)
+            angles = rotary_pos_emb[start:] if positions is None else rotary_pos_emb[positions]
             q, k = apply_rotary_pos_emb(q, angles), apply_rotary_pos_emb(k, angles)
         if inference_params is not None:
             if self.layer_number is None:
                 raise ValueError("MultiheadAttention needs a layer_number to use a KV cache")
             k, v = inference_params.step(self.layer_number, k, v)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, heads, s, d]
-        if self.cp_size > 1:  # this rank's share of each row; rotary_pos_emb held its positions' angles
-            positions = load_balanced_positions(s * self.cp_size, self.cp_size, self.cp_rank, q.device)
+        if positions is not None:
             out = attend_over_context(q, k, v, positions, self.cp_group, self.causal, dropout_p=self._dropout())
             out = self.proj(out.transpose(1, 2).reshape(b, s, self.num_heads * self.head_dim))
             return out.transpose(0, 1) if self.qkv_format == "sbhd" else out

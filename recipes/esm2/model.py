@@ -131,7 +131,8 @@ class ESM2(nn.Module):
             return logits.view(rows, width, -1)
         flat_labels = labels.reshape(-1)
         # A tensor of its own, not a view: FSDP2 hooks its backward on the module's output.
-        loss = self.token_cross_entropy(logits, flat_labels.clamp(min=0)) * (flat_labels >= 0)
+        # (where, not a product: whatever the kernels leave in padding rows must not reach the sum as 0 x NaN)
+        loss = torch.where(flat_labels >= 0, self.token_cross_entropy(logits, flat_labels.clamp(min=0)), 0.0)
         return loss.view(rows, width).clone()
 
     def embed(

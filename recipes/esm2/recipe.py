@@ -67,11 +67,14 @@ class ESM2Recipe(Recipe):
         row, key = (
             (data.tokens_per_pack, "data.tokens_per_pack") if data.packing else (max_length, "model.max_seq_length")
         )
-        if self.cfg.precision.fp8.enabled and row % 16:
-            # TE's FP8 GEMMs take token counts that are multiples of 16; a row that is one keeps every batch so.
+        cp = int(self.cfg.distributed.cp)
+        if self.cfg.precision.fp8.enabled and row % (16 * cp):
+            # TE's FP8 GEMMs take token counts that are multiples of 16; a row (a rank's share of one, with context
+            # parallelism) that is one keeps every batch so.
+            share = f" (each of distributed.cp={cp} ranks holds {row / cp:g} of them)" if cp > 1 else ""
             raise ConfigError(
                 f"{key}={row} with precision.fp8.enabled=true: FP8 needs rows of a multiple of 16 "
-                f"tokens (e.g. {key}={-(-row // 16) * 16})"
+                f"tokens{share} (e.g. {key}={-(-row // (16 * cp)) * 16 * cp})"
             )
         if not data.packing:
             return max_length, 1

@@ -101,11 +101,8 @@ class GPT(nn.Module):
     def _blocks(self, tokens: torch.Tensor, kv_cache) -> torch.Tensor:
         """tokens [batch, seq] -> the final norm's input [batch, seq, hidden] (causal over each row)."""
         x = self.embedding(tokens)
-        if kv_cache is None:
-            seq = tokens.shape[1] * self.cp.size
-            angles, cached = self.rotary(seq).to(x.device), {}
-            if self.cp.size > 1:  # the angles of this rank's positions (TE rotates bshd rows by the first s given)
-                angles = angles[self.cp.positions(seq, x.device)]
+        if kv_cache is None:  # the whole row's angles: with context parallelism the layers pick this rank's positions
+            angles, cached = self.rotary(tokens.shape[1] * self.cp.size).to(x.device), {}
         elif self.cp.size > 1:
             raise ValueError("a KV cache with context parallelism (distributed.cp > 1)")
         else:  # the layers pick the new tokens' positions from the cache

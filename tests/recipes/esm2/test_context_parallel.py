@@ -174,6 +174,11 @@ def test_what_cannot_be_split_is_refused_before_any_work():
         recipe("distributed.cp=4", "data.tokens_per_pack=1020").check_context_parallel(4)
     with pytest.raises(ConfigError, match="model.max_seq_length=250: sequences are padded to multiples of 4"):
         recipe("distributed.cp=2", "model.max_seq_length=250").check_context_parallel(2)
+    with pytest.raises(
+        ConfigError, match=r"1040 with precision.fp8.enabled=true.*each of distributed.cp=2 ranks holds 520"
+    ):
+        recipe("distributed.cp=2", "data.tokens_per_pack=1040", "precision=fp8_delayed").pack_shape()
+    assert recipe("distributed.cp=2", "data.tokens_per_pack=1056", "precision=fp8_delayed").pack_shape()[0] == 1056
     finetune = validated_config(
         "esm2_finetune_sanity", ["checkpoint.path=unused", "checkpoint.init_from=null", "distributed.cp=2"]
     )

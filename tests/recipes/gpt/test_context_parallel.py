@@ -140,23 +140,22 @@ def test_what_cannot_be_split_is_refused_before_any_work():
         ViTRecipe(validated_config("vit_sanity", ["checkpoint.path=unused"])).check_context_parallel(2)
 
 
-def test_a_context_parallel_model_rotates_each_token_at_its_own_position():
-    """The GPT given a rank's share of a row takes the rotary angles of that share's positions (TE rotates bshd rows
-    by the angles it is given, in order): the angles the blocks receive are the whole row's at those positions."""
+def test_a_context_parallel_model_hands_its_layers_the_whole_rows_angles():
+    """TE's attention rotates a context-parallel rank's bshd share by the angles of that rank's places in the row,
+    picking them from the whole row's (its rotary embedding takes cp_size and cp_rank); the twin does the same. The
+    GPT given a rank's share of a row hands its layers the whole row's angles, then: picked twice, they would be
+    wrong (and TE refuses angles shorter than the row)."""
     from dataclasses import replace
 
     from core.layers.context_parallel import ContextParallel
     from core.layers.namespace import TORCH_LAYERS
-
-    cfg = validated_config("gpt_sanity", ["checkpoint.path=unused", "model.num_layers=1"])
     from recipes.gpt.recipe import GPTRecipe
 
-    recipe = GPTRecipe(cfg)
+    recipe = GPTRecipe(validated_config("gpt_sanity", ["checkpoint.path=unused", "model.num_layers=1"]))
     model = recipe.build_model(replace(TORCH_LAYERS, cp=ContextParallel(2, 1, None, (0, 1))), torch.device("cpu"))
     seen = []
     model.layers[0].register_forward_pre_hook(
         lambda m, args, kwargs: seen.append(kwargs["rotary_pos_emb"]), with_kwargs=True
     )
     model(torch.zeros(1, 64, dtype=torch.long))  # (the layers are not made context-parallel: no group here)
-    whole = model.rotary(128)
-    assert torch.equal(seen[0], whole[torch.cat([torch.arange(32, 64), torch.arange(64, 96)])])
+    assert torch.equal(seen[0], model.rotary(128))

@@ -169,7 +169,7 @@ def _layer_worker(layout: str) -> dict:
             x = torch.randn(2, length, hidden, dtype=torch.float64)
             positions = load_balanced_positions(length, size, rank)
             expected = layer(x, rotary_pos_emb=angles)
-            out = context(x[:, positions], rotary_pos_emb=angles[positions])  # bshd: the model picks the angles
+            out = context(x[:, positions], rotary_pos_emb=angles)  # the whole row's angles: the layer picks (as TE)
             (expected * weights).sum().backward()
             (out * weights[positions]).sum().backward()
             expected = expected[:, positions]
@@ -184,8 +184,8 @@ def _layer_worker(layout: str) -> dict:
 
 @pytest.mark.parametrize("layout", ["bshd", "thd"])
 def test_a_context_parallel_transformer_layer_equals_the_whole_one(layout):
-    """The twin TransformerLayer given this rank's share (bshd rows with their positions' rotary angles; thd streams
-    with the whole stream's cu_seqlens, as TE takes them) gives the whole layer's output at those positions, and
-    its weights' gradients add up over the ranks to the whole layer's."""
+    """The twin TransformerLayer given this rank's share and, as TE takes them, the whole row's rotary angles (bshd)
+    or the whole stream's cu_seqlens (thd) gives the whole layer's output at those positions, and its weights'
+    gradients add up over the ranks to the whole layer's."""
     for rank, diffs in enumerate(run_workers(2, _layer_worker, layout)):
         assert max(diffs.values()) < 1e-12, (rank, diffs)
