@@ -45,6 +45,8 @@ def test_te_and_torch_esm2_agree_on_packed_sequences(autocast_dtype, rtol, multi
     batch = {key: torch.stack([item[key] for item in items]).cuda() for key in items[0]}
     real = batch["tokens"] != 1  # the padding's outputs are not compared (TE leaves them as they come)
     outputs, grads = [], []
+    if multiple > 1:  # memory the allocator hands out again holds NaN: padding rows a kernel leaves unwritten show
+        torch.full((1 << 28,), float("nan"), device="cuda")
     for model in (te_model, torch_model):
         with torch.autocast("cuda", dtype=autocast_dtype, enabled=autocast_dtype != torch.float32):
             logits = model(batch["tokens"], batch["cu_seqlens"], seqlens=batch.get("seqlens")).float()
