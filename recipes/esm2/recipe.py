@@ -49,6 +49,14 @@ class ESM2Recipe(Recipe):
     }
 
     def build_model(self, layers: Layers, device: torch.device) -> nn.Module:
+        precision = self.cfg.precision
+        if layers.name == "te" and (precision.autocast_dtype or precision.param_dtype) == "fp32":
+            if self.sequence_multiple() > 1:  # (TE's fused attention, the one that takes padded offsets, is 16-bit)
+                raise ConfigError(
+                    "sequences padded to a multiple (data.pad_sequences_to_multiple_of, or distributed.cp > 1) need "
+                    "16-bit attention on TransformerEngine layers: set precision.autocast_dtype=bf16 (or "
+                    "precision=bf16)"
+                )
         model = ESM2(self.cfg.model, layers, device=device)
         init_parameters(model, self.cfg.seed, standard_rule(self.cfg.model.init_std), layers.tp)
         return model

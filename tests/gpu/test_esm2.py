@@ -26,6 +26,8 @@ def build_esm2(backend: str, overrides: list[str]):
 @pytest.mark.parametrize("multiple", [1, 8], ids=["packed", "padded_to_8"])
 @pytest.mark.parametrize("autocast_dtype,rtol", [(torch.float32, 2e-3), (torch.bfloat16, 3e-2)])
 def test_te_and_torch_esm2_agree_on_packed_sequences(autocast_dtype, rtol, multiple):
+    if multiple > 1 and autocast_dtype == torch.float32:
+        pytest.skip("TE has no fp32 attention for padded packs (the recipe refuses it: test_context_parallel.py)")
     """Token dropout, thd attention with cu_seqlens (empty slots, padding pieces), rotary positions restarting per
     sequence, biases, LayerNorm, GELU (TE's tanh form on both), the tied LM head: logits and gradients agree. Also
     with each sequence padded to a multiple of 8 (what context parallelism packs): TE's cu_seqlens_padded layout,

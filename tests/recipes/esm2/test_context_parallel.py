@@ -179,6 +179,9 @@ def test_what_cannot_be_split_is_refused_before_any_work():
     ):
         recipe("distributed.cp=2", "data.tokens_per_pack=1040", "precision=fp8_delayed").pack_shape()
     assert recipe("distributed.cp=2", "data.tokens_per_pack=1056", "precision=fp8_delayed").pack_shape()[0] == 1056
+    te = replace(TORCH_LAYERS, name="te")  # (refused before any layer is built: no TE needed)
+    with pytest.raises(ConfigError, match="need 16-bit attention on TransformerEngine layers"):
+        recipe("distributed.cp=2").build_model(te, torch.device("meta"))
     finetune = validated_config(
         "esm2_finetune_sanity", ["checkpoint.path=unused", "checkpoint.init_from=null", "distributed.cp=2"]
     )
