@@ -9,7 +9,8 @@ A run holds, per GPU (bytes per parameter on the left, what divides them on the 
   gathered units    ZeRO-3's whole blocks in flight (two, and one block's gradients)
   activations       what each block keeps per token for its backward (below), times tokens per micro-batch
   logits            the output layer's bf16 logits per token (language models)
-  workspace         GEMM and attention workspaces and the allocator's slack (a constant)
+  workspace         GEMM and attention workspaces and the allocator's slack (a constant), and one block's
+                    activation gradients, which its backward holds while it runs
 Frozen weights (finetune.mode=lora or frozen) take their compute copy only. Tensor parallelism divides the weights'
 parts and the blocks' inner activations; context parallelism (distributed.cp) the tokens of each sample, and the
 sharded parts with dp_shard (the backends shard over both). Activations per token and block, in elements of the
@@ -36,7 +37,7 @@ from core.config.errors import ConfigError
 from core.training.precision import DTYPES
 
 GIB = 2**30
-WORKSPACE_BYTES = 0.5 * GIB
+WORKSPACE_BYTES = 0.125 * GIB
 # Above this share of the GPU's memory a plan warns: the allocator's fragmentation and the CUDA context need room.
 WARN_SHARE = 0.9
 
@@ -114,7 +115,7 @@ def estimate(block: BlockShape, params: Parameters, s: Settings) -> MemoryPlan:
         "gathered units": 0.0,
         "activations": 0.0,
         "logits": 0.0,
-        "workspace": WORKSPACE_BYTES,
+        "workspace": 0.0,
     }
     if s.backend == "ddp":  # the fp32 weights are the master weights; autocast keeps a compute copy per block
         parts["weights"] = total * 4
@@ -126,13 +127,17 @@ def estimate(block: BlockShape, params: Parameters, s: Settings) -> MemoryPlan:
         unit = params.unit / tp
         parts["gathered units"] = unit * (2 * s.param_bytes + (4 if params.blocks_trained != "none" else 0))
     tokens = s.micro_batch * s.tokens / max(s.cp, 1)
-    parts["activations"] = tokens * _activation_bytes(block, params.blocks_trained, s)
+    per_block = _block_activation_bytes(block, params.blocks_trained, s)
+    parts["activations"] = tokens * (block.layers * per_block)
+    if s.activation_checkpointing:  # each block's input, and one block recomputed at a time
+        parts["activations"] = tokens * (block.layers * block.hidden * s.compute_bytes + per_block)
+    parts["workspace"] = WORKSPACE_BYTES + tokens * per_block
     parts["logits"] = tokens * block.logits * s.compute_bytes / tp
     return MemoryPlan(parts, s)
 
 
-def _activation_bytes(block: BlockShape, blocks_trained: str, s: Settings) -> float:
-    """Bytes a micro-batch's token keeps across all blocks until their backward."""
+def _block_activation_bytes(block: BlockShape, blocks_trained: str, s: Settings) -> float:
+    """Bytes a token keeps in one block until its backward."""
     if blocks_trained == "none":  # no gradient reaches the blocks: the forward keeps nothing for them
         return 0.0
     h, f, kv = block.hidden, block.ffn, block.kv
@@ -141,10 +146,7 @@ def _activation_bytes(block: BlockShape, blocks_trained: str, s: Settings) -> fl
     whole = 3 * h  # the two normalizations' inputs, the attention's normalized input (whole on every TP rank)
     if blocks_trained == "all":  # the MLP's normalized input and activated output feed weight gradients too
         split, whole = split + f, whole + h
-    per_block = (split / max(s.tp, 1) + whole) * s.compute_bytes
-    if s.activation_checkpointing:  # each block's input, and one block recomputed at a time
-        return block.layers * h * s.compute_bytes + per_block
-    return block.layers * per_block
+    return (split / max(s.tp, 1) + whole) * s.compute_bytes
 
 
 def count_parameters(recipe, cfg: DictConfig) -> Parameters:

@@ -32,6 +32,8 @@ MEASURED = [
     ("esm2_650m", [], 1, 21.7, "2026-11-27-esm2-and-gpu-suite-h100"),
     ("esm2_650m", ["precision.param_dtype=fp32"], 1, 24.2, "2026-11-27-esm2-and-gpu-suite-h100"),
     ("esm2_3b", [], 1, 70.8, "2026-12-02-jpeg-queues-esm2-3b-h200"),
+    ("esm2_8m", [], 1, 0.81, "2026-12-02-context-parallel-h200"),
+    ("esm2_150m", [], 1, 7.44, "2026-12-02-context-parallel-h200"),
     ("esm2_finetune", TASK, 1, 21.7, "2026-11-27-esm2-finetune-lora-h200"),
     ("esm2_finetune_lora", TASK, 1, 8.7, "2026-11-27-esm2-finetune-lora-h200"),
     ("llama_sft", [*CHATS, "finetune.mode=lora"], 1, 30.9, "2026-12-02-sft-packing-h200"),
