@@ -194,22 +194,31 @@ def settings_of(cfg: DictConfig, recipe, dp_shard: int, tp: int, backend: str, c
 
 
 def advice(
-    block: BlockShape, params: Parameters, s: Settings, capacity: float, global_batch: int, dp_size: int
+    block: BlockShape,
+    params: Parameters,
+    s: Settings,
+    capacity: float,
+    global_batch: int,
+    dp_size: int,
+    cps: tuple[int, ...] = (),
 ) -> list[tuple[str, MemoryPlan]]:
     """Up to three settings that would fit `capacity`: a higher ZeRO level (Megatron-FSDP over several ranks), a
-    smaller micro-batch that still divides the global batch, activation checkpointing, and their mixes; those
+    smaller micro-batch that still divides the global batch, activation checkpointing, context parallelism over
+    some of the data-parallel ranks (`cps`: the sizes the recipe can split its samples over), and their mixes; those
     without recomputation first, then the fewest changes and the largest micro-batch."""
     zeros = list(range(s.zero, 4)) if s.backend == "mfsdp" and s.dp_shard * s.cp > 1 else [s.zero]
-    batches = [b for b in range(s.micro_batch, 0, -1) if global_batch % (b * dp_size) == 0]
     checkpointing = [s.activation_checkpointing] + ([True] if not s.activation_checkpointing else [])
     found = []
-    for ac, mb, zero in itertools.product(checkpointing, batches, zeros):
-        candidate = replace(s, zero=zero, micro_batch=mb, activation_checkpointing=ac)
-        if candidate == s:
-            continue
-        plan = estimate(block, params, candidate)
-        if plan.total <= capacity:
-            found.append((_overrides(s, candidate), plan))
+    layouts = [(s.dp_shard, s.cp)] + [(s.dp_shard * s.cp // cp, cp) for cp in cps]
+    for ac, (dp_shard, cp), zero in itertools.product(checkpointing, layouts, zeros):
+        ranks = dp_size * s.cp // cp  # data-parallel ranks left
+        for mb in [b for b in range(s.micro_batch, 0, -1) if global_batch % (b * ranks) == 0]:
+            candidate = replace(s, zero=zero, micro_batch=mb, activation_checkpointing=ac, dp_shard=dp_shard, cp=cp)
+            if candidate == s:
+                continue
+            plan = estimate(block, params, candidate)
+            if plan.total <= capacity:
+                found.append((_overrides(s, candidate), plan))
     # without recomputation first (it costs about a forward pass), then the fewest changes, the largest micro-batch
     found.sort(
         key=lambda item: (
@@ -224,6 +233,8 @@ def advice(
 
 def _overrides(before: Settings, after: Settings) -> str:
     changes = []
+    if after.cp != before.cp:
+        changes.append(f"distributed.cp={after.cp}")
     if after.zero != before.zero:
         changes.append(f"distributed.mfsdp.zero_dp_strategy={after.zero}")
     if after.micro_batch != before.micro_batch:
@@ -277,12 +288,31 @@ def plan_for_run(
     params = count_parameters(recipe, cfg)
     s = settings_of(cfg, recipe, dp_shard, tp, backend, cp)
     plan = estimate(block, params, s)
-    suggestions = (
-        advice(block, params, s, capacity, int(cfg.training.global_batch_size), dp_size)
-        if capacity is not None and plan.total > capacity
-        else []
-    )
+    if capacity is None or plan.total <= capacity:
+        return plan, []
+    batch = int(cfg.training.global_batch_size)
+    suggestions = advice(block, params, s, capacity, batch, dp_size, _context_parallel_sizes(recipe, s))
+    if int(cfg.distributed.dp_shard) != -1:  # a mesh given in full: context parallelism takes dp_shard's ranks
+        suggestions = [
+            (o + (f" distributed.dp_shard={p.settings.dp_shard}" if p.settings.cp != s.cp else ""), p)
+            for o, p in suggestions
+        ]
     return plan, suggestions
+
+
+def _context_parallel_sizes(recipe, s: Settings) -> tuple[int, ...]:
+    """The larger context-parallel sizes this run's ranks allow (cp x a divisor of dp_shard) that the recipe can
+    split its samples over (Recipe.check_context_parallel)."""
+    sizes = []
+    for k in range(2, s.dp_shard + 1):
+        if s.dp_shard % k:
+            continue
+        try:
+            recipe.check_context_parallel(s.cp * k)
+        except ConfigError:
+            continue
+        sizes.append(s.cp * k)
+    return tuple(sizes)
 
 
 def check_run(cfg: DictConfig, recipe, env, runtime, log) -> None:

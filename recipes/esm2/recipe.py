@@ -93,10 +93,12 @@ class ESM2Recipe(Recipe):
             )
         return data.tokens_per_pack, data.max_sequences_per_pack
 
-    def sequence_multiple(self) -> int:
-        """What each sequence is padded to a multiple of: data.pad_sequences_to_multiple_of, or 2 x distributed.cp
-        where that is 1 (context parallelism cuts every sequence into 2 x cp equal chunks)."""
-        multiple, cp = int(self.cfg.data.pad_sequences_to_multiple_of), int(self.cfg.distributed.cp)
+    def sequence_multiple(self, cp: int | None = None) -> int:
+        """What each sequence is padded to a multiple of: data.pad_sequences_to_multiple_of, or 2 x cp
+        (distributed.cp unless given) where that is 1 (context parallelism cuts every sequence into 2 x cp equal
+        chunks)."""
+        multiple = int(self.cfg.data.pad_sequences_to_multiple_of)
+        cp = int(self.cfg.distributed.cp) if cp is None else cp
         if cp > 1 and multiple == 1:
             multiple = 2 * cp
         if multiple % (2 * cp if cp > 1 else 1):
@@ -244,7 +246,7 @@ class ESM2Recipe(Recipe):
 
     def check_context_parallel(self, cp_size: int) -> None:
         """Packs whose sequences are padded to multiples of 2 x cp (sequence_multiple says what does not divide)."""
-        self.sequence_multiple()
+        self.sequence_multiple(cp_size)
 
     def context_parallel_share(self, batch: dict, cp) -> dict:
         """This rank's tokens and labels of every sequence of each pack (chunks r and 2 x cp - 1 - r of each, as TE's

@@ -81,6 +81,25 @@ def test_context_parallelism_splits_each_samples_tokens_and_shards_with_dp_shard
     assert "ZeRO-3 over 4, tp=1, cp=2" in dp2_cp2.lines()[0]
 
 
+def test_a_long_sequence_is_advised_context_parallelism_where_the_recipe_splits_it():
+    long = ["model.seq_length=131072", "training.micro_batch_size=1", "training.global_batch_size=4"]
+    plan, advised = _plan("gpt_1b", long, gpus=4, capacity=80 * mp.GIB)
+    assert plan.total > 80 * mp.GIB
+    overrides, fitting = advised[0]  # no recomputation, one change: 4 ranks of one sample each
+    assert overrides == "distributed.cp=4" and fitting.settings.cp == 4 and fitting.settings.dp_shard == 1
+    assert fitting.parts["activations"] == plan.parts["activations"] / 4
+    cfg = validated_config("gpt_1b", ["checkpoint.path=unused", *long, "distributed.dp_shard=4"])
+    given = mp.plan_for_run(cfg, get_recipe("gpt")(cfg), 4, 4, 1, "mfsdp", 80 * mp.GIB)[1]
+    assert given[0][0] == "distributed.cp=4 distributed.dp_shard=1"  # a mesh given in full changes with it
+    # 131072 tokens do not split into 2 x 3 (or 2 x 6) equal chunks: on 6 GPUs only cp=2 is advised
+    six = _plan("gpt_1b", [*long, "training.global_batch_size=6"], gpus=6, capacity=80 * mp.GIB)[1]
+    sizes = {p.settings.cp for _, p in six}
+    assert 2 in sizes and not sizes & {3, 6}, six
+    # nor is it advised for a recipe that has no context parallelism
+    vit = _plan("vit_base_patch16_224", ["training.micro_batch_size=4096"], gpus=4, capacity=80 * mp.GIB)[1]
+    assert vit and all("distributed.cp" not in o for o, _ in vit)
+
+
 def test_activation_checkpointing_keeps_each_blocks_input_and_one_block():
     full = _plan("gpt_1b", [])[0]
     checkpointed = _plan("gpt_1b", ["training.activation_checkpointing=true"])[0]
