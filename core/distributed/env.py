@@ -82,7 +82,7 @@ class DistEnv:
     def context_parallel(self) -> ContextParallel:
         if self.cp == 1:
             return ContextParallel()
-        ranks = [int(r) for r in self.mesh["cp"].mesh.flatten().tolist()]
+        ranks = tuple(int(r) for r in self.mesh["cp"].mesh.flatten().tolist())
         return ContextParallel(self.cp, self.cp_rank, self.cp_group, ranks)
 
     @property

@@ -35,10 +35,11 @@ def evaluate(
     model.eval()
     sums: dict[str, torch.Tensor] = {}
     item_parts: list[dict[str, torch.Tensor]] = []
+    move = device_mover(recipe, cp)
     for batch in loader:
         valid_rows = batch.pop("valid")
         valid = valid_rows.to(device, torch.float64)
-        batch = device_mover(recipe, cp)(batch, device)
+        batch = move(batch, device)
         with autocast():
             out = recipe.forward(model, batch, training=False)
         items = out.pop("items", None)
