@@ -20,6 +20,9 @@ How it runs:
   all-reduced eagerly, bucket by bucket as the last backward's hooks would (`Parallel.reduce_gradients`). The
   reduction no longer overlaps the last backward; it is one all-reduce of the gradients per optimizer step.
 - A micro-batch whose tensors differ in shape or dtype from the captured one runs eagerly.
+- The host keeps at most `REPLAYS_AHEAD` replays queued that the GPU has not finished (`QueueBound`): a graph
+  launched into a full queue blocks in the driver, and while it does, CUDA calls of the process's other threads
+  wait too; the GPU JPEG decoder makes several per image (docs/performance.md, "Real JPEGs while training").
 - TE attention takes a form cuDNN can capture at any sequence length (core/layers/te_transformer_layer.py, 4.),
   in the eager micro-batches too, so that every micro-batch runs the same kernels.
 - FP8: delayed scaling's amax reduction and scale update run as kernels on the layers' own amax and scale
@@ -37,6 +40,7 @@ not checked against eager runs). training.cuda_graphs=auto runs those eagerly.
 
 from __future__ import annotations
 
+import collections
 import logging
 from typing import TYPE_CHECKING, Any, Callable, ContextManager, Optional
 
@@ -48,6 +52,30 @@ if TYPE_CHECKING:  # the backend's interface, named in annotations only (docs/ar
     from core.parallel.base import Parallel
 
 log = logging.getLogger("train")
+
+REPLAYS_AHEAD = 2  # one replay running and the next queued keep the GPU busy; graph launches are cheap
+
+
+class QueueBound:
+    """At most `ahead` pieces of the host's work queued on the GPU and not finished: `wait_for_room` before
+    queuing one blocks, outside the driver, until the oldest is done; `queued` after it marks its end."""
+
+    def __init__(self, ahead: int, make_event: Optional[Callable[[], Any]] = None):
+        if ahead < 1:
+            raise ValueError(f"QueueBound: ahead={ahead}, expected at least 1")
+        self.ahead = ahead
+        # A blocking event: the waiting host thread sleeps instead of spinning on a core the loader workers use.
+        self.make_event = make_event or (lambda: torch.cuda.Event(blocking=True))
+        self.pending: collections.deque = collections.deque()
+
+    def wait_for_room(self) -> None:
+        while len(self.pending) >= self.ahead:
+            self.pending.popleft().synchronize()
+
+    def queued(self) -> None:
+        event = self.make_event()
+        event.record()
+        self.pending.append(event)
 
 
 def forward_backward(
@@ -85,6 +113,7 @@ class GraphedForwardBackward(ForwardBackward):
         self.loss: Optional[torch.Tensor] = None  # the loss sum the graph writes
         self.eager_fallbacks = 0
         self.accumulates = False  # a step has had more than one micro-batch
+        self.queue = QueueBound(REPLAYS_AHEAD)
 
     def __call__(self, batch: dict, loss_scale: torch.Tensor, is_last: bool) -> torch.Tensor:
         loss = self._micro_batch(batch, loss_scale, is_last)
@@ -111,11 +140,13 @@ class GraphedForwardBackward(ForwardBackward):
                     ", ".join(f"{k} {v[0] if isinstance(v, tuple) else v}" for k, v in _signature(batch)),
                 )
             return super().__call__(batch, loss_scale, is_last=False)
+        self.queue.wait_for_room()
         for name, value in batch.items():
             if torch.is_tensor(value):
                 self.inputs[name].copy_(value, non_blocking=True)
         self.loss_scale.copy_(loss_scale)
         self.graph.replay()
+        self.queue.queued()
         return self.loss
 
     def _capture(self, batch: dict, loss_scale: torch.Tensor) -> None:

@@ -122,6 +122,8 @@ class FakeCapture:
         import contextlib
 
         self.active, self.captured, self.events = False, [], []
+        self.replays = []  # ("replay", n) for the n-th replay, ("wait", n) for a wait until it finished
+        fake = self
 
         @contextlib.contextmanager
         def graph(graph, capture_error_mode):
@@ -133,9 +135,20 @@ class FakeCapture:
 
         class Graph:
             def replay(self):  # nothing was recorded
-                pass
+                fake.replays.append(("replay", sum(kind == "replay" for kind, _ in fake.replays) + 1))
+
+        class Event:
+            def __init__(self, blocking=False):
+                self.replay = None
+
+            def record(self):
+                self.replay = fake.replays[-1][1]
+
+            def synchronize(self):
+                fake.replays.append(("wait", self.replay))
 
         monkeypatch.setattr(torch.cuda, "CUDAGraph", Graph)
+        monkeypatch.setattr(torch.cuda, "Event", Event)
         monkeypatch.setattr(torch.cuda, "graph", graph)
 
     def step(self, forward=None):
@@ -171,6 +184,27 @@ class FakeCapture:
 
 
 BATCH, SCALE = {"x": torch.ones(2, 4)}, torch.tensor(1.0)
+
+
+def test_replays_wait_for_the_gpu_to_finish_the_one_before_the_previous(monkeypatch):
+    """The host queues at most two replays the GPU has not finished (a launch into a full queue blocks in the
+    driver and holds up other threads' CUDA calls): each replay from the third on waits for the one two before."""
+    capture = FakeCapture(monkeypatch)
+    step = capture.step()
+    for _ in range(8):  # 2 eager, 1 captured, 5 replays after the capture's own
+        step(BATCH, SCALE, is_last=True)
+    assert capture.replays == [
+        ("replay", 1),
+        ("replay", 2),
+        ("wait", 1),
+        ("replay", 3),
+        ("wait", 2),
+        ("replay", 4),
+        ("wait", 3),
+        ("replay", 5),
+        ("wait", 4),
+        ("replay", 6),
+    ]
 
 
 @pytest.mark.parametrize("accumulation,captured_call", [(1, 3), (2, 3), (3, 4), (8, 3)])
@@ -234,3 +268,48 @@ def test_a_capture_that_fails_says_why_and_what_to_do(monkeypatch):
     # ... why, in terms of the recipe's code, and the two ways out.
     assert ".item()" in message and "keep such code out of the recipe's forward and loss" in message
     assert message.endswith("or run with training.cuda_graphs=none")
+
+
+class _Event:
+    """A stand-in CUDA event: records when it was recorded and waited on, in one shared log."""
+
+    def __init__(self, log: list, number: int):
+        self.log, self.number = log, number
+
+    def record(self):
+        self.log.append(("record", self.number))
+
+    def synchronize(self):
+        self.log.append(("wait", self.number))
+
+
+def test_queue_bound_waits_for_the_oldest_replay_once_full():
+    from core.training.cuda_graphs import QueueBound
+
+    log, made = [], []
+
+    def make_event():
+        made.append(_Event(log, len(made)))
+        return made[-1]
+
+    bound = QueueBound(2, make_event)
+    for _ in range(4):
+        bound.wait_for_room()
+        log.append("replay")
+        bound.queued()
+    # Two replays queued freely; the third waits for the first to finish, the fourth for the second.
+    assert log == [
+        "replay",
+        ("record", 0),
+        "replay",
+        ("record", 1),
+        ("wait", 0),
+        "replay",
+        ("record", 2),
+        ("wait", 1),
+        "replay",
+        ("record", 3),
+    ]
+    assert len(bound.pending) == 2
+    with pytest.raises(ValueError, match="ahead=0"):
+        QueueBound(0)
