@@ -136,6 +136,22 @@ def test_the_8b_shape_at_zero_0_is_refused_naming_what_fits():
         mp.check(plan, capacity, suggestions, "refuse")
 
 
+def test_the_shipped_8b_config_fits_four_gpus_of_80_gib_and_names_recomputation_on_two():
+    """gpt_8b (the Llama-3-8B shape, rows of 8,192 tokens, ZeRO-3) as typed: each GPU's shard of the weights and
+    optimizer state plus one row's activations fit 4 GPUs of 80 GiB closely (a warning, no refusal) and 8 with
+    room; on 2 the plan stops it, naming activation checkpointing; on 1 nothing fits."""
+    capacity = 80 * mp.GIB
+    four = _plan("gpt_8b", [], gpus=4, capacity=capacity)[0]
+    assert "little room left" in mp.check(four, capacity, [], "refuse")
+    assert mp.check(_plan("gpt_8b", [], gpus=8, capacity=capacity)[0], capacity, [], "refuse") is None
+    plan, suggestions = _plan("gpt_8b", [], gpus=2, capacity=capacity)
+    assert plan.total > capacity
+    assert suggestions[0][0] == "training.activation_checkpointing=true"
+    with pytest.raises(ConfigError, match=r"set training.activation_checkpointing=true: ~\d+\.\d GiB"):
+        mp.check(plan, capacity, suggestions, "refuse")
+    assert _plan("gpt_8b", [], gpus=1, capacity=capacity)[1] == []
+
+
 def test_a_smaller_micro_batch_that_divides_the_global_batch_is_advised():
     capacity = 40 * mp.GIB  # gpt_1b at micro-batch 16 needs ~48 GiB
     plan, suggestions = _plan("gpt_1b", [], capacity=capacity)
