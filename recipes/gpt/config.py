@@ -112,6 +112,9 @@ class GPTDataConfig(DataConfig):
     # sample holding more share one span, counted in the log. Every slot costs attention time, used or not
     # (docs/performance.md): raise it for corpora of documents much shorter than seq_length / 16.
     max_documents_per_sample: int = 16
+    # Packed chat rows (format=chat, packing): each conversation's slot padded to a multiple of this; with context
+    # parallelism (distributed.cp) 2 x cp unless set to a multiple of it (recipes/gpt/sft_data.py).
+    pad_sequences_to_multiple_of: int = 1
     # chat: .jsonl / .parquet files of {"prompt", "response"} or {"messages"} rows (recipes/gpt/chat.py), the loss on
     # the responses only; rows longer than model.seq_length + 1 tokens (seq_length positions) are truncated or dropped.
     train_path: Optional[str] = None
@@ -123,6 +126,7 @@ class GPTDataConfig(DataConfig):
         "weights": Numbers(Real(0, 1e15)),
         "val_num_samples": Int(1, INT32_MAX),
         "max_documents_per_sample": Int(1, 1 << 20),
+        "pad_sequences_to_multiple_of": Int(1, INT32_MAX),
     }
 
     @staticmethod
@@ -144,6 +148,11 @@ class GPTDataConfig(DataConfig):
                 "(or weights=null: by size)",
             )
         check_max_documents(c, key)
+        require(
+            c.pad_sequences_to_multiple_of == 1 or (c.format == TextFormat.chat and c.packing),
+            f"{key}.pad_sequences_to_multiple_of={c.pad_sequences_to_multiple_of}: only packed chat rows "
+            f"({key}.format=chat {key}.packing=true) pad their conversations; give 1",
+        )
         if c.format == TextFormat.text:
             require(
                 c.weights is None or len(weights) == 1,

@@ -8,7 +8,8 @@ on every rank (replicated over the tensor-parallel ranks).
 
 Packed rows (data.packing: recipes/gpt/packing.py): with `cu_seqlens` [rows, slots + 1] the rows run as one packed
 stream of documents (TE's "thd" layout, as ESM-2's packed sequences): causal attention within each document only
-("padding_causal"), rotary positions restarting at each document's first token. The same blocks run both layouts:
+("padding_causal"), rotary positions restarting at each document's first token; with context parallelism each
+rank holds its share of every document. The same blocks run both layouts:
 each forward sets the layout its input has (`_use_layout`), so a model trained on packed rows generates and
 predicts on plain ones.
 """
@@ -114,10 +115,11 @@ class GPT(nn.Module):
         return x
 
     def _packed_blocks(self, tokens: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-        """tokens [rows, seq], cu_seqlens [rows, slots + 1] -> [rows x seq, hidden]: all rows as one stream."""
-        rows, seq = tokens.shape
-        if self.cp.size > 1:
-            raise ValueError("packed rows with context parallelism (distributed.cp > 1)")
+        """tokens [rows, seq], cu_seqlens [rows, slots + 1] -> [rows x seq, hidden]: all rows as one stream. With
+        context parallelism tokens are this rank's share of each document (seq = the row's tokens / cp) and
+        cu_seqlens the whole rows' offsets, as TE's context-parallel attention takes them."""
+        rows, width = tokens.shape
+        seq = width * self.cp.size
         if cu_seqlens.dim() != 2 or cu_seqlens.shape[0] != rows:
             raise ValueError(
                 f"cu_seqlens of shape {tuple(cu_seqlens.shape)} for {rows} rows: expected [rows, slots + 1]"

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from core.config.errors import ConfigError
+from core.layers.context_parallel import packed_load_balanced_positions
 from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
 from core.training.memory_plan import BlockShape
@@ -140,7 +141,8 @@ class GPTRecipe(Recipe):
     def _splits(self) -> dict:
         training = self.cfg.training
         if self.cfg.data.format == "chat":  # whole conversations: epochs are known, training.epochs works
-            train, val = chat_splits(self.cfg, self.tokenizer.eod)
+            multiple = self.sequence_multiple() if self.cfg.data.packing else 1
+            train, val = chat_splits(self.cfg, self.tokenizer.eod, multiple)
             return {"train": train, "val": val, "test": None}
         if training.steps is None:  # Megatron's indexed datasets are built for a number of samples
             raise ConfigError(
@@ -231,29 +233,56 @@ class GPTRecipe(Recipe):
         return batch["loss_mask"].sum()
 
     def check_context_parallel(self, cp_size: int) -> None:
-        """Rows of seq_length tokens (pretraining text, or one conversation each), each cut into 2 x cp chunks
-        (core/layers/context_parallel.py)."""
+        """Rows of seq_length tokens (pretraining text, or one conversation each), each cut into 2 x cp chunks;
+        packed chat rows, each conversation padded to a multiple of 2 x cp and cut so (core/layers/
+        context_parallel.py)."""
         data, seq = self.cfg.data, self.cfg.model.seq_length
-        if data.packing:
+        if data.packing and data.format != "chat":
             raise ConfigError(
-                f"distributed.cp={cp_size} with data.packing=true: packed documents are not split over "
-                "context-parallel ranks yet; use data.packing=false"
+                f"distributed.cp={cp_size} with data.packing=true on data.format={data.format}: a pretraining "
+                "sample's documents fill its row with no room to pad each to a multiple of 2 x cp, which context "
+                "parallelism cuts them into; use data.packing=false (packed chat rows, data.format=chat, split)"
             )
         if seq % (2 * cp_size):
             raise ConfigError(
                 f"model.seq_length={seq} with distributed.cp={cp_size}: each row is cut into 2 x {cp_size} equal "
                 f"chunks; make the sequence length a multiple of {2 * cp_size}"
             )
+        if data.packing:
+            self.sequence_multiple(cp_size)
+
+    def sequence_multiple(self, cp: int | None = None) -> int:
+        """What each conversation of a packed chat row is padded to a multiple of: data.pad_sequences_to_multiple_of,
+        or 2 x cp (distributed.cp unless given) where that is 1."""
+        multiple = int(self.cfg.data.pad_sequences_to_multiple_of)
+        cp = int(self.cfg.distributed.cp) if cp is None else cp
+        if cp > 1 and multiple == 1:
+            multiple = 2 * cp
+        if multiple % (2 * cp if cp > 1 else 1):
+            raise ConfigError(
+                f"data.pad_sequences_to_multiple_of={multiple} with distributed.cp={cp}: context parallelism cuts "
+                f"each conversation into 2 x {cp} equal chunks; give a multiple of {2 * cp} (or 1)"
+            )
+        if self.cfg.model.seq_length % multiple:
+            raise ConfigError(
+                f"model.seq_length={self.cfg.model.seq_length}: conversations are padded to multiples of {multiple} "
+                "(data.pad_sequences_to_multiple_of), which must divide it"
+            )
+        return multiple
 
     def context_parallel_share(self, batch: dict, cp) -> dict:
         """Every per-token tensor ([rows, seq, ...]: tokens, labels, loss_mask, position_ids) at this rank's
-        positions; the model rotates them at those positions and attends over the group's. Per-row figures
-        (real_tokens) stay whole: `work` counts whole rows, and the meter shares them among the cp ranks."""
+        positions; the model rotates them at those positions and attends over the group's. Packed rows: each
+        document's share (its chunks r and 2 x cp - 1 - r), as TE's context-parallel attention takes them; the
+        offsets stay whole. Per-row figures (real_tokens, documents) stay whole: `work` counts whole rows, and the
+        meter shares them among the cp ranks."""
         seq = batch["tokens"].shape[1]
-        return {
-            k: cp.share(v, 1) if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq else v
-            for k, v in batch.items()
-        }
+        per_token = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq]
+        per_token = [k for k in per_token if k != "cu_seqlens"]
+        if "cu_seqlens" not in batch:
+            return {**batch, **{k: cp.share(batch[k], 1) for k in per_token}}
+        index = torch.stack([packed_load_balanced_positions(cu, cp.size, cp.rank) for cu in batch["cu_seqlens"]])
+        return {**batch, **{k: _gather_tokens(batch[k], index) for k in per_token}}
 
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sequence: the summed cross-entropy of its unmasked tokens, and their number."""
@@ -266,7 +295,8 @@ class GPTRecipe(Recipe):
         """Packed rows (data.packing): the micro-batch's real tokens and their training FLOPs, 6 N per token plus,
         per document of s tokens, the attention's 12 L H s^2 (forward + backward). A row's documents are its
         first `documents` pieces where the batch gives "documents" [rows] (the pieces after them are padding), else
-        all of them (a pretraining sample is documents throughout). Unpacked rows of one conversation padded
+        all of them (a pretraining sample is documents throughout); a conversation padded to a multiple
+        (data.pad_sequences_to_multiple_of) counts its padding. Unpacked rows of one conversation padded
         ("real_tokens" [rows]): those tokens, and the attention over them alone. Other unpacked rows: None
         (seq_length tokens each)."""
         cu_seqlens = batch.get("cu_seqlens")
@@ -335,3 +365,9 @@ class GPTRecipe(Recipe):
 
 
 RECIPE = GPTRecipe
+
+
+def _gather_tokens(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """x [rows, seq, ...] at index [rows, k] along its token dimension -> [rows, k, ...]."""
+    index = index.view(*index.shape, *([1] * (x.dim() - 2))).expand(*index.shape, *x.shape[2:])
+    return x.gather(1, index)

@@ -10,8 +10,11 @@ position is scored when the token it predicts is the response's), so labels neve
 With data.packing, conversations share rows of model.seq_length tokens: planned once per split (a seeded shuffle of
 the training split, the validation split in file order; then each row filled until the next conversation does not
 fit, or it holds data.max_documents_per_sample: core/data/pack_planning.py), and each row carries "cu_seqlens"
-(recipes/gpt/packing.py:row_offsets) so attention and rotary positions stay within a conversation. Without it each
-row is one conversation padded to model.seq_length. Padding positions: the end-of-document id as input, label 0, no
+(recipes/gpt/packing.py:row_offsets) so attention and rotary positions stay within a conversation. With `multiple` > 1
+(data.pad_sequences_to_multiple_of; 2 x distributed.cp for context parallelism, which cuts every conversation into
+2 x cp equal chunks) each conversation's slot is padded to a multiple of it: the padding follows the conversation's
+tokens, so under the causal mask none of them sees it. Without packing each row is one conversation padded to
+model.seq_length. Padding positions: the end-of-document id as input, label 0, no
 loss. Rows are the same on every call and rank: the loop's sampler shuffles and shares them out.
 """
 
@@ -36,23 +39,36 @@ log = logging.getLogger(__name__)
 
 class ChatRows(Dataset):
     """Rows of `chats`' conversations: {"tokens", "labels" (int64), "loss_mask" (float32): [seq_length], "idx"}, and
-    when packed (`max_documents` not None) "cu_seqlens" [max_documents + 2] (int32) and "documents" (how many
-    conversations the row holds), else "real_tokens" (the conversation's positions before the padding)."""
+    when packed (`max_documents` not None) "cu_seqlens" [max_documents + 2] (int32; each conversation's slot padded
+    to a multiple of `multiple`) and "documents" (how many conversations the row holds), else "real_tokens" (the
+    conversation's positions before the padding)."""
 
     def __init__(
-        self, chats: ChatTokens, seq_length: int, pad: int, max_documents: Optional[int], shuffle_seed: Optional[int]
+        self,
+        chats: ChatTokens,
+        seq_length: int,
+        pad: int,
+        max_documents: Optional[int],
+        shuffle_seed: Optional[int],
+        multiple: int = 1,
     ):
         self.chats, self.seq_length, self.pad, self.max_documents = chats, seq_length, pad, max_documents
+        if multiple < 1 or (multiple > 1 and max_documents is None):
+            raise ValueError(f"multiple={multiple}: expected 1, or >= 1 for packed rows")
+        self.multiple = multiple
         positions = np.maximum(np.diff(chats.offsets) - 1, 0)
         if len(positions) and positions.max() > seq_length:
             raise ValueError(f"{chats.source}: a conversation of {positions.max() + 1} tokens, rows of {seq_length}")
+        self.slots = -(-positions // multiple) * multiple  # each conversation's positions and its padding
+        if len(positions) and self.slots.max() > seq_length:
+            raise ValueError(f"rows of {seq_length} tokens do not hold conversations padded to multiples of {multiple}")
         if max_documents is None:
             self.order, self.starts = np.arange(len(chats)), np.arange(len(chats) + 1)
         else:
             order = np.arange(len(chats))
             if shuffle_seed is not None:
                 np.random.default_rng(shuffle_seed).shuffle(order)
-            self.order, self.starts = order, plan_packs(positions[order], seq_length, max_documents)
+            self.order, self.starts = order, plan_packs(self.slots[order], seq_length, max_documents)
         self.real_tokens = int(positions.sum())  # positions that are not padding, over every row
 
     def __len__(self) -> int:
@@ -69,14 +85,14 @@ class ChatRows(Dataset):
         tokens = torch.full((self.seq_length,), self.pad, dtype=torch.int64)
         labels = torch.zeros(self.seq_length, dtype=torch.int64)
         loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
-        lengths = []
+        lengths = []  # each conversation's slot: its positions, then padding to the multiple
         for i in self.conversations(k):
             ids, mask = self.chats.row(i)
             start, n = sum(lengths), max(len(ids) - 1, 0)
             tokens[start : start + n] = torch.from_numpy(ids[:-1].astype(np.int64))
             labels[start : start + n] = torch.from_numpy(ids[1:].astype(np.int64))
             loss_mask[start : start + n] = torch.from_numpy(mask[1:].astype(np.float32))
-            lengths.append(n)
+            lengths.append(int(self.slots[i]))
         row = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "idx": k}
         if self.max_documents is not None:
             row["cu_seqlens"] = torch.from_numpy(row_offsets(lengths, self.seq_length, self.max_documents + 1))
@@ -86,8 +102,9 @@ class ChatRows(Dataset):
         return row
 
 
-def chat_splits(cfg, tokenizer_eod: int) -> tuple[ChatRows, Optional[ChatRows]]:
-    """(training rows, validation rows or None) of data.train_path and data.val_path for the config `cfg`."""
+def chat_splits(cfg, tokenizer_eod: int, multiple: int = 1) -> tuple[ChatRows, Optional[ChatRows]]:
+    """(training rows, validation rows or None) of data.train_path and data.val_path for the config `cfg`; packed
+    rows pad each conversation's slot to a multiple of `multiple`."""
     data, seq_length = cfg.data, cfg.model.seq_length
     if not data.train_path:
         raise ConfigError("data.format=chat needs data.train_path (a .jsonl or .parquet file of chat rows)")
@@ -109,5 +126,5 @@ def chat_splits(cfg, tokenizer_eod: int) -> tuple[ChatRows, Optional[ChatRows]]:
             raise ConfigError(
                 f"{summary.line()}: nothing to train on; a larger model.seq_length, or data.too_long=truncate"
             )
-        splits.append(ChatRows(chats, seq_length, tokenizer_eod, max_documents, seed))
+        splits.append(ChatRows(chats, seq_length, tokenizer_eod, max_documents, seed, multiple))
     return splits[0], splits[1]

@@ -92,6 +92,25 @@ def test_context_parallel_fine_tunes_on_chat_rows_as_one_process(tmp_path):
 
 
 @pytest.mark.slow
+def test_context_parallel_fine_tunes_on_packed_chat_rows_as_one_process(tmp_path):
+    """gpt_sft_sanity as shipped (conversations packed into rows of 256 tokens with document masks), each
+    conversation padded to a multiple of 4: cp=2 (each rank a half of every conversation, chunks r and 3 - r) gives
+    one process's losses and gradient norms on the same rows (data.pad_sequences_to_multiple_of=4 there)."""
+    runs = {}
+    for label, nproc, extra in (("one", 1, ["data.pad_sequences_to_multiple_of=4"]), ("cp2", 2, ["distributed.cp=2"])):
+        folder = tmp_path / label
+        overrides = STEPS4 + ["training.val_every_n_steps=0", f"checkpoint.path={folder}/c", *extra]
+        run_workers(nproc, run_phases, [{"config": "gpt_sft_sanity", "run_dir": str(folder), "overrides": overrides}])
+        runs[label] = {r["step"]: r for r in read_records(folder) if "split" not in r}
+    one, cp2 = runs["one"], runs["cp2"]
+    assert sorted(one) == sorted(cp2) == [1, 2, 3, 4]
+    assert one[4]["loss"] < one[1]["loss"]
+    for step in one:
+        assert cp2[step]["loss"] == pytest.approx(one[step]["loss"], rel=1e-5), step
+        assert cp2[step]["grad_norm"] == pytest.approx(one[step]["grad_norm"], rel=1e-4), step
+
+
+@pytest.mark.slow
 def test_a_context_parallel_run_stops_and_resumes_exactly_and_without_it(tmp_path):
     """cp=2 stopped by SIGTERM after step 3 (it saves step 4) and started again equals the uninterrupted cp=2 run bit
     for bit; its step-4 checkpoint resumes on one process (cp=1) with the same losses to rounding."""
@@ -132,8 +151,21 @@ def test_what_cannot_be_split_is_refused_before_any_work():
     gpt().check_context_parallel(4)  # 128 tokens: 8 chunks of 16
     with pytest.raises(ConfigError, match="model.seq_length=128 with distributed.cp=3.*multiple of 6"):
         gpt().check_context_parallel(3)
-    with pytest.raises(ConfigError, match="data.packing=true"):
+    with pytest.raises(ConfigError, match="data.packing=true on data.format=text: a pretraining sample's documents"):
         gpt("data.packing=true").check_context_parallel(2)
+
+    def sft(*overrides):
+        return GPTRecipe(validated_config("gpt_sft_sanity", ["checkpoint.path=unused", *overrides]))
+
+    sft().check_context_parallel(2)  # packed chat rows: each conversation padded to a multiple of 4
+    assert sft().sequence_multiple(2) == 4 and sft("data.pad_sequences_to_multiple_of=8").sequence_multiple(2) == 8
+    assert sft().sequence_multiple(1) == 1
+    with pytest.raises(ConfigError, match="data.pad_sequences_to_multiple_of=6 with distributed.cp=2.*multiple of 4"):
+        sft("data.pad_sequences_to_multiple_of=6").check_context_parallel(2)
+    with pytest.raises(ConfigError, match="model.seq_length=256: conversations are padded to multiples of 512"):
+        sft("data.pad_sequences_to_multiple_of=512").sequence_multiple(1)
+    with pytest.raises(Exception, match="data.pad_sequences_to_multiple_of=4: only packed chat rows"):
+        validated_config("gpt_sanity", ["checkpoint.path=unused", "data.pad_sequences_to_multiple_of=4"])
     with pytest.raises(ConfigError, match="model.seq_length=102 with distributed.cp=2"):
         gpt("model.seq_length=102").check_context_parallel(2)
     with pytest.raises(ConfigError, match="the vit recipe does not split its samples"):

@@ -102,6 +102,36 @@ def test_packed_rows_hold_the_padded_rows_conversations_each_once_within_budget_
     )
 
 
+def test_packed_conversations_padded_to_a_multiple_keep_their_tokens_and_score_no_padding(tmp_path):
+    """multiple=4 (2 x cp for context parallelism, which cuts every document of a packed row into 2 x cp equal
+    chunks): each conversation's slot is its positions then padding up to a multiple of 4, and the row's last
+    piece too; the conversation's tokens, labels and loss mask are the padded row's, the padding scores nothing."""
+    rows = [*ROWS] * 10
+    chats, _ = _chats(tmp_path, rows)
+    padded = ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=None, shuffle_seed=None)
+    packed = ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=3, shuffle_seed=5, multiple=4)
+    lengths = [int(chats.offsets[i + 1] - chats.offsets[i] - 1) for i in range(len(chats))]
+    assert any(n % 4 for n in lengths)  # some conversations do need padding
+    seen = []
+    for k in range(len(packed)):
+        row, members = packed[k], packed.conversations(k)
+        offsets = row["cu_seqlens"].tolist()
+        assert all((b - a) % 4 == 0 for a, b in zip(offsets, offsets[1:])) and offsets[-1] == 200
+        for i, a, b in zip(members, offsets, offsets[1:]):
+            n = lengths[i]
+            assert b - a == -(-n // 4) * 4
+            for key in ("tokens", "labels", "loss_mask"):
+                assert torch.equal(row[key][a : a + n], padded[i][key][:n]), (k, i, key)
+            assert row["loss_mask"][a + n : b].eq(0).all() and row["tokens"][a + n : b].eq(BYTE.eod).all()
+        seen += members
+    assert sorted(seen) == list(range(len(chats)))
+    assert packed.real_tokens == padded.real_tokens == sum(lengths)
+    with pytest.raises(ValueError, match="multiple=4"):
+        ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=None, shuffle_seed=None, multiple=4)
+    with pytest.raises(ValueError, match="multiples of 256"):  # a conversation's slot would exceed the row
+        ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=3, shuffle_seed=5, multiple=256)
+
+
 def test_rows_are_the_same_on_every_call_and_build_and_the_plan_follows_the_seed(tmp_path):
     chats, _ = _chats(tmp_path, [*ROWS] * 10)
     a = ChatRows(chats, seq_length=100, pad=BYTE.eod, max_documents=3, shuffle_seed=5)
