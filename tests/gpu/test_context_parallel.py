@@ -1,5 +1,6 @@
-"""Context parallelism on GPUs (2 needed): TransformerEngine's context-parallel attention (bshd causal for the GPT,
-thd with padded sequences for ESM-2) under Megatron-FSDP, against one GPU on the same data."""
+"""Context parallelism on GPUs (2 needed): TransformerEngine's context-parallel attention (bshd causal for the GPT's
+rows, thd padding_causal for its packed chat rows, thd with padded sequences for ESM-2) under Megatron-FSDP, against
+one GPU on the same data."""
 
 from __future__ import annotations
 
@@ -91,5 +92,18 @@ def test_packed_esm2_at_cp2_follows_one_gpu_over_20_steps(tmp_path):
     runs = {
         "1 GPU": _train(1, tmp_path, "one", "esm2_8m", *common),
         "CP=2": _train(2, tmp_path, "cp2", "esm2_8m", *common, "distributed.cp=2"),
+    }
+    _assert_follows(runs, "CP=2", 2e-2)
+
+
+@needs_two
+def test_packed_chat_rows_at_cp2_follow_one_gpu_over_20_steps(tmp_path):
+    """gpt_sft_sanity (the tiny Llama on the shipped chats, conversations packed into rows with document masks) in
+    bf16, each conversation padded to a multiple of 4 on both, at cp=2 on 2 GPUs follows the 1-GPU run within bf16
+    tolerance over 20 steps."""
+    common = ["precision=bf16", "data.pad_sequences_to_multiple_of=4", "training.steps=20"]
+    runs = {
+        "1 GPU": _train(1, tmp_path, "one", "gpt_sft_sanity", *common),
+        "CP=2": _train(2, tmp_path, "cp2", "gpt_sft_sanity", *common, "distributed.cp=2"),
     }
     _assert_follows(runs, "CP=2", 2e-2)
