@@ -22,6 +22,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from core.config.errors import ConfigError
+
 
 def load_balanced_positions(length: int, cp_size: int, cp_rank: int, device=None) -> torch.Tensor:
     """The positions (int64, [length / cp_size]) of a sequence of `length` that rank `cp_rank` of `cp_size` holds."""
@@ -61,6 +63,19 @@ def packed_load_balanced_positions(cu_seqlens: torch.Tensor, cp_size: int, cp_ra
     late = within >= chunk_size  # the rank's second chunk of that sequence
     start = torch.where(late, (chunks - 1 - cp_rank) * chunk_size - chunk_size, cp_rank * chunk_size)
     return offsets[:-1][sequence] + start + within
+
+
+def padding_multiple(given: int, cp: int, unit: str = "sequence") -> int:
+    """What each `unit` of a packed row is padded to a multiple of: `given` (data.pad_sequences_to_multiple_of), or
+    2 x cp where that is 1 and cp > 1: context parallelism cuts every one into 2 x cp equal chunks. ConfigError
+    where `given` is no multiple of 2 x cp."""
+    multiple = 2 * cp if cp > 1 and given == 1 else given
+    if multiple % (2 * cp if cp > 1 else 1):
+        raise ConfigError(
+            f"data.pad_sequences_to_multiple_of={given} with distributed.cp={cp}: context parallelism cuts each "
+            f"{unit} into 2 x {cp} equal chunks; give a multiple of {2 * cp} (or 1)"
+        )
+    return multiple
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from torch import nn
 
 from core.config.errors import ConfigError
 from core.data.datasets import mix_seed
-from core.layers.context_parallel import packed_load_balanced_positions
+from core.layers.context_parallel import packed_load_balanced_positions, padding_multiple
 from core.layers.namespace import Layers
 from core.layers.torch_twins import packed_positions
 from core.layers.weight_init import init_parameters, standard_rule
@@ -97,15 +97,8 @@ class ESM2Recipe(Recipe):
         """What each sequence is padded to a multiple of: data.pad_sequences_to_multiple_of, or 2 x cp
         (distributed.cp unless given) where that is 1 (context parallelism cuts every sequence into 2 x cp equal
         chunks)."""
-        multiple = int(self.cfg.data.pad_sequences_to_multiple_of)
         cp = int(self.cfg.distributed.cp) if cp is None else cp
-        if cp > 1 and multiple == 1:
-            multiple = 2 * cp
-        if multiple % (2 * cp if cp > 1 else 1):
-            raise ConfigError(
-                f"data.pad_sequences_to_multiple_of={multiple} with distributed.cp={cp}: context parallelism cuts "
-                f"each sequence into 2 x {cp} equal chunks; give a multiple of {2 * cp} (or 1)"
-            )
+        multiple = padding_multiple(int(self.cfg.data.pad_sequences_to_multiple_of), cp)
         row, key = self.pack_shape()[0], "data.tokens_per_pack" if self.cfg.data.packing else "model.max_seq_length"
         for size, name in ((row, key), (self.cfg.model.max_seq_length, "model.max_seq_length")):
             if size % multiple:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from core.config.errors import ConfigError
-from core.layers.context_parallel import packed_load_balanced_positions
+from core.layers.context_parallel import packed_load_balanced_positions, padding_multiple
 from core.layers.namespace import Layers
 from core.layers.weight_init import init_parameters, standard_rule
 from core.training.memory_plan import BlockShape
@@ -254,15 +254,8 @@ class GPTRecipe(Recipe):
     def sequence_multiple(self, cp: int | None = None) -> int:
         """What each conversation of a packed chat row is padded to a multiple of: data.pad_sequences_to_multiple_of,
         or 2 x cp (distributed.cp unless given) where that is 1."""
-        multiple = int(self.cfg.data.pad_sequences_to_multiple_of)
         cp = int(self.cfg.distributed.cp) if cp is None else cp
-        if cp > 1 and multiple == 1:
-            multiple = 2 * cp
-        if multiple % (2 * cp if cp > 1 else 1):
-            raise ConfigError(
-                f"data.pad_sequences_to_multiple_of={multiple} with distributed.cp={cp}: context parallelism cuts "
-                f"each conversation into 2 x {cp} equal chunks; give a multiple of {2 * cp} (or 1)"
-            )
+        multiple = padding_multiple(int(self.cfg.data.pad_sequences_to_multiple_of), cp, "conversation")
         if self.cfg.model.seq_length % multiple:
             raise ConfigError(
                 f"model.seq_length={self.cfg.model.seq_length}: conversations are padded to multiples of {multiple} "
