@@ -3,7 +3,9 @@ PYTHONPATH and name the patches in JPEG_PATCH (comma-separated):
   cputhreads=N  the nvImageCodec decoder's CPU threads (its default: one per core)
   ownstream     each decoder decodes on a stream of its own (the batch's stream waits for it), so a decode does
                 not wait for the previous batch's crop kernel queued on the prefetch thread's stream
-  unbounded     CUDA-graph replays queued without bound, as before core/training/cuda_graphs.py's QueueBound"""
+  unbounded     CUDA-graph replays queued without bound, as before core/training/cuda_graphs.py's QueueBound
+  trainprio     (for a next lease; not run yet) the training process's main thread works on a high-priority stream
+                from the start, so the step's kernels go before the decoder's when both wait for the SMs"""
 
 import os
 
@@ -36,6 +38,16 @@ if _PATCHES:
                 return out
 
             J.JpegDecoder.decode = _decode
+        elif _p == "trainprio":
+            import core.distributed.env as E
+
+            def _setup(*args, _real=E.setup, **kwargs):
+                env = _real(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
+                return env
+
+            E.setup = _setup
         elif _p == "unbounded":
             import core.training.cuda_graphs as G
 
