@@ -4,7 +4,7 @@
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
 #                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_3b|sft|packing_gap|memory_rows|jpeg_queues|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
-#                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3|node_scaling|node_large|node_cp]
+#                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3|node_scaling|node_8b|node_esm2_3b|node_cp]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -270,37 +270,40 @@ if [[ $what == two_gpus_gpt ]]; then
 fi
 # The node-scale measurements on ${NODE_GPUS:-4} GPUs, each mode within one 10-minute call (not yet run):
 # node_scaling: the shipped vit_base_patch16_224 (256 x 2048 a step), gpt_1b (16 x 128) and esm2_650m (packs, 8 a
-# step per GPU) on 1 GPU and on all of them, for the per-GPU throughput ratio.
-# node_large: gpt_8b in bf16 and FP8 (MFU on the bf16 peak; peak memory against its plan) and esm2_3b (real-token
-# MFU) on all the GPUs, 4 micro-batches a step per GPU (gpt_8b as typed takes 16).
+# step per GPU) on 1 GPU (the first of CUDA_VISIBLE_DEVICES, or 0) and on all of them: the per-GPU throughput ratio.
+# node_8b: gpt_8b in bf16 and FP8 (MFU on the bf16 peak; peak memory against its plan), 4 micro-batches a step per
+# GPU (as typed: 16). node_esm2_3b: esm2_3b (real-token MFU), 4 packs a step per GPU.
 # node_cp: gpt_1b at 32,768 tokens a row with context parallelism over all the GPUs, and over half of them.
 node=${NODE_GPUS:-4}
 quiet="training.val_every_n_steps=0 training.val_at_end=false"
 if [[ $what == node_scaling ]]; then
+  first=${CUDA_VISIBLE_DEVICES:-0}
   for n in 1 $node; do
-    gpus=(--nproc $n --steps ${NODE_STEPS:-4} --out "$OUT" --timeout 300 --extra "$quiet" --variant "as_typed=")
-    [[ $n == 1 ]] && export CUDA_VISIBLE_DEVICES=0 || unset CUDA_VISIBLE_DEVICES
-    python3 benchmarks/throughput.py --config vit_base_patch16_224 --micro-batch 256 --global-batch 2048 "${gpus[@]}" \
-      2>&1 | tee "$OUT/node_vit_${n}gpus.log" | tail -2
-    python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --micro-batch 16 --global-batch 128 "${gpus[@]}" \
-      2>&1 | tee "$OUT/node_gpt_1b_${n}gpus.log" | tail -2
-    python3 benchmarks/throughput.py --config esm2_650m --data "" --micro-batch 1 --global-batch $((8 * n)) "${gpus[@]}" \
-      2>&1 | tee "$OUT/node_esm2_650m_${n}gpus.log" | tail -2
+    gpus=(--nproc $n --steps ${NODE_STEPS:-4} --out "$OUT" --timeout 150 --extra "$quiet" --variant "as_typed=")
+    one=(); [[ $n == 1 ]] && one=(env CUDA_VISIBLE_DEVICES=${first%%,*})
+    "${one[@]}" python3 benchmarks/throughput.py --config vit_base_patch16_224 --micro-batch 256 --global-batch 2048 \
+      "${gpus[@]}" 2>&1 | tee "$OUT/node_vit_${n}gpus.log" | tail -2
+    "${one[@]}" python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --micro-batch 16 --global-batch 128 \
+      "${gpus[@]}" 2>&1 | tee "$OUT/node_gpt_1b_${n}gpus.log" | tail -2
+    "${one[@]}" python3 benchmarks/throughput.py --config esm2_650m --data "" --micro-batch 1 --global-batch $((8 * n)) \
+      "${gpus[@]}" 2>&1 | tee "$OUT/node_esm2_650m_${n}gpus.log" | tail -2
   done
-  unset CUDA_VISIBLE_DEVICES
 fi
-if [[ $what == node_large ]]; then
+if [[ $what == node_8b ]]; then
   python3 benchmarks/throughput.py --config gpt_8b --data gpt_mock --nproc $node --steps ${NODE_STEPS:-3} --out "$OUT" \
-    --timeout 400 --micro-batch 1 --global-batch $((4 * node)) --extra "$quiet" --variant "as_typed=" \
+    --timeout 280 --micro-batch 1 --global-batch $((4 * node)) --extra "$quiet" --variant "as_typed=" \
     --variant "fp8=$fp8" 2>&1 | tee "$OUT/node_gpt_8b.log" | tail -3
+fi
+if [[ $what == node_esm2_3b ]]; then
   python3 benchmarks/throughput.py --config esm2_3b --data "" --nproc $node --steps ${NODE_STEPS:-3} --out "$OUT" \
-    --timeout 300 --micro-batch 1 --global-batch $((4 * node)) --extra "$quiet data.num_workers=4" \
+    --timeout 500 --micro-batch 1 --global-batch $((4 * node)) --extra "$quiet data.num_workers=4" \
     --variant "as_typed=" 2>&1 | tee "$OUT/node_esm2_3b.log" | tail -2
 fi
 if [[ $what == node_cp ]]; then
+  (( node >= 4 )) || { echo "node_cp: NODE_GPUS=$node; needs 4 or more (cp over all and over half)"; exit 2; }
   long="model.seq_length=32768 $quiet"
   python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --nproc $node --steps ${NODE_STEPS:-3} --out "$OUT" \
-    --timeout 400 --micro-batch 1 --global-batch $node --variant "cp$node=$long distributed.cp=$node" \
+    --timeout 280 --micro-batch 1 --global-batch $node --variant "cp$node=$long distributed.cp=$node" \
     --variant "cp$((node / 2))=$long distributed.cp=$((node / 2))" 2>&1 | tee "$OUT/node_cp.log" | tail -3
 fi
 if [[ $what == esm2_profile ]]; then

@@ -64,6 +64,17 @@ def run_variant(
     return rows[-1]  # the timed interval (after the warm-up interval)
 
 
+def data_parallel_ranks(nproc: int, overrides: list[str]) -> int:
+    """The data-parallel ranks of `nproc` processes run with `overrides`: tensor- and context-parallel ranks
+    (distributed.tp, distributed.cp; the last value given wins) share their samples."""
+    sizes = {"distributed.tp": 1, "distributed.cp": 1}
+    for override in overrides:
+        key, _, value = override.lstrip("+").partition("=")
+        if key in sizes and value.isdigit() and int(value) > 0:
+            sizes[key] = int(value)
+    return max(1, nproc // (sizes["distributed.tp"] * sizes["distributed.cp"]))
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default="vit_base_patch16_224")
@@ -104,19 +115,22 @@ def main() -> None:
     for gpu in range(args.concurrent):
         free_gpus.put(str(gpu) if args.concurrent > 1 else None)
 
-    for mb in args.micro_batch:
-        if args.global_batch and args.global_batch % (mb * args.nproc):
-            p.error(f"--global-batch {args.global_batch} is not a multiple of micro-batch {mb} x {args.nproc} ranks")
+    for name, overrides in variants:
+        dp = data_parallel_ranks(args.nproc, shlex.split(args.extra) + shlex.split(overrides))
+        for mb in args.micro_batch:
+            if args.global_batch and args.global_batch % (mb * dp):
+                p.error(
+                    f"--global-batch {args.global_batch} (variant {name}) is not a multiple of micro-batch {mb} x "
+                    f"{dp} data-parallel ranks"
+                )
 
     def measure(name: str, overrides: str, mb: int) -> dict:
-        # Without --global-batch no gradient accumulation: the global batch is micro-batch x ranks.
-        global_batch = args.global_batch or mb * args.nproc
         # The variant's own overrides come after --extra's: Hydra keeps a key's last value, so a variant's wins.
-        ov = (
-            shlex.split(args.extra)
-            + shlex.split(overrides)
-            + [f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
-        )
+        given = shlex.split(args.extra) + shlex.split(overrides)
+        dp = data_parallel_ranks(args.nproc, given)
+        # Without --global-batch no gradient accumulation: the global batch is micro-batch x data-parallel ranks.
+        global_batch = args.global_batch or mb * dp
+        ov = given + [f"training.micro_batch_size={mb}", f"training.global_batch_size={global_batch}"]
         gpu = free_gpus.get()
         try:
             row = {
@@ -124,7 +138,7 @@ def main() -> None:
                 "micro_batch": mb,
                 "nproc": args.nproc,
                 "overrides": ov,
-                "accumulation": global_batch // (mb * args.nproc),
+                "accumulation": global_batch // (mb * dp),
                 **run_variant(args.config, args.nproc, args.steps, ov, False, args.data, gpu, args.timeout),
             }
             if args.phases and "error" not in row:

@@ -43,16 +43,29 @@ def run_train(
             f"checkpoint.path={tmp}/ckpt",
             *overrides,
         ]
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO, env=env)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, timeout=timeout)
-        except subprocess.TimeoutExpired as e:
-            output = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
-            raise TrainRunFailed(f"timed out after {timeout:.0f} s:\n{output[-2000:]}") from None
-        output = proc.stdout + proc.stderr
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _, stderr = _stop(proc)
+            raise TrainRunFailed(f"timed out after {timeout:.0f} s:\n{stderr[-2000:]}") from None
+        output = stdout + stderr
         if proc.returncode != 0:
             raise TrainRunFailed(f"{' '.join(cmd)} failed:\n{rank_error(output)}")
         rows = [json.loads(line) for line in (Path(tmp) / "run" / "metrics.jsonl").read_text().splitlines()]
     return rows, output
+
+
+def _stop(proc: subprocess.Popen, grace: float = 60.0) -> tuple[str, str]:
+    """End a torchrun past its time limit, and its ranks: SIGTERM, which torchrun passes on to the ranks it started
+    (they run in sessions of their own, so killing torchrun alone would leave them holding the GPUs for the next
+    run); SIGKILL after `grace` seconds. Returns what it wrote."""
+    proc.terminate()
+    try:
+        return proc.communicate(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.communicate()
 
 
 # torchrun's own report of a failed rank (its logger's name, and the exception it raises after the ranks end).

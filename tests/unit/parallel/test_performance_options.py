@@ -170,6 +170,19 @@ def test_throughput_global_batch_accumulates_like_a_real_run(tmp_path, monkeypat
         runpy.run_path(script, run_name="__main__")
     assert refused.value.code == 2 and runs == []
 
+    # Context- and tensor-parallel ranks share samples: 8 processes at cp=2 x tp=2 are 2 data-parallel ranks, so a
+    # global batch of 8 at micro-batch 1 accumulates 4 (and without --global-batch a step takes 2 samples).
+    runs.clear()
+    eight = [a if a != "1" else "8" for a in common] + ["--micro-batch", "1"]
+    variant = ["--variant", "cp2tp2=distributed.cp=2 distributed.tp=2"]
+    monkeypatch.setattr(sys, "argv", eight + ["--global-batch", "8"] + variant)
+    runpy.run_path(script, run_name="__main__")
+    (written,) = tmp_path.glob("gpt_1b-8gpu-*.json")
+    assert json.loads(written.read_text())["results"][0]["accumulation"] == 4
+    monkeypatch.setattr(sys, "argv", eight + variant)
+    runpy.run_path(script, run_name="__main__")
+    assert "training.global_batch_size=2" in runs[-1]
+
 
 def test_throughput_variant_overrides_win_over_extra_and_a_failing_run_reports_its_rank_error(tmp_path, monkeypatch):
     """A variant's own overrides follow --extra's (Hydra keeps a key's last value: the variant's wins), and a run
