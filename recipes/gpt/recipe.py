@@ -271,7 +271,7 @@ class GPTRecipe(Recipe):
         meter shares them among the cp ranks."""
         seq = batch["tokens"].shape[1]
         per_token = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() >= 2 and v.shape[1] == seq]
-        per_token = [k for k in per_token if k != "cu_seqlens"]
+        per_token = [k for k in per_token if k not in ("cu_seqlens", "seqlens")]  # per slot, whatever their size
         if "cu_seqlens" not in batch:
             return {**batch, **{k: cp.share(batch[k], 1) for k in per_token}}
         index = torch.stack([packed_load_balanced_positions(cu, cp.size, cp.rank) for cu in batch["cu_seqlens"]])
@@ -288,15 +288,17 @@ class GPTRecipe(Recipe):
         """Packed rows (data.packing): the micro-batch's real tokens and their training FLOPs, 6 N per token plus,
         per document of s tokens, the attention's 12 L H s^2 (forward + backward). A row's documents are its
         first `documents` pieces where the batch gives "documents" [rows] (the pieces after them are padding), else
-        all of them (a pretraining sample is documents throughout); a conversation padded to a multiple
-        (data.pad_sequences_to_multiple_of) counts its padding. Unpacked rows of one conversation padded
-        ("real_tokens" [rows]): those tokens, and the attention over them alone. Other unpacked rows: None
-        (seq_length tokens each)."""
+        all of them (a pretraining sample is documents throughout); conversations padded to a multiple
+        (data.pad_sequences_to_multiple_of: "seqlens" [rows, slots]) count their positions without the padding.
+        Unpacked rows of one conversation padded ("real_tokens" [rows]): those tokens, and the attention over them
+        alone. Other unpacked rows: None (seq_length tokens each)."""
         cu_seqlens = batch.get("cu_seqlens")
         if cu_seqlens is None and "real_tokens" not in batch:
             return None
         if cu_seqlens is None:
             lengths = batch["real_tokens"].reshape(-1, 1).double()
+        elif "seqlens" in batch:  # conversations padded to a multiple: their positions without the padding
+            lengths = batch["seqlens"].double()
         else:
             lengths = cu_seqlens.diff(dim=1).double()
         if cu_seqlens is not None and "documents" in batch:

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 class ChatRows(Dataset):
     """Rows of `chats`' conversations: {"tokens", "labels" (int64), "loss_mask" (float32): [seq_length], "idx"}, and
     when packed (`max_documents` not None) "cu_seqlens" [max_documents + 2] (int32; each conversation's slot padded
-    to a multiple of `multiple`) and "documents" (how many conversations the row holds), else "real_tokens" (the
+    to a multiple of `multiple`) and "documents" (how many conversations the row holds), with `multiple` > 1 also
+    "seqlens" [max_documents + 1] (int32: each slot's positions without its padding), else "real_tokens" (the
     conversation's positions before the padding)."""
 
     def __init__(
@@ -85,7 +86,7 @@ class ChatRows(Dataset):
         tokens = torch.full((self.seq_length,), self.pad, dtype=torch.int64)
         labels = torch.zeros(self.seq_length, dtype=torch.int64)
         loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
-        lengths = []  # each conversation's slot: its positions, then padding to the multiple
+        lengths, real = [], []  # each conversation's slot (its positions, then padding to the multiple); positions
         for i in self.conversations(k):
             ids, mask = self.chats.row(i)
             start, n = sum(lengths), max(len(ids) - 1, 0)
@@ -93,10 +94,14 @@ class ChatRows(Dataset):
             labels[start : start + n] = torch.from_numpy(ids[1:].astype(np.int64))
             loss_mask[start : start + n] = torch.from_numpy(mask[1:].astype(np.float32))
             lengths.append(int(self.slots[i]))
+            real.append(n)
         row = {"tokens": tokens, "labels": labels, "loss_mask": loss_mask, "idx": k}
         if self.max_documents is not None:
             row["cu_seqlens"] = torch.from_numpy(row_offsets(lengths, self.seq_length, self.max_documents + 1))
             row["documents"] = len(lengths)  # the pieces before the padding's: Recipe.work counts their tokens
+            if self.multiple > 1:  # each slot's positions without its padding: what Recipe.work counts then
+                row["seqlens"] = torch.zeros(self.max_documents + 1, dtype=torch.int32)
+                row["seqlens"][: len(real)] = torch.tensor(real, dtype=torch.int32)
         else:
             row["real_tokens"] = lengths[0]  # the positions before the padding: Recipe.work counts them
         return row

@@ -172,6 +172,29 @@ def test_what_cannot_be_split_is_refused_before_any_work():
         ViTRecipe(validated_config("vit_sanity", ["checkpoint.path=unused"])).check_context_parallel(2)
 
 
+def test_padded_conversations_count_their_positions_not_their_padding():
+    """Tokens/s and MFU of packed chat rows padded for context parallelism count each conversation's positions
+    (the rows' "seqlens"), not the padding in its slot; the share a cp rank gets leaves those per-slot figures
+    whole."""
+    from torch.utils.data import default_collate
+
+    from core.layers.context_parallel import ContextParallel
+    from recipes.gpt.recipe import GPTRecipe
+
+    recipe = GPTRecipe(
+        validated_config("gpt_sft_sanity", ["checkpoint.path=unused", "data.pad_sequences_to_multiple_of=8"])
+    )
+    train = recipe.build_datasets().train
+    batch = default_collate([train[k] for k in range(4)])
+    real = sum(len(train.chats.row(i)[0]) - 1 for k in range(4) for i in train.conversations(k))
+    slots = sum(int(cu.diff()[:n].sum()) for cu, n in zip(batch["cu_seqlens"], batch["documents"]))
+    tokens, _ = recipe.work(batch)
+    assert int(tokens) == real == int(batch["seqlens"].sum()) < slots
+    share = recipe.context_parallel_share(batch, ContextParallel(2, 1, None, (0, 1)))
+    assert share["tokens"].shape == (4, 128) and torch.equal(share["seqlens"], batch["seqlens"])
+    assert torch.equal(share["cu_seqlens"], batch["cu_seqlens"])
+
+
 def test_a_context_parallel_model_hands_its_layers_the_whole_rows_angles():
     """TE's attention rotates a context-parallel rank's bshd share by the angles of that rank's places in the row,
     picking them from the whole row's (its rotary embedding takes cp_size and cp_rank); the twin does the same. The

@@ -123,9 +123,12 @@ def test_packed_conversations_padded_to_a_multiple_keep_their_tokens_and_score_n
             for key in ("tokens", "labels", "loss_mask"):
                 assert torch.equal(row[key][a : a + n], padded[i][key][:n]), (k, i, key)
             assert row["loss_mask"][a + n : b].eq(0).all() and row["tokens"][a + n : b].eq(BYTE.eod).all()
+        # what Recipe.work counts: each conversation's positions, not its padding (0 for the row's last piece)
+        assert row["seqlens"].tolist() == [lengths[i] for i in members] + [0] * (4 - len(members))
         seen += members
     assert sorted(seen) == list(range(len(chats)))
     assert packed.real_tokens == padded.real_tokens == sum(lengths)
+    assert "seqlens" not in ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=3, shuffle_seed=5)[0]
     with pytest.raises(ValueError, match="multiple=4"):
         ChatRows(chats, seq_length=200, pad=BYTE.eod, max_documents=None, shuffle_seed=None, multiple=4)
     with pytest.raises(ValueError, match="multiples of 256"):  # a conversation's slot would exceed the row
