@@ -163,6 +163,13 @@ def resolve(cfg: DictConfig, machine: Optional[Machine] = None) -> Runtime:
             "distributed.tp > 1 with distributed.backend=fsdp2 needs model.backend=torch; "
             "TE layers are tensor-parallel under distributed.backend=mfsdp"
         )
+    attention_dtype = precision.autocast_dtype or precision.param_dtype
+    if cfg.distributed.cp > 1 and layers == LayerBackend.te and attention_dtype == DType.fp32:
+        raise ConfigError(
+            f"distributed.cp={cfg.distributed.cp} with fp32 attention on TransformerEngine layers: TE's "
+            "context-parallel attention (flash or fused) is 16-bit; set precision=bf16 (or "
+            "precision.autocast_dtype=bf16)"
+        )
     if precision.fp8.enabled and layers != LayerBackend.te:
         raise ConfigError("precision.fp8.enabled needs TransformerEngine layers (model.backend=te on a CUDA GPU)")
     graphs = cfg.training.cuda_graphs == CudaGraphs.forward_backward

@@ -168,6 +168,15 @@ def test_what_cannot_be_split_is_refused_before_any_work():
         validated_config("gpt_sanity", ["checkpoint.path=unused", "data.pad_sequences_to_multiple_of=4"])
     with pytest.raises(ConfigError, match="model.seq_length=102 with distributed.cp=2"):
         gpt("model.seq_length=102").check_context_parallel(2)
+    # TE's context-parallel attention has no fp32 kernel: refused on TE layers, not on the twins
+    from core.runtime import Machine, resolve
+
+    fp32 = validated_config("gpt_sanity", ["checkpoint.path=unused", "distributed.cp=2", "precision=fp32"])
+    with pytest.raises(ConfigError, match="distributed.cp=2 with fp32 attention on TransformerEngine layers"):
+        resolve(fp32, Machine(cuda=True, te=True))
+    assert resolve(fp32, Machine(cuda=False, te=False)).layers == "torch"
+    bf16 = validated_config("gpt_sanity", ["checkpoint.path=unused", "distributed.cp=2", "precision=bf16"])
+    assert resolve(bf16, Machine(cuda=True, te=True)).layers == "te"
     with pytest.raises(ConfigError, match="the vit recipe does not split its samples"):
         ViTRecipe(validated_config("vit_sanity", ["checkpoint.path=unused"])).check_context_parallel(2)
 
