@@ -55,7 +55,7 @@ class ChatRows(Dataset):
     ):
         self.chats, self.seq_length, self.pad, self.max_documents = chats, seq_length, pad, max_documents
         if multiple < 1 or (multiple > 1 and max_documents is None):
-            raise ValueError(f"multiple={multiple}: expected 1, or >= 1 for packed rows")
+            raise ValueError(f"multiple={multiple}: unpacked rows (max_documents=None) take 1; packed rows any >= 1")
         self.multiple = multiple
         positions = np.maximum(np.diff(chats.offsets) - 1, 0)
         if len(positions) and positions.max() > seq_length:
@@ -86,7 +86,7 @@ class ChatRows(Dataset):
         tokens = torch.full((self.seq_length,), self.pad, dtype=torch.int64)
         labels = torch.zeros(self.seq_length, dtype=torch.int64)
         loss_mask = torch.zeros(self.seq_length, dtype=torch.float32)
-        lengths, real = [], []  # each conversation's slot (its positions, then padding to the multiple); positions
+        lengths, real = [], []  # per conversation: its slot (positions, then padding to the multiple), its positions
         for i in self.conversations(k):
             ids, mask = self.chats.row(i)
             start, n = sum(lengths), max(len(ids) - 1, 0)
