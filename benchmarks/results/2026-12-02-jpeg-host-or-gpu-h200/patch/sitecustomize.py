@@ -1,0 +1,66 @@
+"""Probe-only patches for an A/B inside training (not the product): put this folder on PYTHONPATH and name the
+patches in JPEG_PATCH (comma-separated):
+  trainprio     the training process's main thread works on a high-priority stream from the start, so the step's
+                kernels go before the decoder's when both wait for the SMs (a GPU-side contention test)
+  switch=S      sys.setswitchinterval(S): how long a thread running Python keeps the GIL while another waits for it
+                (Python's default 0.005 s; a host-side contention test)
+  replaytimes   CUDA events around every CUDA-graph replay; at exit, appended to $REPLAY_TIMES_FILE: the GPU time
+                of the second half's replays and the time between one replay's end and the next one's start (the
+                step's other work, or an idle GPU), with the run's data overrides"""
+
+import os
+import sys
+
+_PATCHES = [p for p in os.environ.get("JPEG_PATCH", "").split(",") if p]
+if _PATCHES:
+    import torch
+
+    for _p in _PATCHES:
+        if _p == "trainprio":
+            import core.distributed.env as E
+
+            def _setup(*args, _real=E.setup, **kwargs):
+                env = _real(*args, **kwargs)
+                if torch.cuda.is_available():
+                    torch.cuda.set_stream(torch.cuda.Stream(priority=-1))
+                return env
+
+            E.setup = _setup
+        elif _p.startswith("switch="):
+            sys.setswitchinterval(float(_p.split("=")[1]))
+        elif _p == "replaytimes":
+            import atexit
+            import statistics
+
+            _marks = []
+            _replay = torch.cuda.CUDAGraph.replay
+
+            def _timed_replay(self, _replay=_replay):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                _replay(self)
+                end.record()
+                _marks.append((start, end))
+
+            torch.cuda.CUDAGraph.replay = _timed_replay
+
+            def _report():
+                if len(_marks) < 4:
+                    return
+                torch.cuda.synchronize()
+                half = _marks[len(_marks) // 2 :]
+                busy = [s.elapsed_time(e) for s, e in half]
+                between = [a[1].elapsed_time(b[0]) for a, b in zip(half, half[1:])]
+                data = " ".join(a for a in sys.argv[1:] if a.startswith("data"))
+                with open(os.environ.get("REPLAY_TIMES_FILE", "/tmp/replay_times.txt"), "a") as f:
+                    f.write(
+                        f"{data}: {len(half)} replays, GPU ms per replay median {statistics.median(busy):.2f} "
+                        f"mean {statistics.mean(busy):.2f}; ms from one replay's end to the next's start: median "
+                        f"{statistics.median(between):.2f}, mean {statistics.mean(between):.2f}, "
+                        f"max {max(between):.2f}\n"
+                    )
+
+            atexit.register(_report)
+        else:
+            raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
+    print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
