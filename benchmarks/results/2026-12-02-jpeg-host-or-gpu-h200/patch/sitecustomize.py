@@ -4,7 +4,7 @@ patches in JPEG_PATCH (comma-separated):
                 kernels go before the decoder's when both wait for the SMs (a GPU-side contention test)
   switch=S      sys.setswitchinterval(S): how long a thread running Python keeps the GIL while another waits for it
                 (Python's default 0.005 s; a host-side contention test)
-  replaytimes   CUDA events around every CUDA-graph replay; at exit, appended to $REPLAY_TIMES_FILE: the GPU time
+  replaytimes   CUDA events around every CUDA-graph replay; at the end, appended to $REPLAY_TIMES_FILE: the GPU time
                 of the second half's replays and the time between one replay's end and the next one's start (the
                 step's other work, or an idle GPU), with the run's data overrides"""
 
@@ -29,8 +29,9 @@ if _PATCHES:
         elif _p.startswith("switch="):
             sys.setswitchinterval(float(_p.split("=")[1]))
         elif _p == "replaytimes":
-            import atexit
             import statistics
+
+            import core.distributed.launch as L
 
             _marks = []
             _replay = torch.cuda.CUDAGraph.replay
@@ -45,14 +46,17 @@ if _PATCHES:
             torch.cuda.CUDAGraph.replay = _timed_replay
 
             def _report():
+                data = " ".join(a for a in sys.argv[1:] if a.startswith("data"))
+                out = os.environ.get("REPLAY_TIMES_FILE", "/tmp/replay_times.txt")
                 if len(_marks) < 4:
+                    with open(out, "a") as f:
+                        f.write(f"{data}: {len(_marks)} replays\n")
                     return
                 torch.cuda.synchronize()
                 half = _marks[len(_marks) // 2 :]
                 busy = [s.elapsed_time(e) for s, e in half]
                 between = [a[1].elapsed_time(b[0]) for a, b in zip(half, half[1:])]
-                data = " ".join(a for a in sys.argv[1:] if a.startswith("data"))
-                with open(os.environ.get("REPLAY_TIMES_FILE", "/tmp/replay_times.txt"), "a") as f:
+                with open(out, "a") as f:
                     f.write(
                         f"{data}: {len(half)} replays, GPU ms per replay median {statistics.median(busy):.2f} "
                         f"mean {statistics.mean(busy):.2f}; ms from one replay's end to the next's start: median "
@@ -60,7 +64,12 @@ if _PATCHES:
                         f"max {max(between):.2f}\n"
                     )
 
-            atexit.register(_report)
+            # train.py leaves through exit_process (os._exit: no atexit handlers), so report just before it
+            def _exit_process(*args, _real=L.exit_process, **kwargs):
+                _report()
+                _real(*args, **kwargs)
+
+            L.exit_process = _exit_process
         else:
             raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
     print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
