@@ -6,7 +6,10 @@ patches in JPEG_PATCH (comma-separated):
                 (Python's default 0.005 s; a host-side contention test)
   replaytimes   CUDA events around every CUDA-graph replay; at the end, appended to $REPLAY_TIMES_FILE: the GPU time
                 of the second half's replays and the time between one replay's end and the next one's start (the
-                step's other work, or an idle GPU), with the run's data overrides"""
+                step's other work, or an idle GPU), with the run's data overrides
+  nodecode      recipes/vit/jpeg.py reads each file's header as it does, then hands back uninitialised images of the
+                header's size instead of decoding (no nvImageCodec decode: neither its host nor its GPU work); the
+                crop kernel and the rest of the loop run as they do (a timing probe: the images are garbage)"""
 
 import os
 import sys
@@ -70,6 +73,17 @@ if _PATCHES:
                 _real(*args, **kwargs)
 
             L.exit_process = _exit_process
+        elif _p == "nodecode":
+            import recipes.vit.jpeg as J
+
+            def _no_decode(self, files, names, sizes):
+                codec = J.nvimgcodec()
+                for data in files:
+                    stream = codec.CodeStream(data)
+                    stream.height, stream.width  # parsed, as the real decode does
+                return [torch.empty((3, h, w), dtype=torch.uint8, device=self.device) for h, w in sizes]
+
+            J.JpegDecoder.decode = _no_decode
         else:
             raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
     print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
