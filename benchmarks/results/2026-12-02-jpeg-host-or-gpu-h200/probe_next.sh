@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # For the next GPU lease (not run yet): whether the replays themselves take longer beside the decoder (GPU-side) or
-# the GPU waits between them (host-side), and how much of the loss is nvImageCodec's decode at all (`nodecode`:
-# headers parsed, no decode, the crop kernel kept). The shipped ViT-B, one GPU, one call, logged to $OUT/probe_next.log:
+# the GPU waits between them (host-side), how much of the loss is nvImageCodec's decode at all (`nodecode`:
+# headers parsed, no decode, the crop kernel kept), and whether its memory pool giving memory back to the driver at
+# every synchronize costs the step (`poolkeep`). The shipped ViT-B, one GPU, one call, logged to $OUT/probe_next.log:
 #   OUT=/tmp/out bash benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200/probe_next.sh
 set -uo pipefail
 HERE=benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200
@@ -19,6 +20,7 @@ run() {  # name, JPEG_PATCH, overrides
 }
 run synthetic replaytimes "data=synthetic data.num_workers=16"
 run gpu6 replaytimes "$folder"
+run gpu6_poolkeep replaytimes,poolkeep "$folder"
 run gpu6_nodecode replaytimes,nodecode "$folder"
 run gpu6_again replaytimes "$folder"
 cat "$OUT/replay_times.txt" >> "$LOG"

@@ -9,7 +9,10 @@ patches in JPEG_PATCH (comma-separated):
                 step's other work, or an idle GPU), with the run's data overrides
   nodecode      recipes/vit/jpeg.py reads each file's header as it does, then hands back uninitialised images of the
                 header's size instead of decoding (no nvImageCodec decode: neither its host nor its GPU work); the
-                crop kernel and the rest of the loop run as they do (a timing probe: the images are garbage)"""
+                crop kernel and the rest of the loop run as they do (a timing probe: the images are garbage)
+  poolkeep      the GPU's default memory pool (where nvImageCodec's cudaMallocAsync allocates) keeps the memory freed
+                into it: its release threshold 0 returns it to the driver at every event or stream synchronize, and
+                the decoder allocates, frees and synchronizes per image (a GPU-wide mapping cost, perhaps)"""
 
 import os
 import sys
@@ -84,6 +87,28 @@ if _PATCHES:
                 return [torch.empty((3, h, w), dtype=torch.uint8, device=self.device) for h, w in sizes]
 
             J.JpegDecoder.decode = _no_decode
+        elif _p == "poolkeep":
+            import ctypes
+
+            import recipes.vit.jpeg as J
+
+            def _init(self, device, *args, _real=J.JpegDecoder.__init__, **kwargs):
+                _real(self, device, *args, **kwargs)
+                if device.type != "cuda":
+                    return
+                cu = ctypes.CDLL("libcuda.so.1")
+                ordinal = device.index if device.index is not None else torch.cuda.current_device()
+                dev, pool = ctypes.c_int(), ctypes.c_void_p()
+                threshold, release_threshold = ctypes.c_uint64(2**64 - 1), 4  # CU_MEMPOOL_ATTR_RELEASE_THRESHOLD
+                rcs = [cu.cuDeviceGet(ctypes.byref(dev), ordinal)]
+                rcs.append(cu.cuDeviceGetDefaultMemPool(ctypes.byref(pool), dev))
+                rcs.append(cu.cuMemPoolSetAttribute(pool, release_threshold, ctypes.byref(threshold)))
+                check = ctypes.c_uint64()
+                rcs.append(cu.cuMemPoolGetAttribute(pool, release_threshold, ctypes.byref(check)))
+                with open(os.environ.get("REPLAY_TIMES_FILE", "/tmp/replay_times.txt"), "a") as f:
+                    f.write(f"poolkeep: CUDA results {rcs} (0: success), release threshold now {check.value}\n")
+
+            J.JpegDecoder.__init__ = _init
         else:
             raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
     print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
