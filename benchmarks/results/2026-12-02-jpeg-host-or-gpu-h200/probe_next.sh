@@ -2,7 +2,8 @@
 # For the next GPU lease (not run yet): whether the replays themselves take longer beside the decoder (GPU-side) or
 # the GPU waits between them (host-side), how much of the loss is nvImageCodec's decode at all (`nodecode`:
 # headers parsed, no decode, the crop kernel kept), and whether its memory pool giving memory back to the driver at
-# every synchronize costs the step (`poolkeep`). The shipped ViT-B, one GPU, one call, logged to $OUT/probe_next.log:
+# every synchronize costs the step (`poolkeep`); and, where DALI is staged (prepare_dali.sh), DALI's batched decode,
+# crop, resize and normalization instead (`dali`). The shipped ViT-B, one GPU, one call, logged to $OUT/probe_next.log:
 #   OUT=/tmp/out bash benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200/probe_next.sh
 set -uo pipefail
 HERE=benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200
@@ -22,6 +23,7 @@ run synthetic replaytimes "data=synthetic data.num_workers=16"
 run gpu6 replaytimes "$folder"
 run gpu6_poolkeep replaytimes,poolkeep "$folder"
 run gpu6_nodecode replaytimes,nodecode "$folder"
+python3 -c "import nvidia.dali" 2>/dev/null && run gpu6_dali replaytimes,dali "$folder"  # staged: prepare_dali.sh
 run gpu6_again replaytimes "$folder"
 cat "$OUT/replay_times.txt" >> "$LOG"
 date -u >> "$LOG"

@@ -12,7 +12,11 @@ patches in JPEG_PATCH (comma-separated):
                 crop kernel and the rest of the loop run as they do (a timing probe: the images are garbage)
   poolkeep      the GPU's default memory pool (where nvImageCodec's cudaMallocAsync allocates) keeps the memory freed
                 into it: its release threshold 0 returns it to the driver at every event or stream synchronize, and
-                the decoder allocates, frees and synchronizes per image (a GPU-wide mapping cost, perhaps)"""
+                the decoder allocates, frees and synchronizes per image (a GPU-wide mapping cost, perhaps)
+  dali          training batches decoded, cropped, resized, flipped and normalized by a DALI pipeline instead
+                (NVIDIA DALI: batched hardware decode, device="mixed" on a GPU, "cpu" elsewhere; the crops the
+                workers drew; validation batches as before); the pixels follow DALI's decoder and resize, not
+                PIL's (a timing probe)"""
 
 import os
 import sys
@@ -109,6 +113,77 @@ if _PATCHES:
                     f.write(f"poolkeep: CUDA results {rcs} (0: success), release threshold now {check.value}\n")
 
             J.JpegDecoder.__init__ = _init
+        elif _p == "dali":
+            import numpy as np
+
+            import recipes.vit.data as VD
+
+            _pipes: dict = {}
+
+            def _dali_pipeline(device, batch_size, transform):
+                from nvidia.dali import fn, pipeline_def, types
+
+                key = (str(device), batch_size)
+                if key not in _pipes:
+                    gpu = device.type == "cuda"
+                    index = (device.index if device.index is not None else torch.cuda.current_device()) if gpu else None
+
+                    @pipeline_def(batch_size=batch_size, num_threads=4, device_id=index, prefetch_queue_depth=1)
+                    def crops_pipeline():
+                        jpegs = fn.external_source(name="jpegs", dtype=types.UINT8)
+                        windows = fn.external_source(name="windows", dtype=types.INT32)  # x, y, width, height
+                        flips = fn.external_source(name="flips", dtype=types.INT32)
+                        images = fn.decoders.image_slice(
+                            jpegs,
+                            fn.slice(windows, 0, 2, axes=[0]),
+                            fn.slice(windows, 2, 2, axes=[0]),
+                            device="mixed" if gpu else "cpu",
+                            output_type=types.RGB,
+                            normalized_anchor=False,
+                            normalized_shape=False,
+                        )
+                        size = [transform.size, transform.size]
+                        images = fn.resize(images, size=size, antialias=True, interp_type=types.INTERP_LINEAR)
+                        return fn.crop_mirror_normalize(
+                            images,
+                            mirror=flips,
+                            dtype=types.FLOAT,
+                            output_layout="CHW",
+                            mean=[255 * m for m in transform.mean],
+                            std=[255 * s for s in transform.std],
+                        )
+
+                    pipe = crops_pipeline()
+                    pipe.build()
+                    _pipes[key] = pipe
+                return _pipes[key]
+
+            def _decode_batch(batch, transform, device, backend="auto", _real=VD.decode_batch):
+                crops = batch["crop"].tolist()
+                if any(crop[2] < 0 for crop in crops):  # validation geometry: the committed path
+                    return _real(batch, transform, device, backend)
+                ends = batch["jpeg_sizes"].cumsum(0).tolist()
+                joined = batch["jpeg"].numpy()
+                files = [joined[end - size : end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
+                pipe = _dali_pipeline(device, len(files), transform)
+                pipe.feed_input("jpegs", files)
+                pipe.feed_input("windows", [np.array([c[1], c[0], c[3], c[2]], dtype=np.int32) for c in crops])
+                pipe.feed_input("flips", [np.array(c[4], dtype=np.int32) for c in crops])
+                (out,) = pipe.run()
+                dense = out.as_tensor()
+                if device.type == "cuda":
+                    from nvidia.dali.plugin.pytorch import feed_ndarray
+
+                    pixels = torch.empty(dense.shape(), dtype=torch.float32, device=device)
+                    feed_ndarray(dense, pixels, cuda_stream=torch.cuda.current_stream(device))
+                else:
+                    pixels = torch.from_numpy(np.array(dense))
+                rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in VD.HOST_ONLY}
+                return {"image": pixels, **rest}
+
+            import recipes.vit.recipe as VR
+
+            VD.decode_batch = VR.decode_batch = _decode_batch
         else:
             raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
     print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
