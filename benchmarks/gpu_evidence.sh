@@ -4,7 +4,7 @@
 # Usage: bash benchmarks/gpu_evidence.sh [tests|smoke|bench|all|perf|gpt|vit|graphs_small|graphs_large|graphs_shipped|
 #                                       graphs_gpt_1b|graphs_gpt_125m|graphs_losses|jpeg|jpeg_data|jpeg_decoders|
 #                                       esm2|esm2_finetune|esm2_finetune_profile|esm2_profile|esm2_3b|sft|packing_gap|memory_rows|jpeg_queues|esm2_peer PEER_RECIPE_DIR|revisions OTHER_CHECKOUT|
-#                                       two_gpus_vit|two_gpus_gpt|tests_2gpus 1|2|3|node_scaling|node_8b|node_esm2_3b|node_cp]
+#                                       two_gpus_vit|two_gpus_gpt|tests_1gpu 1|2|tests_2gpus 1|2|3|node_scaling|node_8b|node_esm2_3b|node_cp]
 # perf (1 GPU, ~17 min): the performance issue's remaining measurements (docs/performance.md).
 # gpt (1 GPU, ~8 min): gpt_1b MFU as the config trains it (global batch 128: 8 micro-batches of 16 per
 # optimizer step on one GPU) against one micro-batch per step, micro-batch 32, sequence 4096, FP8; the
@@ -63,6 +63,16 @@ if [[ $what == tests_2gpus ]]; then
        gpu_tests gpu tests/ --ignore=tests/gpu/test_te_and_megatron_fsdp.py --ignore=tests/gpu/test_cuda_graphs.py ;;
     3) gpu_tests gpu tests/gpu/test_cuda_graphs.py ;;
     *) echo "tests_2gpus takes the part: 1, 2 or 3" >&2; exit 2 ;;
+  esac
+fi
+# tests_1gpu 1|2: the whole GPU suite on one GPU in two parts, each within one 10-minute call (docs/testing.md).
+first_part=(tests/gpu/test_esm2.py tests/gpu/test_context_parallel.py tests/gpu/test_gpt_packing.py
+  tests/gpu/test_cuda_graphs.py tests/gpu/test_esm2_finetune.py tests/gpu/test_jpeg_decoding.py)
+if [[ $what == tests_1gpu ]]; then
+  case ${2:-} in
+    1) gpu_tests gpu "${first_part[@]}" ;;
+    2) gpu_tests gpu tests "${first_part[@]/#/--ignore=}" ;;
+    *) echo "tests_1gpu takes the part: 1 or 2" >&2; exit 2 ;;
   esac
 fi
 if [[ $what == smoke ]]; then
