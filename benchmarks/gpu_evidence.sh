@@ -283,7 +283,7 @@ fi
 # step per GPU) on 1 GPU (the first of CUDA_VISIBLE_DEVICES, or 0) and on all of them: the per-GPU throughput ratio.
 # node_8b: gpt_8b in bf16 and FP8 (MFU on the bf16 peak; peak memory against its plan), 4 micro-batches a step per
 # GPU (as typed: 16). node_esm2_3b: esm2_3b (real-token MFU), 4 packs a step per GPU.
-# node_cp: gpt_1b at 32,768 tokens a row with context parallelism over all the GPUs, and over half of them.
+# node_cp: gpt_1b at 32,768 tokens a row with context parallelism over all the GPUs, and over half of them (4 or more).
 node=${NODE_GPUS:-4}
 quiet="training.val_every_n_steps=0 training.val_at_end=false"
 if [[ $what == node_scaling ]]; then
@@ -310,11 +310,12 @@ if [[ $what == node_esm2_3b ]]; then
     --variant "as_typed=" 2>&1 | tee "$OUT/node_esm2_3b.log" | tail -2
 fi
 if [[ $what == node_cp ]]; then
-  (( node >= 4 )) || { echo "node_cp: NODE_GPUS=$node; needs 4 or more (cp over all and over half)"; exit 2; }
+  (( node >= 2 )) || { echo "node_cp: NODE_GPUS=$node; needs 2 or more"; exit 2; }
   long="model.seq_length=32768 $quiet"
+  variants=(--variant "cp$node=$long distributed.cp=$node")  # cp over all the GPUs, and over half of them
+  (( node >= 4 )) && variants+=(--variant "cp$((node / 2))=$long distributed.cp=$((node / 2))")
   python3 benchmarks/throughput.py --config gpt_1b --data gpt_mock --nproc $node --steps ${NODE_STEPS:-3} --out "$OUT" \
-    --timeout 280 --micro-batch 1 --global-batch $node --variant "cp$node=$long distributed.cp=$node" \
-    --variant "cp$((node / 2))=$long distributed.cp=$((node / 2))" 2>&1 | tee "$OUT/node_cp.log" | tail -3
+    --timeout 280 --micro-batch 1 --global-batch $node "${variants[@]}" 2>&1 | tee "$OUT/node_cp.log" | tail -3
 fi
 if [[ $what == esm2_profile ]]; then
   rm -rf /tmp/esm2_prof
