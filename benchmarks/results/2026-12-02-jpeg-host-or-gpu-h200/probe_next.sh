@@ -3,8 +3,9 @@
 # the GPU waits between them (host-side), how much of the loss is nvImageCodec's decode at all (`nodecode`:
 # headers parsed, no decode, the crop kernel kept), and whether its memory pool giving memory back to the driver at
 # every synchronize costs the step (`poolkeep`); and, where DALI is staged (prepare_dali.sh), DALI's batched decode,
-# crop, resize and normalization instead (`dali`). The shipped ViT-B, one GPU, one call, logged to $OUT/probe_next.log:
-#   OUT=/tmp/out bash benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200/probe_next.sh
+# crop, resize and normalization instead (`dali`, with DALI's default share for the hardware decoder and with all of it).
+# The shipped ViT-B, one GPU, two calls (a: nvImageCodec suspects; b: DALI), logged to $OUT/probe_next.log:
+#   OUT=/tmp/out bash benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200/probe_next.sh a|b
 set -uo pipefail
 HERE=benchmarks/results/2026-12-02-jpeg-host-or-gpu-h200
 LOG=$OUT/probe_next.log
@@ -20,10 +21,14 @@ run() {  # name, JPEG_PATCH, overrides
     --out /tmp/ab_$1 --timeout 200 --variant "$1=$3" 2>&1 | grep -v "^$" | tail -3 >> "$LOG"
 }
 run synthetic replaytimes "data=synthetic data.num_workers=16"
-run gpu6 replaytimes "$folder"
-run gpu6_poolkeep replaytimes,poolkeep "$folder"
-run gpu6_nodecode replaytimes,nodecode "$folder"
-python3 -c "import nvidia.dali" 2>/dev/null && run gpu6_dali replaytimes,dali "$folder"  # staged: prepare_dali.sh
-run gpu6_again replaytimes "$folder"
+if [[ ${1:-a} == a ]]; then
+  run gpu6 replaytimes "$folder"
+  run gpu6_poolkeep replaytimes,poolkeep "$folder"
+  run gpu6_nodecode replaytimes,nodecode "$folder"
+else  # DALI staged: prepare_dali.sh
+  run gpu6_dali replaytimes,dali "$folder"
+  run gpu6_dali_hw1 replaytimes,dali,daliload=1.0 "$folder"
+  run gpu6 replaytimes "$folder"
+fi
 cat "$OUT/replay_times.txt" >> "$LOG"
 date -u >> "$LOG"

@@ -16,12 +16,15 @@ patches in JPEG_PATCH (comma-separated):
   dali          training batches decoded, cropped, resized, flipped and normalized by a DALI pipeline instead
                 (NVIDIA DALI: batched hardware decode, device="mixed" on a GPU, "cpu" elsewhere; the crops the
                 workers drew; validation batches as before); the pixels follow DALI's decoder and resize, not
-                PIL's (a timing probe)"""
+                PIL's (a timing probe)
+  daliload=X    with dali: the decoder's hw_decoder_load (the share of the images sent to the hardware JPEG engines,
+                the rest to the CUDA decoder on the SMs; DALI's default 0.65)"""
 
 import os
 import sys
 
 _PATCHES = [p for p in os.environ.get("JPEG_PATCH", "").split(",") if p]
+_DALI_LOAD = [float(p.split("=")[1]) for p in _PATCHES if p.startswith("daliload=")]
 if _PATCHES:
     import torch
 
@@ -141,6 +144,7 @@ if _PATCHES:
                             output_type=types.RGB,
                             normalized_anchor=False,
                             normalized_shape=False,
+                            **({"hw_decoder_load": _DALI_LOAD[0]} if _DALI_LOAD else {}),
                         )
                         size = [transform.size, transform.size]
                         images = fn.resize(images, size=size, antialias=True, interp_type=types.INTERP_LINEAR)
@@ -184,6 +188,8 @@ if _PATCHES:
             import recipes.vit.recipe as VR
 
             VD.decode_batch = VR.decode_batch = _decode_batch
+        elif _p.startswith("daliload="):
+            pass  # read with dali
         else:
             raise ValueError(f"JPEG_PATCH: unknown patch {_p!r}")
     print(f"sitecustomize: JPEG_PATCH={','.join(_PATCHES)} applied", flush=True)
