@@ -17,6 +17,13 @@ patches in JPEG_PATCH (comma-separated):
                 (NVIDIA DALI: batched hardware decode, device="mixed" on a GPU, "cpu" elsewhere; the crops the
                 workers drew; validation batches as before); the pixels follow DALI's decoder and resize, not
                 PIL's (a timing probe)
+  gctime        every garbage collection of the run timed (gc.callbacks); at the end, appended to $REPLAY_TIMES_FILE:
+                the count and total time per generation and the collections over 20 ms
+  gcfreeze      at the first graph replay (setup done): gc.collect() then gc.freeze(), so later collections no
+                longer walk the objects that setup made (the imported libraries, the model, the configs)
+  nogcfreeze    the training loop without its gc.freeze() of what setup built (core/training/garbage_collection.py):
+                the loop as it was before it
+  gcoff         automatic garbage collection off for the whole run (gc.disable(): an upper bound, not a setting)
   daliload=X    with dali: the decoder's hw_decoder_load (the share of the images sent to the hardware JPEG engines,
                 the rest to the CUDA decoder on the SMs; DALI's default 0.65)"""
 
@@ -49,8 +56,13 @@ if _PATCHES:
             _marks = []
             _replay = torch.cuda.CUDAGraph.replay
 
+            import time
+
+            _host = []
+
             def _timed_replay(self, _replay=_replay):
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                _host.append(time.perf_counter())
                 start.record()
                 _replay(self)
                 end.record()
@@ -69,7 +81,15 @@ if _PATCHES:
                 half = _marks[len(_marks) // 2 :]
                 busy = [s.elapsed_time(e) for s, e in half]
                 between = [a[1].elapsed_time(b[0]) for a, b in zip(half, half[1:])]
+                host = _host[len(_marks) // 2 :]
+                host_between = [1000 * (b - a) for a, b in zip(host, host[1:])]
+                worst = max(range(len(between)), key=between.__getitem__)
                 with open(out, "a") as f:
+                    f.write(
+                        f"{data}: longest GPU gap after replay {worst + 1} of {len(half)}; host ms between those two "
+                        f"replay calls {host_between[worst]:.2f} "
+                        f"(median host ms {statistics.median(host_between):.2f})\n"
+                    )
                     f.write(
                         f"{data}: {len(half)} replays, GPU ms per replay median {statistics.median(busy):.2f} "
                         f"mean {statistics.mean(busy):.2f}; ms from one replay's end to the next's start: median "
@@ -188,6 +208,58 @@ if _PATCHES:
             import recipes.vit.recipe as VR
 
             VD.decode_batch = VR.decode_batch = _decode_batch
+        elif _p == "gctime":
+            import gc
+            import time
+
+            import core.distributed.launch as L
+
+            _collections, _started = [], {}
+
+            def _on_gc(phase, info):
+                if phase == "start":
+                    _started["t"] = time.perf_counter()
+                elif "t" in _started:
+                    ms = 1000 * (time.perf_counter() - _started.pop("t"))
+                    _collections.append((info["generation"], ms, gc.get_freeze_count() > 0))
+
+            gc.callbacks.append(_on_gc)
+
+            def _gc_report():
+                data = " ".join(a for a in sys.argv[1:] if a.startswith("data"))
+                per_gen = {g: [ms for gen, ms, _ in _collections if gen == g] for g in (0, 1, 2)}
+                summary = ", ".join(f"gen{g}: {len(v)} in {sum(v):.0f} ms" for g, v in per_gen.items())
+                long = [f"gen{g} {ms:.0f} ms{' (frozen)' if f else ''}" for g, ms, f in _collections if ms > 20]
+                with open(os.environ.get("REPLAY_TIMES_FILE", "/tmp/replay_times.txt"), "a") as f:
+                    f.write(f"{data}: collections {summary}; over 20 ms: {long}; frozen {gc.get_freeze_count()}\n")
+
+            def _exit_process_gc(*args, _real=L.exit_process, **kwargs):
+                _gc_report()
+                _real(*args, **kwargs)
+
+            L.exit_process = _exit_process_gc
+        elif _p == "gcfreeze":
+            import gc
+
+            _graph_replay = torch.cuda.CUDAGraph.replay
+            _frozen = []
+
+            def _replay_after_freeze(self, _replay=_graph_replay):
+                if not _frozen:
+                    gc.collect()
+                    gc.freeze()
+                    _frozen.append(True)
+                _replay(self)
+
+            torch.cuda.CUDAGraph.replay = _replay_after_freeze
+        elif _p == "nogcfreeze":
+            import core.training.garbage_collection as G
+
+            G.freeze_setup = lambda: None
+        elif _p == "gcoff":
+            import gc
+
+            gc.disable()
         elif _p.startswith("daliload="):
             pass  # read with dali
         else:
