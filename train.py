@@ -45,7 +45,7 @@ from core.metrics.logger import MetricsLogger
 from core.metrics.meter import ThroughputMeter
 from core.metrics.profiling import StepProfiler
 from core.parallel.base import Parallel
-from core.training import cuda_graphs, finetune, garbage_collection, optim
+from core.training import cuda_graphs, finetune, optim
 from core.training.callbacks import Callback, Callbacks, build_callbacks
 from core.training.evaluation import evaluate
 from core.training.forward_backward import ForwardBackward
@@ -290,7 +290,6 @@ def train(run: Run) -> RunResult:
     batches = run.data.micro_batches(state.consumed_samples, max(0, steps - start_step) * run.data.accumulation)
     profiler = StepProfiler(training.profile, sess.run_dir, sess.env.rank, sess.env.device, first_step=start_step + 1)
     signals = StopSignals(parse_signals(sess.cfg.checkpoint.save_on_signals))
-    garbage_collection.freeze_setup()  # collections in the loop skip what setup built: shorter pauses
     try:
         run.callbacks.on_train_start(run)  # the progress bar; the meter times from here (not setup and restore)
         for step in range(start_step + 1, steps + 1):
@@ -337,7 +336,6 @@ def train(run: Run) -> RunResult:
         signals.close()
         run.logger.close()
         run.checkpointer.close()
-        garbage_collection.unfreeze()
     result = RunResult(
         steps,
         last_train,
