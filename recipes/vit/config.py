@@ -41,6 +41,9 @@ class DeviceDecoder(StrEnum):
     auto = "auto"  # hardware where the GPU has JPEG engines, else cuda
     hardware = "hardware"
     cuda = "cuda"  # nvJPEG's CUDA kernels, Huffman decoding on CPU threads
+    # An NVIDIA DALI pipeline decodes, crops, resizes, flips and normalizes each training micro-batch, batched in
+    # C++ (hardware engines where the GPU has them): less Python per image (recipes/vit/dali_crops.py).
+    dali = "dali"
 
 
 @dataclass

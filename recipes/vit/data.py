@@ -263,14 +263,20 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
     crop_resize.py): float images equal to ImageSamples' up to the decoders' and resizers' rounding. On CUDA,
     queued on the current stream."""
     from recipes.vit.crop_resize import crop_resize_normalize
-    from recipes.vit.jpeg import decoder_for
+    from recipes.vit.dali_crops import dali_crops
+    from recipes.vit.jpeg import checked_streams, decoder_for
 
     ends = batch["jpeg_sizes"].cumsum(0).tolist()  # host tensors: no device sync
     joined = batch["jpeg"].numpy()
     files = [joined[end - size : end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
     crops, sizes = batch["crop"].tolist(), batch["size"].tolist()
-    images = decoder_for(device, backend).decode(files, batch["path"], sizes)
-    pixels = crop_resize_normalize(images, crops, transform)  # one kernel for the batch on a GPU
+    pixels = None
+    if backend == "dali" and all(crop[2] >= 0 for crop in crops):  # training crops (recipes/vit/dali_crops.py)
+        checked_streams(files, batch["path"], sizes)
+        pixels = dali_crops(files, crops, transform.size, transform.mean, transform.std, device)
+    if pixels is None:
+        images = decoder_for(device, "auto" if backend == "dali" else backend).decode(files, batch["path"], sizes)
+        pixels = crop_resize_normalize(images, crops, transform)  # one kernel for the batch on a GPU
     rest = {k: v.to(device, non_blocking=True) for k, v in batch.items() if k not in HOST_ONLY}
     return {"image": pixels, **rest}
 
@@ -305,9 +311,12 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
     if len(classes) != model.num_classes:
         raise DataError(f"data.root={data.root} has {len(classes)} classes but model.num_classes={model.num_classes}")
     if data.decode_on == "device":
+        from recipes.vit.dali_crops import dali_modules
         from recipes.vit.jpeg import nvimgcodec
 
         nvimgcodec()  # here, before any work: the decoder's package is missing, or loads from the main thread
+        if data.device_decoder == "dali":
+            dali_modules()
     samples = EncodedImageSamples if data.decode_on == "device" else ImageSamples
     train = split_samples(samples, data, data.train_split, classes, Transform(data, size, train=True), seed)
     if train is None:

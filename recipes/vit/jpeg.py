@@ -119,20 +119,7 @@ class JpegDecoder:
         each file's (height, width) as PIL read its header in the loader worker (its decompression-bomb check
         bounds them); a file whose header reads otherwise here is refused before anything is allocated, one
         decoded to another size after."""
-        codec = nvimgcodec()
-        streams = []
-        for data, name, size in zip(files, names, sizes):
-            try:
-                stream = codec.CodeStream(data)
-                found = [stream.height, stream.width]  # parsed here
-            except RuntimeError as e:  # not even a readable header
-                raise DataError(f"cannot decode the image {name} ({e}); remove or replace it") from None
-            if found != list(size):
-                raise DataError(
-                    f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
-                    f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it"
-                )
-            streams.append(stream)
+        streams = checked_streams(files, names, sizes)
         images: list = [None] * len(streams)
         on_gpu = [i for i, data in enumerate(files) if self.gpu is not None and ends_whole(data)]
         if on_gpu:
@@ -157,6 +144,27 @@ class JpegDecoder:
         if image is None:
             raise DataError(f"cannot decode the image {name} (a damaged or unsupported JPEG); remove or replace it")
         return torch.from_numpy(np.array(image)).to(self.device, non_blocking=False)
+
+
+def checked_streams(files: Sequence[np.ndarray], names: Sequence[str], sizes: Sequence[Sequence[int]]) -> list:
+    """nvImageCodec's code streams of the files, each header parsed and refused unless it reads the size PIL read in
+    the loader worker (whose decompression-bomb check bounds it): a file crafted to read small to PIL and huge to
+    the GPU decoder allocates nothing."""
+    codec = nvimgcodec()
+    streams = []
+    for data, name, size in zip(files, names, sizes):
+        try:
+            stream = codec.CodeStream(data)
+            found = [stream.height, stream.width]  # parsed here
+        except RuntimeError as e:  # not even a readable header
+            raise DataError(f"cannot decode the image {name} ({e}); remove or replace it") from None
+        if found != list(size):
+            raise DataError(
+                f"cannot decode the image {name}: its header reads {size[0]} x {size[1]} pixels to "
+                f"PIL and {found[0]} x {found[1]} to nvImageCodec; remove or replace it"
+            )
+        streams.append(stream)
+    return streams
 
 
 def ends_whole(data: np.ndarray) -> bool:

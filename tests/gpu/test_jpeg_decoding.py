@@ -49,15 +49,22 @@ def datasets(root, decode_on, **kw):
 
 
 @pytest.mark.gpu_smoke
-@pytest.mark.parametrize("backend", ["auto", "cuda"])
+@pytest.mark.parametrize("backend", ["auto", "cuda", "dali"])
 def test_gpu_decoding_gives_the_cpu_paths_images(jpegs, backend):
+    from recipes.vit.dali_crops import dali_crops
     from recipes.vit.jpeg import decoder_for
 
     device = torch.device("cuda")
     for split in (0, 1):  # train (random crops and flips), val (resize + centre crop)
         plain, encoded = datasets(jpegs, "workers")[split], datasets(jpegs, "device")[split]
         keys = [EpochIndex(e, i) for e in (0, 1) for i in range(len(plain))]
-        batch = decode_batch(collate_encoded([encoded[k] for k in keys]), encoded.transform, device, backend)
+        encoded_batch = collate_encoded([encoded[k] for k in keys])
+        if backend == "dali" and split == 0:  # DALI's pipeline takes the whole training batch, special files too
+            ends = encoded_batch["jpeg_sizes"].cumsum(0).tolist()
+            joined, t = encoded_batch["jpeg"].numpy(), encoded.transform
+            files = [joined[end - n : end] for end, n in zip(ends, encoded_batch["jpeg_sizes"].tolist())]
+            assert dali_crops(files, encoded_batch["crop"].tolist(), t.size, t.mean, t.std, device) is not None
+        batch = decode_batch(encoded_batch, encoded.transform, device, backend)
         expected = plain.transform.normalize(torch.stack([plain[k]["image"] for k in keys]))
         assert batch["image"].device.type == "cuda" and batch["image"].shape == expected.shape
         assert torch.equal(batch["label"].cpu(), torch.tensor([plain[k]["label"] for k in keys]))

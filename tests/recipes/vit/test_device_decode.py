@@ -236,3 +236,61 @@ def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_star
     monkeypatch.setenv("RANK", "1")  # the other ranks stay quiet: rank 0 says it for all
     runtime.request_cuda_connections(CUDA_CONNECTIONS)
     assert caplog.text == ""
+
+
+# ---- data.device_decoder=dali (recipes/vit/dali_crops.py); here DALI's CPU pipeline (libjpeg-turbo)
+
+
+def test_dali_gives_the_workers_training_crops_and_leaves_validation_to_nvimgcodec(tmp_path):
+    from recipes.vit.dali_crops import dali_crops
+
+    root = write_jpeg_folder(tmp_path / "jpegs")
+    for split in (0, 1):
+        plain, encoded = datasets(root, "workers")[split], datasets(root, "device", device_decoder="dali")[split]
+        keys = [EpochIndex(e, i) for e in (0, 1, 2) for i in range(len(plain))]
+        batch = collate_encoded([encoded[k] for k in keys])
+        ends = batch["jpeg_sizes"].cumsum(0).tolist()
+        files = [batch["jpeg"].numpy()[end - n : end] for end, n in zip(ends, batch["jpeg_sizes"].tolist())]
+        t = encoded.transform
+        by_dali = dali_crops(files, batch["crop"].tolist(), t.size, t.mean, t.std, torch.device("cpu"))
+        assert (by_dali is None) == (split == 1)  # validation geometry: the nvImageCodec path
+        decoded = decode_batch(batch, t, torch.device("cpu"), "dali")
+        if by_dali is not None:
+            assert torch.equal(decoded["image"], by_dali)
+        expected = plain.transform.normalize(torch.stack([plain[k]["image"] for k in keys]))
+        assert decoded["image"].shape == expected.shape == (len(keys), 3, 32, 32)
+        assert torch.equal(decoded["label"], torch.tensor([plain[k]["label"] for k in keys]))
+        # DALI's antialiased resize against torchvision's: a level of 255 apart at most, on average a seventh.
+        levels = (decoded["image"] - expected).abs() * 255 * min(IMAGENET_STD)
+        assert levels.max() <= 1.01 and levels.mean() < 0.2, (levels.max(), levels.mean())
+
+
+def test_dali_hands_special_files_to_nvimgcodec_which_names_a_bad_one(tmp_path):
+    from recipes.vit.dali_crops import dali_crops
+
+    root = write_jpeg_folder(tmp_path / "jpegs")
+    train = datasets(root, "device", device_decoder="dali", verify_images=False)[0]
+    t, cpu = train.transform, torch.device("cpu")
+    good = np.frombuffer(jpeg_bytes(Image.new("RGB", (30, 20), (10, 200, 30))), np.uint8)
+    crop = [[2, 3, 10, 12, 0]]
+    assert dali_crops([good], crop, t.size, t.mean, t.std, cpu) is not None
+    assert dali_crops([good[: len(good) // 2]], crop, t.size, t.mean, t.std, cpu) is None  # no end-of-image marker
+    garbage = np.frombuffer(good.tobytes()[:200] + bytes(range(256)) * 4 + b"\xff\xd9", np.uint8)
+    assert dali_crops([good, garbage], crop * 2, t.size, t.mean, t.std, cpu) is None  # refused by DALI
+    assert dali_crops([good, good], crop * 2, t.size, t.mean, t.std, cpu) is not None  # the next batch decodes again
+    bad = root / "train" / "class1" / "1.jpg"
+    bad.write_bytes(bad.read_bytes()[:300] + bytes(range(256)) * 8)
+    with pytest.raises(ValueError, match=f"cannot decode the image {bad}"):
+        decode_batch(collate_encoded([train[i] for i in range(len(train))]), t, cpu, "dali")
+    # A header that reads larger to the GPU decoder than to PIL is refused before DALI allocates anything.
+    batch = collate_encoded([train[0]])
+    batch["size"] = torch.tensor([[batch["size"][0, 0] + 1, batch["size"][0, 1]]])
+    with pytest.raises(ValueError, match="its header reads .* to PIL and .* to nvImageCodec"):
+        decode_batch(batch, t, cpu, "dali")
+
+
+def test_a_missing_dali_is_named_before_any_work(tmp_path, monkeypatch):
+    root = write_jpeg_folder(tmp_path / "jpegs")
+    monkeypatch.setitem(sys.modules, "nvidia.dali", None)
+    with pytest.raises(ImportError, match="data.device_decoder=dali decodes with NVIDIA DALI: pip install"):
+        datasets(root, "device", device_decoder="dali")
