@@ -5,8 +5,9 @@ One pipeline run per micro-batch does, in DALI's own threads and CUDA stream, wh
 crop_resize.py do file by file from Python: decode each file's crop window (the GPU's hardware JPEG engines where it
 has them, through nvImageCodec, shared with nvJPEG's CUDA decoder; libjpeg-turbo on a CPU), resize it to the
 model's size with antialiasing, flip and normalize it. The crops and flips are the ones the loader workers drew,
-so the images follow the PIL path's up to the decoders' and resizers' rounding. docs/performance.md compares it
-with the nvImageCodec path.
+so the images follow the PIL path's up to the decoders' and resizers' rounding and, at colour edges, the hardware
+decoder's simpler chroma upsampling (a few percent of the range at most). docs/performance.md compares it with the
+nvImageCodec path.
 
 Validation batches (their resize-then-centre-crop geometry) go the nvImageCodec path, and so does any training
 batch with a file that path would treat specially: no end-of-image marker (a GPU decoder fills the missing rows
@@ -60,6 +61,10 @@ class DaliCrops:
                 device="mixed" if on_gpu else "cpu",
                 output_type=types.RGB,
                 adjust_orientation=False,  # the pixels as stored: the crops were drawn on the header's size
+                # The decoders' own chroma upsampling: libjpeg-turbo's (PIL's) "fancy" one moves the decode off
+                # the hardware engines and costs most of the speed (docs/performance.md); colour edges then differ
+                # from PIL's by up to a few percent of the range (tests/gpu/test_jpeg_decoding.py).
+                jpeg_fancy_upsampling=False,
                 normalized_anchor=False,
                 normalized_shape=False,
             )

@@ -23,6 +23,9 @@ pytestmark = pytest.mark.gpu
 # GPU and CPU JPEG decoders round the inverse DCT and the chroma upsampling differently: a few levels of 255
 # at a pixel, rarely; the resize in float adds one more.
 MAX_LEVELS, MEAN_LEVELS = 6, 0.3
+# DALI's hardware decode upsamples chroma more simply than libjpeg-turbo (jpeg_fancy_upsampling=False, for speed):
+# colour edges differ more (measured on an H200: 12.9 levels at most, 0.71 on average).
+DALI_MAX_LEVELS, DALI_MEAN_LEVELS = 16, 1.0
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +72,9 @@ def test_gpu_decoding_gives_the_cpu_paths_images(jpegs, backend):
         assert batch["image"].device.type == "cuda" and batch["image"].shape == expected.shape
         assert torch.equal(batch["label"].cpu(), torch.tensor([plain[k]["label"] for k in keys]))
         levels = (batch["image"].cpu() - expected).abs() * 255 * min(IMAGENET_STD)
-        assert levels.max() <= MAX_LEVELS and levels.mean() < MEAN_LEVELS, (levels.max(), levels.mean())
+        dali = backend == "dali" and split == 0
+        most, mean = (DALI_MAX_LEVELS, DALI_MEAN_LEVELS) if dali else (MAX_LEVELS, MEAN_LEVELS)
+        assert levels.max() <= most and levels.mean() < mean, (levels.max(), levels.mean())
     name = torch.cuda.get_device_name()
     if backend == "auto" and any(gpu in name for gpu in ("A100", "H100", "H200")):
         assert decoder_for(device, "auto").backend == "hardware", name  # these GPUs have JPEG engines
