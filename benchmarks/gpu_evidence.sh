@@ -179,10 +179,10 @@ if [[ $what == graphs_losses ]]; then
     --variant "eager=training.cuda_graphs=none" --variant "graphed=training.cuda_graphs=forward_backward" \
     --variant "eager_seed1235=training.cuda_graphs=none seed=1235" 2>&1 | tee "$OUT/graphs_losses.log" | tail -6
 fi
-# jpeg (1 GPU, ~4 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
+# jpeg (1 GPU, ~5 min): the shipped vit_base_patch16_224 as typed (256 x 8 accumulated, CUDA graphs) on synthetic
 # images and on 20,000 generated ImageNet-sized JPEGs, from the folder and from tar shards (the files as they
-# are): decoded by PIL in 16 loader workers (the default way), or on the GPU (nvImageCodec) with 6 workers that
-# only read the files; all in one run. jpeg_decoders (~2 min): the decoders alone and beside a
+# are): decoded by PIL in 16 loader workers (the default way), or on the GPU (nvImageCodec; DALI, which must be
+# installed there) with 6 workers that only read the files; all in one run. jpeg_decoders (~2 min): the decoders alone and beside a
 # stand-in step (benchmarks/jpeg_decoders.py), with the queues a decoding run sets and with the driver's default.
 # jpeg_data: the 20,000 JPEGs and their shards alone (jpeg makes them when /tmp/jpeg_shards is not there yet),
 # so that the measurement itself fits one call of the GPU machine.
@@ -203,7 +203,9 @@ if [[ $what == jpeg ]]; then
     --variant "shards_pil16=$shards $pil" \
     --variant "folder_gpu6=$folder $gpu" \
     --variant "shards_gpu6=$shards $gpu" \
-    2>&1 | tee "$OUT/jpeg_training.log" | tail -14
+    --variant "folder_dali6=$folder $gpu data.device_decoder=dali" \
+    --variant "shards_dali6=$shards $gpu data.device_decoder=dali" \
+    2>&1 | tee "$OUT/jpeg_training.log" | tail -16
 fi
 # jpeg_queues (1 GPU, ~6 min with the data): the shipped ViT-B decoding real JPEGs on the GPU with 6 loader workers,
 # with the 32 CUDA queues a decoding run asks for and with the driver's 8 (CUDA_DEVICE_MAX_CONNECTIONS set outside
