@@ -24,6 +24,9 @@ patches in JPEG_PATCH (comma-separated):
   nogcfreeze    the training loop without its gc.freeze() of what setup built (core/training/garbage_collection.py):
                 the loop as it was before it
   gcoff         automatic garbage collection off for the whole run (gc.disable(): an upper bound, not a setting)
+  dalihw=X      data.device_decoder=dali (the product, recipes/vit/dali_crops.py) with hw_decoder_load=X: the share
+                of the images sent to the hardware JPEG engines (DALI's default 0.65; the rest to the CUDA decoder)
+  dalithreads=N data.device_decoder=dali with N host threads in its pipeline (recipes/vit/dali_crops.CPU_THREADS)
   daliload=X    with dali: the decoder's hw_decoder_load (the share of the images sent to the hardware JPEG engines,
                 the rest to the CUDA decoder on the SMs; DALI's default 0.65)"""
 
@@ -260,6 +263,16 @@ if _PATCHES:
             import gc
 
             gc.disable()
+        elif _p.startswith("dalihw="):
+            import functools
+
+            from nvidia.dali import fn
+
+            fn.decoders.image_slice = functools.partial(fn.decoders.image_slice, hw_decoder_load=float(_p[7:]))
+        elif _p.startswith("dalithreads="):
+            import recipes.vit.dali_crops as DC
+
+            DC.CPU_THREADS = int(_p[12:])
         elif _p.startswith("daliload="):
             pass  # read with dali
         else:
