@@ -29,15 +29,15 @@ CPU_THREADS = 4  # the pipeline's host threads: file parsing and the CPU side of
 
 
 def dali_modules():
+    """DALI's fn, pipeline_def and types; a missing DALI is named with what to install."""
     try:
-        from nvidia import dali
         from nvidia.dali import fn, pipeline_def, types
     except ImportError as e:
         raise ImportError(
             "data.device_decoder=dali decodes with NVIDIA DALI: pip install nvidia-dali-cuda130 (CUDA 12: "
             f"nvidia-dali-cuda120), or use data.device_decoder=auto ({e})"
         ) from None
-    return dali, fn, pipeline_def, types
+    return fn, pipeline_def, types
 
 
 class DaliCrops:
@@ -45,7 +45,7 @@ class DaliCrops:
     in, normalized float [N, 3, S, S] images out."""
 
     def __init__(self, device: torch.device, batch_size: int, size: int, mean: Sequence[float], std: Sequence[float]):
-        _, fn, pipeline_def, types = dali_modules()
+        fn, pipeline_def, types = dali_modules()
         self.device, on_gpu = device, device.type == "cuda"
         index = (device.index if device.index is not None else torch.cuda.current_device()) if on_gpu else None
 

@@ -257,6 +257,14 @@ def collate_encoded(samples: list[dict]) -> dict:
 HOST_ONLY = ("jpeg", "jpeg_sizes", "crop", "size", "path")
 
 
+def encoded_files(batch: dict) -> list[np.ndarray]:
+    """A collate_encoded batch's files, each a view of its bytes in the joined tensor (host tensors: no device
+    sync)."""
+    ends = batch["jpeg_sizes"].cumsum(0).tolist()
+    joined = batch["jpeg"].numpy()
+    return [joined[end - size : end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
+
+
 def decode_batch(batch: dict, transform: Transform, device: torch.device, backend: str = "auto") -> dict:
     """Decode a collate_encoded batch on `device` (recipes/vit/jpeg.py: the GPU's JPEG engines where it has
     them), then crop, resize, flip and normalize there with the crops the workers drew (recipes/vit/
@@ -266,9 +274,7 @@ def decode_batch(batch: dict, transform: Transform, device: torch.device, backen
     from recipes.vit.dali_crops import dali_crops
     from recipes.vit.jpeg import checked_streams, decoder_for
 
-    ends = batch["jpeg_sizes"].cumsum(0).tolist()  # host tensors: no device sync
-    joined = batch["jpeg"].numpy()
-    files = [joined[end - size : end] for end, size in zip(ends, batch["jpeg_sizes"].tolist())]
+    files = encoded_files(batch)
     crops, sizes = batch["crop"].tolist(), batch["size"].tolist()
     pixels = None
     if backend == "dali" and all(crop[2] >= 0 for crop in crops):  # training crops (recipes/vit/dali_crops.py)

@@ -15,7 +15,7 @@ from PIL import Image
 
 from core.data.datasets import EpochIndex
 from recipes.vit.config import IMAGENET_STD, ImageDataConfig, ViTModelConfig
-from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
+from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch, encoded_files
 from scripts.make_jpeg_imagefolder import write_image
 from tests.support.helpers import REPO, read_records
 
@@ -63,9 +63,7 @@ def test_gpu_decoding_gives_the_cpu_paths_images(jpegs, backend):
         keys = [EpochIndex(e, i) for e in (0, 1) for i in range(len(plain))]
         encoded_batch = collate_encoded([encoded[k] for k in keys])
         if backend == "dali" and split == 0:  # DALI's pipeline takes the whole training batch, special files too
-            ends = encoded_batch["jpeg_sizes"].cumsum(0).tolist()
-            joined, t = encoded_batch["jpeg"].numpy(), encoded.transform
-            files = [joined[end - n : end] for end, n in zip(ends, encoded_batch["jpeg_sizes"].tolist())]
+            files, t = encoded_files(encoded_batch), encoded.transform
             assert dali_crops(files, encoded_batch["crop"].tolist(), t.size, t.mean, t.std, device) is not None
         batch = decode_batch(encoded_batch, encoded.transform, device, backend)
         expected = plain.transform.normalize(torch.stack([plain[k]["image"] for k in keys]))
