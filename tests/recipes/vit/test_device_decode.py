@@ -19,7 +19,7 @@ from PIL import Image
 from core.config.errors import ConfigError
 from core.data.datasets import EpochIndex
 from recipes.vit.config import IMAGENET_STD, ImageDataConfig, ViTModelConfig
-from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch
+from recipes.vit.data import build_image_datasets, collate_encoded, decode_batch, encoded_files
 from recipes.vit.jpeg import JpegDecoder, ends_whole
 from tests.support.helpers import REPO, compose_config, read_records
 
@@ -249,10 +249,8 @@ def test_dali_gives_the_workers_training_crops_and_leaves_validation_to_nvimgcod
         plain, encoded = datasets(root, "workers")[split], datasets(root, "device", device_decoder="dali")[split]
         keys = [EpochIndex(e, i) for e in (0, 1, 2) for i in range(len(plain))]
         batch = collate_encoded([encoded[k] for k in keys])
-        ends = batch["jpeg_sizes"].cumsum(0).tolist()
-        files = [batch["jpeg"].numpy()[end - n : end] for end, n in zip(ends, batch["jpeg_sizes"].tolist())]
         t = encoded.transform
-        by_dali = dali_crops(files, batch["crop"].tolist(), t.size, t.mean, t.std, torch.device("cpu"))
+        by_dali = dali_crops(encoded_files(batch), batch["crop"].tolist(), t.size, t.mean, t.std, torch.device("cpu"))
         assert (by_dali is None) == (split == 1)  # validation geometry: the nvImageCodec path
         decoded = decode_batch(batch, t, torch.device("cpu"), "dali")
         if by_dali is not None:
@@ -265,8 +263,12 @@ def test_dali_gives_the_workers_training_crops_and_leaves_validation_to_nvimgcod
         assert levels.max() <= 1.01 and levels.mean() < 0.2, (levels.max(), levels.mean())
 
 
-def test_dali_hands_special_files_to_nvimgcodec_which_names_a_bad_one(tmp_path):
-    from recipes.vit.dali_crops import dali_crops
+def test_dali_hands_special_files_to_nvimgcodec_which_names_a_bad_one(tmp_path, monkeypatch):
+    from recipes.vit.dali_crops import DaliCrops, dali_crops
+
+    built = []
+    build = DaliCrops.__init__
+    monkeypatch.setattr(DaliCrops, "__init__", lambda self, *args: (built.append(args[1]), build(self, *args))[1])
 
     root = write_jpeg_folder(tmp_path / "jpegs")
     train = datasets(root, "device", device_decoder="dali", verify_images=False)[0]
@@ -275,9 +277,12 @@ def test_dali_hands_special_files_to_nvimgcodec_which_names_a_bad_one(tmp_path):
     crop = [[2, 3, 10, 12, 0]]
     assert dali_crops([good], crop, t.size, t.mean, t.std, cpu) is not None
     assert dali_crops([good[: len(good) // 2]], crop, t.size, t.mean, t.std, cpu) is None  # no end-of-image marker
+    # Followed by much other data: decodable, but a GPU decoder would not tell a truncated file like it.
+    assert dali_crops([np.concatenate([good, np.zeros(2048, np.uint8)])], crop, t.size, t.mean, t.std, cpu) is None
     garbage = np.frombuffer(good.tobytes()[:200] + bytes(range(256)) * 4 + b"\xff\xd9", np.uint8)
     assert dali_crops([good, garbage], crop * 2, t.size, t.mean, t.std, cpu) is None  # refused by DALI
     assert dali_crops([good, good], crop * 2, t.size, t.mean, t.std, cpu) is not None  # the next batch decodes again
+    assert built == [1, 2, 2]  # on a pipeline built anew after the refusal
     bad = root / "train" / "class1" / "1.jpg"
     bad.write_bytes(bad.read_bytes()[:300] + bytes(range(256)) * 8)
     with pytest.raises(ValueError, match=f"cannot decode the image {bad}"):
