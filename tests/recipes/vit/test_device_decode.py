@@ -5,6 +5,7 @@ checked in tests/gpu/test_jpeg_decoding.py)."""
 
 from __future__ import annotations
 
+import gc
 import io
 import os
 import subprocess
@@ -239,6 +240,17 @@ def test_a_run_decoding_on_the_device_asks_for_more_cuda_queues_before_cuda_star
 
 
 # ---- data.device_decoder=dali (recipes/vit/dali_crops.py); here DALI's CPU pipeline (libjpeg-turbo)
+
+
+@pytest.fixture(autouse=True)
+def _dali_pipelines_released():
+    """The pipelines this thread built go when a test ends: their thread pools would outlive it in every later
+    test of the session (and in any process forked from it)."""
+    yield
+    from recipes.vit import dali_crops
+
+    dali_crops._per_thread.__dict__.pop("pipelines", None)
+    gc.collect()
 
 
 def test_dali_gives_the_workers_training_crops_and_leaves_validation_to_nvimgcodec(tmp_path):

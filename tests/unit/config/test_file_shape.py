@@ -10,7 +10,6 @@ import contextlib
 import errno
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -33,6 +32,7 @@ from core.config.schema import LoggerConfig
 from core.metrics.history import SUPERSEDED, keep_history_up_to
 from core.metrics.logger import MetricsLogger
 from recipes.gpt.hf import import_from_hf, llama_config, llama_shapes
+from tests.support.lock_race import TRIALS, race
 
 # Contents of a LOCK that is not a lock record: no holder can be named from them.
 NOT_LOCK_RECORDS = {
@@ -114,69 +114,6 @@ def test_a_small_file_is_read_whole_and_a_larger_one_refused(tmp_path):
 
 # ----------------------------------------------------------------------------- LOCK: two starters racing
 
-TRIALS = 100  # each trial can catch a race; one in ten or more did with the lock of before
-
-
-def _start_together(me: int, trial: int, ready, go) -> None:
-    """Both starters spin until the other is spinning too, so they call acquire within microseconds of
-    each other (a barrier alone wakes them too far apart to meet inside the creation of a lock)."""
-    deadline = time.monotonic() + 30
-    if me == 0:
-        while ready.value != trial:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the other starter never came")
-        go.value = trial
-    else:
-        ready.value = trial
-        while go.value != trial:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the other starter never came")
-
-
-def _contend(me: int, root: str, ready, go, both, results) -> None:
-    """One starter: in each trial folder, try to take the lock the moment the other starter does; hold it
-    until both have tried (so a refusal is not merely the winner having released it already)."""
-    for trial in range(TRIALS):
-        lock = PathLock(Path(root) / str(trial))
-        both.wait(timeout=30)
-        _start_together(me, trial, ready, go)
-        try:
-            lock.acquire()
-            outcome = "won"
-        except LockHeld:
-            outcome = "refused"
-        except Exception as e:  # noqa: BLE001 (reported to the test)
-            outcome = f"{type(e).__name__}: {e}"
-        both.wait(timeout=30)  # both have tried
-        holder = read_lock(lock.path)
-        names_me = holder is not None and holder.holder is not None and holder.holder.pid == os.getpid()
-        results.put((trial, outcome, names_me))
-        both.wait(timeout=30)  # both have looked
-        lock.release()
-
-
-def _race(root: Path) -> dict[int, list[tuple[str, bool]]]:
-    context = multiprocessing.get_context("fork")  # no re-import per starter: the race stays a few seconds
-    ready, go = context.RawValue("i", -1), context.RawValue("i", -1)
-    both, results = context.Barrier(2), context.Queue()
-    starters = [
-        context.Process(target=_contend, args=(me, str(root), ready, go, both, results), daemon=True) for me in (0, 1)
-    ]
-    for p in starters:
-        p.start()
-    outcomes: dict[int, list[tuple[str, bool]]] = {}
-    try:
-        for _ in range(2 * TRIALS):
-            trial, outcome, names_me = results.get(timeout=60)
-            outcomes.setdefault(trial, []).append((outcome, names_me))
-    finally:
-        for p in starters:
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-    assert [p.exitcode for p in starters] == [0, 0]
-    return outcomes
-
 
 def _assert_one_holder_per_trial(outcomes: dict[int, list[tuple[str, bool]]]) -> None:
     for trial, pair in sorted(outcomes.items()):
@@ -185,7 +122,7 @@ def _assert_one_holder_per_trial(outcomes: dict[int, list[tuple[str, bool]]]) ->
 
 def test_two_starters_racing_for_a_new_lock_never_both_hold_it(tmp_path):
     """The loser reads the winner's complete record (never a half-written LOCK it would judge stale)."""
-    _assert_one_holder_per_trial(_race(tmp_path))
+    _assert_one_holder_per_trial(race(tmp_path))
 
 
 def test_two_starters_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
@@ -194,7 +131,7 @@ def test_two_starters_taking_over_one_stale_lock_never_both_hold_it(tmp_path):
         lock.parent.mkdir()
         lock.write_text(json.dumps({"host": "gone-node", "pid": 1, "job": None, "since": 0}))
         os.utime(lock, (1, 1))
-    _assert_one_holder_per_trial(_race(tmp_path))
+    _assert_one_holder_per_trial(race(tmp_path))
 
 
 def test_a_lock_created_while_another_starter_took_over_is_put_back(tmp_path):
