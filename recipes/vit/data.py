@@ -34,6 +34,7 @@ from recipes.vit.folders import (
     tiny_imagenet_files,
     unlabeled_files,
 )
+from recipes.vit.image_header import claims_more_than_it_holds
 from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,14 @@ def named(setting: Optional[str]) -> Iterator[None]:
         named_error = type(e)(f"{setting}: {e}")
         named_error.setting = setting
         raise named_error.with_traceback(e.__traceback__) from None
+
+
+def refuse_a_claim_it_cannot_hold(img: Image.Image, file_bytes: int, path: str) -> None:
+    """A DataError naming the file when its header claims more pixels than the file holds (recipes/vit/
+    image_header.py), before anything is decoded."""
+    problem = claims_more_than_it_holds(img, file_bytes)
+    if problem is not None:
+        raise DataError(f"cannot decode the image {path} ({problem}); remove or replace it")
 
 
 class ImageSamples(Dataset):
@@ -100,8 +109,10 @@ class ImageSamples(Dataset):
         epoch, idx = epoch_index(index)
         path, label = self.files[idx]
         with named(self.given):
+            raw = self.read(idx)
             try:
-                with Image.open(io.BytesIO(self.read(idx))) as img:
+                with Image.open(io.BytesIO(raw)) as img:
+                    refuse_a_claim_it_cannot_hold(img, len(raw), path)
                     image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
             except DECODE_ERRORS as e:  # header fine, pixels not (truncated, corrupt)
                 raise DataError(
@@ -226,6 +237,7 @@ class EncodedImageSamples(ImageSamples):
                 )
             try:
                 with Image.open(io.BytesIO(raw)) as img:  # parses the header only
+                    refuse_a_claim_it_cannot_hold(img, len(raw), path)
                     width, height = img.size
             except DECODE_ERRORS as e:
                 raise DataError(

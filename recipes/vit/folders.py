@@ -10,7 +10,8 @@ What is left out, and said so in the log (never an error unless nothing is left)
   - names starting with "." (.DS_Store, .ipynb_checkpoints, ._ resource forks): never classes or images;
   - files without an image extension (box files, READMEs, CSVs);
   - class folders without images (a subset that kept empty folders);
-  - image files whose header cannot be read (zero bytes, truncated, not an image): checked once when the
+  - image files whose header cannot be read (zero bytes, truncated, not an image) or claims more pixels than the
+    file holds (recipes/vit/image_header.py): checked once when the
     dataset is built, in parallel threads (data.verify_images=false skips the check: a bad file then
     stops training when a worker reads it, naming the file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
@@ -25,6 +26,7 @@ it); one that is not there a MissingDataError.
 from __future__ import annotations
 
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
@@ -33,6 +35,7 @@ from PIL import Image
 
 from core.config.errors import DataError, MissingDataError
 from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
+from recipes.vit.image_header import claims_more_than_it_holds
 
 log = logging.getLogger(__name__)
 
@@ -68,9 +71,8 @@ def _subfolders(folder: Path) -> list[Path]:
 
 def _header_error(path: str) -> Optional[str]:
     try:
-        with Image.open(path) as img:
-            img.size  # noqa: B018  (the header is parsed by open; size comes from it)
-        return None
+        with open(path, "rb") as f, Image.open(f) as img:  # the header is parsed by open
+            return claims_more_than_it_holds(img, os.fstat(f.fileno()).st_size)
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         return f"{type(e).__name__}: {e}"
 
