@@ -12,7 +12,7 @@ import errno
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from pydantic import ValidationError
 
@@ -30,10 +30,10 @@ _KINDS = (
 )
 
 
-def read_small_file_and_stat(
-    path: str | Path, max_bytes: int, follow_symlinks: bool = False
-) -> tuple[bytes, os.stat_result]:
-    """`read_small_file`, with the file's fstat (device, inode, mtime of exactly the file read)."""
+def open_regular_file(path: str | Path, follow_symlinks: bool = False) -> BinaryIO:
+    """`path` opened for reading in binary, without blocking: NotThisKindOfFile when it is not a regular file (a
+    FIFO, whose opening would wait for a writer forever, a device, a directory, a socket) or, unless
+    `follow_symlinks`, a symbolic link. FileNotFoundError and other OSErrors as `open` raises them."""
     flags = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0)  # O_NONBLOCK: opening a FIFO does not wait
     if not follow_symlinks:
         flags |= getattr(os, "O_NOFOLLOW", 0)
@@ -44,18 +44,23 @@ def read_small_file_and_stat(
             raise NotThisKindOfFile("it is a symbolic link, not followed: a file of this kind never is one") from None
         raise
     try:
-        status = os.fstat(fd)
-        if not stat.S_ISREG(status.st_mode):
-            kind = next((name for test, name in _KINDS if test(status.st_mode)), "not a regular file")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
             raise NotThisKindOfFile(f"it is {kind}, not a regular file")
-        content = b""
-        while len(content) <= max_bytes:  # one byte more than max_bytes tells a file that is too large
-            chunk = os.read(fd, max_bytes + 1 - len(content))
-            if not chunk:
-                break
-            content += chunk
-    finally:
+        return os.fdopen(fd, "rb")  # a regular file's reads ignore O_NONBLOCK
+    except BaseException:
         os.close(fd)
+        raise
+
+
+def read_small_file_and_stat(
+    path: str | Path, max_bytes: int, follow_symlinks: bool = False
+) -> tuple[bytes, os.stat_result]:
+    """`read_small_file`, with the file's fstat (device, inode, mtime of exactly the file read)."""
+    with open_regular_file(path, follow_symlinks) as f:
+        status = os.fstat(f.fileno())
+        content = f.read(max_bytes + 1)  # one byte more than max_bytes tells a file that is too large
     if len(content) > max_bytes:
         raise NotThisKindOfFile(f"it is larger than {max_bytes} bytes, far more than a file of this kind holds")
     return content, status

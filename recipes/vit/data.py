@@ -23,6 +23,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2
 
 from core.config.errors import ConfigError, DataError, MissingDataError
+from core.config.file_shape import NotThisKindOfFile, open_regular_file
 from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.archive import extract_beside
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
@@ -99,11 +100,14 @@ class ImageSamples(Dataset):
         if self.reader is not None:
             return self.reader(idx)
         try:
-            return Path(self.files[idx][0]).read_bytes()
+            with open_regular_file(self.files[idx][0], follow_symlinks=True) as f:  # a FIFO would block
+                return f.read()
         except OSError as e:  # gone or changed since the folder was listed
             raise DataError(
                 f"cannot read the image {self.files[idx][0]} ({e.strerror}); remove or replace it"
             ) from None
+        except NotThisKindOfFile as e:
+            raise DataError(f"cannot read the image {self.files[idx][0]} ({e}); remove or replace it") from None
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)

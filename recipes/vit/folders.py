@@ -10,10 +10,10 @@ What is left out, and said so in the log (never an error unless nothing is left)
   - names starting with "." (.DS_Store, .ipynb_checkpoints, ._ resource forks): never classes or images;
   - files without an image extension (box files, READMEs, CSVs);
   - class folders without images (a subset that kept empty folders);
-  - image files whose header cannot be read (zero bytes, truncated, not an image) or claims more pixels than the
-    file holds (recipes/vit/image_header.py): checked once when the
-    dataset is built, in parallel threads (data.verify_images=false skips the check: a bad file then
-    stops training when a worker reads it, naming the file);
+  - image files whose header cannot be read (zero bytes, truncated, not an image, a FIFO) or claims more pixels
+    than the file holds (recipes/vit/image_header.py): checked once when the dataset is built, in parallel threads
+    (data.verify_images=false skips the check: a bad file then stops training when a worker reads it, naming the
+    file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
     that kept the full 10,000-line annotations file);
   - links to a folder visited already or above the one walked (loops: core/data/folder_walk.py), and folders that
@@ -34,6 +34,7 @@ from typing import Optional
 from PIL import Image
 
 from core.config.errors import DataError, MissingDataError
+from core.config.file_shape import open_regular_file
 from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
 from recipes.vit.image_header import claims_more_than_it_holds
 
@@ -71,7 +72,7 @@ def _subfolders(folder: Path) -> list[Path]:
 
 def _header_error(path: str) -> Optional[str]:
     try:
-        with open(path, "rb") as f, Image.open(f) as img:  # the header is parsed by open
+        with open_regular_file(path, follow_symlinks=True) as f, Image.open(f) as img:  # parses the header
             return claims_more_than_it_holds(img, os.fstat(f.fileno()).st_size)
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         return f"{type(e).__name__}: {e}"

@@ -3,6 +3,7 @@ gloo worker processes, and running the entry-point scripts in processes forked w
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -368,3 +369,24 @@ def run_python_ranks(
         "".join(d.stdout for d in done),
         "".join(d.stderr for d in done),
     )
+
+
+class Blocked(Exception):
+    """Not an OSError, which the code under test may catch."""
+
+
+@contextlib.contextmanager
+def within(seconds: float):
+    """Fail the test (Blocked) instead of hanging, if the code waits on a FIFO; again every second after, if
+    the code swallowed the first."""
+
+    def too_slow(signum, frame):
+        raise Blocked(f"still blocked after {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, too_slow)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)

@@ -4,15 +4,17 @@ corrupt, empty, hidden and stray files; the classes counted from the data; and b
 from __future__ import annotations
 
 import logging
+import os
 
 import numpy as np
 import pytest
 from PIL import Image
 
-from core.config.errors import ConfigError
+from core.config.errors import ConfigError, DataError
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
-from recipes.vit.data import image_classes, prediction_samples, split_files
-from tests.support.helpers import read_records, train_run, validated_config
+from recipes.vit.data import build_image_datasets, image_classes, prediction_samples, split_files
+from recipes.vit.shards import write_shards
+from tests.support.helpers import read_records, train_run, validated_config, within
 
 COLOURS = [(220, 40, 40), (40, 200, 60), (50, 70, 230), (230, 210, 40), (160, 50, 200)]
 
@@ -154,3 +156,22 @@ def test_predict_split_names_follow_the_data_config(tmp_path):
     data = ImageDataConfig(format="imagefolder", root=str(root), val_split="validation")
     samples = prediction_samples(data, ViTModelConfig(img_size=32, num_classes=len(classes)), 0, "val", None, classes)
     assert len(samples) == len(split_files(data, "validation", classes)) > 0
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a link to /dev/zero"])
+def test_a_name_like_an_image_that_is_no_file_is_left_out_or_named_never_waited_on(tmp_path, caplog, kind):
+    """A FIFO would block its reader until a writer comes; /dev/zero would be read until memory runs out."""
+    root, classes = make_quirky_imagefolder(tmp_path / "pets", per_class=2, val_per_class=1)
+    odd = root / "train" / classes[0] / "odd.jpg"
+    os.mkfifo(odd) if kind == "a FIFO" else os.symlink("/dev/zero", odd)
+    says = "it is a FIFO, not a regular file" if kind == "a FIFO" else "it is a character device, not a regular file"
+    with within(10), caplog.at_level(logging.WARNING):
+        listed = split_files(ImageDataConfig(format="imagefolder", root=str(root)), "train", classes)
+    assert str(odd) not in [path for path, _ in listed] and f"{odd} (NotThisKindOfFile: {says})" in caplog.text
+    data = ImageDataConfig(format="imagefolder", root=str(root), num_classes=len(classes), verify_images=False)
+    train = build_image_datasets(data, ViTModelConfig(img_size=16, patch_size=4, num_classes=len(classes)), 0)[0]
+    position = [path for path, _ in train.files].index(str(odd))
+    with within(10), pytest.raises(DataError, match=rf"cannot read the image {odd} \({says}\); remove or replace"):
+        train[position]
+    with within(10), pytest.raises(DataError, match=rf"{odd}: cannot be written into a shard \(.*{says}\)"):
+        write_shards(tmp_path / "shards", classes, {"train": [(str(odd), 0)]})

@@ -6,13 +6,11 @@ starters racing for one LOCK never both hold it, even from different PID namespa
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import time
@@ -32,6 +30,7 @@ from core.config.schema import LoggerConfig
 from core.metrics.history import SUPERSEDED, keep_history_up_to
 from core.metrics.logger import MetricsLogger
 from recipes.gpt.hf import import_from_hf, llama_config, llama_shapes
+from tests.support.helpers import within
 from tests.support.lock_race import TRIALS, race
 
 # Contents of a LOCK that is not a lock record: no holder can be named from them.
@@ -46,27 +45,6 @@ NOT_LOCK_RECORDS = {
     "not JSON": b"held by alice",
     "nested too deeply": b"[" * 100_000 + b"]" * 100_000,
 }
-
-
-class Blocked(Exception):
-    """Not an OSError, which the code under test may catch."""
-
-
-@contextlib.contextmanager
-def within(seconds: float):
-    """Fail the test (Blocked) instead of hanging, if the code waits on a FIFO; again every second after, if
-    the code swallowed the first."""
-
-    def too_slow(signum, frame):
-        raise Blocked(f"still blocked after {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, too_slow)
-    signal.setitimer(signal.ITIMER_REAL, seconds, 1)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _dead_pid() -> int:
