@@ -12,7 +12,6 @@ import contextlib
 import io
 import logging
 import math
-import struct
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Sequence
 
@@ -23,7 +22,7 @@ from torch.utils.data import Dataset, default_collate
 from torchvision.transforms import v2
 
 from core.config.errors import ConfigError, DataError, MissingDataError
-from core.config.file_shape import NotThisKindOfFile, open_regular_file
+from core.config.file_shape import NotThisKindOfFile
 from core.data.datasets import EpochIndex, epoch_index, mix_seed, sample_generator
 from recipes.vit.archive import extract_beside
 from recipes.vit.config import ImageDataConfig, ViTModelConfig
@@ -35,13 +34,10 @@ from recipes.vit.folders import (
     tiny_imagenet_files,
     unlabeled_files,
 )
-from recipes.vit.image_header import claims_more_than_it_holds
+from recipes.vit.image_header import DECODE_ERRORS, NotAnImageFile, read_image_file, size_problem
 from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
-
-# What PIL raises for a file whose header it read but whose pixels it cannot decode (truncated, damaged).
-DECODE_ERRORS = (OSError, SyntaxError, EOFError, struct.error, Image.DecompressionBombError)
 
 
 def ensure_extracted(root: str, given: Optional[str] = None) -> Path:
@@ -65,10 +61,10 @@ def named(setting: Optional[str]) -> Iterator[None]:
         raise named_error.with_traceback(e.__traceback__) from None
 
 
-def refuse_a_claim_it_cannot_hold(img: Image.Image, file_bytes: int, path: str) -> None:
-    """A DataError naming the file when its header claims more pixels than the file holds (recipes/vit/
+def refuse_a_header_that_does_not_fit(img: Image.Image, file_bytes: int, path: str) -> None:
+    """A DataError naming the file when its header's pixels and its size do not fit together (recipes/vit/
     image_header.py), before anything is decoded."""
-    problem = claims_more_than_it_holds(img, file_bytes)
+    problem = size_problem(img, file_bytes)
     if problem is not None:
         raise DataError(f"cannot decode the image {path} ({problem}); remove or replace it")
 
@@ -99,15 +95,15 @@ class ImageSamples(Dataset):
     def read(self, idx: int) -> bytes:
         if self.reader is not None:
             return self.reader(idx)
+        path = self.files[idx][0]
         try:
-            with open_regular_file(self.files[idx][0], follow_symlinks=True) as f:  # a FIFO would block
-                return f.read()
+            return read_image_file(path)
+        except NotAnImageFile as e:
+            raise DataError(f"cannot decode the image {path} ({e}); remove or replace it") from None
+        except NotThisKindOfFile as e:  # a FIFO, a device: never waited on
+            raise DataError(f"cannot read the image {path} ({e}); remove or replace it") from None
         except OSError as e:  # gone or changed since the folder was listed
-            raise DataError(
-                f"cannot read the image {self.files[idx][0]} ({e.strerror}); remove or replace it"
-            ) from None
-        except NotThisKindOfFile as e:
-            raise DataError(f"cannot read the image {self.files[idx][0]} ({e}); remove or replace it") from None
+            raise DataError(f"cannot read the image {path} ({e.strerror}); remove or replace it") from None
 
     def __getitem__(self, index: EpochIndex | int) -> dict:
         epoch, idx = epoch_index(index)
@@ -116,7 +112,7 @@ class ImageSamples(Dataset):
             raw = self.read(idx)
             try:
                 with Image.open(io.BytesIO(raw)) as img:
-                    refuse_a_claim_it_cannot_hold(img, len(raw), path)
+                    refuse_a_header_that_does_not_fit(img, len(raw), path)
                     image = self.transform.from_pil(img, sample_generator(self.seed, epoch, idx))
             except DECODE_ERRORS as e:  # header fine, pixels not (truncated, corrupt)
                 raise DataError(
@@ -241,7 +237,7 @@ class EncodedImageSamples(ImageSamples):
                 )
             try:
                 with Image.open(io.BytesIO(raw)) as img:  # parses the header only
-                    refuse_a_claim_it_cannot_hold(img, len(raw), path)
+                    refuse_a_header_that_does_not_fit(img, len(raw), path)
                     width, height = img.size
             except DECODE_ERRORS as e:
                 raise DataError(

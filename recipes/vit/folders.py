@@ -10,8 +10,8 @@ What is left out, and said so in the log (never an error unless nothing is left)
   - names starting with "." (.DS_Store, .ipynb_checkpoints, ._ resource forks): never classes or images;
   - files without an image extension (box files, READMEs, CSVs);
   - class folders without images (a subset that kept empty folders);
-  - image files whose header cannot be read (zero bytes, truncated, not an image, a FIFO) or claims more pixels
-    than the file holds (recipes/vit/image_header.py): checked once when the dataset is built, in parallel threads
+  - image files whose header cannot be read (zero bytes, truncated, not an image, a FIFO) or does not fit the
+    file's size (recipes/vit/image_header.py): checked once when the dataset is built, in parallel threads
     (data.verify_images=false skips the check: a bad file then stops training when a worker reads it, naming the
     file);
   - Tiny-ImageNet validation lines whose file is missing or whose class has no training images (a subset
@@ -26,17 +26,14 @@ it); one that is not there a MissingDataError.
 from __future__ import annotations
 
 import logging
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Optional
 
-from PIL import Image
-
 from core.config.errors import DataError, MissingDataError
 from core.config.file_shape import open_regular_file
 from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
-from recipes.vit.image_header import claims_more_than_it_holds
+from recipes.vit.image_header import header_problem
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +69,8 @@ def _subfolders(folder: Path) -> list[Path]:
 
 def _header_error(path: str) -> Optional[str]:
     try:
-        with open_regular_file(path, follow_symlinks=True) as f, Image.open(f) as img:  # parses the header
-            return claims_more_than_it_holds(img, os.fstat(f.fileno()).st_size)
+        with open_regular_file(path, follow_symlinks=True) as f:  # a FIFO would block
+            return header_problem(f)
     except Exception as e:  # noqa: BLE001  (PIL raises many types for bad files)
         return f"{type(e).__name__}: {e}"
 

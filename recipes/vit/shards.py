@@ -33,7 +33,8 @@ from PIL import Image
 from pydantic import BaseModel, ConfigDict, NonNegativeInt, StrictInt, ValidationError
 
 from core.config.errors import DataError, MissingDataError
-from core.config.file_shape import open_regular_file, problems, read_small_file
+from core.config.file_shape import problems, read_small_file
+from recipes.vit.image_header import read_image_file
 
 INDEX = "index.json"
 FORMAT = "vit-image-shards"
@@ -344,8 +345,7 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
     """The file's bytes and extension (an unusual one stored as "img"), or its image resized to
     `shorter_side` as JPEG."""
     try:
-        with open_regular_file(path, follow_symlinks=True) as f:  # a FIFO would block
-            raw = f.read()
+        raw = read_image_file(path)
         ext = Path(path).suffix.lower().lstrip(".")
         ext = "jpg" if ext == "jpeg" else ext if _EXTENSION.fullmatch(ext) and ext != "cls" else "img"
         if shorter_side is None:
