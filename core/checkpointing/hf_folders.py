@@ -16,8 +16,10 @@ import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
 from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
-from core.config.file_shape import problems, shown
+from core.config.file_shape import NotThisKindOfFile, problems, read_small_file, shown
 from core.config.schema import LoraConfig
+
+MAX_JSON_BYTES = 64 << 20  # config.json, adapter_config.json, a shard index: kilobytes to a few megabytes
 
 
 def _plain_file_name(name: str) -> str:
@@ -38,9 +40,11 @@ JSON_OBJECT = TypeAdapter(dict[str, Any])
 
 def read_json_object(file: Path) -> dict[str, Any]:
     """A JSON file that must hold an object; ValueError naming the file if it is not UTF-8 JSON text or not
-    an object."""
+    an object, or not a regular file of at most MAX_JSON_BYTES (a FIFO, a device, a sparse file of gigabytes)."""
     try:
-        return JSON_OBJECT.validate_json(file.read_bytes(), strict=True)
+        return JSON_OBJECT.validate_json(read_small_file(file, MAX_JSON_BYTES, follow_symlinks=True), strict=True)
+    except NotThisKindOfFile as e:
+        raise ValueError(f"{file}: {e}; nothing was imported") from None
     except ValidationError as e:
         raise ValueError(
             f"{file}: {problems(e)} (expected a JSON object, in UTF-8 text); nothing was imported"

@@ -7,14 +7,21 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from core.config.errors import DataError
+from core.data.text_lines import bounded_lines
+
+MAX_LINE_BYTES = 64 << 20  # a long conversation is a few MB; a file with no line end stops here, not at its end
 
 
 def json_lines(path: Path, source: str) -> Iterator[tuple[int, Any]]:
     """(line number, parsed value) of every non-blank line (a byte-order mark on the first is allowed). A line that
     is not UTF-8, not JSON, nested too deeply for the parser or holding an integer longer than Python converts
-    (sys.get_int_max_str_digits) is a DataError naming `source` and the line."""
+    (sys.get_int_max_str_digits) or longer than MAX_LINE_BYTES is a DataError naming `source` and the line."""
+
+    def too_long(number: int) -> DataError:
+        return DataError(f"{source}: line {number} is longer than {MAX_LINE_BYTES >> 20} MiB (no line end?)")
+
     with open(path, "rb") as f:
-        for number, raw in enumerate(f, start=1):
+        for number, raw in enumerate(bounded_lines(f, MAX_LINE_BYTES, too_long), start=1):
             try:
                 line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:

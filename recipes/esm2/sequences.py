@@ -38,6 +38,7 @@ _LINE_BREAKS = re.compile(r"[\r\n]")
 STORE_VERSION = 1
 REWRITE = "write the folder again with python -m recipes.esm2.preprocess"
 CHECK_CHUNK = 1 << 20  # offsets checked a chunk at a time: no temporary of the whole array
+MAX_NAME_BYTES = 64 << 10  # names.txt may average at most this a sequence (a name is a header's first word)
 
 
 @dataclass
@@ -311,6 +312,12 @@ def _files_problem(folder: Path, index: StoreIndex) -> Optional[str]:
             return f"{file.name} is missing or not a file"
     if residue_file.stat().st_size != index.residues:
         return f"residues.bin is {residue_file.stat().st_size} bytes, not index.json's residues={index.residues}"
+    names_file = folder / "names.txt"
+    if names_file.exists() or names_file.is_symlink():  # read whole when a name is asked for: a bounded regular file
+        if not names_file.is_file():
+            return "names.txt is not a regular file"
+        if names_file.stat().st_size > MAX_NAME_BYTES * (index.sequences + 1):
+            return f"names.txt is {names_file.stat().st_size} bytes, far more than names of {index.sequences} sequences"
     try:
         offsets = np.load(offsets_file, mmap_mode="r", allow_pickle=False)  # never a pickle
     except (OSError, ValueError, EOFError) as e:

@@ -19,7 +19,9 @@ import glob
 import gzip
 import io
 import lzma
+import os
 import re
+import stat
 import zlib
 from collections import Counter
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
 from core.data.folder_walk import walk
+from core.data.text_lines import bounded_lines
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
 NUCLEOTIDE_SUFFIXES = (".fna", ".ffn", ".frn")
@@ -57,6 +60,9 @@ _SPLIT_PATTERN = re.compile(
 _GLOB_CHARACTERS = re.compile(r"[*?\[]")
 _DIGIT = re.compile(r"\d")
 MAX_JSON_BYTES = 16 << 20  # a datasets folder's state.json lists its files; a store's index.json is some 500 bytes
+# The longest known proteins have ~35,000 residues; a FASTA line or record far beyond that is not protein data (a
+# file with no line ends, a decompression bomb) and is refused before it fills memory.
+MAX_SEQUENCE_LENGTH = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -266,6 +272,7 @@ def records(
     """(name, sequence) from every file `path` names, in order; a file that cannot be read is named, after the
     setting that gave it (`keys`)."""
     for file in source_files(path, split, keys):
+        _refuse_unless_regular(file, keys)
         try:
             if file_kind(file)[0] == "fasta":
                 yield from read_fasta(file, keys)
@@ -279,6 +286,17 @@ def records(
             ).__module__.startswith("pyarrow"):
                 raise DataError(f"{keys.of('path', file)}: unreadable ({type(e).__name__}: {e})") from e
             raise
+
+
+def _refuse_unless_regular(file: Path, keys: SourceKeys) -> None:
+    """A FIFO would block its reader and a device (a link to /dev/zero) never end: any file to read must be a
+    regular one, also those a `datasets` folder's state.json names."""
+    try:
+        mode = os.stat(file).st_mode
+    except OSError as e:
+        raise DataError(f"{keys.of('path', file)}: cannot read it ({e.strerror})") from None
+    if not stat.S_ISREG(mode):
+        raise DataError(f"{keys.of('path', file)}: not a regular file (a FIFO, a device or a folder): not read")
 
 
 def _open_text(path: Path) -> io.TextIOBase:
@@ -296,11 +314,18 @@ def _open_text(path: Path) -> io.TextIOBase:
 
 def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
     """(name, sequence) per record: the header's first word (after '>'), the sequence lines joined. Blank lines
-    and ';' comment lines are skipped; text before the first header, or a digit in a sequence line (a header that
-    lost its '>'), is an error naming the line."""
-    name, parts, line_number = None, [], 0
+    and ';' comment lines are skipped; text before the first header, a digit in a sequence line (a header that
+    lost its '>'), or a line or sequence longer than MAX_SEQUENCE_LENGTH is an error naming the line."""
+    name, parts, length, line_number = None, [], 0, 0
+
+    def refuse(line_number: int, problem: str) -> DataError:
+        return DataError(f"{keys.of('path', path)}:{line_number}: {problem}")
+
+    def too_long(line_number: int) -> DataError:
+        return refuse(line_number, f"a line longer than {MAX_SEQUENCE_LENGTH} characters: not protein FASTA")
+
     with _open_text(path) as f:
-        for line_number, line in enumerate(f, 1):
+        for line_number, line in enumerate(bounded_lines(f, MAX_SEQUENCE_LENGTH, too_long), 1):
             line = line.strip()
             if not line or line.startswith(";"):
                 continue
@@ -308,20 +333,49 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
                 if name is not None:
                     yield name, "".join(parts)
                 header = line[1:].split()
-                name, parts = (header[0] if header else ""), []
+                name, parts, length = (header[0] if header else ""), [], 0
             elif name is None:
-                raise DataError(
-                    f"{keys.of('path', path)}:{line_number}: sequence text before the first '>' header: not FASTA"
-                )
+                raise refuse(line_number, "sequence text before the first '>' header: not FASTA")
             elif _DIGIT.search(line):
-                raise DataError(
-                    f"{keys.of('path', path)}:{line_number}: a digit in a sequence line ({line[:40]!r}): a "
-                    "header that lost its '>'?"
-                )
+                raise refuse(line_number, f"a digit in a sequence line ({line[:40]!r}): a header that lost its '>'?")
             else:
                 parts.append(line)
+                length += len(line)
+                if length > MAX_SEQUENCE_LENGTH:
+                    raise refuse(
+                        line_number,
+                        f"sequence {name!r} is longer than {MAX_SEQUENCE_LENGTH} residues: not one protein "
+                        "(headers lost?)",
+                    )
     if name is not None:
         yield name, "".join(parts)
+
+
+def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[list[str], Iterator]:
+    """(the header's column names, the batches of the two columns read, as text, opened when first iterated): the
+    other columns are not read, so a column that changes type halfway down the file refuses nothing."""
+    import pyarrow as pa
+    import pyarrow.csv as pacsv
+
+    def open_csv(convert: pacsv.ConvertOptions):
+        tsv = _split_suffix(path.name)[0].endswith(".tsv")
+        # pyarrow decompresses .gz .bz2 .zst by the name; xz it does not know
+        stream = lzma.open(path, "rb") if _split_suffix(path.name)[1] == ".xz" else path
+        return pacsv.open_csv(
+            stream, parse_options=pacsv.ParseOptions(delimiter="\t" if tsv else ","), convert_options=convert
+        )
+
+    read = [column] + ([name_column] if name_column else [])
+    with open_csv(pacsv.ConvertOptions(column_types=dict.fromkeys(read, pa.string()))) as header_reader:
+        columns = header_reader.schema.names
+
+    def batches():
+        present = [c for c in dict.fromkeys(read) if c in columns]
+        yield from open_csv(
+            pacsv.ConvertOptions(column_types=dict.fromkeys(present, pa.string()), include_columns=present)
+        )
+
+    return columns, batches()
 
 
 def read_table(
@@ -331,7 +385,6 @@ def read_table(
     read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
     columns."""
     import pyarrow as pa
-    import pyarrow.csv as pacsv
     import pyarrow.parquet as pq
 
     kind = file_kind(path)[0]
@@ -339,13 +392,7 @@ def read_table(
         parquet = pq.ParquetFile(path)
         columns, batches = parquet.schema_arrow.names, None
     elif kind == "csv":
-        text = {column: pa.string()} | ({name_column: pa.string()} if name_column else {})
-        reader = pacsv.open_csv(
-            path,
-            parse_options=pacsv.ParseOptions(delimiter="\t" if _split_suffix(path.name)[0].endswith(".tsv") else ","),
-            convert_options=pacsv.ConvertOptions(column_types=text),
-        )
-        columns, batches = reader.schema.names, reader
+        columns, batches = _csv_batches(path, column, name_column)
     else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
         source = pa.memory_map(str(path))
         is_file_format = source.read(6) == b"ARROW1"
@@ -358,11 +405,15 @@ def read_table(
             columns, batches = reader.schema.names, reader
     if column not in columns:
         raise DataError(f"{keys.of('column', column)}: {path} has no such column (it has {', '.join(columns)})")
+    for wanted in (column, name_column):
+        if columns.count(wanted) > 1:
+            raise DataError(f"{keys.of('path', path)}: {columns.count(wanted)} columns are named {wanted!r}: keep one")
     use_names = name_column is not None and name_column in columns
     if kind == "parquet":
         batches = parquet.iter_batches(columns=[column] + ([name_column] if use_names else []), batch_size=65536)
     row = 0
     for batch in batches:
+        batch.validate(full=True)  # offsets past their data (a damaged or crafted file) would crash the reader
         sequences = batch.column(column).to_pylist()
         names = batch.column(name_column).to_pylist() if use_names else [None] * len(sequences)
         for name, sequence in zip(names, sequences):

@@ -26,6 +26,7 @@ import numpy as np
 
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
+from core.data.text_lines import bounded_lines
 from recipes.esm2.tokenizer import UNK, encode_residues
 from recipes.esm2_finetune.config import Task
 
@@ -35,7 +36,10 @@ UNLABELLED = -1  # a residue without a label (null in a list of residue labels):
 NUCLEOTIDE_CHECK_LENGTH = 30  # a protein this long made only of A C G T U N is vanishingly unlikely
 _NUCLEOTIDES = set("ACGTUN")
 _TRUE, _FALSE = {"1", "1.0", "true", "yes"}, {"0", "0.0", "false", "no"}
-csv.field_size_limit(2**31 - 1)  # a long sequence or residue-label string is one field (the default: 128 KiB)
+MAX_LINE_CHARACTERS = 64 << 20  # a CSV line or field: a long sequence and its residue labels fit many times
+csv.field_size_limit(MAX_LINE_CHARACTERS)  # a long sequence or residue-label string is one field (default: 128 KiB)
+# What pandas and R write for a missing value: never a class name (NaN in JSON is a float, caught apart)
+_MISSING_WORDS = {"na", "n/a", "nan", "null", "none", "<na>", "#n/a"}
 
 
 @dataclass(frozen=True)
@@ -211,11 +215,18 @@ def _add_label(builder: _Builder, value: Any, spec: LabelSpec, classes: Classes,
     elif spec.task is Task.multilabel:
         builder.values.append(_yes_no(value))
     else:
-        builder.codes.append(classes.code(_class_name(value)))
+        name = _class_name(value)
+        if name.lower() in _MISSING_WORDS and name not in (spec.classes or ()):  # model.classes may name it
+            raise Refusal(f"{value!r} reads as a missing label (what pandas or R write for one)")
+        builder.codes.append(classes.code(name))
 
 
 def _missing(value: Any) -> bool:
-    return value is None or (isinstance(value, str) and not value.strip())
+    return value is None or (isinstance(value, str) and not value.strip()) or _is_nan(value)
+
+
+def _is_nan(value: Any) -> bool:
+    return isinstance(value, float) and math.isnan(value)
 
 
 def _number(value: Any) -> float:
@@ -254,7 +265,7 @@ def _residue_labels(value: Any, length: int) -> list[Optional[str]]:
     if isinstance(value, str):
         labels = value.split() if len(value.split()) > 1 else list(value.strip())
     elif isinstance(value, (list, tuple, np.ndarray)):
-        labels = [None if v is None else _class_name(v) for v in value]
+        labels = [None if v is None or _is_nan(v) else _class_name(v) for v in value]
     else:
         raise Refusal(f"{value!r} is not a string or list of residue labels")
     if len(labels) != length:
@@ -296,11 +307,16 @@ def _csv_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> It
     delimiter = "\t" if path.suffix.lower() == ".tsv" else ","
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
-            reader = csv.reader(f, delimiter=delimiter)
+            reader = csv.reader(
+                bounded_lines(f, MAX_LINE_CHARACTERS, lambda n: _too_long(source, n)), delimiter=delimiter
+            )
             header = next(reader, None)
             if header is None:
                 raise DataError(f"{source}: an empty file (expected a header row naming the columns)")
             header = [h.strip() for h in header]
+            repeated = sorted(c for c in set(header) if header.count(c) > 1 and c in [*wanted, spec.id_column])
+            if repeated:
+                raise DataError(f"{source}: the header names {', '.join(map(repr, repeated))} more than once: keep one")
             _check_header(header, source, wanted, spec)
             for number, fields in enumerate(reader, start=2):
                 if not any(f.strip() for f in fields):
@@ -312,6 +328,10 @@ def _csv_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> It
         raise DataError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     except csv.Error as e:
         raise DataError(f"{source}: not a readable CSV/TSV file ({e})") from None
+
+
+def _too_long(source: str, line: int) -> DataError:
+    return DataError(f"{source}: line {line} is longer than {MAX_LINE_CHARACTERS >> 20} Mi characters (no line end?)")
 
 
 def _parquet_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> Iterator[tuple[tuple, dict]]:

@@ -273,3 +273,71 @@ def test_a_folder_with_link_loops_reads_each_file_once(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout) == [["P1", "MKV"], ["P2", "WWW"]]
     assert "a/self -> ." in proc.stderr and "a/up -> .." in proc.stderr
+
+
+def test_a_file_a_datasets_folder_lists_must_be_a_regular_file(tmp_path):
+    """state.json may name a FIFO (the reader would wait for a writer forever) or a link to /dev/zero (read until
+    memory ran out): refused by name, at once, like any other file that is no regular file."""
+    import os
+
+    from tests.support.helpers import within
+
+    write_datasets_folder(tmp_path / "saved", {"train": [("a", "MKV")]})
+    listed = tmp_path / "saved" / "train" / "data-00000-of-00001.arrow"
+    listed.unlink()
+    os.mkfifo(listed)
+    with within(10), pytest.raises(DataError, match=f"{re.escape(str(listed))}: not a regular file"):
+        read_store(tmp_path / "saved")
+    listed.unlink()
+    listed.symlink_to("/dev/zero")
+    with within(10), pytest.raises(DataError, match="not a regular file"):
+        read_store(tmp_path / "saved")
+
+
+def test_an_arrow_file_whose_offsets_run_past_its_data_is_refused(tmp_path):
+    """Four bytes changed in a valid IPC stream put a string's end 16 MiB past the data: pyarrow reads such a batch
+    without a check and crashed the process (a segmentation fault); each batch is now validated first."""
+    import struct
+
+    table = pa.table({"sequence": ["MKTAYIAKQRQISFVKSHFSRQ", "MKVLAAGIVGLLLAQAAAAAAA"]})
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    data = bytearray(sink.getvalue().to_pybytes())
+    at = data.find(struct.pack("<3i", 0, 22, 44))
+    data[at : at + 12] = struct.pack("<3i", 0, 22, 1 << 24)
+    (tmp_path / "bad.arrow").write_bytes(data)
+    with pytest.raises(DataError, match="bad.arrow: unreadable .*out of bounds"):
+        read_store(tmp_path / "bad.arrow")
+
+
+def test_a_fasta_line_or_record_far_longer_than_a_protein_is_refused(tmp_path, monkeypatch):
+    """A 3.5 KB .bz2 held a 3 GB comment line, read whole; a bomb or a file that lost its headers is now refused at
+    the bound (made small here), naming the line, before it fills memory."""
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_SEQUENCE_LENGTH", 100)
+    with bz2.open(tmp_path / "bomb.fasta.bz2", "wt") as f:
+        f.write(">P1\nMKV\n;" + "A" * 101 + "\n>P2\nWWW\n")
+    with pytest.raises(DataError, match="bomb.fasta.bz2:3: a line longer than 100 characters"):
+        read_store(tmp_path / "bomb.fasta.bz2")
+    (tmp_path / "no_headers.fasta").write_text(">P1\n" + ("M" * 60 + "\n") * 2)
+    with pytest.raises(DataError, match="no_headers.fasta:3: sequence 'P1' is longer than 100 residues"):
+        read_store(tmp_path / "no_headers.fasta")
+    (tmp_path / "at_the_bound.fasta").write_text(">P1\n" + "M" * 100 + "\r\n" + ">P2\nW\n")
+    assert sequences(tmp_path / "at_the_bound.fasta") == [("P1", "M" * 100), ("P2", "W")]
+
+
+def test_csv_columns_as_found_xz_a_column_twice_and_columns_never_read(tmp_path):
+    """.csv.xz is read (pyarrow's reader does not decompress xz by itself); a column named twice is refused (it
+    was a KeyError traceback); a column the recipe does not read may change type halfway down the file."""
+    with lzma.open(tmp_path / "a.csv.xz", "wt") as f:
+        f.write("id,sequence\na,MKV\nb,WWW\n")
+    assert sequences(tmp_path / "a.csv.xz") == [("a", "MKV"), ("b", "WWW")]
+    (tmp_path / "twice.csv").write_text("id,sequence,sequence\na,MKV,MKV\n")
+    with pytest.raises(DataError, match="twice.csv: 2 columns are named 'sequence': keep one"):
+        read_store(tmp_path / "twice.csv")
+    rows = "".join(f"p{i},MKV,{i}\n" for i in range(200_000)) + "last,WWW,unknown\n"
+    (tmp_path / "drift.csv").write_text("id,sequence,length\n" + rows)
+    store = read_store(tmp_path / "drift.csv")
+    assert len(store) == 200_001 and decode(store.sequence(200_000)) == "WWW"

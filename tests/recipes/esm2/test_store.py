@@ -89,6 +89,9 @@ DAMAGE = {  # (damage, what the one line says after "data.path=<store>: ")
         r"offsets.npy holds int64 \(41,\), expected int64 \(40,\) for index.json's sequences=39",
     ),
     "index nested deep": (lambda s: (s / "index.json").write_text("[" * 100_000), "recursion limit"),
+    # names.txt is read whole when a name is asked for: a sparse file of 8 GiB (no disk blocks) or a FIFO is not
+    "names sparse": (lambda s: os.truncate(s / "names.txt", 8 << 30), "names.txt is 8589934592 bytes, far more"),
+    "names a FIFO": (lambda s: ((s / "names.txt").unlink(), os.mkfifo(s / "names.txt")), "names.txt is not a regular"),
 }
 
 

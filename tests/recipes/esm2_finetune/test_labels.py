@@ -151,3 +151,41 @@ def test_a_file_without_labels_reads_unlabelled_for_prediction_only(tmp_path):
         read(path)
     got = read(path, labels_required=False)["all"]
     assert got.targets is None and got.ids == ["q"] and np.array_equal(got.residues, encode_residues("MKT"))
+
+
+def test_missing_values_as_pandas_writes_them_are_no_class(tmp_path):
+    """NaN in JSON (what json.dumps writes for pandas' NaN) and NA / nan / null in text were new classes, the head
+    one output wider; they are missing labels now (refused naming the row), or unlabelled residues in a list; a
+    class named NA stays possible through model.classes."""
+    (tmp_path / "nan.jsonl").write_text('{"sequence": "MKT", "c": "a"}\n{"sequence": "LLG", "c": NaN}\n')
+    with pytest.raises(DataError, match="nan.jsonl: line 2, column 'c': no label"):
+        read(tmp_path / "nan.jsonl", Task.classification, ("c",))
+    (tmp_path / "na.csv").write_text("sequence,c\nMKT,a\nLLG,NA\n")
+    with pytest.raises(DataError, match="na.csv: row 3, column 'c': 'NA' reads as a missing label"):
+        read(tmp_path / "na.csv", Task.classification, ("c",))
+    assert read(tmp_path / "na.csv", Task.classification, ("c",), classes=("a", "NA"))["all"].targets.tolist() == [0, 1]
+    (tmp_path / "res.jsonl").write_text('{"sequence": "MKT", "ss": ["H", NaN, "E"]}\n')
+    residue = read(tmp_path / "res.jsonl", Task.residue_classification, ("ss",))["all"]
+    assert residue.targets.tolist() == [1, UNLABELLED, 0] and residue.classes == ("E", "H")
+
+
+def test_a_column_named_twice_and_a_line_without_end_are_refused(tmp_path, monkeypatch):
+    """A header naming a label column twice kept the last one's values, silently; a CSV or JSON Lines file with no
+    line end (a sparse file of gigabytes) was read whole as one line: refused at the bound (made small here)."""
+    import core.data.json_lines
+    import recipes.esm2_finetune.labels as labels
+
+    (tmp_path / "twice.csv").write_text("sequence,y,y\nMKT,1,2\n")
+    with pytest.raises(DataError, match="twice.csv: the header names 'y' more than once"):
+        read(tmp_path / "twice.csv")
+    monkeypatch.setattr(labels, "MAX_LINE_CHARACTERS", 1000)
+    monkeypatch.setattr(core.data.json_lines, "MAX_LINE_BYTES", 1000)
+    long_line = "A" * 1001
+    (tmp_path / "long.csv").write_text(f"sequence,y\nMKT,1\n{long_line},2\n")
+    with pytest.raises(DataError, match="long.csv: line 3 is longer than"):
+        read(tmp_path / "long.csv")
+    (tmp_path / "long.jsonl").write_text(f'{{"sequence": "MKT", "y": 1}}\n{{"sequence": "{long_line}", "y": 2}}\n')
+    with pytest.raises(DataError, match="long.jsonl: line 2 is longer than"):
+        read(tmp_path / "long.jsonl")
+    (tmp_path / "fits.csv").write_text(f"sequence,y\n{'M' * 996},1\r\n")  # 998 characters and CRLF: within
+    assert read(tmp_path / "fits.csv")["all"].offsets.tolist() == [0, 996]

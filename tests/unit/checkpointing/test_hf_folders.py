@@ -186,3 +186,23 @@ def test_gpt_to_hf_checks_a_weights_file_against_the_config_it_is_given():
         to_llama_checked(ours, m | {"ffn_hidden_size": 20}, 64)
     with pytest.raises(ValueError, match="not a GPT model of this config: no tensor 'output_layer.weight'"):
         to_llama_checked({k: v for k, v in ours.items() if k != "output_layer.weight"}, m, 64)
+
+
+def test_a_json_file_of_a_model_folder_must_be_a_small_regular_file(tmp_path):
+    """config.json was read whole: a sparse file of 8 GiB (no disk blocks, a few bytes in a tar) filled memory, a
+    FIFO blocked. Now each is one ValueError naming the file."""
+    import os
+
+    from core.checkpointing.hf_folders import read_json_object
+    from tests.support.helpers import within
+
+    with open(tmp_path / "config.json", "wb") as f:
+        f.write(b'{"model_type": "esm"')
+        f.truncate(8 << 30)
+    with pytest.raises(ValueError, match="config.json: it is larger than 67108864 bytes"):
+        read_json_object(tmp_path / "config.json")
+    os.mkfifo(tmp_path / "adapter_config.json")
+    with within(10), pytest.raises(ValueError, match="adapter_config.json: it is a FIFO"):
+        read_json_object(tmp_path / "adapter_config.json")
+    (tmp_path / "ok.json").write_text('{"a": 1}')
+    assert read_json_object(tmp_path / "ok.json") == {"a": 1}
