@@ -178,6 +178,30 @@ def test_a_flipped_bit_is_caught(trained, tmp_path, caplog):
     checkpoint.main(["to-torch", str(shard.parent), str(tmp_path / "w.pt"), "--skip-checksums"])
 
 
+def _flip_the_zip_version(step_dir: Path) -> Path:
+    """One flipped bit that zipfile does not take for damage: the zip version the first central-directory record
+    of a shard needs (torch writes 45) becomes 109, above any Python reads (NotImplementedError, not BadZipFile)."""
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[data.index(b"PK\x01\x02") + 6] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_flipped_bit_in_a_zip_header_is_one_line_and_resume_falls_back(trained, tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    shard = _flip_the_zip_version(root / "step_4")
+    for skip in ([], ["--skip-checksums"]):
+        proc = run_python(REPO / "checkpoint.py", "to-torch", root / "step_4", tmp_path / "w.pt", *skip, cwd=tmp_path)
+        assert proc.returncode == 3 and proc.stderr.startswith(f"error: {shard}: "), proc.stderr[-3000:]
+        assert "zip file version" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    with caplog.at_level("WARNING"):
+        result = _train(tmp_path, "auto", ["training.steps=5"])["result"]
+    assert result.resumed_from == str(root / "step_2")
+    assert f"cannot resume from {root / 'step_4'}: {shard}: " in caplog.text
+
+
 # ----------------------------------------------------------------------------- one writer per path
 
 
