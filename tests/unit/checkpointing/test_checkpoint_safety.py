@@ -274,6 +274,27 @@ def test_a_changed_learning_rate_is_refused_or_really_used(trained, tmp_path):
     assert "lr: 0.001" in saved
 
 
+def test_a_fallback_resume_compares_the_settings_of_the_checkpoint_it_loads(trained, tmp_path, caplog):
+    """Automatic resume past a damaged newest checkpoint compares the run's settings with the config.yaml of the
+    one it falls back to (here trained with another learning rate), not only with the newest's."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    config = root / "step_2" / "config.yaml"
+    assert "lr: 0.003" in config.read_text()
+    config.write_text(config.read_text().replace("lr: 0.003", "lr: 0.002", 1))
+    marker = json.loads((root / "step_2" / "COMPLETE").read_text())
+    (root / "step_2" / "COMPLETE").unlink()
+    write_marker(root / "step_2", {k: v for k, v in marker.items() if k != "files"})
+    shard = sorted((root / "step_4").glob("*.distcp"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ConfigError, match=rf"(?s)resuming from {root / 'step_2'}, but .*optim\.lr: 0\.002 -> 0\.003"):
+        _train(tmp_path, "refused", ["training.steps=5"])
+    with caplog.at_level("WARNING"):
+        result = _train(tmp_path, "allowed", ["training.steps=5", "checkpoint.allow_config_changes=true"])["result"]
+    assert result.resumed_from == str(root / "step_2")
+    assert f"resuming from {root / 'step_2'} with changed settings" in caplog.text and "optim.lr: 0.002" in caplog.text
+
+
 @pytest.mark.slow
 def test_a_sweep_run_again_resumes_each_configurations_own_job(tmp_path):
     """With checkpoint.path given (e.g. on a shared filesystem), as under the default root <sweep dir>/checkpoints
