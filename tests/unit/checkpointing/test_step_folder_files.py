@@ -536,13 +536,15 @@ def test_a_marker_of_another_step_than_its_folder_is_refused(step_dir, tmp_path)
 
 
 def _aliased(shift: int):
-    """A change to an index.json: three more weights whose storage is model.w's (`shift` bytes on: overlapping)."""
+    """A change to an index.json: three more weights whose storage is model.w's (`shift` bytes in: overlapping)."""
 
     def change(index: dict) -> None:
         stored = next(item for item in index["storage"] if item["fqn"] == "model.w")
         for i in (1, 2, 3):
             index["entries"][f"model.w{i}"] = index["entries"]["model.w"]
-            index["storage"].append({**stored, "fqn": f"model.w{i}", "at": stored["at"] + shift})
+            index["storage"].append(
+                {**stored, "fqn": f"model.w{i}", "at": stored["at"] + shift, "length": stored["length"] - shift}
+            )
 
     return change
 
@@ -563,7 +565,7 @@ def test_stored_items_that_share_bytes_are_refused_before_anything_is_allocated(
     index = load_index((step_dir / ".metadata").read_bytes())
     where, stored = next((k, v) for k, v in index.storage_data.items() if k.fqn == "model.w")
     index.storage_data[MetadataIndex("model.w1", where.offset)] = _StorageInfo(
-        stored.relative_path, stored.offset + shift, stored.length
+        stored.relative_path, stored.offset + shift, stored.length - shift
     )
     with pytest.raises(layout.UnsafeCheckpoint, match="the storage of 'model.w' and of 'model.w1' share bytes"):
         load_index(pickle.dumps(index))
