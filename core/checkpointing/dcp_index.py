@@ -324,6 +324,33 @@ def _check_storage(storage: Any) -> None:
             not getattr(info, "transform_descriptors", None),
             f"storage of {where.fqn!r} is compressed (transform descriptors), which this tool does not read",
         )
+    _check_separate(storage)
+
+
+def _check_separate(storage: dict) -> None:
+    """No two stored items share bytes. Each is read into a tensor or value of its own, sized by the index, so
+    items that all point at one range would make a small folder cost many times its size; DCP writes every item
+    to bytes of its own."""
+    by_file: dict[str, list] = {}
+    for where, info in storage.items():
+        if info.length:  # an empty range shares nothing
+            by_file.setdefault(info.relative_path, []).append((info.offset, info.offset + info.length, where))
+    for name, items in by_file.items():
+        items.sort(key=lambda item: (item[0], item[1]))
+        reach, widest = 0, None  # the furthest end so far, and the item that reaches it
+        for start, end, where in items:
+            if widest is not None and start < reach:
+                raise UnsafeCheckpoint(
+                    f"the storage of {_item(widest)} and of {_item(where)} share bytes of {name} "
+                    f"(from byte {start}); each item is stored once"
+                )
+            if end > reach:
+                reach, widest = end, where
+
+
+def _item(where: MetadataIndex) -> str:
+    """A storage key as a message names it: its state dict key, and the chunk's offsets for a piece of a tensor."""
+    return repr(where.fqn) + (f" at {list(where.offset)}" if where.offset and any(where.offset) else "")
 
 
 def _check_run_fields(index: Metadata) -> None:

@@ -236,6 +236,8 @@ class Checkpointer:
     def _load_newest(self, parts: Mapping[str, CheckpointPart]) -> Optional[Path]:
         for i, path in enumerate(self.candidates):
             try:
+                if i > 0:  # _prepare compared the newest; the one a fallback loads instead is compared here
+                    self._check_config_changes(path)
                 self._load(path, parts)
             except CheckpointError as e:
                 if not self.auto or i == len(self.candidates) - 1:

@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import Metadata
 
 from core.checkpointing.fp8 import FP8_TENSORS, fp8_states, set_fp8_states
 from core.checkpointing.layout import CheckpointError, empty_like_saved, saved_weights
-from core.checkpointing.rng import rng_state, set_rng_state
+from core.checkpointing.rng import RNG_KEYS, rng_state, set_rng_state
 from core.checkpointing.weights import check_weights_fit
 from core.config.errors import ConfigError
 from core.training import optim
@@ -172,7 +172,10 @@ class RNGPart:
                 "the checkpoint has no RNG state for some ranks (saved on fewer ranks): they keep their seeded state"
             )
         mine = f"rank_{self.rank}."
-        target = {k[len(mine) :]: saved.empty(k) for k in saved.keys if k.startswith(mine)}
+        # Only the states set_rng_state takes are read: a key of another name gets no tensor (none is allocated).
+        target = {
+            k[len(mine) :]: saved.empty(k) for k in saved.keys if k.startswith(mine) and k[len(mine) :] in RNG_KEYS
+        }
         return {f"rank_{self.rank}": target} if target else None
 
     def load_state_dict(self, state: dict) -> None:

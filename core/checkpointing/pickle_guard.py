@@ -426,7 +426,8 @@ def _check_archive(file: BinaryIO, length: int, allowed: AllowList) -> None:
             if records["data.pkl"] > MAX_PICKLE:
                 raise UnsafeCheckpoint(f"its pickle is {records['data.pkl']} bytes (at most {MAX_PICKLE})")
             pickled = archive.read(f"{folder}/data.pkl")
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError) as e:
+    # NotImplementedError: a header asks for a zip version Python cannot read (one flipped bit makes it so).
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, ValueError, EOFError, NotImplementedError) as e:
         raise UnsafeCheckpoint(f"not a torch.save archive ({type(e).__name__}: {e})") from None
     storages: list[tuple] = []
     check_pickle(pickled, allowed, storages)

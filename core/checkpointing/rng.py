@@ -8,6 +8,9 @@ import random
 import numpy as np
 import torch
 
+# The states rng_state saves (cuda on a GPU only); a resume reads these and nothing else of a rank's.
+RNG_KEYS = ("python", "python_gauss", "numpy", "numpy_gauss", "torch", "cuda")
+
 
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """This process's python, numpy, torch (and CUDA) RNG states as tensors."""

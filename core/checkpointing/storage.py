@@ -196,7 +196,8 @@ def stored_plainly(file: io.BufferedReader, offset: int, length: int) -> Optiona
     try:
         with zipfile.ZipFile(_Slice(file, offset, length)) as archive:
             entries = archive.infolist()
-    except (zipfile.BadZipFile, ValueError, OSError, EOFError) as e:
+    # NotImplementedError: a header asks for a zip version Python cannot read (one flipped bit makes it so).
+    except (zipfile.BadZipFile, ValueError, OSError, EOFError, NotImplementedError) as e:
         return f"not a torch.save archive ({type(e).__name__}: {e})"
     packed = [e.filename for e in entries if e.compress_type != zipfile.ZIP_STORED or e.file_size != e.compress_size]
     if packed:

@@ -178,6 +178,30 @@ def test_a_flipped_bit_is_caught(trained, tmp_path, caplog):
     checkpoint.main(["to-torch", str(shard.parent), str(tmp_path / "w.pt"), "--skip-checksums"])
 
 
+def _flip_the_zip_version(step_dir: Path) -> Path:
+    """One flipped bit that zipfile does not take for damage: the zip version the first central-directory record
+    of a shard needs (torch writes 45) becomes 109, above any Python reads (NotImplementedError, not BadZipFile)."""
+    shard = sorted(step_dir.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[data.index(b"PK\x01\x02") + 6] ^= 0x40
+    shard.write_bytes(bytes(data))
+    return shard
+
+
+def test_a_flipped_bit_in_a_zip_header_is_one_line_and_resume_falls_back(trained, tmp_path, caplog):
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    shard = _flip_the_zip_version(root / "step_4")
+    for skip in ([], ["--skip-checksums"]):
+        proc = run_python(REPO / "checkpoint.py", "to-torch", root / "step_4", tmp_path / "w.pt", *skip, cwd=tmp_path)
+        assert proc.returncode == 3 and proc.stderr.startswith(f"error: {shard}: "), proc.stderr[-3000:]
+        assert "zip file version" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, proc.stderr
+    with caplog.at_level("WARNING"):
+        result = _train(tmp_path, "auto", ["training.steps=5"])["result"]
+    assert result.resumed_from == str(root / "step_2")
+    assert f"cannot resume from {root / 'step_4'}: {shard}: " in caplog.text
+
+
 # ----------------------------------------------------------------------------- one writer per path
 
 
@@ -248,6 +272,27 @@ def test_a_changed_learning_rate_is_refused_or_really_used(trained, tmp_path):
         assert logged[step] == pytest.approx(1e-3 * lr_multiplier(step - 1, 6, cfg.scheduler), rel=1e-12)
     saved = (tmp_path / "ckpt" / "step_6" / "config.yaml").read_text()
     assert "lr: 0.001" in saved
+
+
+def test_a_fallback_resume_compares_the_settings_of_the_checkpoint_it_loads(trained, tmp_path, caplog):
+    """Automatic resume past a damaged newest checkpoint compares the run's settings with the config.yaml of the
+    one it falls back to (here trained with another learning rate), not only with the newest's."""
+    root = tmp_path / "ckpt"
+    shutil.copytree(trained, root)
+    config = root / "step_2" / "config.yaml"
+    assert "lr: 0.003" in config.read_text()
+    config.write_text(config.read_text().replace("lr: 0.003", "lr: 0.002", 1))
+    marker = json.loads((root / "step_2" / "COMPLETE").read_text())
+    (root / "step_2" / "COMPLETE").unlink()
+    write_marker(root / "step_2", {k: v for k, v in marker.items() if k != "files"})
+    shard = sorted((root / "step_4").glob("*.distcp"))[0]
+    os.truncate(shard, shard.stat().st_size - 100)
+    with pytest.raises(ConfigError, match=rf"(?s)resuming from {root / 'step_2'}, but .*optim\.lr: 0\.002 -> 0\.003"):
+        _train(tmp_path, "refused", ["training.steps=5"])
+    with caplog.at_level("WARNING"):
+        result = _train(tmp_path, "allowed", ["training.steps=5", "checkpoint.allow_config_changes=true"])["result"]
+    assert result.resumed_from == str(root / "step_2")
+    assert f"resuming from {root / 'step_2'} with changed settings" in caplog.text and "optim.lr: 0.002" in caplog.text
 
 
 @pytest.mark.slow

@@ -600,3 +600,14 @@ def test_a_pytorch_model_bin_as_transformers_wrote_it_imports_as_its_safetensors
     checkpoint_cli(["from-hf", str(folder), str(tmp_path / "b.safetensors")])
     a, b = load_file(str(tmp_path / "a.safetensors")), load_file(str(tmp_path / "b.safetensors"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_torch_file_whose_zip_header_asks_for_an_unreadable_version_is_refused():
+    """One flipped bit in the version a central-directory record needs makes zipfile raise NotImplementedError, not
+    BadZipFile; it is refused as any other malformed archive."""
+    from core.checkpointing.pickle_guard import TENSOR_GLOBALS, UnsafeCheckpoint, check_torch_file
+
+    data = bytearray(torch_saved({"w": torch.zeros(2)}))
+    data[data.index(b"PK\x01\x02") + 6] ^= 0x40
+    with pytest.raises(UnsafeCheckpoint, match=r"not a torch.save archive \(NotImplementedError: zip file version"):
+        check_torch_file(io.BytesIO(bytes(data)), TENSOR_GLOBALS)

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import os
 import pickle
+import re
 import shutil
 from pathlib import Path
 
@@ -16,7 +17,9 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
 
+import checkpoint
 import core.checkpointing.layout as layout
 from core.checkpointing.dcp_index import index_from_json, load_index
 from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
@@ -530,3 +533,52 @@ def test_a_marker_of_another_step_than_its_folder_is_refused(step_dir, tmp_path)
     ):
         verify(folder)
     assert not is_own(folder)  # never ranked, deleted or set aside as a checkpoint of this tool
+
+
+def _aliased(shift: int):
+    """A change to an index.json: three more weights whose storage is model.w's (`shift` bytes in: overlapping)."""
+
+    def change(index: dict) -> None:
+        stored = next(item for item in index["storage"] if item["fqn"] == "model.w")
+        for i in (1, 2, 3):
+            index["entries"][f"model.w{i}"] = index["entries"]["model.w"]
+            index["storage"].append(
+                {**stored, "fqn": f"model.w{i}", "at": stored["at"] + shift, "length": stored["length"] - shift}
+            )
+
+    return change
+
+
+@pytest.mark.parametrize("shift", [0, 1])
+def test_stored_items_that_share_bytes_are_refused_before_anything_is_allocated(step_dir, tmp_path, shift):
+    """Each item is read into a tensor of its own: many index entries on one item would make a small folder cost
+    many times its size. One line naming the index and two of the items, from every reader."""
+    folder = _forged(_copy(step_dir, tmp_path), _aliased(shift))
+    refusal = rf"^{re.escape(str(folder / 'index.json'))}: the storage of 'model\.w' and of 'model\.w1' share bytes of "
+    with pytest.raises(CheckpointError, match=refusal):
+        verify(folder)
+    with pytest.raises(SystemExit) as stopped:
+        checkpoint.main(["to-torch", str(folder), str(tmp_path / "w.pt")])
+    assert stopped.value.code == 3 and re.match(refusal[1:], str(stopped.value)[len("error: ") :]), stopped.value
+    assert not (tmp_path / "w.pt").exists()
+    # The pickled index (DCP folders from elsewhere) is held to the same.
+    index = load_index((step_dir / ".metadata").read_bytes())
+    where, stored = next((k, v) for k, v in index.storage_data.items() if k.fqn == "model.w")
+    index.storage_data[MetadataIndex("model.w1", where.offset)] = _StorageInfo(
+        stored.relative_path, stored.offset + shift, stored.length - shift
+    )
+    with pytest.raises(layout.UnsafeCheckpoint, match="the storage of 'model.w' and of 'model.w1' share bytes"):
+        load_index(pickle.dumps(index))
+
+
+def test_rng_state_of_a_name_resume_does_not_take_is_not_read(tmp_path):
+    """A resume reads a rank's RNG states that set_rng_state takes; any other key listed gets no tensor."""
+    from core.checkpointing.parts import RNGPart, Saved
+    from core.checkpointing.rng import rng_state
+
+    cpu = torch.device("cpu")
+    dcp.save({"rng": {"rank_0": {**rng_state(cpu), "junk": torch.zeros(1000)}}}, checkpoint_id=tmp_path, no_dist=True)
+    saved = Saved(tmp_path, load_index((tmp_path / ".metadata").read_bytes()), "rng")
+    assert "rank_0.junk" in saved.keys
+    target = RNGPart(0, 1, cpu, is_main=True).load_target(saved)
+    assert set(target["rank_0"]) == set(rng_state(cpu))
