@@ -147,10 +147,11 @@ def test_no_load_path_runs_code_from_a_checkpoint(trained, tmp_path, craft):
 # ----------------------------------------------------------------------------- damaged files
 
 
-def _flip_a_bit(step_dir: Path) -> Path:
+def _flip_a_bit(step_dir: Path, position=lambda data: len(data) // 2, mask: int = 0x10) -> Path:
+    """A bit of the first shard flipped (in its middle by default); that shard."""
     shard = sorted(step_dir.glob("*.distcp"))[0]
     data = bytearray(shard.read_bytes())
-    data[len(data) // 2] ^= 0x10
+    data[position(data)] ^= mask
     shard.write_bytes(bytes(data))
     return shard
 
@@ -181,11 +182,7 @@ def test_a_flipped_bit_is_caught(trained, tmp_path, caplog):
 def _flip_the_zip_version(step_dir: Path) -> Path:
     """One flipped bit that zipfile does not take for damage: the zip version the first central-directory record
     of a shard needs (torch writes 45) becomes 109, above any Python reads (NotImplementedError, not BadZipFile)."""
-    shard = sorted(step_dir.glob("*.distcp"))[0]
-    data = bytearray(shard.read_bytes())
-    data[data.index(b"PK\x01\x02") + 6] ^= 0x40
-    shard.write_bytes(bytes(data))
-    return shard
+    return _flip_a_bit(step_dir, lambda data: data.index(b"PK\x01\x02") + 6, 0x40)
 
 
 def test_a_flipped_bit_in_a_zip_header_is_one_line_and_resume_falls_back(trained, tmp_path, caplog):
