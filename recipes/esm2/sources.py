@@ -33,6 +33,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
 from core.data.folder_walk import walk
+from core.data.parquet_text import text_batches
 from core.data.text_lines import bounded_lines
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
@@ -409,8 +410,8 @@ def read_table(
         if columns.count(wanted) > 1:
             raise DataError(f"{keys.of('path', path)}: {columns.count(wanted)} columns are named {wanted!r}: keep one")
     use_names = name_column is not None and name_column in columns
-    if kind == "parquet":
-        batches = parquet.iter_batches(columns=[column] + ([name_column] if use_names else []), batch_size=65536)
+    if kind == "parquet":  # a batch at a time, bounded: a repeated value is stored once and may expand far
+        batches = text_batches(path, [column] + ([name_column] if use_names else []), MAX_SEQUENCE_LENGTH)
     row = 0
     for batch in batches:
         batch.validate(full=True)  # offsets past their data (a damaged or crafted file) would crash the reader

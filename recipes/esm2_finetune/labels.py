@@ -26,6 +26,7 @@ import numpy as np
 
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
+from core.data.parquet_text import ExpandsTooFar, text_batches
 from core.data.text_lines import bounded_lines
 from recipes.esm2.tokenizer import UNK, encode_residues
 from recipes.esm2_finetune.config import Task
@@ -344,10 +345,12 @@ def _parquet_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -
         _check_header(names, source, wanted, spec)
         columns = [c for c in dict.fromkeys([*wanted, spec.id_column]) if c in names]
         number = 0
-        for batch in file.iter_batches(batch_size=4096, columns=columns):
+        for batch in text_batches(path, columns, MAX_LINE_CHARACTERS):  # bounded: a repeated value may expand far
             for row in batch.to_pylist():
                 number += 1
                 yield ("row", number), row
+    except ExpandsTooFar as e:
+        raise DataError(f"{source}: {e}") from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None
 

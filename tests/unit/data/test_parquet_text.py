@@ -1,0 +1,47 @@
+"""A parquet file of a few KB can hold thousands of rows of one long string (stored once, compressed): the readers
+of text columns refuse it before expanding it, and read real files as before."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+import core.data.parquet_text as parquet_text
+from core.config.errors import DataError
+from recipes.esm2.sequences import read_store
+from recipes.esm2_finetune.config import Task
+from recipes.esm2_finetune.labels import LabelSpec, read_labelled
+
+
+def write_bomb(path, rows=2048, value_bytes=64 << 10):
+    """`rows` rows of one `value_bytes` sequence, dictionary-encoded and compressed: a few KB on disk."""
+    one = pa.array(["M" + "A" * (value_bytes - 1)])
+    sequence = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, dtype=np.int32)), one)
+    label = pa.DictionaryArray.from_arrays(pa.array(np.zeros(rows, dtype=np.int32)), pa.array(["1.0"]))
+    table = pa.table({"sequence": sequence, "y": label})
+    pq.write_table(table, path, compression="zstd", store_schema=False)  # no schema: read back as plain strings
+    return path
+
+
+def test_a_file_that_expands_past_its_budget_is_refused_before_it_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setattr(parquet_text, "MIN_BUDGET_BYTES", 1 << 20)  # 128 MiB of text from ~10 KB: 1 MiB allowed
+    bomb = write_bomb(tmp_path / "bomb.parquet")
+    assert bomb.stat().st_size < 64 << 10
+    with pytest.raises(DataError, match="bomb.parquet: unreadable .*expands to more than 1048576 bytes"):
+        read_store(bomb)
+    with pytest.raises(DataError, match="data.train_path=.*bomb.parquet: its text expands to more than"):
+        read_labelled(bomb, "data.train_path", LabelSpec(Task.regression, ("y",)))
+
+
+def test_a_value_longer_than_its_bound_is_refused_and_real_files_read(tmp_path, monkeypatch):
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_SEQUENCE_LENGTH", 1000)
+    with pytest.raises(DataError, match="a value of column 'sequence' holds 1001 bytes \\(at most 1000\\)"):
+        read_store(write_bomb(tmp_path / "long.parquet", rows=3, value_bytes=1001))
+    plain = pa.table({"id": [f"p{i}" for i in range(3000)], "sequence": ["MKV", "WWWL", "A"] * 1000})
+    pq.write_table(plain, tmp_path / "plain.parquet", use_dictionary=False)  # read over three batches
+    store = read_store(tmp_path / "plain.parquet")
+    assert len(store) == 3000 and store.name(2999) == "p2999" and store.lengths()[:3].tolist() == [3, 4, 1]
