@@ -66,6 +66,9 @@ class HFTokenizer:
                 f"{str(e)[:200]}); a Git LFS pointer or a truncated download?"
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
+        # Saved for a model's inputs, they would cut or pad every document: a document's ids are its text's alone.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         given_eod = eod_token
         eod_token = eod_token or _eos_token(file.parent, named, options.eod_token)
         if eod_token is None:

@@ -73,6 +73,19 @@ def word_level_tokenizer(folder: Path, vocab: dict[str, int]) -> Path:
     return folder
 
 
+def test_truncation_and_padding_saved_in_a_tokenizer_json_are_not_applied_to_documents(tmp_path):
+    from tokenizers import Tokenizer
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2, "b": 3})
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    saved.enable_truncation(2)  # as saved for a model's inputs
+    saved.enable_padding(length=64, pad_id=1, pad_token="</s>")
+    saved.save(str(folder / "tokenizer.json"))
+    tokenizer = build_tokenizer(str(folder))
+    assert tokenizer.encode("a b a b a") == [2, 3, 2, 3, 2]
+    assert [list(ids) for ids in tokenizer.encode_batch(["a b a", "b"])] == [[2, 3, 2], [3]]
+
+
 def test_data_and_tokenizer_must_be_the_pair_they_were_made_as(tmp_path):
     words = {"<unk>": 0, "</s>": 1, "document": 2, "word": 3}
     folder = word_level_tokenizer(tmp_path / "tok", words | {"0": 4})
