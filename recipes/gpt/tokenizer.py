@@ -81,8 +81,7 @@ class HFTokenizer:
             said = given(options.eod_token, given_eod) if given_eod else "its eos_token"
             raise DataError(f"{named}: the end-of-document token {eod_token!r} ({said}) is not in the vocabulary")
         self.eod, self.eod_token = eod, eod_token
-        # The highest id + 1, not the count of tokens: a vocabulary may leave ids unused.
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = _vocab_size(self._tok.get_vocab(with_added_tokens=True), f"{named}: {file}")
         self.pad = self.vocab_size  # never produced: Megatron-Core only needs it to differ from eod
 
     @property
@@ -98,6 +97,18 @@ class HFTokenizer:
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
+
+
+def _vocab_size(vocab: dict[str, int], where: str) -> int:
+    """The highest id + 1, not the count of tokens: a vocabulary may leave ids unused. But not many: the model
+    gets a row per id (an id near 2**31 asks for an embedding of billions of rows), and ids are stored as int32."""
+    token, top = max(vocab.items(), key=lambda item: item[1])
+    if top > np.iinfo(np.int32).max - 1 or top >= 2 * len(vocab) + 1024:
+        raise DataError(
+            f"{where}: the token {shown(token)} has the id {top}, far beyond its {len(vocab)} tokens (the model "
+            "would get a row for every id up to it); fix its id, or remove it"
+        )
+    return top + 1
 
 
 SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # where the special tokens are declared

@@ -86,6 +86,20 @@ def test_truncation_and_padding_saved_in_a_tokenizer_json_are_not_applied_to_doc
     assert [list(ids) for ids in tokenizer.encode_batch(["a b a", "b"])] == [[2, 3, 2], [3]]
 
 
+@pytest.mark.parametrize("top", [2**31 - 2, 4_000_000_000])
+def test_a_token_id_far_beyond_the_vocabulary_is_refused_by_name(tmp_path, top):
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["vocab"]["<|huge|>"] = top  # the model would get an embedding of billions of rows
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    says = rf"tok/tokenizer.json: the token '<\|huge\|>' has the id {top}, far beyond its 4 tokens"
+    with pytest.raises(DataError, match=says):
+        build_tokenizer(str(folder))
+    data["model"]["vocab"]["<|huge|>"] = 10  # a few ids left unused: taken as is
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert build_tokenizer(str(folder)).vocab_size == 11
+
+
 def test_data_and_tokenizer_must_be_the_pair_they_were_made_as(tmp_path):
     words = {"<unk>": 0, "</s>": 1, "document": 2, "word": 3}
     folder = word_level_tokenizer(tmp_path / "tok", words | {"0": 4})
