@@ -103,7 +103,7 @@ def _vocab_size(vocab: dict[str, int], where: str) -> int:
     """The highest id + 1, not the count of tokens: a vocabulary may leave ids unused. But not many: the model
     gets a row per id (an id near 2**31 asks for an embedding of billions of rows), and ids are stored as int32."""
     token, top = max(vocab.items(), key=lambda item: item[1])
-    if top > np.iinfo(np.int32).max - 1 or top >= 2 * len(vocab) + 1024:
+    if top > np.iinfo(np.int32).max - 1 or top >= 2 * len(vocab) + (1 << 17):
         raise DataError(
             f"{where}: the token {shown(token)} has the id {top}, far beyond its {len(vocab)} tokens (the model "
             "would get a row for every id up to it); fix its id, or remove it"
