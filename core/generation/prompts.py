@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from core.config.errors import DataError
+from core.config.file_shape import NotThisKindOfFile, read_small_file
 from core.data.json_lines import json_lines
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
@@ -63,9 +64,16 @@ def read_prompts(path: Path) -> list[Prompt]:
     return prompts
 
 
+# A prompt file far larger than any list of prompts (a sparse file, a wrong path) is refused before it is read.
+PROMPT_FILE_MAX_BYTES = 256 << 20
+
+
 def _text_prompts(path: Path, source: str) -> list[Prompt]:
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no prompt text
+        raw = read_small_file(path, PROMPT_FILE_MAX_BYTES, follow_symlinks=True)
+        text = raw.decode("utf-8-sig")  # a byte-order mark is no prompt text
+    except NotThisKindOfFile as e:
+        raise DataError(f"{source}: {e}") from None
     except OSError as e:
         raise DataError(f"{source}: unreadable ({e.strerror or e})") from None
     except UnicodeDecodeError as e:

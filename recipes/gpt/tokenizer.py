@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from core.config.errors import DataError
-from core.config.file_shape import shown
+from core.config.file_shape import NotThisKindOfFile, read_small_file, shown
 from recipes.gpt.options import DATA_CONFIG, Options, given
 
 
@@ -44,6 +44,23 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+# tokenizer.json and its settings files: those of the largest vocabularies are tens of MB; a file far larger (a
+# sparse file, a wrong path) is refused before it is read into memory.
+TOKENIZER_FILE_MAX_BYTES = 256 << 20
+
+
+def read_tokenizer_file(file: Path, where: str) -> bytes:
+    """A tokenizer folder's file, at most TOKENIZER_FILE_MAX_BYTES (symbolic links followed: Hugging Face's
+    cache links to its blobs); DataError `<where>: <reason>` when it is not a regular file, too large or
+    unreadable."""
+    try:
+        return read_small_file(file, TOKENIZER_FILE_MAX_BYTES, follow_symlinks=True)
+    except NotThisKindOfFile as e:
+        raise DataError(f"{where}: {e}") from None
+    except OSError as e:
+        raise DataError(f"{where}: unreadable ({e.strerror or e})") from None
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (or its tokenizer.json). End of document: `eod_token`, or
     the folder's eos_token (tokenizer_config.json / special_tokens_map.json). `options` name the settings (or
@@ -57,8 +74,8 @@ class HFTokenizer:
         if not file.is_file():
             raise DataError(f"{named}: no tokenizer.json there (give a local Hugging Face tokenizer folder, or 'byte')")
         self.name = str(folder)
+        raw = read_tokenizer_file(file, f"{named}: {file}")
         try:
-            raw = file.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
             raise DataError(
@@ -119,8 +136,9 @@ def read_settings_file(file: Path, named: str = "") -> dict:
     refused (DataError naming it, after `named`: what gave the folder), not skipped: the special tokens it should
     declare would silently come from the other file, or be missing, and Hugging Face's own loaders fail on it too."""
     where = f"{named}: {file}" if named else str(file)
+    raw = read_tokenizer_file(file, where)
     try:
-        settings = json.loads(file.read_bytes())
+        settings = json.loads(raw)
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8 or JSON, or a too long integer
         raise DataError(
             f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then run again"

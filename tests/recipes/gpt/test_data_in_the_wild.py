@@ -100,6 +100,21 @@ def test_a_token_id_far_beyond_the_vocabulary_is_refused_by_name(tmp_path, top):
     assert build_tokenizer(str(folder)).vocab_size == 100_001
 
 
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_far_larger_than_a_vocabulary_is_refused_before_it_is_read(tmp_path, monkeypatch, name):
+    from recipes.gpt import tokenizer
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
+    monkeypatch.setattr(tokenizer, "TOKENIZER_FILE_MAX_BYTES", 4000)
+    build_tokenizer(str(folder))
+    with open(folder / name, "r+b") as f:
+        f.truncate(4001)  # sparse: reading it whole would take its apparent size in memory
+    says = rf"^data.tokenizer=\S*tok: \S*tok/{name}: it is larger than 4000 bytes, far more than a file"
+    says += " of this kind holds$"  # the whole message: no other error wrapped around it
+    with pytest.raises(DataError, match=says):
+        build_tokenizer(str(folder))
+
+
 def test_data_and_tokenizer_must_be_the_pair_they_were_made_as(tmp_path):
     words = {"<unk>": 0, "</s>": 1, "document": 2, "word": 3}
     folder = word_level_tokenizer(tmp_path / "tok", words | {"0": 4})
