@@ -19,6 +19,7 @@ from core.config.file_shape import NotThisKindOfFile, read_small_file
 from core.data.json_lines import json_lines
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_LINE_END = re.compile("\r\n|\r|\n")
 
 
 def lone_surrogate(text: str) -> bool:
@@ -78,7 +79,9 @@ def _text_prompts(path: Path, source: str) -> list[Prompt]:
         raise DataError(f"{source}: unreadable ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    lines = enumerate(text.splitlines(), start=1)
+    # Lines end at \n, \r\n or \r only, as in preprocess: str.splitlines() would also cut one prompt at a form
+    # feed, NEL or U+2028/U+2029 inside it.
+    lines = enumerate(_LINE_END.split(text), start=1)
     return [Prompt(line, where=f"{source}: line {n}") for n, line in lines if line.strip()]
 
 
