@@ -15,9 +15,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from core.config.errors import DataError
+from core.config.file_shape import NotThisKindOfFile, read_small_file
 from core.data.json_lines import json_lines
 
 _LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+_LINE_END = re.compile("\r\n|\r|\n")
 
 
 def lone_surrogate(text: str) -> bool:
@@ -63,14 +65,23 @@ def read_prompts(path: Path) -> list[Prompt]:
     return prompts
 
 
+# A prompt file far larger than any list of prompts (a sparse file, a wrong path) is refused before it is read.
+PROMPT_FILE_MAX_BYTES = 256 << 20
+
+
 def _text_prompts(path: Path, source: str) -> list[Prompt]:
     try:
-        text = path.read_text(encoding="utf-8-sig")  # a byte-order mark is no prompt text
+        raw = read_small_file(path, PROMPT_FILE_MAX_BYTES, follow_symlinks=True)
+        text = raw.decode("utf-8-sig")  # a byte-order mark is no prompt text
+    except NotThisKindOfFile as e:
+        raise DataError(f"{source}: {e}") from None
     except OSError as e:
         raise DataError(f"{source}: unreadable ({e.strerror or e})") from None
     except UnicodeDecodeError as e:
         raise DataError(f"{source}: not UTF-8 text (byte {e.start}: {e.reason})") from None
-    lines = enumerate(text.splitlines(), start=1)
+    # Lines end at \n, \r\n or \r only, as in preprocess: str.splitlines() would also cut one prompt at a form
+    # feed, NEL or U+2028/U+2029 inside it.
+    lines = enumerate(_LINE_END.split(text), start=1)
     return [Prompt(line, where=f"{source}: line {n}") for n, line in lines if line.strip()]
 
 

@@ -157,11 +157,36 @@ def tokenize_text_once(data: GPTDataConfig, tokenizer) -> str:
     return str(prefix)
 
 
+def layout_problem(lengths: np.ndarray, pointers: np.ndarray, itemsize: int, chunk: int = 1 << 22) -> Optional[str]:
+    """What is wrong with an .idx's documents, or None: each must hold a token and start where the one before
+    ends. Otherwise Megatron-Core reads documents twice or past the .bin, or (no tokens at all) loops forever
+    looking for an epoch's worth. Checked in chunks, so a huge index needs no second copy in memory."""
+    if not len(lengths):
+        return "it holds no documents (no tokens)"
+    start = 0  # in bytes: where the next document must begin
+    for first in range(0, len(lengths), chunk):
+        part = lengths[first : first + chunk].astype(np.int64)
+        short = np.flatnonzero(part < 1)
+        if short.size:
+            i = first + int(short[0])
+            return f"document {i} holds {int(lengths[i])} tokens"
+        ends = start + np.cumsum(part) * itemsize
+        starts = np.concatenate(([start], ends[:-1]))
+        wrong = np.flatnonzero(pointers[first : first + chunk] != starts)
+        if wrong.size:
+            i = first + int(wrong[0])
+            at, should = int(pointers[i]), int(starts[wrong[0]])
+            return f"document {i} starts at byte {at}, not at {should} where the one before ends"
+        start = int(ends[-1])
+    return None
+
+
 def check_prefix(prefix: str, tokenizer) -> None:
     """Refuse a <prefix>.bin that is not the size its .idx describes (a copy cut short, a file from another pair),
     and, where our preprocess's <prefix>.json says how the pair was made, an .idx whose token type or count differs
     from it or a data.tokenizer other than the one it was made with: each would be read as other tokens, or fail
-    mid-run without naming the file. Files from elsewhere (no .json) get the size check only."""
+    mid-run without naming the file. Files from elsewhere (no .json) get the checks of the .idx alone: an
+    integer token type, the size, and documents of at least one token each, laid end to end."""
     import_quietly()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset
 
@@ -169,14 +194,22 @@ def check_prefix(prefix: str, tokenizer) -> None:
         index = IndexedDataset(prefix).index
         lengths, pointers = index.sequence_lengths, index.sequence_pointers
         expected = int(pointers[-1]) + int(lengths[-1]) * index.dtype_size if len(lengths) else 0
-    except Exception as e:  # noqa: BLE001 (Megatron-Core asserts, numpy and struct errors)
+    except AssertionError as e:  # Megatron-Core's checks of the counts carry no message
+        reason = str(e) or "its document indices disagree with its number of sequences"
+        raise DataError(f"data.prefixes: {prefix}.idx: unreadable ({reason})") from None
+    except Exception as e:  # noqa: BLE001 (numpy and struct errors)
         raise DataError(f"data.prefixes: {prefix}.idx: unreadable ({type(e).__name__}: {e})") from None
+    if not np.issubdtype(index.dtype, np.integer):
+        raise DataError(f"data.prefixes: {prefix}.idx: token type {index.dtype.__name__}, not an integer type")
     size = Path(f"{prefix}.bin").stat().st_size
     if size != expected:
         raise DataError(
             f"data.prefixes: {prefix}.bin holds {size} bytes, its .idx describes {expected}: a copy cut "
             "short, or not the .idx's own .bin"
         )
+    problem = layout_problem(lengths, pointers, index.dtype_size)
+    if problem:
+        raise DataError(f"data.prefixes: {prefix}.idx: {problem}: damaged, or not written by a Megatron writer")
     record = Path(f"{prefix}.json")
     try:
         made = json.loads(read_small_file(record, 1 << 24, follow_symlinks=True)) if record.is_file() else None

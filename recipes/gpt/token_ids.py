@@ -1,4 +1,4 @@
-"""Token ids as read from a .bin, refused by name where one is beyond the vocabulary.
+"""Token ids as read from a .bin, refused by name where one is negative or beyond the vocabulary.
 
 A .bin of the right size passes every check of its .idx, yet may hold ids the tokenizer never gives (made with
 another tokenizer without our .json, or damaged): the embedding then fails without naming the file (an
@@ -25,7 +25,7 @@ class CheckedGPTDatasetConfig(GPTDatasetConfig):
 
 class VocabularyChecked:
     """An IndexedDataset (Megatron-Core's reader of a .bin/.idx pair) whose reads refuse ids of `vocab_size` or
-    more; everything else is the reader's own."""
+    more or below 0; everything else is the reader's own."""
 
     def __init__(self, indexed, vocab_size: int, tokenizer: str, source: str):
         self.indexed, self.vocab_size, self.tokenizer, self.source = indexed, vocab_size, tokenizer, source
@@ -43,11 +43,12 @@ class VocabularyChecked:
 
     def get(self, idx: int, offset: int = 0, length: Optional[int] = None) -> np.ndarray:
         ids = self.indexed.get(idx, offset, length)
-        if ids.size and int(ids.max()) >= self.vocab_size:
-            position = int(np.argmax(ids >= self.vocab_size))
+        # A signed token type (from elsewhere) can hold negative ids: as far outside the vocabulary as large ones.
+        if ids.size and (int(ids.max()) >= self.vocab_size or int(ids.min()) < 0):
+            position = int(np.argmax((ids >= self.vocab_size) | (ids < 0)))
             raise DataError(
                 f"{self.source}: {self.indexed.path_prefix}.bin: document {int(idx)} holds the token id "
-                f"{int(ids[position])} at position {offset + position}, beyond the vocabulary of "
+                f"{int(ids[position])} at position {offset + position}, outside the vocabulary of "
                 f"data.tokenizer={self.tokenizer} ({self.vocab_size} ids): the files were made with "
                 "another tokenizer, or are damaged; give that tokenizer, or preprocess the text again"
             )

@@ -16,7 +16,7 @@ from typing import Optional
 import numpy as np
 
 from core.config.errors import DataError
-from core.config.file_shape import shown
+from core.config.file_shape import NotThisKindOfFile, read_small_file, shown
 from recipes.gpt.options import DATA_CONFIG, Options, given
 
 
@@ -44,6 +44,23 @@ class ByteTokenizer:
         return bytes(int(i) for i in ids if int(i) < 256).decode("utf-8", errors="replace")
 
 
+# tokenizer.json and its settings files: those of the largest vocabularies are tens of MB; a file far larger (a
+# sparse file, a wrong path) is refused before it is read into memory.
+TOKENIZER_FILE_MAX_BYTES = 256 << 20
+
+
+def read_tokenizer_file(file: Path, where: str) -> bytes:
+    """A tokenizer folder's file, at most TOKENIZER_FILE_MAX_BYTES (symbolic links followed: Hugging Face's
+    cache links to its blobs); DataError `<where>: <reason>` when it is not a regular file, too large or
+    unreadable."""
+    try:
+        return read_small_file(file, TOKENIZER_FILE_MAX_BYTES, follow_symlinks=True)
+    except NotThisKindOfFile as e:
+        raise DataError(f"{where}: {e}") from None
+    except OSError as e:
+        raise DataError(f"{where}: unreadable ({e.strerror or e})") from None
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (or its tokenizer.json). End of document: `eod_token`, or
     the folder's eos_token (tokenizer_config.json / special_tokens_map.json). `options` name the settings (or
@@ -57,8 +74,8 @@ class HFTokenizer:
         if not file.is_file():
             raise DataError(f"{named}: no tokenizer.json there (give a local Hugging Face tokenizer folder, or 'byte')")
         self.name = str(folder)
+        raw = read_tokenizer_file(file, f"{named}: {file}")
         try:
-            raw = file.read_bytes()
             self._tok = Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # noqa: BLE001 (tokenizers raises a bare Exception)
             raise DataError(
@@ -66,6 +83,9 @@ class HFTokenizer:
                 f"{str(e)[:200]}); a Git LFS pointer or a truncated download?"
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
+        # Saved for a model's inputs, they would cut or pad every document: a document's ids are its text's alone.
+        self._tok.no_truncation()
+        self._tok.no_padding()
         given_eod = eod_token
         eod_token = eod_token or _eos_token(file.parent, named, options.eod_token)
         if eod_token is None:
@@ -78,8 +98,7 @@ class HFTokenizer:
             said = given(options.eod_token, given_eod) if given_eod else "its eos_token"
             raise DataError(f"{named}: the end-of-document token {eod_token!r} ({said}) is not in the vocabulary")
         self.eod, self.eod_token = eod, eod_token
-        # The highest id + 1, not the count of tokens: a vocabulary may leave ids unused.
-        self.vocab_size = max(self._tok.get_vocab(with_added_tokens=True).values()) + 1
+        self.vocab_size = _vocab_size(self._tok.get_vocab(with_added_tokens=True), f"{named}: {file}")
         self.pad = self.vocab_size  # never produced: Megatron-Core only needs it to differ from eod
 
     @property
@@ -97,6 +116,18 @@ class HFTokenizer:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
 
 
+def _vocab_size(vocab: dict[str, int], where: str) -> int:
+    """The highest id + 1, not the count of tokens: a vocabulary may leave ids unused. But not many: the model
+    gets a row per id (an id near 2**31 asks for an embedding of billions of rows), and ids are stored as int32."""
+    token, top = max(vocab.items(), key=lambda item: item[1])
+    if top > np.iinfo(np.int32).max - 1 or top >= 2 * len(vocab) + (1 << 17):
+        raise DataError(
+            f"{where}: the token {shown(token)} has the id {top}, far beyond its {len(vocab)} tokens (the model "
+            "would get a row for every id up to it); fix its id, or remove it"
+        )
+    return top + 1
+
+
 SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # where the special tokens are declared
 
 
@@ -105,8 +136,9 @@ def read_settings_file(file: Path, named: str = "") -> dict:
     refused (DataError naming it, after `named`: what gave the folder), not skipped: the special tokens it should
     declare would silently come from the other file, or be missing, and Hugging Face's own loaders fail on it too."""
     where = f"{named}: {file}" if named else str(file)
+    raw = read_tokenizer_file(file, where)
     try:
-        settings = json.loads(file.read_bytes())
+        settings = json.loads(raw)
     except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8 or JSON, or a too long integer
         raise DataError(
             f"{where}: unreadable as JSON ({type(e).__name__}: {e}); fix or remove it, then run again"

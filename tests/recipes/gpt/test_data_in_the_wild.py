@@ -73,6 +73,48 @@ def word_level_tokenizer(folder: Path, vocab: dict[str, int]) -> Path:
     return folder
 
 
+def test_truncation_and_padding_saved_in_a_tokenizer_json_are_not_applied_to_documents(tmp_path):
+    from tokenizers import Tokenizer
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2, "b": 3})
+    saved = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    saved.enable_truncation(2)  # as saved for a model's inputs
+    saved.enable_padding(length=64, pad_id=1, pad_token="</s>")
+    saved.save(str(folder / "tokenizer.json"))
+    tokenizer = build_tokenizer(str(folder))
+    assert tokenizer.encode("a b a b a") == [2, 3, 2, 3, 2]
+    assert [list(ids) for ids in tokenizer.encode_batch(["a b a", "b"])] == [[2, 3, 2], [3]]
+
+
+@pytest.mark.parametrize("top", [2**31 - 2, 4_000_000_000])
+def test_a_token_id_far_beyond_the_vocabulary_is_refused_by_name(tmp_path, top):
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["vocab"]["<|huge|>"] = top  # the model would get an embedding of billions of rows
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    says = rf"tok/tokenizer.json: the token '<\|huge\|>' has the id {top}, far beyond its 4 tokens"
+    with pytest.raises(DataError, match=says):
+        build_tokenizer(str(folder))
+    data["model"]["vocab"]["<|huge|>"] = 100_000  # ids left unused, not billions: taken as is
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    assert build_tokenizer(str(folder)).vocab_size == 100_001
+
+
+@pytest.mark.parametrize("name", ["tokenizer.json", "tokenizer_config.json"])
+def test_a_tokenizer_file_far_larger_than_a_vocabulary_is_refused_before_it_is_read(tmp_path, monkeypatch, name):
+    from recipes.gpt import tokenizer
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
+    monkeypatch.setattr(tokenizer, "TOKENIZER_FILE_MAX_BYTES", 4000)
+    build_tokenizer(str(folder))
+    with open(folder / name, "r+b") as f:
+        f.truncate(4001)  # sparse: reading it whole would take its apparent size in memory
+    says = rf"^data.tokenizer=\S*tok: \S*tok/{name}: it is larger than 4000 bytes, far more than a file"
+    says += " of this kind holds$"  # the whole message: no other error wrapped around it
+    with pytest.raises(DataError, match=says):
+        build_tokenizer(str(folder))
+
+
 def test_data_and_tokenizer_must_be_the_pair_they_were_made_as(tmp_path):
     words = {"<unk>": 0, "</s>": 1, "document": 2, "word": 3}
     folder = word_level_tokenizer(tmp_path / "tok", words | {"0": 4})
@@ -292,6 +334,48 @@ def test_leftovers_of_gone_processes_on_this_host_are_removed_and_no_others(tmp_
         live.wait()
 
 
+def hand_made_pair(prefix: Path, tokens, lengths, pointers=None, documents=None, code: int = 8, dtype="<u2") -> None:
+    """A .bin/.idx pair written byte by byte in Megatron-Core's layout (no .json: files from elsewhere), any of
+    its fields as given: `code` is the .idx's token type (8: uint16), `dtype` how the .bin is written."""
+    import numpy as np
+
+    item = np.dtype(dtype).itemsize
+    lengths = np.asarray(lengths, "<i4")
+    if pointers is None:
+        pointers = np.concatenate(([0], np.cumsum(lengths[:-1]))) * item
+    documents = np.arange(len(lengths) + 1) if documents is None else documents
+    Path(f"{prefix}.bin").write_bytes(np.asarray(tokens, dtype).tobytes())
+    head = b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, code, len(lengths), len(documents))
+    body = lengths.tobytes() + np.asarray(pointers, "<i8").tobytes() + np.asarray(documents, "<i8").tobytes()
+    Path(f"{prefix}.idx").write_bytes(head + body)
+
+
+@pytest.mark.parametrize(
+    "fields, says",
+    [  # lengths summing to 0 tokens: Megatron-Core looked forever for an epoch's worth
+        ({"tokens": [65], "lengths": [-1, 1], "pointers": [0, 0]}, "document 0 holds -1 tokens"),
+        ({"tokens": [65], "lengths": [0, 1], "pointers": [0, 0]}, "document 0 holds 0 tokens"),
+        # pointers past the .bin (an error mid-run) or overlapping (documents read twice, silently)
+        ({"tokens": [65] * 6, "lengths": [2, 2, 2], "pointers": [10**9, 4, 8]}, "document 0 starts at byte 10+"),
+        ({"tokens": [65] * 6, "lengths": [2, 2, 2], "pointers": [0, 0, 8]}, "document 1 starts at byte 0, not at 4"),
+        ({"tokens": [65] * 6, "lengths": [2, 2, 2], "documents": [0, 1]}, r"unreadable \(its document indices"),
+        ({"tokens": [65.5] * 6, "lengths": [3, 3], "code": 6, "dtype": "<f8"}, "token type float64, not an integer"),
+    ],
+)
+def test_an_idx_whose_documents_are_not_laid_end_to_end_is_refused_at_start(tmp_path, fields, says):
+    hand_made_pair(tmp_path / "p", **fields)
+    with pytest.raises(DataError, match=rf"^data.prefixes: {re.escape(str(tmp_path))}/p.idx: {says}"):
+        build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 32, 0, 100, None)
+
+
+def test_negative_token_ids_of_a_signed_token_type_are_refused_by_position(tmp_path):
+    tokens = [72, 105, -300, 33, 256] * 40
+    hand_made_pair(tmp_path / "p", tokens, [5] * 40, code=3, dtype="<i2")  # int16, from elsewhere
+    train = build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 16, 0, 10, None)[0]
+    with pytest.raises(DataError, match=r"p.bin: document \d+ holds the token id -300 at position 2, outside the voc"):
+        train[0]
+
+
 def with_token_ids(tmp_path: Path, documents: int, ids: dict[tuple[int, int], int]) -> Path:
     """A corpus tokenized as usual, then ids written over its tokens in the .bin ({(document, position): id}):
     the files keep their sizes, so every check of the .idx and .json passes."""
@@ -315,7 +399,7 @@ def test_token_ids_beyond_the_vocabulary_are_refused_by_file_document_and_positi
     train = build_gpt_datasets(indexed(tmp_path, prefix), 32, 0, None, None)[0]
     says = (
         rf"^data.prefixes: {re.escape(str(prefix))}.bin: document 7 holds the token id 300 at position 11, "
-        r"beyond the vocabulary of data.tokenizer=byte \(258 ids\)"
+        r"outside the vocabulary of data.tokenizer=byte \(258 ids\)"
     )
     for dataset in (train, pickle.loads(pickle.dumps(train)), document_windows(train, "train", 32, 256, False)):
         with pytest.raises(DataError, match=says):  # whichever sample holds it, as read (a loader worker: pickled)
@@ -355,7 +439,7 @@ def test_training_on_ids_beyond_the_vocabulary_ends_in_one_line_naming_the_file(
     assert len(said) == 1 and "Traceback" not in output, output[-3000:]
     assert re.search(
         rf"data error: data.prefixes: {re.escape(str(prefix))}.bin: document \d+ holds the token id 5000 "
-        r"at position \d+, beyond the vocabulary of data.tokenizer=byte \(258 ids\)",
+        r"at position \d+, outside the vocabulary of data.tokenizer=byte \(258 ids\)",
         said[0],
     ), said
 
