@@ -14,6 +14,7 @@ from typing import Iterator, Optional, Sequence
 BATCH_ROWS = 8192
 MIN_BUDGET_BYTES = 256 << 20  # any file may expand to this much text
 MAX_EXPANSION = 1000  # and to this many times its size on disk (real data: a few times)
+PAGE_OVERHEAD_BYTES = 1 << 20  # page headers and dictionary pages beside the values
 
 
 class ExpandsTooFar(ValueError):
@@ -24,6 +25,26 @@ def _is_text(t) -> bool:
     import pyarrow as pa
 
     return pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_binary(t) or pa.types.is_large_binary(t)
+
+
+def _check_stored_sizes(meta, text: list[str], max_value_bytes: int, budget: int) -> None:
+    """From the metadata, before any page is read: a text column's pages hold no more bytes than its rows' values
+    may, nor than the file's budget (a page is decompressed whole: one 256 MiB value compresses to a few KB)."""
+    stored = 0
+    for g in range(meta.num_row_groups):
+        group = meta.row_group(g)
+        for c in range(group.num_columns):
+            column = group.column(c)
+            if column.path_in_schema not in text:
+                continue
+            stored += column.total_uncompressed_size
+            if column.total_uncompressed_size > max_value_bytes * group.num_rows + PAGE_OVERHEAD_BYTES:
+                raise ExpandsTooFar(
+                    f"row group {g + 1} stores {column.total_uncompressed_size} bytes of column "
+                    f"{column.path_in_schema!r} for {group.num_rows} rows (at most {max_value_bytes} a value)"
+                )
+    if stored > budget:
+        raise ExpandsTooFar(f"its text columns store {stored} bytes uncompressed, past its bound of {budget}")
 
 
 def text_batches(
@@ -38,9 +59,11 @@ def text_batches(
 
     schema = pq.read_schema(path)
     text = [c for c in columns if _is_text(schema.field(c).type)]
+    file = pq.ParquetFile(path, read_dictionary=text)
     size = path.stat().st_size
     budget, total = max(MIN_BUDGET_BYTES, MAX_EXPANSION * size), 0
-    for batch in pq.ParquetFile(path, read_dictionary=text).iter_batches(batch_size=batch_rows, columns=list(columns)):
+    _check_stored_sizes(file.metadata, text, max_value_bytes, budget)
+    for batch in file.iter_batches(batch_size=batch_rows, columns=list(columns)):
         plain = []
         for name, column in zip(batch.schema.names, batch.columns):
             encoded = pa.types.is_dictionary(column.type)
@@ -52,10 +75,10 @@ def text_batches(
                 if longest is not None and longest > max_value_bytes:
                     raise ExpandsTooFar(f"a value of column {name!r} holds {longest} bytes (at most {max_value_bytes})")
                 total += pc.sum(lengths).as_py() or 0
+                if total > budget:  # before the values are copied out
+                    raise ExpandsTooFar(
+                        f"its text expands to more than {budget} bytes, the bound for a file of {size} bytes "
+                        f"({MAX_EXPANSION} times its size, at least {MIN_BUDGET_BYTES}): a decompression bomb?"
+                    )
             plain.append(column.dictionary.take(column.indices) if encoded and name in text else column)
-        if total > budget:
-            raise ExpandsTooFar(
-                f"its text expands to more than {budget} bytes, the bound for a file of {size} bytes "
-                f"({MAX_EXPANSION} times its size, at least {MIN_BUDGET_BYTES}): a decompression bomb?"
-            )
         yield pa.RecordBatch.from_arrays(plain, names=batch.schema.names)

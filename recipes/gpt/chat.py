@@ -44,6 +44,7 @@ import numpy as np
 
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
+from core.data.parquet_text import ExpandsTooFar, text_batches
 from recipes.gpt.options import DATA_CONFIG, Options, given
 from recipes.gpt.template_sandbox import BoundedTemplate
 from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
@@ -51,6 +52,7 @@ from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
 ROLES = ("system", "user", "assistant")
 PLAIN_HEADERS = {role: f"<|{role}|>\n" for role in ROLES}
 PARQUET_BATCH_ROWS = 64  # rows decoded at once (each within the row groups' checked bounds)
+MAX_TEXT_BYTES = 16 << 20  # a parquet prompt or response: far more than any max_length keeps
 TEMPLATE_FILE = "chat_template.jinja"  # where transformers saves a folder's chat template besides tokenizer_config
 
 
@@ -393,10 +395,12 @@ def _parquet_rows(path: Path, source: str, max_length: int) -> Iterator[tuple[st
             )
         _check_row_groups(file, source, columns, max_length)
         number = 0
-        for batch in file.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        for batch in text_batches(path, columns, MAX_TEXT_BYTES, PARQUET_BATCH_ROWS):  # prompt/response bounded
             for row in batch.to_pylist():
                 number += 1
                 yield f"row {number}", row
+    except ExpandsTooFar as e:
+        raise DataError(f"{source}: {e}") from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None
 

@@ -27,6 +27,7 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from core.config.errors import ConfigError, DataError
+from core.data.parquet_text import ExpandsTooFar, text_batches
 from core.data.partial_outputs import Stopped, stop_signal
 from core.generation.prompts import lone_surrogate
 from recipes.gpt.megatron_core import import_quietly
@@ -38,6 +39,8 @@ from recipes.gpt.tokenizer import build_tokenizer
 SUFFIXES = (".txt", ".jsonl", ".parquet")
 BATCH_CHARACTERS = 1 << 20  # text tokenized at a time (the tokenizer's batch encoding), at most
 BATCH_DOCUMENTS = 4096
+
+MAX_DOCUMENT_BYTES = 16 << 20  # one parquet row's text: a long book is a few MB
 
 
 def read_documents(
@@ -98,13 +101,16 @@ def read_parquet(path: Path, text_key: str, named: str, key_named: str) -> Itera
             f"{named}: no column {text_key!r} ({key_named}; columns: {', '.join(table.schema_arrow.names)})"
         )
     row = 0
-    for batch in table.iter_batches(columns=[text_key]):
-        for text in batch.column(0).to_pylist():
-            if not isinstance(text, str):  # a null or a number: as a .jsonl line without text, refused
-                raise DataError(f"{named}: row {row}: no text in the column {text_key!r} ({text!r:.40})")
-            if text:
-                yield text
-            row += 1
+    try:  # bounded: a document stored once and compressed may expand far (core/data/parquet_text.py)
+        for batch in text_batches(path, [text_key], MAX_DOCUMENT_BYTES):
+            for text in batch.column(0).to_pylist():
+                if not isinstance(text, str):  # a null or a number: as a .jsonl line without text, refused
+                    raise DataError(f"{named}: row {row}: no text in the column {text_key!r} ({text!r:.40})")
+                if text:
+                    yield text
+                row += 1
+    except ExpandsTooFar as e:
+        raise DataError(f"{named}: {e}") from None
 
 
 def check_inputs(inputs: list[Path], output_prefix: Path, replace: bool, options: Options) -> None:

@@ -45,3 +45,20 @@ def test_a_value_longer_than_its_bound_is_refused_and_real_files_read(tmp_path, 
     pq.write_table(plain, tmp_path / "plain.parquet", use_dictionary=False)  # read over three batches
     store = read_store(tmp_path / "plain.parquet")
     assert len(store) == 3000 and store.name(2999) == "p2999" and store.lengths()[:3].tolist() == [3, 4, 1]
+
+
+def test_a_page_holding_more_than_its_rows_may_is_refused_from_the_metadata(tmp_path, monkeypatch):
+    """One row of one long value, compressed: its page is decompressed whole, so the column's stored size in the
+    metadata is checked against the rows' bound before any page is read (GPT text and chat parquet files)."""
+    import recipes.gpt.preprocess as preprocess
+
+    monkeypatch.setattr(preprocess, "MAX_DOCUMENT_BYTES", 1 << 20)
+    pq.write_table(pa.table({"text": ["x" * (4 << 20)]}), tmp_path / "one.parquet", compression="zstd")
+    assert (tmp_path / "one.parquet").stat().st_size < 64 << 10
+    with pytest.raises(DataError, match="one.parquet: row group 1 stores 41943.. bytes of column 'text' for 1 rows"):
+        list(preprocess.read_parquet(tmp_path / "one.parquet", "text", "--input one.parquet", "--text-key"))
+    pq.write_table(pa.table({"text": ["a document", "", "another"]}), tmp_path / "ok.parquet")
+    assert list(preprocess.read_parquet(tmp_path / "ok.parquet", "text", "--input", "--text-key")) == [
+        "a document",
+        "another",
+    ]
