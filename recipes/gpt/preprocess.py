@@ -27,8 +27,10 @@ from typing import Iterable, Iterator, Optional
 import numpy as np
 
 from core.config.errors import ConfigError, DataError
+from core.data.json_lines import MAX_LINE_BYTES
 from core.data.parquet_text import ExpandsTooFar, text_batches
 from core.data.partial_outputs import Stopped, stop_signal
+from core.data.text_lines import bounded_lines
 from core.generation.prompts import lone_surrogate
 from recipes.gpt.megatron_core import import_quietly
 from recipes.gpt.options import COMMAND_LINE, Options, given
@@ -62,10 +64,16 @@ def read_documents(
 
 
 def read_jsonl(path: Path, text_key: str, named: str, key_named: str) -> Iterator[str]:
+    """The texts of a JSON Lines file; a blank text is left out, as a .txt's blank documents are (it would be an
+    end-of-document token alone); a byte-order mark on the first line is allowed."""
+
+    def too_long(number: int) -> DataError:
+        return DataError(f"{named}:{number}: a line longer than {MAX_LINE_BYTES >> 20} MiB (no line end?)")
+
     with open(path, "rb") as f:
-        for number, raw_line in enumerate(f, 1):
+        for number, raw_line in enumerate(bounded_lines(f, MAX_LINE_BYTES, too_long), 1):
             try:
-                line = raw_line.decode("utf-8")
+                line = raw_line.decode("utf-8-sig" if number == 1 else "utf-8")
             except UnicodeDecodeError as e:
                 raise DataError(
                     f"{named}:{number}: not UTF-8 text (byte {e.start} of the line: {e.reason}); is it a binary file?"
@@ -84,7 +92,8 @@ def read_jsonl(path: Path, text_key: str, named: str, key_named: str) -> Iterato
                     f"{named}:{number}: the text holds a lone UTF-16 surrogate (\\ud800-\\udfff): not "
                     "text any tokenizer encodes"
                 )
-            yield text
+            if text.strip():
+                yield text
 
 
 def read_parquet(path: Path, text_key: str, named: str, key_named: str) -> Iterator[str]:
@@ -106,7 +115,7 @@ def read_parquet(path: Path, text_key: str, named: str, key_named: str) -> Itera
             for text in batch.column(0).to_pylist():
                 if not isinstance(text, str):  # a null or a number: as a .jsonl line without text, refused
                     raise DataError(f"{named}: row {row}: no text in the column {text_key!r} ({text!r:.40})")
-                if text:
+                if text.strip():  # a blank text left out, as in the other formats
                     yield text
                 row += 1
     except ExpandsTooFar as e:

@@ -144,6 +144,24 @@ def test_text_files_from_windows_or_with_a_byte_order_mark_give_their_text(tmp_p
     assert decode_document(tmp_path / "p", 0) == "First line\nstill first"
 
 
+def test_blank_texts_are_left_out_alike_and_a_jsonl_may_start_with_a_byte_order_mark(tmp_path, monkeypatch):
+    """Blank texts were documents of an end-of-document token alone from .jsonl, left out from .parquet only when
+    empty, and from .txt; now every format leaves them out. A .jsonl from a Windows tool (a byte-order mark) was
+    refused, while chat and prompt files read it; and a line without end (a sparse file) is refused at its bound."""
+    texts = ["real one", "", "   \n", "real two"]
+    (tmp_path / "a.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "a.parquet")
+    (tmp_path / "a.txt").write_text("real one\n\n   \n\nreal two\n")
+    for name in ("a.jsonl", "a.parquet", "a.txt"):
+        assert list(read_documents(tmp_path / name)) == ["real one", "real two"], name
+    (tmp_path / "bom.jsonl").write_bytes(b"\xef\xbb\xbf" + json.dumps({"text": "hello"}).encode() + b"\n")
+    assert list(read_documents(tmp_path / "bom.jsonl")) == ["hello"]
+    monkeypatch.setattr(gpt_preprocess, "MAX_LINE_BYTES", 100)
+    (tmp_path / "long.jsonl").write_text(json.dumps({"text": "x" * 200}) + "\n")
+    with pytest.raises(DataError, match="long.jsonl:1: a line longer than"):
+        list(read_documents(tmp_path / "long.jsonl"))
+
+
 def test_parquet_nulls_damage_existing_outputs_and_repeated_files_are_refused_by_name(tmp_path, capsys):
     pq.write_table(pa.table({"text": ["a document", None, "another"]}), tmp_path / "n.parquet")
     with pytest.raises(ValueError, match=r"n.parquet: row 1: no text in the column 'text'"):
