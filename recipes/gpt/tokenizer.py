@@ -7,6 +7,7 @@ id appended after each document), `pad`, and `unique_identifiers` (part of the d
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 from collections import OrderedDict
@@ -106,11 +107,27 @@ class HFTokenizer:
         return OrderedDict(tokenizer=self.name, vocab_size=self.vocab_size, eod=self.eod, sha256=self.sha256)
 
     def encode(self, text: str) -> list[int]:
-        return self._tok.encode(text, add_special_tokens=False).ids
+        with self._panics_named():
+            return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of each text, the texts encoded in parallel (no character offsets: ids only)."""
-        return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+        with self._panics_named():
+            return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    @contextlib.contextmanager
+    def _panics_named(self):
+        """The tokenizers library stops on a rule it cannot run (a pre-tokenizer pattern that backtracks past the
+        regex engine's limit) with a Rust panic, a BaseException: one line naming the tokenizer instead."""
+        try:
+            yield
+        except BaseException as e:
+            if type(e).__name__ != "PanicException":
+                raise
+            raise DataError(
+                f"{self.name}: the tokenizer failed on the text ({shown(str(e))}); its tokenizer.json's rules (a "
+                "pre-tokenizer pattern?) cannot be run on it"
+            ) from None
 
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)

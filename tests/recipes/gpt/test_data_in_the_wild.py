@@ -86,6 +86,22 @@ def test_truncation_and_padding_saved_in_a_tokenizer_json_are_not_applied_to_doc
     assert [list(ids) for ids in tokenizer.encode_batch(["a b a", "b"])] == [[2, 3, 2], [3]]
 
 
+def test_a_tokenizer_rule_the_regex_engine_gives_up_on_is_one_line_naming_the_tokenizer(tmp_path):
+    """A pre-tokenizer pattern that backtracks past Oniguruma's limit made the tokenizers library panic (a Rust
+    panic is a BaseException: a traceback from preprocess); it is a DataError naming the tokenizer now."""
+    from tokenizers import Regex, Tokenizer, pre_tokenizers
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("(a+)+b"), behavior="isolated")
+    tok.save(str(folder / "tokenizer.json"))
+    tokenizer = build_tokenizer(str(folder))
+    with pytest.raises(DataError, match=f"{re.escape(str(folder))}: the tokenizer failed on the text .*retry-limit"):
+        tokenizer.encode("a" * 28 + "!")
+    with pytest.raises(DataError, match="the tokenizer failed on the text"):
+        tokenizer.encode_batch(["a" * 28 + "!"])
+
+
 @pytest.mark.parametrize("top", [2**31 - 2, 4_000_000_000])
 def test_a_token_id_far_beyond_the_vocabulary_is_refused_by_name(tmp_path, top):
     folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2})
