@@ -186,6 +186,9 @@ def _residue_ids(value: Any) -> np.ndarray:
     if not isinstance(value, str):
         raise Refusal(f"{value!r} is not a sequence of residue letters")
     letters = "".join(value.split())
+    gap = next((i for i, c in enumerate(letters) if c in "-."), None)  # tokens of ESM's vocabulary, not residues
+    if gap is not None:
+        raise Refusal(f"{letters[gap]!r} at residue {gap + 1} is an alignment gap, not a residue: remove the gaps")
     ids = encode_residues(letters)
     unknown = np.flatnonzero(ids == UNK)
     if len(unknown):

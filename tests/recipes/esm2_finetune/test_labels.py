@@ -100,6 +100,7 @@ BAD = [
     ("a.csv", "sequence,y\n,1\n", "regression", ["y"], None, r"row 2, column 'sequence': no sequence"),
     ("a.csv", "sequence,y\nMK1,1\n", "regression", ["y"], None, r"column 'sequence': '1' at residue 3 is not an amino"),
     ("a.csv", "sequence,y\n" + "ACGT" * 10 + ",1\n", "regression", ["y"], None, r"row 2.*nucleotide letters only"),
+    ("a.csv", "sequence,y\nMK--TA..Y,1\n", "regression", ["y"], None, r"'-' at residue 3 is an alignment gap"),
     ("a.csv", "sequence,c\nMK,x\nLL,q\n", "classification", ["c"], ("x", "y"), r"row 3, column 'c': class 'q' is not"),
     (
         "a.csv",
