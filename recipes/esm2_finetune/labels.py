@@ -167,7 +167,24 @@ def read_labelled(path: str | Path, setting: str, spec: LabelSpec) -> dict[str, 
     if not builders:
         raise DataError(f"{source}: no rows")
     names, remap = classes.order()
+    twice = None if classes.given else _one_number_twice(names)
+    if twice:
+        raise DataError(f"{source}: the classes {twice[0]!r} and {twice[1]!r} are one number written two ways")
     return {split: _finish(b, source, spec, names, remap) for split, b in builders.items()}
+
+
+def _one_number_twice(names: tuple[str, ...]) -> Optional[tuple[str, str]]:
+    """Two class names that are the same number (1, 1.0, 01): one class in the data's meaning, two in the head's."""
+    seen: dict[float, str] = {}
+    for name in names:
+        try:
+            value = float(name)
+        except ValueError:
+            continue
+        if value in seen:
+            return seen[value], name
+        seen[value] = name
+    return None
 
 
 def _split_of(row: dict, spec: LabelSpec) -> str:

@@ -101,6 +101,7 @@ BAD = [
     ("a.csv", "sequence,y\nMK1,1\n", "regression", ["y"], None, r"column 'sequence': '1' at residue 3 is not an amino"),
     ("a.csv", "sequence,y\n" + "ACGT" * 10 + ",1\n", "regression", ["y"], None, r"row 2.*nucleotide letters only"),
     ("a.csv", "sequence,y\nMK--TA..Y,1\n", "regression", ["y"], None, r"'-' at residue 3 is an alignment gap"),
+    ("a.csv", "sequence,c\nMK,1\nLL,1.0\n", "classification", ["c"], None, r"'1' and '1.0' are one number"),
     ("a.csv", "sequence,c\nMK,x\nLL,q\n", "classification", ["c"], ("x", "y"), r"row 3, column 'c': class 'q' is not"),
     (
         "a.csv",
