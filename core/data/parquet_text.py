@@ -17,8 +17,8 @@ MAX_EXPANSION = 1000  # and to this many times its size on disk (real data: a fe
 PAGE_OVERHEAD_BYTES = 1 << 20  # page headers and dictionary pages beside the values
 
 
-class ExpandsTooFar(ValueError):
-    """The message reads after the file's name."""
+class TextRefused(ValueError):
+    """Text that would expand too far, or a column named twice; the message reads after the file's name."""
 
 
 def _is_text(t) -> bool:
@@ -39,25 +39,28 @@ def _check_stored_sizes(meta, text: list[str], max_value_bytes: int, budget: int
                 continue
             stored += column.total_uncompressed_size
             if column.total_uncompressed_size > max_value_bytes * group.num_rows + PAGE_OVERHEAD_BYTES:
-                raise ExpandsTooFar(
+                raise TextRefused(
                     f"row group {g + 1} stores {column.total_uncompressed_size} bytes of column "
                     f"{column.path_in_schema!r} for {group.num_rows} rows (at most {max_value_bytes} a value)"
                 )
     if stored > budget:
-        raise ExpandsTooFar(f"its text columns store {stored} bytes uncompressed, past its bound of {budget}")
+        raise TextRefused(f"its text columns store {stored} bytes uncompressed, past its bound of {budget}")
 
 
 def text_batches(
     path: Path, columns: Sequence[str], max_value_bytes: int, batch_rows: int = BATCH_ROWS
 ) -> Iterator["pyarrow.RecordBatch"]:  # noqa: F821
-    """The record batches of `columns`, each text column checked before it is expanded: ExpandsTooFar when a value
-    is longer than `max_value_bytes`, or the text read so far exceeds the file's budget (MAX_EXPANSION times its
-    size, at least MIN_BUDGET_BYTES)."""
+    """The record batches of `columns`, each text column checked before it is expanded: TextRefused when a column
+    is named twice, a value is longer than `max_value_bytes`, or the text read so far exceeds the file's budget
+    (MAX_EXPANSION times its size, at least MIN_BUDGET_BYTES)."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     schema = pq.read_schema(path)
+    for name in columns:
+        if len(schema.get_all_field_indices(name)) != 1:  # which one was meant?
+            raise TextRefused(f"{len(schema.get_all_field_indices(name))} columns are named {name!r}: keep one")
     text = [c for c in columns if _is_text(schema.field(c).type)]
     file = pq.ParquetFile(path, read_dictionary=text)
     size = path.stat().st_size
@@ -73,10 +76,10 @@ def text_batches(
                 )
                 longest: Optional[int] = pc.max(lengths).as_py()
                 if longest is not None and longest > max_value_bytes:
-                    raise ExpandsTooFar(f"a value of column {name!r} holds {longest} bytes (at most {max_value_bytes})")
+                    raise TextRefused(f"a value of column {name!r} holds {longest} bytes (at most {max_value_bytes})")
                 total += pc.sum(lengths).as_py() or 0
                 if total > budget:  # before the values are copied out
-                    raise ExpandsTooFar(
+                    raise TextRefused(
                         f"its text expands to more than {budget} bytes, the bound for a file of {size} bytes "
                         f"({MAX_EXPANSION} times its size, at least {MIN_BUDGET_BYTES}): a decompression bomb?"
                     )

@@ -26,7 +26,7 @@ import numpy as np
 
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
-from core.data.parquet_text import ExpandsTooFar, text_batches
+from core.data.parquet_text import TextRefused, text_batches
 from core.data.text_lines import bounded_lines
 from recipes.esm2.tokenizer import UNK, encode_residues
 from recipes.esm2_finetune.config import Task
@@ -369,7 +369,7 @@ def _parquet_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -
             for row in batch.to_pylist():
                 number += 1
                 yield ("row", number), row
-    except ExpandsTooFar as e:
+    except TextRefused as e:
         raise DataError(f"{source}: {e}") from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None

@@ -44,7 +44,7 @@ import numpy as np
 
 from core.config.errors import DataError
 from core.data.json_lines import json_lines
-from core.data.parquet_text import ExpandsTooFar, text_batches
+from core.data.parquet_text import TextRefused, text_batches
 from recipes.gpt.options import DATA_CONFIG, Options, given
 from recipes.gpt.template_sandbox import BoundedTemplate
 from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
@@ -399,7 +399,7 @@ def _parquet_rows(path: Path, source: str, max_length: int) -> Iterator[tuple[st
             for row in batch.to_pylist():
                 number += 1
                 yield f"row {number}", row
-    except ExpandsTooFar as e:
+    except TextRefused as e:
         raise DataError(f"{source}: {e}") from None
     except (pa.ArrowException, OSError) as e:
         raise DataError(f"{source}: not a readable parquet file ({e})") from None

@@ -28,7 +28,7 @@ import numpy as np
 
 from core.config.errors import ConfigError, DataError
 from core.data.json_lines import MAX_LINE_BYTES
-from core.data.parquet_text import ExpandsTooFar, text_batches
+from core.data.parquet_text import TextRefused, text_batches
 from core.data.partial_outputs import Stopped, stop_signal
 from core.data.text_lines import bounded_lines
 from core.generation.prompts import lone_surrogate
@@ -118,7 +118,7 @@ def read_parquet(path: Path, text_key: str, named: str, key_named: str) -> Itera
                 if text.strip():  # a blank text left out, as in the other formats
                     yield text
                 row += 1
-    except ExpandsTooFar as e:
+    except TextRefused as e:
         raise DataError(f"{named}: {e}") from None
 
 

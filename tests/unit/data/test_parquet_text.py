@@ -62,3 +62,11 @@ def test_a_page_holding_more_than_its_rows_may_is_refused_from_the_metadata(tmp_
         "a document",
         "another",
     ]
+
+
+def test_a_column_named_twice_is_refused(tmp_path):
+    """Which of two `y` columns holds the labels? Neither is guessed."""
+    table = pa.Table.from_arrays([pa.array(["MKV"]), pa.array(["1"]), pa.array(["2"])], names=["sequence", "y", "y"])
+    pq.write_table(table, tmp_path / "twice.parquet")
+    with pytest.raises(DataError, match="twice.parquet: 2 columns are named 'y': keep one"):
+        read_labelled(tmp_path / "twice.parquet", "data.train_path", LabelSpec(Task.regression, ("y",)))
