@@ -47,7 +47,7 @@ from core.data.json_lines import json_lines
 from core.data.parquet_text import TextRefused, text_batches
 from recipes.gpt.options import DATA_CONFIG, Options, given
 from recipes.gpt.template_sandbox import BoundedTemplate
-from recipes.gpt.tokenizer import build_tokenizer, read_settings_file
+from recipes.gpt.tokenizer import build_tokenizer, panics_named, read_settings_file
 
 ROLES = ("system", "user", "assistant")
 PLAIN_HEADERS = {role: f"<|{role}|>\n" for role in ROLES}
@@ -184,7 +184,8 @@ class HFChatTemplate:
             raise Refusal(f"{self.name} refuses this conversation ({type(e).__name__}: {str(e)[:200]})") from None
 
     def _ids(self, text: str) -> list[int]:
-        return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
+        with panics_named(self.name):
+            return self.tokenizer.backend_tokenizer.encode(text, add_special_tokens=False).ids
 
     def render(self, messages: list[dict], max_length: Optional[int] = None) -> tuple[list[int], list[bool]]:
         """(ids, mask) of the conversation; with `max_length`, the mask is found only for the assistant turns that
@@ -241,7 +242,7 @@ class HFChatTemplate:
         if at >= 0:
             after = end[at + len(probe[1]["content"]) :]
             special = {i for i, t in self.tokenizer.added_tokens_decoder.items() if t.special}
-            encoded = self.tokenizer.backend_tokenizer.encode(after, add_special_tokens=False).ids
+            encoded = self._ids(after)
             first = next((i for i in encoded if i in special), None)  # the end of the turn, before any newline
             if first is not None and first not in ids:
                 ids.append(first)

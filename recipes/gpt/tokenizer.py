@@ -62,6 +62,21 @@ def read_tokenizer_file(file: Path, where: str) -> bytes:
         raise DataError(f"{where}: unreadable ({e.strerror or e})") from None
 
 
+@contextlib.contextmanager
+def panics_named(tokenizer: str):
+    """The tokenizers library stops on a rule it cannot run (a pre-tokenizer pattern that backtracks past the regex
+    engine's limit) with a Rust panic, a BaseException: one line naming the tokenizer instead."""
+    try:
+        yield
+    except BaseException as e:
+        if type(e).__name__ != "PanicException":
+            raise
+        raise DataError(
+            f"{tokenizer}: the tokenizer failed on the text ({shown(str(e))}); its tokenizer.json's rules (a "
+            "pre-tokenizer pattern?) cannot be run on it"
+        ) from None
+
+
 class HFTokenizer:
     """A local Hugging Face tokenizer folder (or its tokenizer.json). End of document: `eod_token`, or
     the folder's eos_token (tokenizer_config.json / special_tokens_map.json). `options` name the settings (or
@@ -107,12 +122,12 @@ class HFTokenizer:
         return OrderedDict(tokenizer=self.name, vocab_size=self.vocab_size, eod=self.eod, sha256=self.sha256)
 
     def encode(self, text: str) -> list[int]:
-        with self._panics_named():
+        with panics_named(self.name):
             return self._tok.encode(text, add_special_tokens=False).ids
 
     def encode_batch(self, texts: list[str]) -> list[list[int]]:
         """encode() of each text, the texts encoded in parallel (no character offsets: ids only)."""
-        with self._panics_named():
+        with panics_named(self.name):
             return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
     @contextlib.contextmanager
