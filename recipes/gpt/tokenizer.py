@@ -130,20 +130,6 @@ class HFTokenizer:
         with panics_named(self.name):
             return [e.ids for e in self._tok.encode_batch_fast(texts, add_special_tokens=False)]
 
-    @contextlib.contextmanager
-    def _panics_named(self):
-        """The tokenizers library stops on a rule it cannot run (a pre-tokenizer pattern that backtracks past the
-        regex engine's limit) with a Rust panic, a BaseException: one line naming the tokenizer instead."""
-        try:
-            yield
-        except BaseException as e:
-            if type(e).__name__ != "PanicException":
-                raise
-            raise DataError(
-                f"{self.name}: the tokenizer failed on the text ({shown(str(e))}); its tokenizer.json's rules (a "
-                "pre-tokenizer pattern?) cannot be run on it"
-            ) from None
-
     def decode(self, ids) -> str:
         return self._tok.decode([int(i) for i in ids if int(i) != self.eod], skip_special_tokens=False)
 
