@@ -70,6 +70,16 @@ def install() -> None:
 
     config_cls.__init__ = init_without_div_fusion
 
+    # gloo runs an asynchronous collective on its own threads while Python goes on. On CUDA, stream order keeps
+    # Megatron-FSDP's prefetched parameter all-gathers apart from the work issued after them; the no-op streams
+    # above drop that order, and a prefetch left in flight beside other work crashed workers now and then
+    # (SIGSEGV). Every coalesced all-gather here finishes before its context closes.
+    buffer_module = importlib.import_module("megatron_fsdp.param_and_grad_buffer")
+    coalescing_manager = buffer_module._coalescing_manager
+    buffer_module._coalescing_manager = lambda group=None, device=None, async_ops=False: coalescing_manager(
+        group, device, async_ops=False
+    )
+
     # The product refuses mfsdp without CUDA; the shimmed worker is the one place it may run.
     original_resolve = core.runtime.resolve_parallel_backend
     core.runtime.resolve_parallel_backend = lambda backend, machine: (
