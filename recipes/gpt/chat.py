@@ -396,7 +396,7 @@ def _parquet_rows(path: Path, source: str, max_length: int) -> Iterator[tuple[st
             )
         _check_row_groups(file, source, columns, max_length)
         number = 0
-        for batch in text_batches(path, columns, MAX_TEXT_BYTES, PARQUET_BATCH_ROWS):  # prompt/response bounded
+        for batch in text_batches(path, columns, MAX_TEXT_BYTES, PARQUET_BATCH_ROWS):  # every text bounded
             for row in batch.to_pylist():
                 number += 1
                 yield f"row {number}", row

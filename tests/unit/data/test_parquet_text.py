@@ -70,3 +70,55 @@ def test_a_column_named_twice_is_refused(tmp_path):
     pq.write_table(table, tmp_path / "twice.parquet")
     with pytest.raises(DataError, match="twice.parquet: 2 columns are named 'y': keep one"):
         read_labelled(tmp_path / "twice.parquet", "data.train_path", LabelSpec(Task.regression, ("y",)))
+
+
+def _messages_bomb(path, rows=512, value_bytes=64 << 10):
+    """`rows` chats of two messages whose contents are one `value_bytes` string, stored once: under 2 KB on disk."""
+    n = 2 * rows
+    roles = pa.DictionaryArray.from_arrays(pa.array(np.tile(np.int32([0, 1]), rows)), pa.array(["user", "assistant"]))
+    contents = pa.DictionaryArray.from_arrays(pa.array(np.zeros(n, np.int32)), pa.array(["x" * value_bytes]))
+    messages = pa.StructArray.from_arrays([roles, contents], names=["role", "content"])
+    offsets = pa.array(np.arange(0, n + 1, 2, dtype=np.int32))
+    table = pa.table({"messages": pa.ListArray.from_arrays(offsets, messages)})
+    pq.write_table(table, path, compression="zstd", store_schema=False)
+    return path
+
+
+def test_text_inside_lists_and_structs_is_bounded_as_top_level_text_is(tmp_path, monkeypatch):
+    """A chat's messages (a list of structs of text): 64 MiB of contents from under 2 KB is a bomb too."""
+    from recipes.gpt.chat import chat_template, read_chat
+
+    monkeypatch.setattr(parquet_text, "MIN_BUDGET_BYTES", 1 << 20)
+    bomb = _messages_bomb(tmp_path / "chat.parquet")
+    assert bomb.stat().st_size < 2 << 10
+    with pytest.raises(DataError, match="chat.parquet: its text expands to more than 1048576 bytes"):
+        read_chat(bomb, "data.train_path", chat_template("byte"), 64)
+    with pytest.raises(parquet_text.TextRefused, match="a value of column 'messages' holds 65536 bytes"):
+        next(parquet_text.text_batches(bomb, ["messages"], 1000))
+
+
+@pytest.mark.parametrize("large", [False, True])
+def test_nested_text_reads_back_value_for_value_nulls_included(tmp_path, large):
+    rows = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}], "n": 1},
+        {"messages": None, "n": 2},
+        {"messages": [None, {"role": "user", "content": None}], "n": 3},
+        {"messages": [], "n": None},
+        {"messages": [{"role": "assistant", "content": "x" * 300}], "n": 5},
+    ] * 7
+    message = pa.struct([("role", pa.string()), ("content", pa.large_string())])
+    listed = pa.large_list(message) if large else pa.list_(message)
+    table = pa.Table.from_pylist(rows, schema=pa.schema([("messages", listed), ("n", pa.int64())]))
+    pq.write_table(table, tmp_path / "nested.parquet", row_group_size=10)
+    batches = list(parquet_text.text_batches(tmp_path / "nested.parquet", ["messages", "n"], 1000, batch_rows=4))
+    assert [r for b in batches for r in b.to_pylist()] == rows
+    assert len(batches) == 3 + 3 + 3 + 2  # batches of 4 rows within each row group of 10 (35 rows)
+
+
+def test_text_in_a_map_is_refused_by_name(tmp_path):
+    table = pa.table({"meta": pa.array([[("k", "v")]], pa.map_(pa.string(), pa.string()))})
+    pq.write_table(table, tmp_path / "map.parquet")
+    with pytest.raises(
+        parquet_text.TextRefused, match="column 'meta' holds text within a map: text is read as strings, or"
+    ):
+        next(parquet_text.text_batches(tmp_path / "map.parquet", ["meta"], 1000))
