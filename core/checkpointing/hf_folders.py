@@ -216,10 +216,11 @@ def weight_mismatches(
 
 
 def layer_count(weights: dict, prefix: str) -> int:
-    """How many layers the names `<prefix><i>.` of `weights` number (the highest index + 1; 0 for none)."""
+    """How many layers the names `<prefix><i>.` of `weights` hold: their distinct indices, never more than the
+    tensors (a gap shows as missing tensors in the shape check that follows; the highest index + 1 would let one
+    tensor named `layers.2147483646.` make that check build a table of billions)."""
     pattern = re.compile(re.escape(prefix) + r"(\d+)\.")
-    indices = [int(m[1]) for m in map(pattern.match, weights) if m]
-    return max(indices) + 1 if indices else 0
+    return len({int(m[1]) for m in map(pattern.match, weights) if m})
 
 
 def override(key: str, value: Any) -> str:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -206,3 +207,16 @@ def test_a_json_file_of_a_model_folder_must_be_a_small_regular_file(tmp_path):
         read_json_object(tmp_path / "adapter_config.json")
     (tmp_path / "ok.json").write_text('{"a": 1}')
     assert read_json_object(tmp_path / "ok.json") == {"a": 1}
+
+
+def test_one_tensor_of_a_far_layer_counts_one_layer_and_builds_no_table():
+    """A config.json of 2**31 - 1 layers and one tensor named after the last: the weights hold one layer, so the
+    check refuses them before it lists the tensors 2**31 - 1 layers would need."""
+    from recipes.gpt.hf import check_llama_weights
+
+    far = {"model.layers.2147483646.input_layernorm.weight": torch.ones(1)}
+    with pytest.raises(ValueError, match="it gives 2147483647 layers, the weights hold 1$"):
+        check_llama_weights(far, {"num_layers": 2**31 - 1})
+    far = {"esm.encoder.layer.1048574.LayerNorm.weight": torch.ones(1)}
+    with pytest.raises(ValueError, match="gives 1048575 layers, the weights hold 1;"):
+        esm_hf.check_hf_weights(far, SimpleNamespace(num_layers=1048575))
