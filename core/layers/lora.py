@@ -51,12 +51,13 @@ def merge_lora_weights(weights: dict[str, torch.Tensor], scale: float) -> dict[s
             raise ValueError(
                 f"LoRA of {module}: A {tuple(a.shape)} and B {tuple(b.shape)} are not [r, in] and [out, r]"
             )
-        delta = scale * (b @ a)
         targets = _weight_names(weights, module)
         rows = [weights[n].shape[0] for n in targets]
-        if sum(rows) != delta.shape[0] or any(weights[n].shape[1:] != delta.shape[1:] for n in targets):
+        product = (b.shape[0], a.shape[1])  # checked before it is computed: small A and B can make a huge B @ A
+        if sum(rows) != product[0] or any(tuple(weights[n].shape[1:]) != product[1:] for n in targets):
             shapes = [tuple(weights[n].shape) for n in targets]
-            raise ValueError(f"LoRA of {module}: B @ A is {tuple(delta.shape)}, the weights {targets} are {shapes}")
+            raise ValueError(f"LoRA of {module}: B @ A is {product}, the weights {targets} are {shapes}")
+        delta = scale * (b @ a)
         for name, part in zip(targets, delta.split(rows)):
             out[name] = (weights[name].float() + part).to(weights[name].dtype)
     return out

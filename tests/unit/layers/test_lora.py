@@ -72,6 +72,19 @@ def test_merge_refuses_what_does_not_fit(weights, message):
         merge_lora_weights(weights, 1.0)
 
 
+def test_merge_checks_the_shapes_before_it_multiplies(monkeypatch):
+    """A [1, n] and B [m, 1] hold n + m numbers but make an m x n B @ A: a few KB of adapter asking for gigabytes
+    unless the product's shape is checked against the weight first."""
+    weights = {
+        "m.weight": torch.zeros(4, 4),
+        "m.lora_A.weight": torch.zeros(1, 65536),
+        "m.lora_B.weight": torch.zeros(32768, 1),
+    }
+    monkeypatch.setattr(torch.Tensor, "__matmul__", lambda *_: pytest.fail("B @ A computed before the check"))
+    with pytest.raises(ValueError, match=r"LoRA of m: B @ A is \(32768, 65536\), the weights \['m.weight'\] are"):
+        merge_lora_weights(weights, 1.0)
+
+
 # LoRA on modules: the torch twins (TE's modules take the same hook; GPU tests in the lead's suite).
 
 
