@@ -8,6 +8,7 @@ embedding matrix in both (tied). The contact-prediction head of EsmForMaskedLM i
 from __future__ import annotations
 
 import json
+import math
 import re
 from pathlib import Path
 from types import SimpleNamespace
@@ -242,7 +243,7 @@ def check_esm2_config(config: dict, file: Path, fuse_qkv: bool = True) -> Simple
     need(config.get("hidden_size") % config.get("num_attention_heads") == 0, "hidden_size not divisible by the heads")
     eps, theta = config.get("layer_norm_eps", 1e-12), config.get("rope_theta", 10000.0)
     need(isinstance(eps, (int, float)) and 0 < eps < 1, f"layer_norm_eps={eps!r}")
-    need(isinstance(theta, (int, float)) and theta > 1, f"rope_theta={theta!r}")
+    need(isinstance(theta, (int, float)) and 1 < theta < math.inf, f"rope_theta={theta!r}")
     return SimpleNamespace(
         hidden_size=config["hidden_size"],
         num_layers=config["num_hidden_layers"],

@@ -83,6 +83,7 @@ def write_folder(folder: Path, weights: dict, config: dict) -> None:
             {"hidden_size": 32},
             r"other shape: esm.embeddings.word_embeddings.weight \(33, 16\) \(config.json: \(33, 32\)\)",
         ),
+        ({"rope_theta": float("inf")}, "rope_theta=inf; not an ESM-2 model"),
         ({"junk": True}, r"unexpected: some.adapter.weight"),
         ({"int8": True}, r"not floating point \(quantized\?\): esm.encoder.layer.0.attention.output.dense.weight"),
     ],
