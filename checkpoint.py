@@ -106,7 +106,7 @@ def importer(hf_dir: str, out: str, adapter: bool = False) -> ModuleType:
         )
     names = readers[model_type]
     architectures = config.get("architectures")
-    architectures = architectures if isinstance(architectures, list) else []
+    architectures = [a for a in architectures if isinstance(a, str)] if isinstance(architectures, list) else []
     # The recipe that names one of the folder's architectures, else the one that names none (reads any).
     named = [n for n in names if set(architectures) & set(getattr(conversions[n], "HF_ARCHITECTURES", ()))]
     fits = named or [n for n in names if not hasattr(conversions[n], "HF_ARCHITECTURES")]

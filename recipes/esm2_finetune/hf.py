@@ -408,9 +408,15 @@ def export_adapter(weights: dict[str, torch.Tensor], m: Any, lora: dict, out: Pa
     return written
 
 
+def first_architecture(config: dict[str, Any]) -> Optional[str]:
+    """config.json's first architecture where it lists them as save_pretrained writes them (strings); else None."""
+    listed = config.get("architectures")
+    return listed[0] if isinstance(listed, list) and listed and isinstance(listed[0], str) else None
+
+
 def task_of(config: dict[str, Any], file: Path) -> tuple[str, list[str], str]:
     """(model.task, model.classes, model.pooling) of an EsmFor*Classification config.json."""
-    architecture = (config.get("architectures") or [None])[0]
+    architecture = first_architecture(config)
     if architecture not in HF_ARCHITECTURES:
         raise ValueError(
             f"{file}: architectures={config.get('architectures')!r}; from-hf reads {', '.join(HF_ARCHITECTURES)}"
@@ -556,7 +562,7 @@ def weights_from_hf_folder(folder: Path, model: Any) -> dict[str, torch.Tensor]:
 
     file = Path(folder) / "config.json"
     config = read_json_object(file)
-    if (config.get("architectures") or [None])[0] not in HF_ARCHITECTURES:
+    if first_architecture(config) not in HF_ARCHITECTURES:
         return esm_hf.weights_from_hf_folder(folder, model)
     task, classes, pooling = task_of(config, file)
     m = esm_hf.check_esm2_config(config | {"model_type": "esm"}, file, bool(model.fuse_qkv_params))

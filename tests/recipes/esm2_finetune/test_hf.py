@@ -333,9 +333,11 @@ def test_from_hf_picks_the_recipe_by_architecture_and_reads_adapters_with_base(t
     assert checkpoint.importer(str(tmp_path / "base"), str(tmp_path / "x")) is esm_hf
     config = json.loads((tmp_path / "cls" / "config.json").read_text())
     # esm2 names no architectures: it reads every other esm folder (and names what it lacks: the LM head)
-    for architectures in (None, ["EsmForQuestionAnswering"]):
+    for architectures in (None, ["EsmForQuestionAnswering"], 5, [{"a": 1}], [["EsmForSequenceClassification"]]):
         (tmp_path / "cls" / "config.json").write_text(json.dumps(config | {"architectures": architectures}))
         assert checkpoint.importer(str(tmp_path / "cls"), str(tmp_path / "x")) is esm_hf
+        with pytest.raises(ValueError, match=re.escape(f"c.json: architectures={architectures!r}; from-hf reads")):
+            fh.task_of({"architectures": architectures}, Path("c.json"))
     with pytest.raises(SystemExit, match="missing: lm_head.bias"):
         checkpoint.main(["from-hf", str(tmp_path / "cls"), str(tmp_path / "w.safetensors")])
     with pytest.raises(SystemExit, match="a PEFT adapter .*: name the model it adapts with --base"):
