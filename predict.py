@@ -182,12 +182,15 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
     n = len(blocks[0]) if blocks else 0
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", newline="") as f:
-        writer = csv.writer(f)
-        writer.writerow(names)
-        for row in zip(*(block if isinstance(block, list) else block.tolist() for block in blocks)):
-            writer.writerow([f"{x:.7g}" if isinstance(x, float) else x for values in row for x in values])
-    tmp.replace(path)  # a reader never sees a half-written file
+    try:  # a file name that is not UTF-8 is written as its bytes (surrogateescape), as the file system holds it
+        with open(tmp, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
+            writer = csv.writer(f)
+            writer.writerow(names)
+            for row in zip(*(block if isinstance(block, list) else block.tolist() for block in blocks)):
+                writer.writerow([f"{x:.7g}" if isinstance(x, float) else x for values in row for x in values])
+        tmp.replace(path)  # a reader never sees a half-written file
+    finally:
+        tmp.unlink(missing_ok=True)
     return n
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import logging
+import os
 
 import numpy as np
 import pytest
@@ -159,3 +160,23 @@ def test_a_recipe_keeps_nothing_between_calls(tmp_path):
     assert set(vars(recipe)) <= {"cfg", "_device_transform"}, vars(recipe).keys()
     again = ViTRecipe(cfg).split("val")
     assert first.class_names == again.class_names and first.samples.files == again.samples.files
+
+
+def test_a_file_name_that_is_not_utf8_is_written_as_its_bytes_and_a_failed_write_leaves_nothing(tmp_path):
+    """os.listdir gives such a name with surrogate escapes; the CSV holds the name's own bytes, so the row leads back
+    to the file. A write that fails leaves neither a CSV nor its temporary file."""
+    from predict import write_csv
+
+    odd = os.fsdecode(b"caf\xe9.png")
+    assert write_csv(tmp_path / "p.csv", {"file": [odd, "ok.png"], "top1": torch.tensor([1.0, 2.0])}) == 2
+    assert (tmp_path / "p.csv").read_bytes().splitlines() == [b"file,top1", b"caf\xe9.png,1", b"ok.png,2"]
+    with open(tmp_path / "p.csv", newline="", encoding="utf-8", errors="surrogateescape") as f:
+        assert os.fsencode(list(csv.reader(f))[1][0]) == b"caf\xe9.png"
+    with pytest.raises(ValueError):
+        write_csv(tmp_path / "q.csv", {"file": ["a.png"], "top1": [BadFloat(1.0)]})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["p.csv"]
+
+
+class BadFloat(float):
+    def __format__(self, spec):
+        raise ValueError("cannot be written")
