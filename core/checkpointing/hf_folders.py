@@ -15,7 +15,7 @@ from typing import Annotated, Any, Callable, Optional
 import torch
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
-from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, beyond_their_storages, load_torch_file
 from core.config.file_shape import NotThisKindOfFile, problems, read_small_file, shown
 from core.config.schema import LoraConfig
 
@@ -103,6 +103,9 @@ def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"{file}: refusing to load it: {shown(key)} is {beyond_its_storage(value)}; nothing was imported"
             )
+    aliased = beyond_their_storages(weights.values())
+    if aliased:
+        raise ValueError(f"{file}: refusing to load it: {aliased}; nothing was imported")
     return weights
 
 

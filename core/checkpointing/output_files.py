@@ -1,11 +1,13 @@
-"""Weight files the checkpoint tools write: whole or not at all (a temporary file beside the target, renamed into
-place), with the permissions the process's umask gives any new file (0644 under umask 022), so that a model shared
-on a cluster can be read by the colleagues the user's umask lets read it. (safetensors' own save_file keeps its
-temporary file's owner-only mode, 0600; torch.save alone leaves a partial file when the process is killed.)"""
+"""Weight files the checkpoint tools write: whole or not at all (a temporary file beside the target, created at a
+random name that no other file or link holds, renamed into place), with the permissions the process's umask gives
+any new file (0644 under umask 022), so that a model shared on a cluster can be read by the colleagues the user's
+umask lets read it. (safetensors' own save_file keeps its temporary file's owner-only mode, 0600; torch.save alone
+leaves a partial file when the process is killed.)"""
 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -27,13 +29,22 @@ def umask() -> int:
 
 
 def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
-    """`write(path)` writes the file at a temporary name beside `target`; it is then given the umask's mode for new
-    files and renamed to `target`. Nothing is left at either name when `write` fails."""
+    """`write(path)` writes the file at a temporary name beside `target`, which this creates first, at a random name
+    and exclusively (mkstemp), so that no file or link planted beside the target is ever written or followed; the
+    file is then given the umask's mode for new files and renamed to `target`. When `write` fails, the temporary file
+    is removed and `target` is left as it was."""
     target = Path(target)
-    temporary = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    descriptor, name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.tmp-")
+    os.close(descriptor)
+    temporary = Path(name)
     try:
         write(temporary)
-        os.chmod(temporary, 0o666 & ~umask())
+        # Opened again, not followed if a link: a writer may replace the file (safetensors renames its own onto it).
+        descriptor = os.open(temporary, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchmod(descriptor, 0o666 & ~umask())
+        finally:
+            os.close(descriptor)
         os.replace(temporary, target)
     except BaseException:
         temporary.unlink(missing_ok=True)

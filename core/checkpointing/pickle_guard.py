@@ -16,8 +16,10 @@ stack of placeholders, building nothing, and refuses, naming what it found:
 - in a torch file, any storage larger than the data behind it: an archive entry that is compressed or claims
   more bytes than the file holds, a storage whose claimed size is not its record's (zip) or the size stored
   before its data (legacy format), so that no small file makes torch allocate a large storage.
-Then PyTorch's own `weights_only` unpickler loads what passed; readers of weight files also refuse a tensor
-with more elements than its storage holds (`beyond_its_storage`), before anything copies it.
+Then PyTorch's own `weights_only` unpickler loads what passed; readers of weight files also refuse, before
+anything copies them, a tensor with more elements than its storage holds (`beyond_its_storage`), and tensors that
+together hold more than twice the bytes of their storages (`beyond_their_storages`: views of one storage each cost
+the whole storage when copied out; tied weights, two tensors of one storage, stay within it).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ import warnings
 import zipfile
 from array import array
 from pathlib import Path
-from typing import Any, BinaryIO, Iterator, Optional, Union
+from typing import Any, BinaryIO, Iterable, Iterator, Optional, Union
 
 import torch
 
@@ -96,6 +98,8 @@ MAX_PICKLE = 64 << 20  # a torch file's pickle (its tensor data lives beside it)
 MAX_INDEX_PICKLE = 1 << 30  # a DCP index (.metadata), in bytes: a million chunks take a few hundred MB
 MAX_DEPTH = 100  # containers inside containers; checkpoints nest a few levels
 SHARING_ALLOWANCE = 4096  # objects a copied-out value may have beyond one per byte of its pickle
+VIEWS_PER_STORAGE = 2  # the bytes a weight file's tensors may hold, per byte of their storages: tied weights are 2
+VIEWS_ALLOWANCE = 1 << 20  # bytes its tensors may hold beyond that (small overlapping views of small storages)
 
 # ---- following the opcodes
 
@@ -525,4 +529,23 @@ def beyond_its_storage(tensor: torch.Tensor) -> Optional[str]:
     held = tensor.untyped_storage().nbytes() // max(tensor.element_size(), 1)
     if tensor.numel() > held:
         return f"a view of {tensor.numel():,} elements over a storage of {held:,}"
+    return None
+
+
+def beyond_their_storages(tensors: Iterable[torch.Tensor]) -> Optional[str]:
+    """Why `tensors` together hold more bytes than VIEWS_PER_STORAGE times their storages (and VIEWS_ALLOWANCE more),
+    or None: torch.save keeps a storage once however many tensors view it, so thousands of full views of one storage
+    cost thousands of times the file when copied out, each passing `beyond_its_storage`."""
+    count, held, storages = 0, 0, {}
+    for tensor in tensors:
+        count, held = count + 1, held + tensor.numel() * tensor.element_size()
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr(), storage.nbytes()] = storage.nbytes()
+    stored = sum(storages.values())
+    if held > VIEWS_PER_STORAGE * stored + VIEWS_ALLOWANCE:
+        return (
+            f"its {count:,} tensors hold {held:,} bytes, over storages of {stored:,} bytes in all "
+            f"(tensors may hold at most {VIEWS_PER_STORAGE} x their storages' bytes, tied weights, and "
+            f"{VIEWS_ALLOWANCE:,} more: copying out each view costs its whole size)"
+        )
     return None

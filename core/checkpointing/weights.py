@@ -26,7 +26,7 @@ from core.checkpointing.layout import (
     verify,
     verify_plain_dcp,
 )
-from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, load_torch_file
+from core.checkpointing.pickle_guard import UnsafeCheckpoint, beyond_its_storage, beyond_their_storages, load_torch_file
 from core.checkpointing.storage import SafeLoadPlanner, SafeReader
 from core.config.errors import ConfigError
 from core.layers.tensor_parallel import local_pieces
@@ -97,6 +97,9 @@ def load_weights_file(path: Path) -> dict[str, torch.Tensor]:
             raise CheckpointError(f"{path}: {what}; expected a dict of names to tensors (a model state dict)")
         if beyond_its_storage(value):
             raise CheckpointError(f"{path}: refusing to load it: {name!r:.60} is {beyond_its_storage(value)}")
+    aliased = beyond_their_storages(state.values())
+    if aliased:
+        raise CheckpointError(f"{path}: refusing to load it: {aliased}")
     return state
 
 

@@ -4,8 +4,9 @@ guard first (core/checkpointing/pickle_guard.py), and what passes still loads.
 The crafted files are those that took the machine before the guard: a 1.4 KB value of a `.distcp` shard whose nested
 lists share references through the pickle memo (on resume), a .pt under 1 KB whose pickle is `bytearray(2**32)`
 (checkpoint.init_from, `checkpoint.py from-torch`, `from-hf` of a folder with `pytorch_model.bin`), a `.metadata`
-whose entries share one list of chunks (init_from and resume: quadratic time), and torch files whose storages
-claim more than the file holds (a compressed record, the legacy format's sizes, a tensor item of a shard). Each
+whose entries share one list of chunks (init_from and resume: quadratic time), torch files whose storages
+claim more than the file holds (a compressed record, the legacy format's sizes, a tensor item of a shard), and weight
+files whose tensors are many full views of one storage. Each
 load of a crafted file runs in a process with a memory ceiling (tests/support/memory_capped.py: 2 GiB above what it has
 mapped at its start), so that code which allocates what the file asks for fails fast instead of taking the
 machine; its peak resident size is compared with that of the same command on a clean file."""
@@ -247,6 +248,38 @@ def test_a_weights_file_whose_tensor_claims_more_than_its_storage_is_refused_unc
     ), line
     print(f"peak {peak} KiB, clean {runs['clean'][1]} KiB")
     assert peak <= runs["clean"][1] + MARGIN_KIB, (peak, runs["clean"][1])
+
+
+def _read_weights(reader: str, tmp_path: Path, state: dict) -> tuple[Path, dict]:
+    """`state` saved as a .pt (from-torch, init_from) or a folder's pytorch_model.bin (from-hf), and read back."""
+    from core.checkpointing.hf_folders import read_hf_weights
+    from core.checkpointing.weights import load_weights_file
+
+    if reader == "from-torch":
+        torch.save(state, tmp_path / "w.pt")
+        return tmp_path / "w.pt", load_weights_file(tmp_path / "w.pt")
+    torch.save(state, tmp_path / "pytorch_model.bin")
+    return tmp_path / "pytorch_model.bin", read_hf_weights(tmp_path)
+
+
+@pytest.mark.parametrize("reader", ["from-torch", "from-hf"])
+def test_a_weights_file_of_many_views_of_one_storage_is_refused_uncopied(tmp_path, reader):
+    """50 full-size views of one 128 KiB storage: torch.save keeps the storage once, so the file is ~130 KB, but
+    each view passes beyond_its_storage and copying them out (from-hf's fp32, from-torch's step folder) costs 50 x the
+    storage. Tied weights (an embedding and a head of one storage) and distinct tensors still load."""
+    from core.checkpointing.layout import CheckpointError
+
+    base = torch.zeros(256, 128)
+    with pytest.raises((CheckpointError, ValueError)) as refused:
+        _read_weights(reader, tmp_path, {f"w{i}": base.view(128, 256) for i in range(50)})
+    file = tmp_path / ("w.pt" if reader == "from-torch" else "pytorch_model.bin")
+    assert str(refused.value).startswith(
+        f"{file}: refusing to load it: its 50 tensors hold 6,553,600 bytes, over storages of 131,072 bytes in all"
+    ), refused.value
+    tied = {"embed.weight": base, "head.weight": base, "norm.weight": torch.ones(128), "layer.weight": torch.ones(8, 8)}
+    _, loaded = _read_weights(reader, tmp_path, tied)
+    assert loaded["embed.weight"].untyped_storage().data_ptr() == loaded["head.weight"].untyped_storage().data_ptr()
+    assert _same(loaded, tied)
 
 
 def _claiming(archive: bytes, numel: int) -> bytes:

@@ -1,6 +1,7 @@
 """Every file checkpoint.py and a training's checkpoint writer create has the permissions the process's umask
 gives a new file (0644 under umask 022), weight files written whole (a temporary file renamed into place); and
-to-hf names the recipes it exports (derived from the code)."""
+to-hf names the recipes it exports (derived from the code); the temporary file is one no one else could have
+planted."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from checkpoint import main as checkpoint_cli
 from tests.support.helpers import train_run, validated_config
@@ -113,3 +115,53 @@ def test_every_file_written_has_the_umasks_mode(tmp_path, mask):
     wrong = {name: oct(mode) for name, mode in modes.items() if mode != 0o666 & ~mask}
     assert not wrong, f"umask {oct(mask)}: expected {oct(0o666 & ~mask)}, got {wrong}"
     assert not [p for p in (tmp_path / "out").rglob(".*.tmp-*")]  # no temporary file left
+
+
+def _saved(suffix: str, weights: dict, target: Path) -> dict:
+    """`weights` written as a weight file by the checkpoint tools' writer for `suffix`, and read back."""
+    from safetensors.torch import load_file
+
+    from core.checkpointing.output_files import save_safetensors, save_torch
+
+    if suffix == ".pt":
+        save_torch(weights, target)
+        return torch.load(target, weights_only=True)
+    save_safetensors(weights, target)
+    return load_file(str(target))
+
+
+@pytest.mark.parametrize("suffix", [".pt", ".safetensors"])
+def test_a_link_planted_at_a_predictable_temporary_name_is_never_followed(tmp_path, suffix):
+    """Someone who may write to the output folder plants `.<name>.tmp-<pid>` (the name the writer once used) as a
+    link to the user's file: the file is neither overwritten nor given the output's mode, and the output is a file
+    of its own with the umask's mode."""
+    victim = tmp_path / "notes.txt"
+    victim.write_text("precious\n")
+    victim.chmod(0o600)
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    target = shared / f"model{suffix}"
+    planted = shared / f".{target.name}.tmp-{os.getpid()}"
+    planted.symlink_to(victim)
+    previous = os.umask(0o027)
+    try:
+        loaded = _saved(suffix, {"w": torch.ones(3)}, target)
+    finally:
+        os.umask(previous)
+    assert victim.read_text() == "precious\n" and stat.S_IMODE(victim.stat().st_mode) == 0o600
+    assert not target.is_symlink() and stat.S_IMODE(target.stat().st_mode) == 0o640
+    assert torch.equal(loaded["w"], torch.ones(3))
+    assert sorted(p.name for p in shared.iterdir()) == sorted([planted.name, target.name])  # no temporary left
+
+
+def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
+    class Unsaveable:
+        def __reduce__(self):
+            raise RuntimeError("cannot be saved")
+
+    target = tmp_path / "model.pt"
+    _saved(".pt", {"w": torch.ones(3)}, target)
+    with pytest.raises(RuntimeError, match="cannot be saved"):
+        _saved(".pt", {"w": torch.zeros(3), "x": Unsaveable()}, target)
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
+    assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
