@@ -32,6 +32,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig, OmegaConf, open_dict
 
 from core import session
+from core.checkpointing.output_files import write_atomically
 from core.checkpointing.saved_config import adopt_saved_model
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
@@ -181,16 +182,15 @@ def write_csv(path: Path, columns: dict[str, torch.Tensor | list]) -> int:
             blocks.append(values)
     n = len(blocks[0]) if blocks else 0
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    try:  # a file name that is not UTF-8 is written as its bytes (surrogateescape), as the file system holds it
+
+    def write(tmp: Path) -> None:  # a file name that is not UTF-8 is written as its bytes, as the file system has it
         with open(tmp, "w", newline="", encoding="utf-8", errors="surrogateescape") as f:
             writer = csv.writer(f)
             writer.writerow(names)
             for row in zip(*(block if isinstance(block, list) else block.tolist() for block in blocks)):
                 writer.writerow([f"{x:.7g}" if isinstance(x, float) else x for values in row for x in values])
-        tmp.replace(path)  # a reader never sees a half-written file
-    finally:
-        tmp.unlink(missing_ok=True)
+
+    write_atomically(path, write)  # a reader never sees a half-written file
     return n
 
 

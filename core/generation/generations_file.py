@@ -21,6 +21,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
+from core.checkpointing.output_files import write_atomically
 from core.config.errors import ConfigError, DataError
 from core.config.file_shape import read_small_file
 
@@ -93,9 +94,7 @@ def continue_output(output: Path, settings: dict, prompts: list[PromptFields], s
 
 
 def _write_settings(path: Path, settings: dict) -> None:
-    tmp = path.with_name(f"{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, lambda tmp: tmp.write_text(json.dumps(settings, indent=1, sort_keys=True) + "\n"))
 
 
 def _read_settings(path: Path) -> dict:

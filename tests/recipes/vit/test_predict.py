@@ -180,3 +180,14 @@ def test_a_file_name_that_is_not_utf8_is_written_as_its_bytes_and_a_failed_write
 class BadFloat(float):
     def __format__(self, spec):
         raise ValueError("cannot be written")
+
+
+def test_a_link_planted_at_the_csvs_old_temporary_name_is_not_followed(tmp_path):
+    from predict import write_csv
+
+    victim = tmp_path / "notes.txt"
+    victim.write_text("mine")
+    (tmp_path / "p.csv.tmp").symlink_to(victim)
+    write_csv(tmp_path / "p.csv", {"file": ["a.png"]})
+    assert victim.read_text() == "mine" and not (tmp_path / "p.csv").is_symlink()
+    assert (tmp_path / "p.csv").read_bytes() == b"file\r\na.png\r\n"
