@@ -52,25 +52,45 @@ def read_json_object(file: Path) -> dict[str, Any]:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin."""
+    """model.safetensors, else sharded safetensors (model.safetensors.index.json), else pytorch_model.bin: the order
+    of transformers' from_pretrained, so a stale index or .bin beside model.safetensors is not read."""
+    if (folder / "model.safetensors").is_file():
+        return _load_safetensors(folder / "model.safetensors")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = ShardIndex.model_validate(read_json_object(index)).weight_map
         except ValidationError as e:
             raise ValueError(f"{index}: {problems(e)}; nothing was imported") from None
-        shards = sorted(set(weight_map.values()))
-        absent = [shard for shard in shards if not (folder / shard).is_file()]
-        if absent:
-            raise ValueError(
-                f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; nothing was imported"
-            )
-        return {k: v for shard in shards for k, v in _load_safetensors(folder / shard).items()}
-    if (folder / "model.safetensors").is_file():
-        return _load_safetensors(folder / "model.safetensors")
+        return _read_shards(index, weight_map)
     if (folder / "pytorch_model.bin").is_file():
         return _load_torch_weights(folder / "pytorch_model.bin")
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _read_shards(index: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Each tensor from the shard weight_map names for it; ValueError naming the index, tensor and shards for a
+    shard that holds a tensor the map gives to another shard (or to none: which copy is meant?) or lacks one it
+    is given."""
+    folder, shards = index.parent, sorted(set(weight_map.values()))
+    absent = [shard for shard in shards if not (folder / shard).is_file()]
+    if absent:
+        raise ValueError(f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; nothing was imported")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors = _load_safetensors(folder / shard)
+        for name in sorted(tensors):
+            if weight_map.get(name) != shard:
+                given = f"gives it to {weight_map[name]}" if name in weight_map else "does not name it"
+                raise ValueError(f"{index}: {shard} holds {shown(name)}, but weight_map {given}; nothing was imported")
+        missing = sorted(name for name, where in weight_map.items() if where == shard and name not in tensors)
+        if missing:
+            raise ValueError(
+                f"{index}: weight_map gives {shown(missing[0])} to {shard}, which does not hold it; "
+                "nothing was imported"
+            )
+        weights |= tensors
+    return weights
 
 
 def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
