@@ -373,7 +373,8 @@ def lora_settings(file: Path) -> dict[str, Any]:
 
 def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """A PEFT adapter folder: (adapter_config.json, adapter_model.safetensors' tensors, the settings a recipe's export
-    keeps in its metadata under `key`, or {}). A pickled adapter_model.bin is refused, never loaded."""
+    keeps in its metadata under `key`, or {}). A pickled adapter_model.bin is refused, never loaded, and so is a
+    tensor that is not floating point (int8, bool: as base weights of such dtypes are), naming it."""
     from safetensors import safe_open
 
     config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
@@ -396,6 +397,11 @@ def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torc
         raise ValueError(
             f"{weights}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was imported"
         ) from None
+    for name, t in tensors.items():  # int8 or bool values cast to float would merge as weights they never were
+        if not t.is_floating_point():
+            raise ValueError(
+                f"{weights}: {shown(name)} is {t.dtype}, not floating point (quantized?); nothing was imported"
+            )
     try:
         ours = json.loads(metadata.get(key, "{}"))
     except (
