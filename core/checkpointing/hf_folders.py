@@ -1,8 +1,8 @@
 """Hugging Face model folders and this repository's runs, for the recipes' to-hf / from-hf conversions: reading
 a folder's config.json and weights (safetensors, sharded or not, or a weights-only torch file) without running
 code from them, reading a run's settings and weights, and writing imported weights where
-`checkpoint.init_from` takes them; PEFT LoRA adapters: their adapter_config.json checked, their safetensors read, and
-a run's finetune.lora settings."""
+`checkpoint.init_from` takes them; PEFT LoRA adapters: their adapter_config.json checked, their safetensors read
+(LoRA only on the modules target_modules takes), and a run's finetune.lora settings."""
 
 from __future__ import annotations
 
@@ -334,6 +334,50 @@ def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float
     for key in ("rank_pattern", "alpha_pattern"):
         need(not config.get(key), f"{key}={config.get(key)!r}: one rank and alpha for every module are mapped")
     return r, float(alpha)
+
+
+LORA_TENSOR = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_[AB]\.weight")  # group 1: the module's full name
+
+
+def check_adapter_targets(config: dict[str, Any], tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every LoRA tensor of the adapter in `folder` on a module that its adapter_config.json's target_modules takes
+    and exclude_modules leaves, matched as PEFT does (peft/tuners/tuners_utils.py check_target_module_exists);
+    ValueError naming the file, tensor and target_modules otherwise: PEFT builds LoRA on those modules alone and
+    leaves any other tensor of the file unused, without a warning."""
+    config_file, targets, leave = folder / ADAPTER_CONFIG, config.get("target_modules"), config.get("exclude_modules")
+    # "all-linear": every Linear but the output layer, which holds each module a recipe maps
+    all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+    targeted = None if all_linear else _module_names(targets, "target_modules", config_file)
+    excluded = _module_names(leave or [], "exclude_modules", config_file)
+    for name in sorted(tensors):
+        found = LORA_TENSOR.fullmatch(name)
+        outside = found is not None and targeted is not None and not targeted(found[1])
+        if outside or (found is not None and excluded(found[1])):
+            why = f"outside target_modules={shown(targets)}" if outside else f"in exclude_modules={shown(leave)}"
+            raise ValueError(
+                f"{folder / ADAPTER_WEIGHTS}: {shown(name)}: LoRA on a module {why} of {ADAPTER_CONFIG} (PEFT builds "
+                "no LoRA there and leaves the tensor unused); nothing was imported"
+            )
+
+
+def _module_names(value: Any, key: str, file: Path) -> Callable[[str], bool]:
+    """Whether a module's full name is one that PEFT's `key` (target_modules, exclude_modules) names: a list of names
+    takes a module whose full name is one of them or ends with "." and one; a string is a regular expression the
+    full name must match whole."""
+    if isinstance(value, str):
+        try:
+            pattern = re.compile(value)
+        except re.error as e:
+            raise ValueError(
+                f"{file}: {key}={shown(value)}: not a regular expression ({e}); nothing was imported"
+            ) from None
+        return lambda module: pattern.fullmatch(module) is not None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError(
+            f"{file}: {key}={shown(value)}: expected a list of module names or a regular expression (as PEFT saves "
+            "them); nothing was imported"
+        )
+    return lambda module: any(module == name or module.endswith("." + name) for name in value)
 
 
 def our_lora_alpha(r: int, alpha: float, rank: int, file: Path) -> float:

@@ -47,3 +47,20 @@ def test_an_adapter_tensor_that_is_not_floating_point_is_refused(tmp_path, dtype
     with pytest.raises(ValueError, match=f"^{re.escape(named)}$"):
         import_adapter_from_hf(str(folder), str(TINY_LLAMA), str(tmp_path / "out.safetensors"))
     assert not (tmp_path / "out.safetensors").exists()
+
+
+def test_lora_on_a_module_outside_target_modules_is_refused(tmp_path):
+    """target_modules ["q_proj"] with v_proj's LoRA in the file too: PEFT builds q_proj's alone (v_proj's tensors go
+    unused, without a warning), so the import must not merge v_proj's."""
+    folder = adapter(tmp_path / "adapter", "qv", ["q_proj"])
+    named = (
+        f"{folder / 'adapter_model.safetensors'}: 'base_model.model.model.layers.0.self_attn.v_proj.lora_A.weight': "
+        "LoRA on a module outside target_modules=['q_proj'] of adapter_config.json"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(named)}"):
+        import_adapter_from_hf(str(folder), str(TINY_LLAMA), str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()
+    for i, targets in enumerate([["q_proj", "v_proj"], r".*\.[qv]_proj", "all-linear"]):  # control: PEFT's forms
+        out = tmp_path / f"out{i}.safetensors"
+        import_adapter_from_hf(str(adapter(tmp_path / f"a{i}", "qv", targets)), str(TINY_LLAMA), str(out))
+        assert out.is_file()
