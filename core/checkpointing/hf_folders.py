@@ -1,8 +1,8 @@
 """Hugging Face model folders and this repository's runs, for the recipes' to-hf / from-hf conversions: reading
 a folder's config.json and weights (safetensors, sharded or not, or a weights-only torch file) without running
 code from them, reading a run's settings and weights, and writing imported weights where
-`checkpoint.init_from` takes them; PEFT LoRA adapters: their adapter_config.json checked, their safetensors read, and
-a run's finetune.lora settings."""
+`checkpoint.init_from` takes them; PEFT LoRA adapters: their adapter_config.json checked, their safetensors read
+(LoRA only on the modules target_modules takes), and a run's finetune.lora settings."""
 
 from __future__ import annotations
 
@@ -52,25 +52,45 @@ def read_json_object(file: Path) -> dict[str, Any]:
 
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
-    """model.safetensors, sharded safetensors (model.safetensors.index.json) or pytorch_model.bin."""
+    """model.safetensors, else sharded safetensors (model.safetensors.index.json), else pytorch_model.bin: the order
+    of transformers' from_pretrained, so a stale index or .bin beside model.safetensors is not read."""
+    if (folder / "model.safetensors").is_file():
+        return _load_safetensors(folder / "model.safetensors")
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = ShardIndex.model_validate(read_json_object(index)).weight_map
         except ValidationError as e:
             raise ValueError(f"{index}: {problems(e)}; nothing was imported") from None
-        shards = sorted(set(weight_map.values()))
-        absent = [shard for shard in shards if not (folder / shard).is_file()]
-        if absent:
-            raise ValueError(
-                f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; nothing was imported"
-            )
-        return {k: v for shard in shards for k, v in _load_safetensors(folder / shard).items()}
-    if (folder / "model.safetensors").is_file():
-        return _load_safetensors(folder / "model.safetensors")
+        return _read_shards(index, weight_map)
     if (folder / "pytorch_model.bin").is_file():
         return _load_torch_weights(folder / "pytorch_model.bin")
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def _read_shards(index: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
+    """Each tensor from the shard weight_map names for it; ValueError naming the index, tensor and shards for a
+    shard that holds a tensor the map gives to another shard (or to none: which copy is meant?) or lacks one it
+    is given."""
+    folder, shards = index.parent, sorted(set(weight_map.values()))
+    absent = [shard for shard in shards if not (folder / shard).is_file()]
+    if absent:
+        raise ValueError(f"{index}: weight_map names {', '.join(absent)}, not a file in {folder}; nothing was imported")
+    weights: dict[str, torch.Tensor] = {}
+    for shard in shards:
+        tensors = _load_safetensors(folder / shard)
+        for name in sorted(tensors):
+            if weight_map.get(name) != shard:
+                given = f"gives it to {weight_map[name]}" if name in weight_map else "does not name it"
+                raise ValueError(f"{index}: {shard} holds {shown(name)}, but weight_map {given}; nothing was imported")
+        missing = sorted(name for name, where in weight_map.items() if where == shard and name not in tensors)
+        if missing:
+            raise ValueError(
+                f"{index}: weight_map gives {shown(missing[0])} to {shard}, which does not hold it; "
+                "nothing was imported"
+            )
+        weights |= tensors
+    return weights
 
 
 def _load_torch_weights(file: Path) -> dict[str, torch.Tensor]:
@@ -320,6 +340,50 @@ def check_adapter_config(config: dict[str, Any], file: Path) -> tuple[int, float
     return r, float(alpha)
 
 
+LORA_TENSOR = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.lora_[AB]\.weight")  # group 1: the module's full name
+
+
+def check_adapter_targets(config: dict[str, Any], tensors: dict[str, torch.Tensor], folder: Path) -> None:
+    """Every LoRA tensor of the adapter in `folder` on a module that its adapter_config.json's target_modules takes
+    and exclude_modules leaves, matched as PEFT does (peft/tuners/tuners_utils.py check_target_module_exists);
+    ValueError naming the file, tensor and target_modules otherwise: PEFT builds LoRA on those modules alone and
+    leaves any other tensor of the file unused, without a warning."""
+    config_file, targets, leave = folder / ADAPTER_CONFIG, config.get("target_modules"), config.get("exclude_modules")
+    # "all-linear": every Linear but the output layer, which holds each module a recipe maps
+    all_linear = isinstance(targets, str) and targets.lower() == "all-linear"
+    targeted = None if all_linear else _module_names(targets, "target_modules", config_file)
+    excluded = _module_names(leave or [], "exclude_modules", config_file)
+    for name in sorted(tensors):
+        found = LORA_TENSOR.fullmatch(name)
+        outside = found is not None and targeted is not None and not targeted(found[1])
+        if outside or (found is not None and excluded(found[1])):
+            why = f"outside target_modules={shown(targets)}" if outside else f"in exclude_modules={shown(leave)}"
+            raise ValueError(
+                f"{folder / ADAPTER_WEIGHTS}: {shown(name)}: LoRA on a module {why} of {ADAPTER_CONFIG} (PEFT builds "
+                "no LoRA there and leaves the tensor unused); nothing was imported"
+            )
+
+
+def _module_names(value: Any, key: str, file: Path) -> Callable[[str], bool]:
+    """Whether a module's full name is one that PEFT's `key` (target_modules, exclude_modules) names: a list of names
+    takes a module whose full name is one of them or ends with "." and one; a string is a regular expression the
+    full name must match whole."""
+    if isinstance(value, str):
+        try:
+            pattern = re.compile(value)
+        except re.error as e:
+            raise ValueError(
+                f"{file}: {key}={shown(value)}: not a regular expression ({e}); nothing was imported"
+            ) from None
+        return lambda module: pattern.fullmatch(module) is not None
+    if not isinstance(value, list) or not all(isinstance(name, str) for name in value):
+        raise ValueError(
+            f"{file}: {key}={shown(value)}: expected a list of module names or a regular expression (as PEFT saves "
+            "them); nothing was imported"
+        )
+    return lambda module: any(module == name or module.endswith("." + name) for name in value)
+
+
 def our_lora_alpha(r: int, alpha: float, rank: int, file: Path) -> float:
     """finetune.lora.alpha for an adapter's LoRA of PEFT rank `r` and lora_alpha `alpha`, read as one LoRA of rank
     `rank` (PEFT's fused q/k/v: a multiple of r), keeping PEFT's scale alpha / r; ValueError naming `file` if that
@@ -357,7 +421,8 @@ def lora_settings(file: Path) -> dict[str, Any]:
 
 def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torch.Tensor], dict[str, Any]]:
     """A PEFT adapter folder: (adapter_config.json, adapter_model.safetensors' tensors, the settings a recipe's export
-    keeps in its metadata under `key`, or {}). A pickled adapter_model.bin is refused, never loaded."""
+    keeps in its metadata under `key`, or {}). A pickled adapter_model.bin is refused, never loaded, and so is a
+    tensor that is not floating point (int8, bool: as base weights of such dtypes are), naming it."""
     from safetensors import safe_open
 
     config_file, weights = folder / ADAPTER_CONFIG, folder / ADAPTER_WEIGHTS
@@ -380,6 +445,11 @@ def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torc
         raise ValueError(
             f"{weights}: cannot read as safetensors ({type(e).__name__}: {e}); nothing was imported"
         ) from None
+    for name, t in tensors.items():  # int8 or bool values cast to float would merge as weights they never were
+        if not t.is_floating_point():
+            raise ValueError(
+                f"{weights}: {shown(name)} is {t.dtype}, not floating point (quantized?); nothing was imported"
+            )
     try:
         ours = json.loads(metadata.get(key, "{}"))
     except (

@@ -32,6 +32,7 @@ from core.checkpointing.hf_folders import (  # noqa: F401 (ADAPTER_*, PEFT_PREFI
     ADAPTER_WEIGHTS,
     PEFT_PREFIX,
     check_adapter_config,
+    check_adapter_targets,
     lora_settings,
     our_lora_alpha,
     override,
@@ -504,6 +505,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     folder = Path(adapter_dir)
     config, tensors, ours = read_adapter(folder, RECIPE)
     r, alpha = check_adapter_config(config, folder / ADAPTER_CONFIG)
+    check_adapter_targets(config, tensors, folder)
     base, target, base_config, hf = read_hf_folder(base_dir, out)
     m = esm_hf.check_esm2_config(base_config | {"model_type": "esm"}, base / "config.json", fuse_qkv)
     backbone = {k: v for k, v in hf.items() if not k.startswith(("lm_head.", "classifier."))}  # the base's own heads

@@ -605,6 +605,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
         ADAPTER_CONFIG,
         ADAPTER_WEIGHTS,
         check_adapter_config,
+        check_adapter_targets,
         our_lora_alpha,
         read_adapter,
     )
@@ -613,6 +614,7 @@ def import_adapter_from_hf(adapter_dir: str, base_dir: str, out: str, fuse_qkv: 
     folder = Path(adapter_dir)
     config, tensors, _ = read_adapter(folder, "gpt")
     r, alpha = check_adapter_config(config, folder / ADAPTER_CONFIG)
+    check_adapter_targets(config, tensors, folder)
     base, target, base_config, hf = read_hf_folder(base_dir, out)
     settings = model_settings(base_config, base / "config.json")
     lora, rank = lora_from_peft(tensors, r, settings, fuse_qkv, folder / ADAPTER_WEIGHTS)

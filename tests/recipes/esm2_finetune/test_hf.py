@@ -286,12 +286,24 @@ def adapter_folder(tmp_path: Path) -> tuple[Path, Path]:
         ({"config": {"rank_pattern": {"query": 8}}}, "rank_pattern="),
         ({"config": {"r": 2}}, r"layer 0 query lora_A is \(4, 16\), r=2"),
         (
-            {"extra": "base_model.model.esm.encoder.layer.0.intermediate.dense.lora_A.weight"},
+            {
+                "extra": "base_model.model.esm.encoder.layer.0.intermediate.dense.lora_A.weight",
+                "config": {"target_modules": ["query", "value", "intermediate.dense"]},
+            },
             "intermediate.dense.lora_A.weight: LoRA on a module this recipe cannot map",
         ),
         ({"drop": "base_model.model.classifier."}, "no classifier tensors"),
         ({"pickle": True}, r"adapter_model.bin is a pickle, which is never loaded"),
         ({"drop": "base_model.model.esm.encoder.layer.1."}, r"LoRA on other modules in different layers"),
+        (
+            {"config": {"target_modules": ["query"]}},
+            r"'base_model.model.esm.encoder.layer.0.attention.self.value.lora_A.weight': LoRA on a module outside "
+            r"target_modules=\['query'\]",
+        ),
+        (
+            {"int8": "base_model.model.classifier.dense.weight"},
+            r"adapter_model.safetensors: 'base_model.model.classifier.dense.weight' is torch.int8, not floating point",
+        ),
     ],
 )
 def test_adapters_we_cannot_map_are_refused_by_name(tmp_path, change, named):
@@ -303,6 +315,8 @@ def test_adapters_we_cannot_map_are_refused_by_name(tmp_path, change, named):
         tensors[change["extra"]] = torch.zeros(4, H)
     if "drop" in change:
         tensors = {k: v for k, v in tensors.items() if not k.startswith(change["drop"])}
+    if "int8" in change:
+        tensors[change["int8"]] = tensors[change["int8"]].to(torch.int8)
     save_file(tensors, str(adapter / fh.ADAPTER_WEIGHTS))
     if change.get("pickle"):
         (adapter / fh.ADAPTER_WEIGHTS).rename(adapter / "adapter_model.bin")

@@ -5,6 +5,7 @@ line must not turn into shell code. Each is imported right or refused with the f
 from __future__ import annotations
 
 import json
+import re
 import shlex
 from pathlib import Path
 from types import SimpleNamespace
@@ -221,3 +222,56 @@ def test_one_tensor_of_a_far_layer_counts_one_layer_and_builds_no_table():
     far = {"esm.encoder.layer.1048574.LayerNorm.weight": torch.ones(1)}
     with pytest.raises(ValueError, match="gives 1048575 layers, the weights hold 1;"):
         esm_hf.check_hf_weights(far, SimpleNamespace(num_layers=1048575))
+
+
+def sharded(folder: Path, shards: dict[str, dict[str, float]], weight_map: dict[str, str]) -> Path:
+    """A folder of safetensors shards (file -> tensor name -> its one value) and the index naming them."""
+    folder.mkdir(exist_ok=True)
+    for shard, tensors in shards.items():
+        save_file({k: torch.full((2,), v) for k, v in tensors.items()}, str(folder / shard))
+    (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return folder / "model.safetensors.index.json"
+
+
+def test_each_tensor_is_taken_from_the_shard_the_index_names(tmp_path):
+    """A shard also holding a tensor the index gives to another shard loaded silently, the last shard's copy
+    winning; now only weight_map's shard is read, and a copy it does not name is refused, as is a missing one."""
+    from core.checkpointing.hf_folders import read_hf_weights
+
+    given = {"x": "a.safetensors", "y": "a.safetensors", "z": "b.safetensors"}
+    sharded(tmp_path / "ok", {"a.safetensors": {"x": 1, "y": 2}, "b.safetensors": {"z": 3}}, given)
+    assert {k: v[0].item() for k, v in read_hf_weights(tmp_path / "ok").items()} == {"x": 1, "y": 2, "z": 3}
+    for case, shards, named in [
+        (
+            "dup",
+            {"a.safetensors": {"x": 1, "y": 2}, "b.safetensors": {"x": 0, "z": 3}},
+            "b.safetensors holds 'x', but weight_map gives it to a.safetensors",
+        ),
+        (
+            "extra",
+            {"a.safetensors": {"x": 1, "y": 2, "w": 4}, "b.safetensors": {"z": 3}},
+            "a.safetensors holds 'w', but weight_map does not name it",
+        ),
+        (
+            "lost",
+            {"a.safetensors": {"x": 1}, "b.safetensors": {"z": 3}},
+            "weight_map gives 'y' to a.safetensors, which does not hold it",
+        ),
+    ]:
+        index = sharded(tmp_path / case, shards, given)
+        with pytest.raises(ValueError, match=re.escape(f"{index}: {named}; nothing was imported")):
+            read_hf_weights(tmp_path / case)
+
+
+def test_model_safetensors_is_read_before_an_index_or_a_pytorch_model_bin_beside_it(tmp_path):
+    """transformers' from_pretrained order (modeling_utils: model.safetensors, its index, pytorch_model.bin): a stale
+    index left beside model.safetensors was read instead of it."""
+    from core.checkpointing.hf_folders import read_hf_weights
+
+    sharded(tmp_path, {"model-00001-of-00001.safetensors": {"w": 1}}, {"w": "model-00001-of-00001.safetensors"})
+    torch.save({"w": torch.full((2,), 2.0)}, tmp_path / "pytorch_model.bin")
+    save_file({"w": torch.full((2,), 3.0)}, str(tmp_path / "model.safetensors"))
+    for value, then_remove in ((3, "model.safetensors"), (1, "model.safetensors.index.json"), (2, None)):
+        assert read_hf_weights(tmp_path)["w"][0].item() == value
+        if then_remove:
+            (tmp_path / then_remove).unlink()
