@@ -53,19 +53,30 @@ def read_json_object(file: Path) -> dict[str, Any]:
 
 def read_hf_weights(folder: Path) -> dict[str, torch.Tensor]:
     """model.safetensors, else sharded safetensors (model.safetensors.index.json), else pytorch_model.bin: the order
-    of transformers' from_pretrained, so a stale index or .bin beside model.safetensors is not read."""
+    of transformers' from_pretrained, so a stale index or .bin beside model.safetensors is not read. ValueError for
+    weights that hold NaN or infinite values."""
     if (folder / "model.safetensors").is_file():
-        return _load_safetensors(folder / "model.safetensors")
+        return check_finite(_load_safetensors(folder / "model.safetensors"), folder)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = ShardIndex.model_validate(read_json_object(index)).weight_map
         except ValidationError as e:
             raise ValueError(f"{index}: {problems(e)}; nothing was imported") from None
-        return _read_shards(index, weight_map)
+        return check_finite(_read_shards(index, weight_map), folder)
     if (folder / "pytorch_model.bin").is_file():
-        return _load_torch_weights(folder / "pytorch_model.bin")
+        return check_finite(_load_torch_weights(folder / "pytorch_model.bin"), folder)
     raise FileNotFoundError(f"{folder}: no model.safetensors, model.safetensors.index.json or pytorch_model.bin")
+
+
+def check_finite(weights: dict[str, torch.Tensor], source: Path) -> dict[str, torch.Tensor]:
+    """`weights`, refused (ValueError naming `source` and the tensors) where a value is NaN or infinite: a model
+    trained from them would only learn NaN."""
+    bad = [k for k, v in weights.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        more = f" and {len(bad) - 1} more" if len(bad) > 1 else ""
+        raise ValueError(f"{source}: {shown(bad[0])}{more} hold NaN or infinite values; nothing was imported")
+    return weights
 
 
 def _read_shards(index: Path, weight_map: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -450,6 +461,7 @@ def read_adapter(folder: Path, key: str) -> tuple[dict[str, Any], dict[str, torc
             raise ValueError(
                 f"{weights}: {shown(name)} is {t.dtype}, not floating point (quantized?); nothing was imported"
             )
+    check_finite(tensors, weights)
     try:
         ours = json.loads(metadata.get(key, "{}"))
     except (

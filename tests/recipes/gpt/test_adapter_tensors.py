@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from recipes.gpt.hf import import_adapter_from_hf
 
@@ -64,3 +64,14 @@ def test_lora_on_a_module_outside_target_modules_is_refused(tmp_path):
         out = tmp_path / f"out{i}.safetensors"
         import_adapter_from_hf(str(adapter(tmp_path / f"a{i}", "qv", targets)), str(TINY_LLAMA), str(out))
         assert out.is_file()
+
+
+def test_an_adapter_tensor_holding_nan_or_infinity_is_refused(tmp_path):
+    folder = adapter(tmp_path / "adapter", "q", ["q_proj"])
+    weights = folder / "adapter_model.safetensors"
+    tensors = {k: v.clone() for k, v in load_file(str(weights)).items()}
+    tensors["base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight"][0, 0] = float("inf")
+    save_file(tensors, str(weights))
+    with pytest.raises(ValueError, match=r"'base_model.model.model.layers.1.self_attn.q_proj.lora_B.weight' hold NaN"):
+        import_adapter_from_hf(str(folder), str(TINY_LLAMA), str(tmp_path / "out.safetensors"))
+    assert not (tmp_path / "out.safetensors").exists()

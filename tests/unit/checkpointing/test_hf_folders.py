@@ -275,3 +275,21 @@ def test_model_safetensors_is_read_before_an_index_or_a_pytorch_model_bin_beside
         assert read_hf_weights(tmp_path)["w"][0].item() == value
         if then_remove:
             (tmp_path / then_remove).unlink()
+
+
+def test_weights_holding_nan_or_infinity_are_refused_by_name(tmp_path):
+    from core.checkpointing.hf_folders import read_hf_weights
+
+    good = {"a.weight": torch.ones(3), "b.weight": torch.zeros(2, dtype=torch.bfloat16), "ids": torch.arange(3)}
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        save_file(good | {"b.weight": torch.tensor([1.0, bad]).bfloat16()}, str(tmp_path / "model.safetensors"))
+        with pytest.raises(ValueError, match=r"'b.weight' hold NaN or infinite values; nothing was imported"):
+            read_hf_weights(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(
+        good | {"c": torch.tensor([float("nan")]), "d": torch.tensor([float("inf")])}, tmp_path / "pytorch_model.bin"
+    )
+    with pytest.raises(ValueError, match=r"'c' and 1 more hold NaN or infinite values"):
+        read_hf_weights(tmp_path)
+    torch.save(good, tmp_path / "pytorch_model.bin")
+    assert sorted(read_hf_weights(tmp_path)) == ["a.weight", "b.weight", "ids"]
