@@ -52,9 +52,18 @@ def write_atomically(target: Path, write: Callable[[Path], None]) -> None:
 
 
 def save_safetensors(tensors: dict[str, torch.Tensor], target: Path, metadata: Optional[dict[str, str]] = None) -> None:
+    """`tensors` as a .safetensors file; a tensor sharing memory with an earlier one (a tied embedding and head read
+    from a .bin) is written as a copy of its own, which safetensors requires."""
     from safetensors.torch import save_file
 
-    write_atomically(target, lambda path: save_file(tensors, str(path), metadata=metadata))
+    storages: set[int] = set()
+    unshared = {}
+    for name, tensor in tensors.items():
+        pointer = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if pointer in storages else tensor
+        if tensor.numel():
+            storages.add(pointer)
+    write_atomically(target, lambda path: save_file(unshared, str(path), metadata=metadata))
 
 
 def save_torch(obj: object, target: Path) -> None:

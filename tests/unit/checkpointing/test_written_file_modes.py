@@ -165,3 +165,17 @@ def test_a_failed_write_leaves_the_previous_file_and_no_temporary(tmp_path):
         _saved(".pt", {"w": torch.zeros(3), "x": Unsaveable()}, target)
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]
     assert torch.equal(torch.load(target, weights_only=True)["w"], torch.ones(3))
+
+
+def test_tensors_sharing_memory_are_written_to_safetensors_as_copies(tmp_path):
+    """A tied embedding and head read from a pytorch_model.bin are one storage, which safetensors refuses to write."""
+    from safetensors.torch import load_file
+
+    from core.checkpointing.output_files import save_safetensors
+
+    embedding = torch.arange(6.0).reshape(3, 2)
+    rows = torch.arange(8.0)
+    tensors = {"embed": embedding, "head": embedding, "first": rows[:4], "last": rows[4:], "none": torch.empty(0)}
+    save_safetensors(tensors, tmp_path / "w.safetensors")
+    loaded = load_file(str(tmp_path / "w.safetensors"))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
