@@ -430,6 +430,8 @@ def task_of(config: dict[str, Any], file: Path) -> tuple[str, list[str], str]:
             indexed = {int(k): v for k, v in labels.items()}
         except (TypeError, ValueError):
             raise ValueError(f"{file}: id2label keys {sorted(labels)[:3]} are not class indices") from None
+        if len(indexed) != len(labels):  # "0" and "00": which name is class 0's?
+            raise ValueError(f"{file}: id2label names a class index twice ({', '.join(map(repr, sorted(labels)))})")
         if sorted(indexed) != list(range(len(indexed))) or not all(isinstance(v, str) and v for v in indexed.values()):
             raise ValueError(f"{file}: id2label is not 0..{len(indexed) - 1} -> class names")
         classes = [indexed[i] for i in range(len(indexed))]

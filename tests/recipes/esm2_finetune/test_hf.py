@@ -352,6 +352,9 @@ def test_from_hf_picks_the_recipe_by_architecture_and_reads_adapters_with_base(t
         assert checkpoint.importer(str(tmp_path / "cls"), str(tmp_path / "x")) is esm_hf
         with pytest.raises(ValueError, match=re.escape(f"c.json: architectures={architectures!r}; from-hf reads")):
             fh.task_of({"architectures": architectures}, Path("c.json"))
+    twice = {"architectures": [fh.SEQUENCE_CLASS], "id2label": {"0": "a", "00": "b", "1": "c"}}
+    with pytest.raises(ValueError, match=r"c.json: id2label names a class index twice \('0', '00', '1'\)"):
+        fh.task_of(twice, Path("c.json"))
     with pytest.raises(SystemExit, match="missing: lm_head.bias"):
         checkpoint.main(["from-hf", str(tmp_path / "cls"), str(tmp_path / "w.safetensors")])
     with pytest.raises(SystemExit, match="a PEFT adapter .*: name the model it adapts with --base"):
