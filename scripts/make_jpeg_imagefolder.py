@@ -16,6 +16,7 @@ Seeded: reruns give identical files.
 from __future__ import annotations
 
 import argparse
+import sys
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
@@ -45,6 +46,8 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--workers", type=int, default=8)
     args = p.parse_args()
+    if args.out.exists() and any(args.out.iterdir()):  # its files would be overwritten
+        sys.exit(f"{args.out} is not empty; choose a new folder (nothing was written)")
     jobs = []
     for split, count, offset in (("train", args.train, 0), ("val", args.val, args.train)):
         for i in range(count):

@@ -99,6 +99,9 @@ def test_the_jpeg_folder_has_imagenet_like_sizes_and_is_reproducible(tmp_path, m
         )
     files = digests(tmp_path / "a")
     assert files == digests(tmp_path / "b")
+    with pytest.raises(SystemExit, match="a is not empty; choose a new folder"):
+        run_script("make_jpeg_imagefolder", monkeypatch, "--out", str(tmp_path / "a"), "--train", "1", "--val", "0")
+    assert digests(tmp_path / "a") == files
     assert sorted(files) == [
         "train/class000/000000.jpg",
         "train/class000/000002.jpg",
