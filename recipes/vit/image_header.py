@@ -37,6 +37,7 @@ import struct
 from pathlib import Path
 from typing import BinaryIO, Optional
 
+import numpy as np
 from PIL import Image
 from PIL.JpegImagePlugin import JpegImageFile
 from PIL.PngImagePlugin import PngImageFile
@@ -113,6 +114,15 @@ def header_problem(f: BinaryIO, file_bytes: Optional[int] = None) -> Optional[st
         return f"no image header with its size in the first {HEADER_PREFIXES[-1]:,} bytes"
     finally:
         f.seek(0)
+
+
+def rgb(img: Image.Image) -> Image.Image:
+    """`img` in 8-bit RGB. A 16-bit grayscale image (a PNG or TIFF of mode I;16) keeps its high byte, as
+    torchvision's to_dtype scales uint16 to uint8: PIL's own conversion clips its values to 255, all but black
+    becoming white."""
+    if img.mode.startswith("I;16"):
+        img = Image.fromarray((np.asarray(img) >> 8).astype(np.uint8))
+    return img if img.mode == "RGB" else img.convert("RGB")
 
 
 def read_image_file(path: str | Path) -> bytes:

@@ -35,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, StrictInt, Validatio
 
 from core.config.errors import DataError, MissingDataError
 from core.config.file_shape import problems, read_small_file
-from recipes.vit.image_header import DECODE_ERRORS, MOST_FILE_BYTES, header_problem, read_image_file
+from recipes.vit.image_header import DECODE_ERRORS, MOST_FILE_BYTES, header_problem, read_image_file, rgb
 
 INDEX = "index.json"
 FORMAT = "vit-image-shards"
@@ -363,7 +363,7 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
         if shorter_side is None:
             return raw, ext
         with Image.open(io.BytesIO(raw)) as img:
-            img = img.convert("RGB")
+            img = rgb(img)
             scale = shorter_side / min(img.size)
             if scale < 1:
                 img = img.resize(
