@@ -223,6 +223,12 @@ def test_a_header_is_read_from_a_bounded_prefix_and_a_file_too_long_for_any_imag
     profiled.write_bytes(jpeg(Image.new("RGB", (64, 48), (90, 160, 30)), icc_profile=os.urandom(2**20)))
     with profiled.open("rb") as f:
         assert header_problem(f) is None
+    # TIFF and WebP headers are read where they lie: a TIFF's directory at its end, a WebP whole.
+    noise = Image.fromarray(np.random.default_rng(0).integers(0, 255, (1200, 1000, 3), dtype=np.uint8))
+    for kind, options in (("TIFF", {"compression": "tiff_deflate"}), ("WEBP", {"lossless": True, "method": 0})):
+        out = io.BytesIO()
+        noise.save(out, kind, **options)
+        assert out.tell() > HEADER_PREFIXES[-1] and header_problem(out, out.tell()) is None
     os.truncate(profiled, MOST_FILE_BYTES + 1)  # refused on its length alone, before the header
     with profiled.open("rb") as f:
         assert header_problem(f) == (
