@@ -4,7 +4,7 @@ Ways a small or cheap file costs gigabytes, or minutes:
   * Every image is decoded whole, in every loader worker, before the crop shrinks it: at 4 bytes a pixel and again
     for a colour conversion. An image of more than MOST_PIXELS is refused (a 48 MP phone's or a 45 MP camera's
     full-size photo passes; PIL only warns at 89 million and refuses twice that), whatever its format: a lossless
-    WebP of one colour holds 9000 x 9000 pixels in 34 bytes, a PNG in 236 KB.
+    WebP of one colour holds 9000 x 9000 pixels in a few dozen bytes, a PNG in a few hundred KB.
   * A JPEG decoder fills the rows a file lacks with grey and goes on (PIL, nvImageCodec and DALI alike,
     whenever the file still ends with an end-of-image marker), so a file of a few hundred bytes whose header
     claims 6000 x 6000 pixels decodes to a hundred megabytes of filler each time it is read: in every loader
@@ -23,7 +23,7 @@ Ways a small or cheap file costs gigabytes, or minutes:
     metadata and previews. An animation or a stack of pages longer than that is refused too: training reads
     its first frame only. No image file may be longer than MOST_FILE_BYTES, checked before its header is read.
   * PIL's JPEG and PPM parsers step over bytes that are not a marker one at a time, in Python: a JPEG's first
-    four bytes and a hole of 512 MiB kept one core busy for most of a minute. The header is parsed from the
+    bytes and a long hole cost CPU time in proportion to the hole. The header is parsed from the
     file's first HEADER_PREFIXES bytes (enough for a JPEG's EXIF, ICC profile and thumbnail); one whose size
     is not found there is refused. TIFF and WebP headers are read where they lie (PIL seeks to a TIFF's
     directory, which libtiff writes at the end, and reads a WebP whole: bounded by MOST_FILE_BYTES).
