@@ -34,7 +34,7 @@ from recipes.vit.folders import (
     tiny_imagenet_files,
     unlabeled_files,
 )
-from recipes.vit.image_header import DECODE_ERRORS, NotAnImageFile, read_image_file, size_problem
+from recipes.vit.image_header import DECODE_ERRORS, NotAnImageFile, read_image_file, rgb, size_problem
 from recipes.vit.shards import ShardFiles, ShardReader, read_index
 
 log = logging.getLogger(__name__)
@@ -191,9 +191,7 @@ class Transform:
         top, left, h, w, flip = crop
         if h >= 0:
             img, crop = img.crop((left, top, left + w, top + h)), [0, 0, h, w, flip]
-        if img.mode != "RGB":
-            img = img.convert("RGB")
-        return self.apply(torch.from_numpy(np.array(img)).permute(2, 0, 1), crop)
+        return self.apply(torch.from_numpy(np.array(rgb(img))).permute(2, 0, 1), crop)
 
     def draw(self, height: int, width: int, g: torch.Generator) -> list[int]:
         if not self.train:

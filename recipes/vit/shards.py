@@ -10,9 +10,10 @@ A folder of single files is slow on shared filesystems at ImageNet scale; the fi
 Training reads a sample by its position with one positioned read of its image's bytes, so the project's
 sampler keeps its rules unchanged (the same global order for any number of loader workers, disjoint samples
 per rank, exact mid-epoch resume, on any number of GPUs). Every file is read as possibly hostile: the index
-is checked against the shards' sizes before any work, and each read checks the member's tar header (its
-checksum, name and size) against the index, so a wrong offset or a damaged shard is an error naming both,
-never another sample's bytes.
+is checked against the shards' sizes before any work (no member longer than any image file may be: each read
+takes one whole), and each read checks the member's tar header (its checksum, name and size) against the index,
+so a wrong offset or a damaged shard is an error naming both, never another sample's bytes, and its image header
+against its size (recipes/vit/image_header.py) before it is decoded.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from pydantic import BaseModel, ConfigDict, NonNegativeInt, StrictInt, Validatio
 
 from core.config.errors import DataError, MissingDataError
 from core.config.file_shape import problems, read_small_file
-from recipes.vit.image_header import read_image_file
+from recipes.vit.image_header import DECODE_ERRORS, MOST_FILE_BYTES, header_problem, read_image_file, rgb
 
 INDEX = "index.json"
 FORMAT = "vit-image-shards"
@@ -180,6 +181,12 @@ def _read_split(root: Path, split: str, entry: SplitEntry, num_classes: int) -> 
             f"{table_path}: row {row} ({dict(zip(COLUMNS, table[row].tolist()))}) does not point "
             f"at a member of its shard (or its label is not one of the {num_classes} classes)"
         )
+    if (size > MOST_FILE_BYTES).any():  # each read takes the whole member into memory
+        row = int(np.flatnonzero(size > MOST_FILE_BYTES)[0])
+        raise DataError(
+            f"{table_path}: row {row} gives the image {entry.shards[int(shard[row])].name}:{_member_key(row)} "
+            f"{int(size[row]):,} bytes, more than any image file may be here (at most {MOST_FILE_BYTES:,})"
+        )
     return ShardSplit(root, split, list(entry.shards), entry.table, table)
 
 
@@ -248,6 +255,8 @@ class ShardReader:
     def __call__(self, position: int) -> bytes:
         shard, header, _, size, _ = (int(v) for v in self.split.table[position])
         where = self.split.root / self.split.member(position)
+        if size > MOST_FILE_BYTES:  # the table may have changed since it was checked; it is read whole below
+            raise DataError(f"{where}: the index gives this image {size:,} bytes, more than any image file may be")
         try:
             block = os.pread(self._fd(shard), BLOCK + size, header)
         except OSError as e:
@@ -266,6 +275,9 @@ class ShardReader:
             )
         if len(block) != BLOCK + size:
             raise DataError(f"{where}: the shard ends inside the member (cut short)")
+        problem = header_problem(io.BytesIO(block[BLOCK:]), size)  # before the header is parsed unbounded
+        if problem is not None:
+            raise DataError(f"cannot decode the image {where} ({problem}); remove or replace it")
         return block[BLOCK:]
 
 
@@ -351,7 +363,7 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
         if shorter_side is None:
             return raw, ext
         with Image.open(io.BytesIO(raw)) as img:
-            img = img.convert("RGB")
+            img = rgb(img)
             scale = shorter_side / min(img.size)
             if scale < 1:
                 img = img.resize(
@@ -360,7 +372,7 @@ def _image_bytes(path: str, shorter_side: Optional[int], quality: int) -> tuple[
             buffer = io.BytesIO()
             img.save(buffer, format="JPEG", quality=quality)
         return buffer.getvalue(), "jpg"
-    except (OSError, ValueError, Image.DecompressionBombError) as e:  # read, decoded or resized: a bad file
+    except (ValueError, *DECODE_ERRORS) as e:  # read, decoded or resized: a bad file
         raise DataError(
             f"{path}: cannot be written into a shard ({type(e).__name__}: {e}); remove or replace it"
         ) from None

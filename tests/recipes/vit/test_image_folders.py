@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from core.config.errors import ConfigError, DataError
@@ -175,3 +176,21 @@ def test_a_name_like_an_image_that_is_no_file_is_left_out_or_named_never_waited_
         train[position]
     with within(10), pytest.raises(DataError, match=rf"{odd}: cannot be written into a shard \(.*{says}\)"):
         write_shards(tmp_path / "shards", classes, {"train": [(str(odd), 0)]})
+
+
+def test_a_16_bit_grayscale_image_trains_as_its_8_bit_self_not_white(tmp_path):
+    ramp = np.tile(np.linspace(0, 65535, 64).astype(np.uint16), (48, 1))
+    for split in ("train", "val"):
+        for name in ("a", "b"):
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new("RGB", (32, 32), (10, 200, 30)).save(tmp_path / split / name / "ok.png")
+        Image.fromarray(ramp).save(tmp_path / split / "a" / "ramp16.png")
+        Image.fromarray((ramp >> 8).astype(np.uint8)).save(tmp_path / split / "a" / "ramp8.png")
+    assert Image.open(tmp_path / "val" / "a" / "ramp16.png").mode == "I;16"
+    data = ImageDataConfig(format="imagefolder", root=str(tmp_path), num_classes=2)
+    train, val = build_image_datasets(data, ViTModelConfig(img_size=16, patch_size=4, num_classes=2), seed=0)
+    names = [os.path.basename(path) for path, _ in val.files]
+    sixteen, eight = val[names.index("ramp16.png")]["image"], val[names.index("ramp8.png")]["image"]
+    assert torch.equal(sixteen, eight) and sixteen.float().std() > 30
+    names = [os.path.basename(path) for path, _ in train.files]
+    assert (train[names.index("ramp16.png")]["image"] == 255).float().mean() < 0.5  # a random crop of the ramp

@@ -5,7 +5,9 @@ shards equals training on the folder, and a run stopped mid-epoch on shards resu
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tarfile
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +15,13 @@ import pytest
 import torch
 from PIL import Image
 
+from core.config.errors import DataError
 from core.data.datasets import EpochIndex
 from recipes.vit.config import ImageDataConfig, ImageFormat
 from recipes.vit.data import ImageSamples, Transform, split_samples
 from recipes.vit.folders import imagefolder_classes, imagefolder_files
-from recipes.vit.shards import BLOCK, ShardReader, read_index, write_shards
+from recipes.vit.image_header import HEADER_PREFIXES, MOST_FILE_BYTES
+from recipes.vit.shards import BLOCK, ShardEntry, ShardReader, ShardSplit, read_index, write_shards
 from tests.support.checkpoint_harness import TINY, run_phases
 from tests.support.helpers import REPO, run_workers
 
@@ -162,6 +166,47 @@ def test_a_read_checks_the_member_header_against_the_index(digit_shards, tmp_pat
     with pytest.raises(ValueError, match=r"train-000000.tar:00000009: no tar header where the index points"):
         reader(9)
     assert table[9, 1] % BLOCK == 0
+
+
+def _one_member(root: Path, size: int) -> Path:
+    """A consistent shard folder whose one image member is declared `size` bytes: a JPEG's first bytes, then a
+    hole (sparse: a few KiB on disk)."""
+    root.mkdir()
+    info = tarfile.TarInfo("00000000.jpg")
+    info.size = size
+    with (root / "train-000000.tar").open("wb") as f:
+        f.write(info.tobuf(tarfile.GNU_FORMAT) + b"\xff\xd8\xff\xe0")
+        f.truncate(BLOCK + -(-size // BLOCK) * BLOCK + 2 * BLOCK)
+    np.save(root / "train.npy", np.array([[0, 0, BLOCK, size, 0]], dtype=np.int64))
+    shard = {"name": "train-000000.tar", "bytes": (root / "train-000000.tar").stat().st_size, "samples": 1}
+    index = {"format": "vit-image-shards", "version": 1, "classes": ["a"]}
+    (root / "index.json").write_text(
+        json.dumps({**index, "splits": {"train": {"table": "train.npy", "shards": [shard]}}})
+    )
+    return root
+
+
+def test_a_member_too_long_for_any_image_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    root = _one_member(tmp_path / "long", MOST_FILE_BYTES + 1)
+    with pytest.raises(DataError, match=r"train.npy: row 0 gives the image train-000000.tar:00000000 268,435,457 by"):
+        read_index(root)
+    # A table changed after it was checked (a loader worker maps it again) is met by the read itself.
+    shards = [ShardEntry(**s) for s in json.loads((root / "index.json").read_text())["splits"]["train"]["shards"]]
+    table = np.load(root / "train.npy", mmap_mode="r")
+    reader = ShardReader(ShardSplit(root, "train", shards, "train.npy", table))
+    monkeypatch.setattr(os, "pread", lambda *args: pytest.fail("read"))
+    with pytest.raises(DataError, match=r"train-000000.tar:00000000: the index gives this image 268,435,457 bytes"):
+        reader(0)
+
+
+def test_a_member_without_an_image_header_in_its_first_bytes_is_refused_before_it_is_parsed(tmp_path):
+    reader = ShardReader(read_index(_one_member(tmp_path / "junk", 32 * 2**20))[1]["train"])
+    with pytest.raises(
+        DataError,
+        match=rf"cannot decode the image {tmp_path}/junk/train-000000.tar:00000000 \(no image header with its size "
+        f"in the first {HEADER_PREFIXES[-1]:,} bytes",
+    ):
+        reader(0)
 
 
 SHARDED = [o for o in TINY if not o.startswith("data")] + [
