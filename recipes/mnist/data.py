@@ -91,10 +91,10 @@ def _find(raw: Path, name: str) -> Path | None:
 
 
 @functools.lru_cache(maxsize=2)  # train and validation come from the same file: read it once
-def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (uint8 [N, H, W]) and labels (int64 [N]) of MNIST's training (train=True) or test file in
-    `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when `download`.
-    DataError naming data.root and the file for what cannot be used."""
+def read_mnist_file(root: str, train: bool, download: bool, num_classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (uint8 [N, H, W]) and labels (int64 [N], each in 0..num_classes-1) of MNIST's training (train=True)
+    or test file in `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when
+    `download`. DataError naming data.root and the file for what cannot be used."""
     raw = Path(root) / "MNIST" / "raw"
     names = FILES[train]
     if download and not all(_find(raw, n) for n in names):
@@ -117,6 +117,14 @@ def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tenso
         raise DataError(
             f"data.root={root}: {raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} labels"
         )
+    # A label past the classifier's head would end training in a traceback from cross_entropy.
+    outside = (labels >= num_classes).nonzero()
+    if len(outside):
+        row = int(outside[0])
+        raise DataError(
+            f"data.root={root}: {paths[1]}: label {int(labels[row])} at row {row} ({len(outside)} rows in all) is "
+            f"outside 0..{num_classes - 1} (model.num_classes={num_classes}): not MNIST's labels"
+        )
     return images, labels.long()
 
 
@@ -131,12 +139,12 @@ def train_val_rows(n: int, val_size: int | None, seed: int) -> tuple[torch.Tenso
     return order[n_val:], order[:n_val]
 
 
-def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dataset:
+def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int, num_classes: int = 10) -> Dataset:
     """One of train (shuffled by the training loop), val or test (each in a PRNGResampleDataset order
-    from its own seed: every sample exactly once)."""
+    from its own seed: every sample exactly once); labels checked to be below `num_classes`."""
     if split not in SPLITS:
         raise ConfigError(f"predict.split={split}: expected one of {', '.join(SPLITS)}")
-    images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
+    images, labels = read_mnist_file(data.root, split != "test", data.download, num_classes)
     if tuple(images.shape[1:]) != (image_size, image_size):  # the model takes any size the files hold
         raise ConfigError(
             f"model.image_size={image_size}, but the images under data.root={data.root} are "

@@ -171,13 +171,17 @@ def test_a_missing_data_root_and_an_unknown_format_are_named(tmp_path):
         image_classes(ImageDataConfig(root=None))
 
 
-def _mnist_root(tmp_path: Path, images: bytes) -> Path:
+def _mnist_root(tmp_path: Path, images: bytes, labels: bytes = b"\x01\x02") -> Path:
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
     (raw / "train-images-idx3-ubyte").write_bytes(images)
-    labels = b"\x00\x00\x08\x01" + (2).to_bytes(4, "big") + b"\x01\x02"
-    (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(labels))
+    header = b"\x00\x00\x08\x01" + len(labels).to_bytes(4, "big")
+    (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(header + labels))
     return tmp_path
+
+
+def _mnist_images(n: int, size: int = 2) -> bytes:
+    return b"\x00\x00\x08\x03" + n.to_bytes(4, "big") + size.to_bytes(4, "big") * 2 + b"\x07" * (n * size * size)
 
 
 @pytest.mark.parametrize(
@@ -203,6 +207,22 @@ def test_mnist_files_that_cannot_be_used_name_the_file_and_data_root(tmp_path, i
     root = _mnist_root(tmp_path, images)
     with pytest.raises(DataError, match=rf"^data.root={root}: {root / 'MNIST' / 'raw'}.*{message}"):
         read_mnist_file.__wrapped__(str(root), True, False)
+
+
+def test_mnist_labels_past_the_classes_name_the_labels_file(tmp_path):
+    from recipes.mnist.config import MNISTDataConfig
+    from recipes.mnist.data import build_mnist_split, read_mnist_file
+
+    root = _mnist_root(tmp_path, _mnist_images(3), labels=b"\x09\xc8\xc8")  # 200: not a digit
+    labels = root / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
+    with pytest.raises(
+        DataError, match=rf"^data.root={root}: {labels}: label 200 at row 1 \(2 rows in all\) is outside 0..9"
+    ):
+        read_mnist_file.__wrapped__(str(root), True, False)
+    with pytest.raises(DataError, match=r"label 9 at row 0 \(1 rows in all\) is outside 0..4 \(model.num_classes=5\)"):
+        build_mnist_split(
+            MNISTDataConfig(root=str(_mnist_root(tmp_path / "b", _mnist_images(1), b"\x09"))), "val", 2, 5
+        )
 
 
 def test_a_damaged_mnist_gzip_names_the_file(tmp_path):
