@@ -43,6 +43,9 @@ class MNISTSamples(Dataset):
         return {"data": self.images[row].unsqueeze(0).float().div(255.0), "label": int(self.labels[row]), "idx": row}
 
 
+# The most an IDX file may hold: far beyond MNIST-style sets (EMNIST's largest file is about half of it).
+MAX_IDX_BYTES = 1 << 30
+
 FILES = {
     True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -64,6 +67,7 @@ def read_idx(path: Path) -> torch.Tensor:
             if len(sizes) != 4 * dims:
                 raise DataError(f"{path}: cut short inside its header")
             shape = struct.unpack(f">{dims}I", sizes)
+            _check_size(path, shape)
             body = _read_up_to(f, math.prod(shape) + 1)
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a damaged or cut gzip stream
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
@@ -73,6 +77,18 @@ def read_idx(path: Path) -> torch.Tensor:
             f"header says {shape} (truncated?)"
         )
     return torch.frombuffer(body, dtype=torch.uint8).reshape(shape)
+
+
+def _check_size(path: Path, shape: tuple[int, ...]) -> None:
+    """DataError naming `path` when its header declares no data, or more than MAX_IDX_BYTES (before any is read:
+    a few MB of gzip can expand to gigabytes)."""
+    if math.prod(shape) == 0:
+        raise DataError(f"{path}: the header says {shape}: no data")
+    if math.prod(shape) > MAX_IDX_BYTES:
+        raise DataError(
+            f"{path}: the header says {shape}, {math.prod(shape)} bytes, more than the {MAX_IDX_BYTES} an MNIST-style "
+            "file is read up to (damaged, or a decompression bomb)"
+        )
 
 
 def _read_up_to(f, limit: int, chunk: int = 1 << 24) -> bytearray:
