@@ -19,6 +19,7 @@ import zlib
 from pathlib import Path
 
 from core.config.errors import DataError, MissingDataError
+from core.config.file_shape import NotThisKindOfFile, open_regular_file
 from core.data.partial_outputs import ended_leftovers, tagged_name
 
 log = logging.getLogger(__name__)
@@ -54,7 +55,8 @@ def _extract(archive: Path, path: Path) -> None:
     tmp = tagged_name(path, EXTRACTING)
     log.info("extracting %s -> %s", archive, path)
     try:
-        with tarfile.open(archive) as tar:
+        # Opened without blocking: a FIFO under the archive's name would hang every rank waiting for the lock.
+        with open_regular_file(archive, follow_symlinks=True) as f, tarfile.open(fileobj=f) as tar:
             tar.extractall(tmp, filter="data")  # refuses members that would land outside or link out
         entries = list(tmp.iterdir()) if tmp.is_dir() else []
         if not entries:
@@ -62,6 +64,8 @@ def _extract(archive: Path, path: Path) -> None:
         # An archive usually holds one top folder (e.g. tiny-imagenet-200/): that folder is the root.
         source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
         os.rename(source, path)
+    except NotThisKindOfFile as e:
+        raise DataError(f"{archive}: {e}; give the archive as a file, or extract it to {path} yourself") from None
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # cut short, damaged, not an archive, refused
         raise DataError(
             f"{archive}: cannot be extracted ({type(e).__name__}: {e}); replace it, or extract it to {path} yourself"

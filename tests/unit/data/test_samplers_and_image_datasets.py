@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import subprocess
 import tarfile
@@ -142,6 +143,22 @@ def test_a_failed_extraction_is_one_error_naming_the_archive_and_leaves_nothing(
     with pytest.raises(DataError, match=rf"^--root {root}: {archive}: cannot be extracted"):
         ensure_extracted(root, given=f"--root {root}")
     assert not (tmp_path / "escaped").exists()
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_an_archive_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path, kind):
+    archive = tmp_path / "mydata.tar.gz"
+    if kind == "a FIFO":
+        os.mkfifo(archive)  # reading it would wait for a writer forever
+    else:
+        archive.mkdir()
+    (tmp_path / "link.tar").symlink_to(archive)
+    for name in ("mydata", "link"):
+        with pytest.raises(
+            DataError, match=rf"^data.root={tmp_path / name}: {tmp_path / name}.tar(.gz)?: it is {kind}"
+        ):
+            ensure_extracted(str(tmp_path / name))
+    assert not (tmp_path / "mydata").exists() and not (tmp_path / "link").exists()
 
 
 def test_an_extraction_removes_the_leftovers_of_processes_that_are_gone_only(tmp_path):
