@@ -63,6 +63,8 @@ def _extract(archive: Path, path: Path) -> None:
             raise DataError(f"{archive}: holds no files")
         # An archive usually holds one top folder (e.g. tiny-imagenet-200/): that folder is the root.
         source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
+        if source != tmp:
+            _refuse_links_out(archive, source, path)
         os.rename(source, path)
     except NotThisKindOfFile as e:
         raise DataError(f"{archive}: {e}; give the archive as a file, or extract it to {path} yourself") from None
@@ -72,6 +74,26 @@ def _extract(archive: Path, path: Path) -> None:
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # what a failed extraction left (after success: nothing)
+
+
+def _refuse_links_out(archive: Path, top: Path, path: Path) -> None:
+    """DataError naming the member when `top` (the archive's one top-level entry, to become `path`) is a link or
+    holds a link that leads out of it: tarfile's filter keeps links inside the extraction folder, but once `top` is
+    renamed into place, that folder is `path`'s parent (a top-level `pets -> .` made the root the folder beside it)."""
+    real_top = os.path.realpath(top)
+    if top.is_symlink():
+        links = [top]
+    else:  # os.walk lists links to folders without entering them
+        entries = (Path(parent, n) for parent, folders, files in os.walk(top) for n in folders + files)
+        links = [entry for entry in entries if entry.is_symlink()]
+    for link in links:
+        target = os.path.realpath(link)
+        if link == top or os.path.commonpath([target, real_top]) != real_top:
+            member = link.relative_to(top.parent)
+            raise DataError(
+                f"{archive}: its member {member} is a link to {os.readlink(link)}, outside the folder that would "
+                f"become {path}; replace the archive, or extract it to {path} yourself"
+            )
 
 
 def remove_leftovers(path: Path) -> None:

@@ -161,6 +161,28 @@ def test_an_archive_that_is_not_a_regular_file_is_refused_without_waiting(tmp_pa
     assert not (tmp_path / "mydata").exists() and not (tmp_path / "link").exists()
 
 
+@pytest.mark.parametrize(
+    "link,target", [("mydata", "."), ("mydata/train/c0", "../../beside"), ("mydata/up", "..")], ids=str
+)
+def test_an_archive_link_that_would_lead_beside_the_root_is_refused(tmp_path, link, target):
+    """tarfile keeps links inside the extraction folder; once its top folder becomes the root, that folder is the
+    root's parent: a link to it (or through it) would reach the files beside the root."""
+    (tmp_path / "beside" / "c9").mkdir(parents=True)  # someone else's files beside the archive
+    archive = tmp_path / "mydata.tar"
+    with tarfile.open(archive, "w") as tar:
+        if link != "mydata":
+            info = tarfile.TarInfo("mydata/train")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        info = tarfile.TarInfo(link)
+        info.type, info.linkname = tarfile.SYMTYPE, target
+        tar.addfile(info)
+    root = tmp_path / "mydata"
+    with pytest.raises(DataError, match=rf"^data.root={root}: {archive}: its member {link} is a link to {target}, out"):
+        ensure_extracted(str(root))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["beside", "mydata.lock", "mydata.tar"]
+
+
 def test_an_extraction_removes_the_leftovers_of_processes_that_are_gone_only(tmp_path):
     """A process killed while extracting leaves its folder: the next extraction removes those of this host's
     processes that are gone, never a running one's or another host's."""
