@@ -28,10 +28,10 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 from core.config.errors import DataError, MissingDataError
-from core.config.file_shape import open_regular_file
+from core.config.file_shape import open_regular_file, shown
 from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
 from recipes.vit.image_header import header_problem
 
@@ -177,14 +177,11 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
     if not annotations.is_file():
         return imagefolder_files(folder, classes)
     files, missing, other_class, malformed = [], 0, 0, 0
-    for line in _lines(annotations):
-        parts = line.split()
-        if not parts:
-            continue
-        if len(parts) < 2:
+    for entry in _annotated(annotations):
+        if entry is None:
             malformed += 1
             continue
-        name, wnid = parts[0], parts[1]
+        name, wnid = entry
         if wnid not in index:
             other_class += 1
         elif not (folder / "images" / name).is_file():
@@ -207,6 +204,29 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
             f"({other_class} other classes, {missing} missing files)"
         )
     return files
+
+
+def _annotated(annotations: Path) -> Iterator[Optional[tuple[str, str]]]:
+    """(file name, wnid) of each line of an annotations file, None for a line without both (blank lines skipped).
+    DataError naming the file and line for a name that is not a plain image file name (a path elsewhere, `../`,
+    another kind of file: shard_images.py would copy it into the shards) or one named twice (a second label)."""
+    first_line: dict[str, int] = {}
+    for number, line in enumerate(_lines(annotations), 1):
+        parts = line.split()
+        if len(parts) < 2:
+            if parts:
+                yield None
+            continue
+        name = parts[0]
+        if Path(name).name != name or not is_image_name(name):
+            raise DataError(
+                f"{annotations}:{number}: {shown(name)} is not the name of an image file in "
+                f"{annotations.parent / 'images'} (a plain name ending in {', '.join(IMAGE_EXTENSIONS)})"
+            )
+        if name in first_line:
+            raise DataError(f"{annotations}:{number}: {name} is annotated again (first on line {first_line[name]})")
+        first_line[name] = number
+        yield name, parts[1]
 
 
 def _lines(path: Path) -> list[str]:

@@ -95,6 +95,31 @@ def test_a_tiny_imagenet_split_without_usable_lines_is_a_clear_error(tmp_path):
         split_files(ImageDataConfig(format="tiny_imagenet", root=str(root)), "val", kept)
 
 
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ("{outside}\tn01", r"'/.*/outside.png' is not the name of an image file in .*/val/images \(a plain name"),
+        ("../../outside.png\tn02", r"'../../outside.png' is not the name of an image file"),
+        ("images/val_0.JPEG\tn01", r"'images/val_0.JPEG' is not the name of an image file"),
+        ("secret\tn01", r"'secret' is not the name of an image file"),
+        ("val_0.JPEG\tn02", r"val_0.JPEG is annotated again \(first on line 1\)"),
+    ],
+    ids=["absolute", "up", "a path", "no image extension", "twice"],
+)
+def test_tiny_imagenet_annotations_name_images_of_val_images_once(tmp_path, line, problem):
+    """Annotations naming files elsewhere would train on them (and scripts/shard_images.py copy them)."""
+    from recipes.vit.folders import tiny_imagenet_files
+
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    for name in ("val_0.JPEG", "../../outside.png", "images/val_0.JPEG", "secret"):
+        (tmp_path / "val" / "images" / name).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "val" / "images" / name, format="PNG")
+    annotations = tmp_path / "val" / "val_annotations.txt"
+    annotations.write_text("val_0.JPEG\tn01\t0 0 1 1\n\n" + line.format(outside=tmp_path / "outside.png") + "\n")
+    with pytest.raises(DataError, match=rf"^{annotations}:3: {problem}"):
+        tiny_imagenet_files(tmp_path, "val", ["n01", "n02"])
+
+
 def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     root, classes = make_quirky_imagefolder(tmp_path / "pets")
     data = ImageDataConfig(format="imagefolder", root=str(root))
