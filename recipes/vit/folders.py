@@ -25,7 +25,9 @@ it); one that is not there a MissingDataError.
 
 from __future__ import annotations
 
+import io
 import logging
+import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterator, Optional
@@ -33,11 +35,16 @@ from typing import Iterator, Optional
 from core.config.errors import DataError, MissingDataError
 from core.config.file_shape import open_regular_file, shown
 from core.data.folder_walk import folder_key, name_loops, real_ancestors, visible, walk
+from core.data.text_lines import bounded_lines
 from recipes.vit.image_header import header_problem
 
 log = logging.getLogger(__name__)
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+# Bounds on wnids.txt and val_annotations.txt, far beyond what Tiny-ImageNet's hold (a wnid, a file name, a box).
+MAX_LINE_CHARACTERS = 4096
+MAX_INDEX_BYTES = 64 << 20
 
 Files = list[tuple[str, int]]  # (path, label); label -1: unlabeled
 
@@ -229,11 +236,23 @@ def _annotated(annotations: Path) -> Iterator[Optional[tuple[str, str]]]:
         yield name, parts[1]
 
 
-def _lines(path: Path) -> list[str]:
-    """A text file's lines; DataError naming it if it cannot be read as text."""
+def _lines(path: Path) -> Iterator[str]:
+    """A text file's lines, each read with a bound (a sparse file or a bomb of one endless line is refused at it);
+    DataError naming the file (and line) if it cannot be read as text or is far larger than an index file."""
+
+    def too_long(number: int) -> DataError:
+        return DataError(f"{path}:{number}: a line longer than {MAX_LINE_CHARACTERS} characters: not an index file")
+
     try:
-        return path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as e:
+        with open_regular_file(path, follow_symlinks=True) as raw:  # a FIFO would block
+            if os.fstat(raw.fileno()).st_size > MAX_INDEX_BYTES:
+                raise DataError(f"{path}: larger than {MAX_INDEX_BYTES} bytes: not an index file")
+            with io.TextIOWrapper(raw, encoding="utf-8") as f:
+                for line in bounded_lines(f, MAX_LINE_CHARACTERS, too_long):
+                    yield line.rstrip("\r\n")
+    except DataError:
+        raise
+    except (OSError, ValueError) as e:  # ValueError: not UTF-8 (UnicodeDecodeError), not a regular file
         raise DataError(f"{path}: cannot be read as a text file ({type(e).__name__}: {e})") from None
 
 

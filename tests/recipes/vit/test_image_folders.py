@@ -120,6 +120,33 @@ def test_tiny_imagenet_annotations_name_images_of_val_images_once(tmp_path, line
         tiny_imagenet_files(tmp_path, "val", ["n01", "n02"])
 
 
+@pytest.mark.parametrize("which", ["wnids.txt", "val/val_annotations.txt"])
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"n01\n" + b"\0" * 5000, r":2: a line longer than 4096 characters"),
+        (None, r": larger than 67108864 bytes"),
+        (b"n01\n\xff\n", r": cannot be read as a text file \(UnicodeDecodeError"),
+    ],
+    ids=["an endless line", "sparse GiB", "not UTF-8"],
+)
+def test_tiny_imagenet_index_files_are_read_with_a_bound(tmp_path, which, content, problem):
+    """A sparse file or a bomb (a few hundred bytes of .tar.gz) is refused before it is read whole."""
+    from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
+
+    (tmp_path / "train" / "n01" / "images").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(tmp_path / "train" / "n01" / "images" / "0.png")
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    index = tmp_path / which
+    with open(index, "wb") as f:
+        if content is None:
+            f.truncate(1 << 30)  # sparse: nothing on disk
+        else:
+            f.write(content)
+    with pytest.raises(DataError, match=rf"^{index}{problem}"):
+        tiny_imagenet_files(tmp_path, "val", tiny_imagenet_classes(tmp_path))
+
+
 def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     root, classes = make_quirky_imagefolder(tmp_path / "pets")
     data = ImageDataConfig(format="imagefolder", root=str(root))
