@@ -53,25 +53,42 @@ def is_image_name(name: str) -> bool:
     return visible(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def images_under(folder: Path) -> list[Path]:
-    """Image files under `folder` (any depth, hidden folders skipped), in sorted path order."""
-    return sorted(parent / n for parent, names in walk(folder) for n in names if is_image_name(n))
+def images_under(folder: Path, taken: Optional[set[tuple[int, int]]] = None) -> list[Path]:
+    """Image files under `folder` (any depth, hidden folders skipped), in sorted path order; `taken`: folders not to
+    enter, shared by the walks of one split (core/data/folder_walk.py)."""
+    return sorted(parent / n for parent, names in walk(folder, taken=taken) for n in names if is_image_name(n))
 
 
-def _has_images(folder: Path) -> bool:
-    return any(is_image_name(n) for _, names in walk(folder) for n in names)
+def _has_images(folder: Path, others: Optional[set[tuple[int, int]]] = None) -> bool:
+    """Whether `folder` holds an image, not counting those of the folders `others` (the split's other classes)."""
+    taken = None if others is None else set(others)  # a copy: this walk stops early, its record is not the split's
+    return any(is_image_name(n) for _, names in walk(folder, taken=taken) for n in names)
 
 
 def _subfolders(folder: Path) -> list[Path]:
     """The visible folders in `folder` (links to folders included), without links to `folder` itself or a folder
-    above it: such a class folder would hold every class (a loop)."""
-    above = real_ancestors(folder)
-    found, loops = [], []
-    for p in sorted(folder.iterdir()):
-        if visible(p.name) and p.is_dir():
-            (loops if folder_key(p) in above else found).append(p)
-    name_loops(folder, loops)
-    return found
+    above it (such a class folder would hold every class: a loop), nor a second way to a folder listed already."""
+    return _distinct([p for p in sorted(folder.iterdir()) if visible(p.name) and p.is_dir()], folder)
+
+
+def _distinct(folders: list[Path], where: Path) -> list[Path]:
+    """`folders` (in their order) without those whose real folder is one of the others' (kept under its real path
+    where there is one) or `where` or above it, named in a warning: its images would train under two labels."""
+    above = real_ancestors(where)
+    keys: set[tuple[int, int]] = set()
+    repeated = []
+    for p in sorted(folders, key=lambda p: p.is_symlink()):  # real folders first, each group in its order
+        key = folder_key(p)
+        if key in above or key in keys:
+            repeated.append(p)
+        keys.add(key)
+    name_loops(where, repeated)
+    return [p for p in folders if p not in repeated]
+
+
+def _keys(folders: list[Path]) -> set[tuple[int, int]]:
+    """The record of a split's walks, started with its class folders: none is entered from another class."""
+    return {folder_key(p) for p in folders}
 
 
 def _header_error(path: str) -> Optional[str]:
@@ -108,7 +125,8 @@ def imagefolder_classes(split_dir: Path) -> list[str]:
     if not split_dir.is_dir():
         raise MissingDataError(f"{split_dir}: no such folder (expected <root>/<split>/<class>/<image>)")
     folders = _subfolders(split_dir)
-    classes = [f.name for f in folders if _has_images(f)]
+    others = _keys(folders)
+    classes = [f.name for f in folders if _has_images(f, others)]
     empty = [f.name for f in folders if f.name not in classes]
     if empty:
         log.warning("%s: left out %d class folders without images: %s", split_dir, len(empty), ", ".join(empty[:5]))
@@ -124,7 +142,9 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
     """(image, label) for every image of the given classes; class folders of `split_dir` that are not among
     them (a class without training images) are left out and logged."""
     index = {c: i for i, c in enumerate(classes)}
-    others = [f.name for f in _subfolders(split_dir) if f.name not in index and _has_images(f)]
+    folders = {f.name: f for f in _subfolders(split_dir)}
+    taken = _keys(list(folders.values()))
+    others = [name for name, f in folders.items() if name not in index and _has_images(f, taken)]
     if others:
         log.warning(
             "%s: left out %d class folders that the training split does not have: %s",
@@ -132,7 +152,7 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
             len(others),
             ", ".join(others[:5]),
         )
-    return [(str(p), index[c]) for c in classes if (split_dir / c).is_dir() for p in images_under(split_dir / c)]
+    return [(str(p), index[c]) for c in classes if c in folders for p in images_under(folders[c], taken)]
 
 
 # --- Tiny-ImageNet -----------------------------------------------------------------------------------
@@ -146,7 +166,9 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
     train = root / "train"
     if not train.is_dir():
         raise MissingDataError(f"{train}: no such folder (Tiny-ImageNet: train/<wnid>/images/<image>)")
-    present = {f.name for f in _subfolders(train) if _has_images(f / "images")}
+    folders = _images_folders(train, [f.name for f in _subfolders(train)])
+    others = _keys(folders)
+    present = {f.parent.name for f in folders if _has_images(f, others)}
     if not present:
         raise DataError(
             f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: train/<wnid>/images/<image>)"
@@ -171,12 +193,19 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
     return ordered + unlisted
 
 
+def _images_folders(train: Path, wnids: list[str]) -> list[Path]:
+    """The `train/<wnid>/images` folders there are, each real folder once (a second way to one is named)."""
+    return _distinct([train / w / "images" for w in wnids if (train / w / "images").is_dir()], train)
+
+
 def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[Files]:
     """(image, label) of a split: train/<wnid>/images/*, or the annotated validation files that exist and
     belong to a training class (an ImageFolder-style <split>/<wnid>/ also works). None without the split."""
     index = {w: i for i, w in enumerate(classes)}
     if split == "train":
-        return [(str(p), index[w]) for w in classes for p in images_under(root / "train" / w / "images")]
+        folders = _images_folders(root / "train", classes)
+        taken = _keys(folders)
+        return [(str(p), index[f.parent.name]) for f in folders for p in images_under(f, taken)]
     folder = root / split
     if not folder.is_dir():
         return None
