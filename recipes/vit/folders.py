@@ -173,7 +173,7 @@ def tiny_imagenet_classes(root: Path) -> list[str]:
         raise DataError(
             f"{train} has no <wnid>/images/ folders with images (Tiny-ImageNet: train/<wnid>/images/<image>)"
         )
-    listed = [w.strip() for w in _lines(root / "wnids.txt")] if (root / "wnids.txt").is_file() else []
+    listed = [w.strip() for w in _lines(root / "wnids.txt")] if _there(root / "wnids.txt") else []
     ordered = [w for w in dict.fromkeys(listed) if w in present]
     unlisted = sorted(present - set(ordered))
     if listed and unlisted:
@@ -210,7 +210,7 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
     if not folder.is_dir():
         return None
     annotations = folder / f"{split}_annotations.txt"
-    if not annotations.is_file():
+    if not _there(annotations):
         return imagefolder_files(folder, classes)
     files, missing, other_class, malformed = [], 0, 0, 0
     for entry in _annotated(annotations):
@@ -263,6 +263,12 @@ def _annotated(annotations: Path) -> Iterator[Optional[tuple[str, str]]]:
             raise DataError(f"{annotations}:{number}: {name} is annotated again (first on line {first_line[name]})")
         first_line[name] = number
         yield name, parts[1]
+
+
+def _there(path: Path) -> bool:
+    """Whether there is something named `path`: one that cannot be read (a dangling link, a FIFO) is then refused
+    by _lines, naming it, rather than passed over (a missing wnids.txt changes the classes' order)."""
+    return path.is_symlink() or path.exists()
 
 
 def _lines(path: Path) -> Iterator[str]:

@@ -147,6 +147,23 @@ def test_tiny_imagenet_index_files_are_read_with_a_bound(tmp_path, which, conten
         tiny_imagenet_files(tmp_path, "val", tiny_imagenet_classes(tmp_path))
 
 
+@pytest.mark.parametrize("kind", ["a dangling link", "a FIFO"])
+def test_a_wnids_txt_that_cannot_be_read_is_named_not_passed_over(tmp_path, kind):
+    """Passed over, it made the classes sorted by name: other labels than the file's, without a word."""
+    from recipes.vit.folders import tiny_imagenet_classes
+
+    for w in ("n09", "n01"):
+        (tmp_path / "train" / w / "images").mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "train" / w / "images" / "0.png")
+    if kind == "a FIFO":
+        os.mkfifo(tmp_path / "wnids.txt")
+    else:
+        (tmp_path / "wnids.txt").symlink_to(tmp_path / "moved.txt")
+    problem = "NotThisKindOfFile: it is a FIFO" if kind == "a FIFO" else "FileNotFoundError"
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'wnids.txt'}: cannot be read as a text file \({problem}"):
+        tiny_imagenet_classes(tmp_path)
+
+
 def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     root, classes = make_quirky_imagefolder(tmp_path / "pets")
     data = ImageDataConfig(format="imagefolder", root=str(root))
