@@ -53,10 +53,32 @@ def is_image_name(name: str) -> bool:
     return visible(name) and name.lower().endswith(IMAGE_EXTENSIONS)
 
 
-def images_under(folder: Path, taken: Optional[set[tuple[int, int]]] = None) -> list[Path]:
+def images_under(
+    folder: Path, taken: Optional[set[tuple[int, int]]] = None, others: Optional[list[Path]] = None
+) -> list[Path]:
     """Image files under `folder` (any depth, hidden folders skipped), in sorted path order; `taken`: folders not to
-    enter, shared by the walks of one split (core/data/folder_walk.py)."""
-    return sorted(parent / n for parent, names in walk(folder, taken=taken) for n in names if is_image_name(n))
+    enter, shared by the walks of one split (core/data/folder_walk.py); the other files are added to `others`."""
+    images = []
+    for parent, names in walk(folder, taken=taken):
+        for name in names:
+            if is_image_name(name):
+                images.append(parent / name)
+            elif others is not None:
+                others.append(parent / name)
+    return sorted(images)
+
+
+def name_others(where: Path, others: list[Path]) -> None:
+    """One log line for the files left out for their extension (a .gif, a README): some may be images."""
+    if others:
+        log.warning(
+            "%s: left out %d files without an image extension (%s): %s%s",
+            where,
+            len(others),
+            ", ".join(IMAGE_EXTENSIONS),
+            ", ".join(str(p) for p in sorted(others)[:3]),
+            " ..." if len(others) > 3 else "",
+        )
 
 
 def _has_images(folder: Path, others: Optional[set[tuple[int, int]]] = None) -> bool:
@@ -152,7 +174,10 @@ def imagefolder_files(split_dir: Path, classes: list[str]) -> Files:
             len(others),
             ", ".join(others[:5]),
         )
-    return [(str(p), index[c]) for c in classes if c in folders for p in images_under(folders[c], taken)]
+    others_files: list[Path] = []
+    files = [(str(p), index[c]) for c in classes if c in folders for p in images_under(folders[c], taken, others_files)]
+    name_others(split_dir, others_files)
+    return files
 
 
 # --- Tiny-ImageNet -----------------------------------------------------------------------------------
@@ -205,7 +230,10 @@ def tiny_imagenet_files(root: Path, split: str, classes: list[str]) -> Optional[
     if split == "train":
         folders = _images_folders(root / "train", classes)
         taken = _keys(folders)
-        return [(str(p), index[f.parent.name]) for f in folders for p in images_under(f, taken)]
+        others: list[Path] = []
+        files = [(str(p), index[f.parent.name]) for f in folders for p in images_under(f, taken, others)]
+        name_others(root / "train", others)
+        return files
     folder = root / split
     if not folder.is_dir():
         return None
@@ -298,7 +326,9 @@ def unlabeled_files(folder: Path) -> Files:
     """Every image under `folder` (any depth), in sorted path order, label -1."""
     if not folder.is_dir():
         raise MissingDataError(f"{folder}: no such folder")
-    files = [(str(p), -1) for p in images_under(folder)]
+    others: list[Path] = []
+    files = [(str(p), -1) for p in images_under(folder, others=others)]
+    name_others(folder, others)
     if not files:
         raise DataError(f"{folder} holds no image files ({', '.join(IMAGE_EXTENSIONS)})")
     return files

@@ -173,6 +173,8 @@ def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     assert len(train) == 36 and all("broken" not in p and "empty" not in p and "hidden" not in p for p, _ in train)
     assert "left out 2 of 38 image files that cannot be read" in caplog.text
     assert "left out 1 class folders without images: zebra" in caplog.text
+    assert f"{root / 'train'}: left out 1 files without an image extension (.jpg, " in caplog.text
+    assert f"): {root / 'train' / 'dog' / 'notes.txt'}\n" in caplog.text + "\n"
     everything = split_files(
         ImageDataConfig(format="imagefolder", root=str(root), verify_images=False), "train", classes
     )
