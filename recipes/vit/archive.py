@@ -90,9 +90,10 @@ def _refuse_links_out(archive: Path, top: Path, path: Path) -> None:
         target = os.path.realpath(link)
         if link == top or os.path.commonpath([target, real_top]) != real_top:
             member = link.relative_to(top.parent)
+            where = "not the folder" if link == top else "outside the folder"
             raise DataError(
-                f"{archive}: its member {member} is a link to {os.readlink(link)}, outside the folder that would "
-                f"become {path}; replace the archive, or extract it to {path} yourself"
+                f"{archive}: its member {member} is a link to {os.readlink(link)}, {where} that would become {path}; "
+                f"replace the archive, or extract it to {path} yourself"
             )
 
 

@@ -178,7 +178,9 @@ def test_an_archive_link_that_would_lead_beside_the_root_is_refused(tmp_path, li
         info.type, info.linkname = tarfile.SYMTYPE, target
         tar.addfile(info)
     root = tmp_path / "mydata"
-    with pytest.raises(DataError, match=rf"^data.root={root}: {archive}: its member {link} is a link to {target}, out"):
+    with pytest.raises(
+        DataError, match=rf"^data.root={root}: {archive}: its member {link} is a link to {target}, (not|out)"
+    ):
         ensure_extracted(str(root))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["beside", "mydata.lock", "mydata.tar"]
 
