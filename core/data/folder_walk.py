@@ -73,12 +73,19 @@ def _is_folder(entry: os.DirEntry) -> bool:
         return False
 
 
-def walk(folder: Path, stop: Optional[Callable[[Path], bool]] = None) -> Iterator[tuple[Path, list[str]]]:
+def walk(
+    folder: Path, stop: Optional[Callable[[Path], bool]] = None, taken: Optional[set[tuple[int, int]]] = None
+) -> Iterator[tuple[Path, list[str]]]:
     """(folder, the names of its visible entries that are not folders) for `folder` and each visible folder
     under it, links to folders followed, each real folder once (links named in a warning when they lead to a
     folder visited already or above `folder`). A folder that cannot be listed is left out, logged. A folder
-    for which `stop(folder)` holds is yielded with no names and not entered (its caller reads it whole)."""
+    for which `stop(folder)` holds is yielded with no names and not entered (its caller reads it whole).
+    `taken`: the keys of folders that walks before this one listed or that belong to others (a split's other
+    class folders), not entered; the walk adds those it visits, so walks sharing it list each real folder once."""
     seen = real_ancestors(folder)
+    if taken is not None:
+        taken |= seen
+        seen = taken
     real: list[Path] = [folder]
     links: collections.deque[Path] = collections.deque()
     repeated: list[Path] = []

@@ -43,6 +43,9 @@ class MNISTSamples(Dataset):
         return {"data": self.images[row].unsqueeze(0).float().div(255.0), "label": int(self.labels[row]), "idx": row}
 
 
+# The most an IDX file may hold: far beyond MNIST-style sets (EMNIST's largest file is about half of it).
+MAX_IDX_BYTES = 1 << 30
+
 FILES = {
     True: ("train-images-idx3-ubyte", "train-labels-idx1-ubyte"),
     False: ("t10k-images-idx3-ubyte", "t10k-labels-idx1-ubyte"),
@@ -64,6 +67,7 @@ def read_idx(path: Path) -> torch.Tensor:
             if len(sizes) != 4 * dims:
                 raise DataError(f"{path}: cut short inside its header")
             shape = struct.unpack(f">{dims}I", sizes)
+            _check_size(path, shape)
             body = _read_up_to(f, math.prod(shape) + 1)
     except (OSError, EOFError, zlib.error) as e:  # unreadable, or a damaged or cut gzip stream
         raise DataError(f"{path}: cannot be read ({type(e).__name__}: {e})") from None
@@ -73,6 +77,18 @@ def read_idx(path: Path) -> torch.Tensor:
             f"header says {shape} (truncated?)"
         )
     return torch.frombuffer(body, dtype=torch.uint8).reshape(shape)
+
+
+def _check_size(path: Path, shape: tuple[int, ...]) -> None:
+    """DataError naming `path` when its header declares no data, or more than MAX_IDX_BYTES (before any is read:
+    a few MB of gzip can expand to gigabytes)."""
+    if math.prod(shape) == 0:
+        raise DataError(f"{path}: the header says {shape}: no data")
+    if math.prod(shape) > MAX_IDX_BYTES:
+        raise DataError(
+            f"{path}: the header says {shape}, {math.prod(shape)} bytes, more than the {MAX_IDX_BYTES} an MNIST-style "
+            "file is read up to (damaged, or a decompression bomb)"
+        )
 
 
 def _read_up_to(f, limit: int, chunk: int = 1 << 24) -> bytearray:
@@ -91,10 +107,10 @@ def _find(raw: Path, name: str) -> Path | None:
 
 
 @functools.lru_cache(maxsize=2)  # train and validation come from the same file: read it once
-def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Images (uint8 [N, H, W]) and labels (int64 [N]) of MNIST's training (train=True) or test file in
-    `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when `download`.
-    DataError naming data.root and the file for what cannot be used."""
+def read_mnist_file(root: str, train: bool, download: bool, num_classes: int = 10) -> tuple[torch.Tensor, torch.Tensor]:
+    """Images (uint8 [N, H, W]) and labels (int64 [N], each in 0..num_classes-1) of MNIST's training (train=True)
+    or test file in `<root>/MNIST/raw/`, plain or .gz; torchvision fetches the real MNIST there first when
+    `download`. DataError naming data.root and the file for what cannot be used."""
     raw = Path(root) / "MNIST" / "raw"
     names = FILES[train]
     if download and not all(_find(raw, n) for n in names):
@@ -117,6 +133,14 @@ def read_mnist_file(root: str, train: bool, download: bool) -> tuple[torch.Tenso
         raise DataError(
             f"data.root={root}: {raw}: {tuple(images.shape)} images do not match {tuple(labels.shape)} labels"
         )
+    # A label past the classifier's head would end training in a traceback from cross_entropy.
+    outside = (labels >= num_classes).nonzero()
+    if len(outside):
+        row = int(outside[0])
+        raise DataError(
+            f"data.root={root}: {paths[1]}: label {int(labels[row])} at row {row} ({len(outside)} rows in all) is "
+            f"outside 0..{num_classes - 1} (model.num_classes={num_classes}): not MNIST's labels"
+        )
     return images, labels.long()
 
 
@@ -131,12 +155,12 @@ def train_val_rows(n: int, val_size: int | None, seed: int) -> tuple[torch.Tenso
     return order[n_val:], order[:n_val]
 
 
-def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int) -> Dataset:
+def build_mnist_split(data: MNISTDataConfig, split: str, image_size: int, num_classes: int = 10) -> Dataset:
     """One of train (shuffled by the training loop), val or test (each in a PRNGResampleDataset order
-    from its own seed: every sample exactly once)."""
+    from its own seed: every sample exactly once); labels checked to be below `num_classes`."""
     if split not in SPLITS:
         raise ConfigError(f"predict.split={split}: expected one of {', '.join(SPLITS)}")
-    images, labels = read_mnist_file(data.root, train=split != "test", download=data.download)
+    images, labels = read_mnist_file(data.root, split != "test", data.download, num_classes)
     if tuple(images.shape[1:]) != (image_size, image_size):  # the model takes any size the files hold
         raise ConfigError(
             f"model.image_size={image_size}, but the images under data.root={data.root} are "

@@ -42,7 +42,7 @@ class MNISTRecipe(Recipe):
         return Datasets(train, val if len(val) else None)
 
     def split(self, name: str) -> Dataset:
-        return build_mnist_split(self.cfg.data, name, self.cfg.model.image_size)
+        return build_mnist_split(self.cfg.data, name, self.cfg.model.image_size, self.cfg.model.num_classes)
 
     def forward(self, model: nn.Module, batch: dict, training: bool) -> dict[str, torch.Tensor]:
         """Per sample: the autoencoder's mean squared error over the pixels, or the classifier's

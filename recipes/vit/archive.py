@@ -19,6 +19,7 @@ import zlib
 from pathlib import Path
 
 from core.config.errors import DataError, MissingDataError
+from core.config.file_shape import NotThisKindOfFile, open_regular_file
 from core.data.partial_outputs import ended_leftovers, tagged_name
 
 log = logging.getLogger(__name__)
@@ -54,20 +55,46 @@ def _extract(archive: Path, path: Path) -> None:
     tmp = tagged_name(path, EXTRACTING)
     log.info("extracting %s -> %s", archive, path)
     try:
-        with tarfile.open(archive) as tar:
+        # Opened without blocking: a FIFO under the archive's name would hang every rank waiting for the lock.
+        with open_regular_file(archive, follow_symlinks=True) as f, tarfile.open(fileobj=f) as tar:
             tar.extractall(tmp, filter="data")  # refuses members that would land outside or link out
         entries = list(tmp.iterdir()) if tmp.is_dir() else []
         if not entries:
             raise DataError(f"{archive}: holds no files")
         # An archive usually holds one top folder (e.g. tiny-imagenet-200/): that folder is the root.
         source = entries[0] if len(entries) == 1 and entries[0].is_dir() else tmp
+        if source != tmp:
+            _refuse_links_out(archive, source, path)
         os.rename(source, path)
+    except NotThisKindOfFile as e:
+        raise DataError(f"{archive}: {e}; give the archive as a file, or extract it to {path} yourself") from None
     except (tarfile.TarError, OSError, EOFError, zlib.error) as e:  # cut short, damaged, not an archive, refused
         raise DataError(
             f"{archive}: cannot be extracted ({type(e).__name__}: {e}); replace it, or extract it to {path} yourself"
         ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # what a failed extraction left (after success: nothing)
+
+
+def _refuse_links_out(archive: Path, top: Path, path: Path) -> None:
+    """DataError naming the member when `top` (the archive's one top-level entry, to become `path`) is a link or
+    holds a link that leads out of it: tarfile's filter keeps links inside the extraction folder, but once `top` is
+    renamed into place, that folder is `path`'s parent (a top-level `pets -> .` made the root the folder beside it)."""
+    real_top = os.path.realpath(top)
+    if top.is_symlink():
+        links = [top]
+    else:  # os.walk lists links to folders without entering them
+        entries = (Path(parent, n) for parent, folders, files in os.walk(top) for n in folders + files)
+        links = [entry for entry in entries if entry.is_symlink()]
+    for link in links:
+        target = os.path.realpath(link)
+        if link == top or os.path.commonpath([target, real_top]) != real_top:
+            member = link.relative_to(top.parent)
+            where = "not the folder" if link == top else "outside the folder"
+            raise DataError(
+                f"{archive}: its member {member} is a link to {os.readlink(link)}, {where} that would become {path}; "
+                f"replace the archive, or extract it to {path} yourself"
+            )
 
 
 def remove_leftovers(path: Path) -> None:

@@ -171,13 +171,17 @@ def test_a_missing_data_root_and_an_unknown_format_are_named(tmp_path):
         image_classes(ImageDataConfig(root=None))
 
 
-def _mnist_root(tmp_path: Path, images: bytes) -> Path:
+def _mnist_root(tmp_path: Path, images: bytes, labels: bytes = b"\x01\x02") -> Path:
     raw = tmp_path / "MNIST" / "raw"
     raw.mkdir(parents=True)
     (raw / "train-images-idx3-ubyte").write_bytes(images)
-    labels = b"\x00\x00\x08\x01" + (2).to_bytes(4, "big") + b"\x01\x02"
-    (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(labels))
+    header = b"\x00\x00\x08\x01" + len(labels).to_bytes(4, "big")
+    (raw / "train-labels-idx1-ubyte.gz").write_bytes(gzip.compress(header + labels))
     return tmp_path
+
+
+def _mnist_images(n: int, size: int = 2) -> bytes:
+    return b"\x00\x00\x08\x03" + n.to_bytes(4, "big") + size.to_bytes(4, "big") * 2 + b"\x07" * (n * size * size)
 
 
 @pytest.mark.parametrize(
@@ -185,7 +189,9 @@ def _mnist_root(tmp_path: Path, images: bytes) -> Path:
     [
         (b"", r"not an IDX file of unsigned bytes \(magic number missing\)"),
         (b"\x00\x00\x08\x03\x00\x00", "cut short inside its header"),
-        (b"\x00\x00\x08\x03" + b"\xff" * 12 + b"\x00" * 100, r"100 bytes of data, but the header says \(4294967295, "),
+        (b"\x00\x00\x08\x03" + b"\xff" * 12 + b"\x00" * 100, r"header says \(4294967295, .* more than the 1073741824"),
+        (_mnist_images(1000)[:-1], r"3999 bytes of data, but the header says \(1000, 2, 2\)"),
+        (_mnist_images(0), r"the header says \(0, 2, 2\): no data"),
         (
             b"\x00\x00\x08\x03"
             + (3).to_bytes(4, "big")
@@ -195,7 +201,7 @@ def _mnist_root(tmp_path: Path, images: bytes) -> Path:
             r"\(3, 2, 3\) images do not match \(2,\) labels",
         ),
     ],
-    ids=["empty", "header cut", "claims 2**96 bytes", "labels of other images"],
+    ids=["empty", "header cut", "claims 2**96 bytes", "cut short", "no images", "labels of other images"],
 )
 def test_mnist_files_that_cannot_be_used_name_the_file_and_data_root(tmp_path, images, message):
     from recipes.mnist.data import read_mnist_file
@@ -203,6 +209,36 @@ def test_mnist_files_that_cannot_be_used_name_the_file_and_data_root(tmp_path, i
     root = _mnist_root(tmp_path, images)
     with pytest.raises(DataError, match=rf"^data.root={root}: {root / 'MNIST' / 'raw'}.*{message}"):
         read_mnist_file.__wrapped__(str(root), True, False)
+
+
+def test_mnist_labels_past_the_classes_name_the_labels_file(tmp_path):
+    from recipes.mnist.config import MNISTDataConfig
+    from recipes.mnist.data import build_mnist_split, read_mnist_file
+
+    root = _mnist_root(tmp_path, _mnist_images(3), labels=b"\x09\xc8\xc8")  # 200: not a digit
+    labels = root / "MNIST" / "raw" / "train-labels-idx1-ubyte.gz"
+    with pytest.raises(
+        DataError, match=rf"^data.root={root}: {labels}: label 200 at row 1 \(2 rows in all\) is outside 0..9"
+    ):
+        read_mnist_file.__wrapped__(str(root), True, False)
+    with pytest.raises(DataError, match=r"label 9 at row 0 \(1 rows in all\) is outside 0..4 \(model.num_classes=5\)"):
+        build_mnist_split(
+            MNISTDataConfig(root=str(_mnist_root(tmp_path / "b", _mnist_images(1), b"\x09"))), "val", 2, 5
+        )
+
+
+def test_an_mnist_gzip_claiming_gigabytes_is_refused_before_it_is_read(tmp_path, monkeypatch):
+    from recipes.mnist import data
+
+    bomb = tmp_path / "train-images-idx3-ubyte.gz"
+    bomb.write_bytes(
+        gzip.compress(
+            b"\x00\x00\x08\x03" + (2_739_145).to_bytes(4, "big") + (28).to_bytes(4, "big") * 2 + bytes(1 << 20)
+        )
+    )
+    monkeypatch.setattr(data, "_read_up_to", None)  # never reached
+    with pytest.raises(DataError, match=rf"^{bomb}: the header says \(2739145, 28, 28\), 2147489680 bytes, more than"):
+        data.read_idx(bomb)
 
 
 def test_a_damaged_mnist_gzip_names_the_file(tmp_path):

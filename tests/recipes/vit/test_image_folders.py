@@ -96,6 +96,75 @@ def test_a_tiny_imagenet_split_without_usable_lines_is_a_clear_error(tmp_path):
         split_files(ImageDataConfig(format="tiny_imagenet", root=str(root)), "val", kept)
 
 
+@pytest.mark.parametrize(
+    "line,problem",
+    [
+        ("{outside}\tn01", r"'/.*/outside.png' is not the name of an image file in .*/val/images \(a plain name"),
+        ("../../outside.png\tn02", r"'../../outside.png' is not the name of an image file"),
+        ("images/val_0.JPEG\tn01", r"'images/val_0.JPEG' is not the name of an image file"),
+        ("secret\tn01", r"'secret' is not the name of an image file"),
+        ("val_0.JPEG\tn02", r"val_0.JPEG is annotated again \(first on line 1\)"),
+    ],
+    ids=["absolute", "up", "a path", "no image extension", "twice"],
+)
+def test_tiny_imagenet_annotations_name_images_of_val_images_once(tmp_path, line, problem):
+    """Annotations naming files elsewhere would train on them (and scripts/shard_images.py copy them)."""
+    from recipes.vit.folders import tiny_imagenet_files
+
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    for name in ("val_0.JPEG", "../../outside.png", "images/val_0.JPEG", "secret"):
+        (tmp_path / "val" / "images" / name).parent.mkdir(exist_ok=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "val" / "images" / name, format="PNG")
+    annotations = tmp_path / "val" / "val_annotations.txt"
+    annotations.write_text("val_0.JPEG\tn01\t0 0 1 1\n\n" + line.format(outside=tmp_path / "outside.png") + "\n")
+    with pytest.raises(DataError, match=rf"^{annotations}:3: {problem}"):
+        tiny_imagenet_files(tmp_path, "val", ["n01", "n02"])
+
+
+@pytest.mark.parametrize("which", ["wnids.txt", "val/val_annotations.txt"])
+@pytest.mark.parametrize(
+    "content,problem",
+    [
+        (b"n01\n" + b"\0" * 5000, r":2: a line longer than 4096 characters"),
+        (None, r": larger than 67108864 bytes"),
+        (b"n01\n\xff\n", r": cannot be read as a text file \(UnicodeDecodeError"),
+    ],
+    ids=["an endless line", "sparse GiB", "not UTF-8"],
+)
+def test_tiny_imagenet_index_files_are_read_with_a_bound(tmp_path, which, content, problem):
+    """A sparse file or a bomb (a few hundred bytes of .tar.gz) is refused before it is read whole."""
+    from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
+
+    (tmp_path / "train" / "n01" / "images").mkdir(parents=True)
+    Image.new("RGB", (4, 4)).save(tmp_path / "train" / "n01" / "images" / "0.png")
+    (tmp_path / "val" / "images").mkdir(parents=True)
+    index = tmp_path / which
+    with open(index, "wb") as f:
+        if content is None:
+            f.truncate(1 << 30)  # sparse: nothing on disk
+        else:
+            f.write(content)
+    with pytest.raises(DataError, match=rf"^{index}{problem}"):
+        tiny_imagenet_files(tmp_path, "val", tiny_imagenet_classes(tmp_path))
+
+
+@pytest.mark.parametrize("kind", ["a dangling link", "a FIFO"])
+def test_a_wnids_txt_that_cannot_be_read_is_named_not_passed_over(tmp_path, kind):
+    """Passed over, it made the classes sorted by name: other labels than the file's, without a word."""
+    from recipes.vit.folders import tiny_imagenet_classes
+
+    for w in ("n09", "n01"):
+        (tmp_path / "train" / w / "images").mkdir(parents=True)
+        Image.new("RGB", (4, 4)).save(tmp_path / "train" / w / "images" / "0.png")
+    if kind == "a FIFO":
+        os.mkfifo(tmp_path / "wnids.txt")
+    else:
+        (tmp_path / "wnids.txt").symlink_to(tmp_path / "moved.txt")
+    problem = "NotThisKindOfFile: it is a FIFO" if kind == "a FIFO" else "FileNotFoundError"
+    with pytest.raises(DataError, match=rf"^{tmp_path / 'wnids.txt'}: cannot be read as a text file \({problem}"):
+        tiny_imagenet_classes(tmp_path)
+
+
 def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     root, classes = make_quirky_imagefolder(tmp_path / "pets")
     data = ImageDataConfig(format="imagefolder", root=str(root))
@@ -105,6 +174,8 @@ def test_an_imagefolder_with_bad_stray_and_hidden_files(tmp_path, caplog):
     assert len(train) == 36 and all("broken" not in p and "empty" not in p and "hidden" not in p for p, _ in train)
     assert "left out 2 of 38 image files that cannot be read" in caplog.text
     assert "left out 1 class folders without images: zebra" in caplog.text
+    assert f"{root / 'train'}: left out 1 files without an image extension (.jpg, " in caplog.text
+    assert f"): {root / 'train' / 'dog' / 'notes.txt'}\n" in caplog.text + "\n"
     everything = split_files(
         ImageDataConfig(format="imagefolder", root=str(root), verify_images=False), "train", classes
     )

@@ -149,3 +149,49 @@ def test_predict_folder_walks_the_same_way(tmp_path):
     listed, warnings = list_in_a_limited_process("unlabeled", folder)
     assert listed["files"] == [["batch/a.png", -1], ["batch/b.png", -1], ["broken.png", -1]]
     assert [w for w in warnings if f"{folder / 'self'} -> ." in w] and [w for w in warnings if "batch/loop -> .." in w]
+
+
+def test_a_folder_reached_from_two_classes_trains_under_one_label(tmp_path, caplog):
+    """One record of visited folders per split: a second link to a class folder is no class, a link inside a class
+    to another class is not followed, and a folder linked into two classes is listed under the first only."""
+    train = _two_classes(tmp_path / "pets")
+    _images(tmp_path / "shared", ["s.png"])
+    (train / "kitten").symlink_to("a")  # a second link to the class folder a
+    (train / "a" / "more").symlink_to("../b")  # a class reaching into another class
+    (train / "a" / "x").symlink_to(tmp_path / "shared")
+    (train / "b" / "y").symlink_to(tmp_path / "shared")
+    with caplog.at_level(logging.WARNING):
+        classes = imagefolder_classes(train)
+        files = imagefolder_files(train, classes)
+    assert classes == ["a", "b"]
+    assert [(Path(f).relative_to(train).as_posix(), label) for f, label in files] == [
+        *map(tuple, EIGHT[:4]),
+        ("a/x/s.png", 0),
+        *map(tuple, EIGHT[4:]),
+    ]
+    for link, target in (("kitten", "a"), ("a/more", "../b"), ("b/y", str(tmp_path / "shared"))):
+        assert len(_warnings_naming(caplog, f"{train / link} -> {target}")) == 1, (link, caplog.text)
+
+
+def test_a_tiny_imagenet_images_folder_reached_twice_trains_under_one_label(tmp_path, caplog):
+    from recipes.vit.folders import tiny_imagenet_classes, tiny_imagenet_files
+
+    train = tmp_path / "train"
+    for w in ("n01", "n02"):
+        _images(train / w / "images", [f"{w}_{i}.JPEG" for i in range(2)])
+    (train / "n03" / "images").parent.mkdir()
+    (train / "n03" / "images").symlink_to("../n01/images")  # a second way to n01's images
+    (train / "n04").symlink_to("n02")
+    (train / "n01" / "images" / "more").symlink_to("../../n02/images")
+    with caplog.at_level(logging.WARNING):
+        classes = tiny_imagenet_classes(tmp_path)
+        files = tiny_imagenet_files(tmp_path, "train", classes)
+    assert classes == ["n01", "n02"]
+    assert [(Path(f).relative_to(train).as_posix(), label) for f, label in files] == [
+        ("n01/images/n01_0.JPEG", 0),
+        ("n01/images/n01_1.JPEG", 0),
+        ("n02/images/n02_0.JPEG", 1),
+        ("n02/images/n02_1.JPEG", 1),
+    ]
+    for link, target in (("n03/images", "../n01/images"), ("n04", "n02"), ("n01/images/more", "../../n02/images")):
+        assert len(_warnings_naming(caplog, f"{train / link} -> {target}")) == 1, (link, caplog.text)

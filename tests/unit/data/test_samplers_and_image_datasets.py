@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import os
 import socket
 import subprocess
 import tarfile
@@ -142,6 +143,46 @@ def test_a_failed_extraction_is_one_error_naming_the_archive_and_leaves_nothing(
     with pytest.raises(DataError, match=rf"^--root {root}: {archive}: cannot be extracted"):
         ensure_extracted(root, given=f"--root {root}")
     assert not (tmp_path / "escaped").exists()
+
+
+@pytest.mark.parametrize("kind", ["a FIFO", "a directory"])
+def test_an_archive_that_is_not_a_regular_file_is_refused_without_waiting(tmp_path, kind):
+    archive = tmp_path / "mydata.tar.gz"
+    if kind == "a FIFO":
+        os.mkfifo(archive)  # reading it would wait for a writer forever
+    else:
+        archive.mkdir()
+    (tmp_path / "link.tar").symlink_to(archive)
+    for name in ("mydata", "link"):
+        with pytest.raises(
+            DataError, match=rf"^data.root={tmp_path / name}: {tmp_path / name}.tar(.gz)?: it is {kind}"
+        ):
+            ensure_extracted(str(tmp_path / name))
+    assert not (tmp_path / "mydata").exists() and not (tmp_path / "link").exists()
+
+
+@pytest.mark.parametrize(
+    "link,target", [("mydata", "."), ("mydata/train/c0", "../../beside"), ("mydata/up", "..")], ids=str
+)
+def test_an_archive_link_that_would_lead_beside_the_root_is_refused(tmp_path, link, target):
+    """tarfile keeps links inside the extraction folder; once its top folder becomes the root, that folder is the
+    root's parent: a link to it (or through it) would reach the files beside the root."""
+    (tmp_path / "beside" / "c9").mkdir(parents=True)  # someone else's files beside the archive
+    archive = tmp_path / "mydata.tar"
+    with tarfile.open(archive, "w") as tar:
+        if link != "mydata":
+            info = tarfile.TarInfo("mydata/train")
+            info.type = tarfile.DIRTYPE
+            tar.addfile(info)
+        info = tarfile.TarInfo(link)
+        info.type, info.linkname = tarfile.SYMTYPE, target
+        tar.addfile(info)
+    root = tmp_path / "mydata"
+    with pytest.raises(
+        DataError, match=rf"^data.root={root}: {archive}: its member {link} is a link to {target}, (not|out)"
+    ):
+        ensure_extracted(str(root))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["beside", "mydata.lock", "mydata.tar"]
 
 
 def test_an_extraction_removes_the_leftovers_of_processes_that_are_gone_only(tmp_path):
