@@ -107,11 +107,9 @@ def test_links_to_folders_elsewhere_and_linked_images_count_once(tmp_path, caplo
     (train / "dog" / "extra").symlink_to(elsewhere / "more")
     (train / "dog" / "twice").symlink_to(elsewhere / "more")
     (train / "dog" / "linked.png").symlink_to(elsewhere / "more" / "z.png")
-    with caplog.at_level(logging.WARNING):
-        classes = imagefolder_classes(train)
-        files = imagefolder_files(train, classes)
+    classes, files = _listed_with_warnings(train, caplog)
     assert classes == ["cat", "dog"]
-    assert [(Path(f).relative_to(train).as_posix(), label) for f, label in files] == [
+    assert files == [
         ("cat/x.png", 0),
         ("cat/y.png", 0),
         ("dog/1.png", 1),
@@ -160,11 +158,9 @@ def test_a_folder_reached_from_two_classes_trains_under_one_label(tmp_path, capl
     (train / "a" / "more").symlink_to("../b")  # a class reaching into another class
     (train / "a" / "x").symlink_to(tmp_path / "shared")
     (train / "b" / "y").symlink_to(tmp_path / "shared")
-    with caplog.at_level(logging.WARNING):
-        classes = imagefolder_classes(train)
-        files = imagefolder_files(train, classes)
+    classes, files = _listed_with_warnings(train, caplog)
     assert classes == ["a", "b"]
-    assert [(Path(f).relative_to(train).as_posix(), label) for f, label in files] == [
+    assert files == [
         *map(tuple, EIGHT[:4]),
         ("a/x/s.png", 0),
         *map(tuple, EIGHT[4:]),
@@ -195,3 +191,11 @@ def test_a_tiny_imagenet_images_folder_reached_twice_trains_under_one_label(tmp_
     ]
     for link, target in (("n03/images", "../n01/images"), ("n04", "n02"), ("n01/images/more", "../../n02/images")):
         assert len(_warnings_naming(caplog, f"{train / link} -> {target}")) == 1, (link, caplog.text)
+
+
+def _listed_with_warnings(train: Path, caplog) -> tuple[list[str], list[tuple[str, int]]]:
+    """The classes of `train` and its (file relative to it, label) pairs, with the warnings caught in caplog."""
+    with caplog.at_level(logging.WARNING):
+        classes = imagefolder_classes(train)
+        files = imagefolder_files(train, classes)
+    return classes, [(Path(f).relative_to(train).as_posix(), label) for f, label in files]
