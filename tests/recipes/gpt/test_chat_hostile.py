@@ -90,3 +90,53 @@ def test_a_tokenizer_json_spec_uses_its_folders_template(tmp_path):
     folder = _bpe_folder(tmp_path / "tok", LLAMA3_LIKE)
     assert isinstance(chat_template(str(folder / "tokenizer.json")), HFChatTemplate)
     assert isinstance(chat_template(str(_bpe_folder(tmp_path / "plain", None) / "tokenizer.json")), PlainTemplate)
+
+
+LONG = "{% set c = 'x' * 12000 %}"  # within the size limit of PAIR's conversation: each product below is not
+PRODUCTS = {
+    "replace method": LONG + "{{ c.replace('', c) }}",
+    "replace filter": LONG + "{{ c|replace('', c) }}",
+    "join filter": LONG + "{{ c|join(c) }}",
+    "join method": LONG + "{{ c.join(c) }}",
+    "translate": LONG + "{{ c.translate({120: c}) }}",
+    "expandtabs": "{% set t = '\\t' * 12000 %}{{ t.expandtabs(12000) }}",
+    "indent": "{% set c = 'x\\n' * 6000 %}{{ c|indent(c) }}",
+    "wordwrap": LONG + "{{ ('x ' * 6000)|wordwrap(1, wrapstring=c) }}",
+    "tojson indent": "{% set c = 'x' * 6000 %}{{ c|list|tojson(indent=c) }}",
+    "references printed": LONG + "{{ [c] * 12000 }}",
+    "references concatenated": LONG + "{{ ([c] * 12000) ~ '' }}",
+    "references formatted": LONG + "{{ '%s' % ([c] * 12000,) }}",
+    "references to a filter": LONG + "{{ ([c] * 12000)|string }}",
+    "references in a loop": LONG + "{% set ns = namespace(l=[]) %}{% for i in range(12000) %}"
+    "{% set ns.l = ns.l + [c] %}{% endfor %}{{ ns.l|length }}{{ ns.l }}",
+    "lorem ipsum": "{{ lipsum(2000, False, 2000, 2000) }}",
+}
+
+
+@pytest.mark.parametrize("name", list(PRODUCTS))
+def test_a_template_whose_result_is_a_product_of_its_inputs_is_refused_before_making_it(tmp_path, name):
+    # Each value is within the limit, but replacing, joining, indenting ... one with another, or printing many
+    # references to it, makes their product: refused before it is made, not after (~150 MB here, GBs for long rows).
+    import tracemalloc
+
+    folder = _bpe_folder(tmp_path / "tok", PRODUCTS[name], where="tokenizer_config")
+    renderer, rows = chat_template(str(folder)), _jsonl(tmp_path / "chat.jsonl", [PAIR])
+    tracemalloc.start()
+    try:
+        with pytest.raises(DataError, match=r"chat.jsonl: line 1: .*refuses this conversation \(TooCostly"):
+            read_chat(rows, "data.train_path", renderer, 64)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 16 << 20, f"{peak >> 20} MiB"
+
+
+def test_templates_that_format_tools_and_long_turns_still_render(tmp_path):
+    template = (
+        "{{ messages[:1]|tojson(indent=4) }}{% for m in messages %}{{ m.role|upper }}: "
+        "{{ m.content|replace('\\n', ' ')|indent(2) }}\n{% endfor %}{{ messages|map(attribute='role')|join(', ') }}"
+    )
+    folder = _bpe_folder(tmp_path / "tok", template, where="tokenizer_config")
+    renderer = chat_template(str(folder))
+    messages = [{"role": "user", "content": "a b\nc " * 4000}, {"role": "assistant", "content": "four"}]
+    assert renderer._text(messages, False) == renderer.tokenizer.apply_chat_template(messages, tokenize=False)
