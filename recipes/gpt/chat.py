@@ -47,7 +47,7 @@ from core.data.json_lines import json_lines
 from core.data.parquet_text import TextRefused, text_batches
 from recipes.gpt.options import DATA_CONFIG, Options, given
 from recipes.gpt.template_sandbox import BoundedTemplate
-from recipes.gpt.tokenizer import build_tokenizer, panics_named, read_settings_file
+from recipes.gpt.tokenizer import build_tokenizer, check_growth, panics_named, read_settings_file
 
 ROLES = ("system", "user", "assistant")
 PLAIN_HEADERS = {role: f"<|{role}|>\n" for role in ROLES}
@@ -155,6 +155,7 @@ class HFChatTemplate:
             self.tokenizer = PreTrainedTokenizerFast.from_pretrained(str(folder), local_files_only=True)
         except Exception as e:  # noqa: BLE001 (a damaged folder raises many kinds)
             raise DataError(f"{named}: transformers cannot load it ({type(e).__name__}: {str(e)[:200]})") from None
+        check_growth(self.tokenizer.backend_tokenizer, named)
         source = self.tokenizer.chat_template
         if not source:
             raise DataError(f"{named}: transformers finds no chat template there")

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import re
 from collections import OrderedDict
 from pathlib import Path
 from typing import Optional
@@ -99,6 +100,7 @@ class HFTokenizer:
                 f"{str(e)[:200]}); a Git LFS pointer or a truncated download?"
             ) from None
         self.sha256 = hashlib.sha256(raw).hexdigest()  # the vocabulary itself: a file replaced in place differs
+        check_growth(self._tok, f"{named}: {file}")
         # Saved for a model's inputs, they would cut or pad every document: a document's ids are its text's alone.
         self._tok.no_truncation()
         self._tok.no_padding()
@@ -144,6 +146,52 @@ def _vocab_size(vocab: dict[str, int], where: str) -> int:
             "would get a row for every id up to it); fix its id, or remove it"
         )
     return top + 1
+
+
+# How many times longer its normalizer (or decoder) may make a text: a real one replaces a character with one or two
+# (Llama's "▁", T5's runs of spaces), but a sequence of replacements each multiplying a character multiplies the
+# text by their product, inside the tokenizers library where nothing bounds it.
+MAX_GROWTH = 64
+
+
+def check_growth(tok, where: str) -> None:
+    """Refuses (DataError naming `where`) a tokenizer whose normalizer or decoder can make a text more than
+    MAX_GROWTH times longer, by the worst case of its Replace and Prepend rules (from their JSON: cheap)."""
+    for part in ("normalizer", "decoder"):
+        rules = getattr(tok, part)
+        growth = _growth(json.loads(rules.__getstate__())) if rules is not None else 1
+        if growth > MAX_GROWTH:
+            raise DataError(
+                f"{where}: its {part}'s Replace and Prepend rules can make a text {growth:,.0f} times longer "
+                f"(more than {MAX_GROWTH}): a character replaced by many, again and again; fix or remove them"
+            )
+
+
+def _growth(rule) -> float:
+    """How many times longer `rule` (a normalizer's or decoder's JSON) can make a text of one character or more."""
+    if not isinstance(rule, dict):
+        return 1.0
+    kind = rule.get("type")
+    if kind == "Sequence":
+        parts = rule.get("normalizers") or rule.get("decoders") or []
+        return float(np.prod([_growth(r) for r in parts])) if parts else 1.0
+    if kind == "Prepend":  # once a text: a text of one character at worst
+        return 1.0 + len(str(rule.get("prepend", "")))
+    if kind != "Replace":
+        return 1.0  # the Unicode forms, lowercasing, stripping, ...: bounded by Unicode, and not compounded
+    content, pattern = str(rule.get("content", "")), rule.get("pattern") or {}
+    if isinstance(pattern.get("String"), str) and pattern["String"]:
+        return max(1.0, len(content) / len(pattern["String"]))
+    return 1.0 + len(content) if _matches_empty(pattern.get("Regex")) else max(1.0, len(content))
+
+
+def _matches_empty(regex) -> bool:
+    """Whether a Replace rule's pattern may match no characters (then it inserts its content between all of them);
+    a pattern Python's re cannot read (the library's regex engine differs) is taken to."""
+    try:
+        return re.compile(str(regex)).search("") is not None
+    except (re.error, RecursionError, OverflowError):
+        return True
 
 
 SETTINGS_FILES = ("tokenizer_config.json", "special_tokens_map.json")  # where the special tokens are declared

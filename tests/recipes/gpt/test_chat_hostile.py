@@ -140,3 +140,14 @@ def test_templates_that_format_tools_and_long_turns_still_render(tmp_path):
     renderer = chat_template(str(folder))
     messages = [{"role": "user", "content": "a b\nc " * 4000}, {"role": "assistant", "content": "four"}]
     assert renderer._text(messages, False) == renderer.tokenizer.apply_chat_template(messages, tokenize=False)
+
+
+def test_a_folder_whose_normalizer_multiplies_a_text_is_refused_for_its_chat_template_too(tmp_path):
+    from tokenizers import Tokenizer, normalizers
+
+    folder = _bpe_folder(tmp_path / "tok", LLAMA3_LIKE)
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("e", "e" * 100)] * 3)  # an "e" becomes a million
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.raises(DataError, match=r"tok: its normalizer's Replace and Prepend rules can make a text 1,000,000"):
+        chat_template(str(folder))

@@ -538,3 +538,26 @@ def test_a_stop_signal_during_the_renames_waits_for_them_then_goes_where_it_woul
     finally:
         signal.signal(signal.SIGHUP, previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["p.bin", "p.idx", "p.json"]
+
+
+def test_a_normalizer_or_decoder_that_multiplies_a_text_is_refused_by_name(tmp_path):
+    """Four Replace rules, each making an "a" ten: one "a" normalized to 10,000 (10 to 10 million tokens, GBs in the
+    tokenizers library, where nothing bounds it). Refused when the folder is read; real rules are taken."""
+    from tokenizers import Regex, Tokenizer, decoders, normalizers
+
+    folder = word_level_tokenizer(tmp_path / "tok", {"<unk>": 0, "</s>": 1, "a": 2, "▁": 3})
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.normalizer = normalizers.Sequence([normalizers.Replace("a", "a" * 10)] * 4)
+    tok.save(str(folder / "tokenizer.json"))
+    says = r"tok/tokenizer.json: its normalizer's Replace and Prepend rules can make a text 10,000 times longer"
+    with pytest.raises(DataError, match=says):
+        build_tokenizer(str(folder))
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])  # Llama 2's
+    tok.decoder = decoders.Sequence([decoders.Replace("a", "a" * 10), decoders.Replace(Regex("a*"), "b" * 9)])
+    tok.save(str(folder / "tokenizer.json"))
+    with pytest.raises(DataError, match="its decoder's Replace and Prepend rules can make a text 100 times longer"):
+        build_tokenizer(str(folder))
+    tok.normalizer = normalizers.Sequence([normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), "▁")])  # T5's
+    tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    tok.save(str(folder / "tokenizer.json"))
+    assert build_tokenizer(str(folder)).encode("a  a") == [2, 3, 2]
