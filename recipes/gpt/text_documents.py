@@ -15,15 +15,16 @@ from pathlib import Path
 from typing import Iterator
 
 from core.config.errors import DataError
+from core.data.json_lines import MAX_LINE_BYTES
 
 TEXT_DOCUMENTS = ("paragraph", "line", "file")
 
-BLOCK_BYTES = 1 << 20  # read at a time; a line longer than this is read whole
+BLOCK_BYTES = 1 << 20  # read at a time; a line longer than this is read whole, up to MAX_LINE_BYTES
 
 
 def text_lines(path: Path, named: str) -> Iterator[str]:
     """The file's lines L0..Lk without their ends: k line ends, Lk what follows the last (often ""). `named`
-    names the file and what gave it in errors."""
+    names the file and what gave it in errors; a line longer than MAX_LINE_BYTES is a DataError."""
     start_line, offset, piece = 1, 0, bytearray()
     with open(path, "rb") as f:
         while True:
@@ -31,6 +32,10 @@ def text_lines(path: Path, named: str) -> Iterator[str]:
             end = block.rfind(b"\n") + 1
             if block and end == 0:  # no line end yet: whole lines only, so a \r\n is never cut in two
                 piece += block
+                if len(piece) > MAX_LINE_BYTES:  # a sparse file, a stream of NULs: refused, not read whole
+                    raise DataError(
+                        f"{named}:{start_line}: a line longer than {MAX_LINE_BYTES >> 20} MiB (no line end?)"
+                    )
                 continue
             piece += block[:end] if block else b""
             text = decoded(piece, offset == 0, named, start_line, offset)

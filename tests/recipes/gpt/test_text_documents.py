@@ -217,3 +217,17 @@ def test_a_large_file_is_read_in_memory_of_a_block_not_of_the_file(tmp_path):
             tracemalloc.stop()
         assert count == len(whole_text_documents(tmp_path / "big.txt", mode))
         assert peak < 16 * 2**20, f"{mode}: {peak / 2**20:.1f} MiB at the peak"  # a few 1 MiB blocks, not 24 MB
+
+
+@pytest.mark.parametrize("text_document", TEXT_DOCUMENTS)
+def test_a_file_without_line_ends_is_refused_at_the_line_bound_not_read_whole(tmp_path, monkeypatch, text_document):
+    """A sparse file (a few bytes in a tar, gigabytes of NULs unpacked) has no line end: it was read whole, one
+    document of NUL tokens (a 512 MiB one: 5 GB of memory, trained on silently). Refused at the bound, by line."""
+    monkeypatch.setattr(text_documents, "MAX_LINE_BYTES", 3 << 20, raising=False)  # runs on code without it too
+    monkeypatch.setattr(text_documents, "BLOCK_BYTES", 1 << 20)
+    path = tmp_path / "sparse.txt"
+    path.write_bytes(b"a first line\r\nthen a second\n")
+    with open(path, "r+b") as f:
+        f.truncate(8 << 20)
+    with pytest.raises(DataError, match=r"^--input \S*sparse.txt:3: a line longer than 3 MiB \(no line end\?\)$"):
+        list(read_documents(path, text_document=text_document))
