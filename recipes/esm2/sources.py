@@ -32,8 +32,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
+from core.data.arrow_ipc import IpcLayoutError, batch_bytes
 from core.data.folder_walk import walk
-from core.data.parquet_text import text_batches
+from core.data.parquet_text import MAX_EXPANSION, MIN_BUDGET_BYTES, text_batches
 from core.data.text_lines import bounded_lines
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
@@ -379,13 +380,46 @@ def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[l
     return columns, batches()
 
 
+def _arrow_stream(path: Path):
+    """The memory-mapped file at the start of its IPC stream: the whole file (what `datasets.save_to_disk`
+    writes), or an IPC file's (Feather v2) stream after its magic, which holds the batches its footer lists. Read
+    as a stream, the batches read are the ones checked, whatever a footer says."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    if source.read(8)[:6] != b"ARROW1":
+        source.seek(0)
+    return source
+
+
+def _arrow_reader(path: Path, keys: SourceKeys):
+    """An Arrow file's batch reader, once its batches' decompressed size is known to be within the parquet bound
+    (core/data/parquet_text.py): a compressed buffer (LZ4, ZSTD) is expanded whole when its batch is read, and a
+    few hundred KB can hold gigabytes of one repeated sequence."""
+    import pyarrow as pa
+
+    budget, expanded = max(MIN_BUDGET_BYTES, MAX_EXPANSION * path.stat().st_size), 0
+    try:
+        for message in pa.ipc.MessageReader.open_stream(_arrow_stream(path)):
+            body = message.body if message.body is not None else b""
+            expanded += batch_bytes(message.metadata.to_pybytes(), body)
+            if expanded > budget:
+                raise DataError(
+                    f"{keys.of('path', path)}: its batches decompress to more than {budget} bytes, the bound for a "
+                    f"file of {path.stat().st_size} bytes ({MAX_EXPANSION} times its size, at least "
+                    f"{MIN_BUDGET_BYTES}): a decompression bomb? not read"
+                )
+    except IpcLayoutError as e:
+        raise DataError(f"{keys.of('path', path)}: unreadable (a damaged batch header: {e})") from None
+    return pa.ipc.open_stream(_arrow_stream(path))
+
+
 def read_table(
     path: Path, column: str, name_column: Optional[str], keys: SourceKeys = DATA_PATH
 ) -> Iterator[tuple[str, str]]:
     """(name, sequence) per row of a parquet, CSV or TSV file, or an Arrow file, read in batches; both columns are
     read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
     columns."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     kind = file_kind(path)[0]
@@ -395,15 +429,8 @@ def read_table(
     elif kind == "csv":
         columns, batches = _csv_batches(path, column, name_column)
     else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
-        source = pa.memory_map(str(path))
-        is_file_format = source.read(6) == b"ARROW1"
-        source.seek(0)
-        if is_file_format:
-            reader = pa.ipc.open_file(source)
-            columns, batches = reader.schema.names, (reader.get_batch(i) for i in range(reader.num_record_batches))
-        else:
-            reader = pa.ipc.open_stream(source)
-            columns, batches = reader.schema.names, reader
+        reader = _arrow_reader(path, keys)
+        columns, batches = reader.schema.names, reader
     if column not in columns:
         raise DataError(f"{keys.of('column', column)}: {path} has no such column (it has {', '.join(columns)})")
     for wanted in (column, name_column):

@@ -341,3 +341,27 @@ def test_csv_columns_as_found_xz_a_column_twice_and_columns_never_read(tmp_path)
     (tmp_path / "drift.csv").write_text("id,sequence,length\n" + rows)
     store = read_store(tmp_path / "drift.csv")
     assert len(store) == 200_001 and decode(store.sequence(200_000)) == "WWW"
+
+
+@pytest.mark.parametrize("layout", ["stream", "feather"])
+def test_an_arrow_file_that_decompresses_far_past_its_size_is_refused_before_it_is_read(tmp_path, monkeypatch, layout):
+    """A 220 KB ZSTD-compressed Arrow file of 20,000 copies of one 100,000-residue sequence took 7.9 GB and 31 s
+    to read (pyarrow expands a batch whole); its batches' decompressed size is now read from their headers and
+    held to parquet's bound (made small here), before anything is expanded. Feather's default LZ4 still reads."""
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MIN_BUDGET_BYTES", 1 << 20)
+    table = pa.table({"id": [str(i) for i in range(400)], "sequence": ["MKVLA" * 2000] * 400})  # 4 MB of text
+    bomb = tmp_path / "bomb.arrow"
+    if layout == "feather":
+        feather.write_feather(table, bomb, compression="zstd")
+    else:
+        with pa.ipc.new_stream(bomb, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+            w.write_table(table)
+    assert bomb.stat().st_size < 4096
+    with pytest.raises(
+        DataError, match=r"bomb.arrow: its batches decompress to more than \d+ bytes, the bound for a file of"
+    ):
+        read_store(bomb)
+    feather.write_feather(table.slice(0, 2), tmp_path / "lz4.arrow")  # within its bound: read as before
+    assert sequences(tmp_path / "lz4.arrow") == [("0", "MKVLA" * 2000), ("1", "MKVLA" * 2000)]
