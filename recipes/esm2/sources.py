@@ -450,5 +450,10 @@ def read_table(
                 raise DataError(
                     f"{keys.of('column', column)}: {path} row {row}: expected text, got {type(sequence).__name__}"
                 )
+            if kind == "csv" and sequence == column and (not use_names or name == name_column):
+                # CSV files joined with their headers: "sequence" reads as a protein, SEQUENCE
+                raise DataError(
+                    f"{keys.of('path', path)}: row {row + 2} repeats the header (row 1; files joined?): remove it"
+                )
             yield (str(row) if name is None else str(name)), sequence or ""
             row += 1

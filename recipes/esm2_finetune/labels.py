@@ -10,7 +10,9 @@ spreadsheet shows them (the header is row 1), JSON Lines by line number, parquet
 missing column or value, a regression label that is not a finite number, a multilabel value that is not 0/1/true/
 false, a class not in model.classes (when given), residue labels of another length than the sequence, an empty
 sequence, a character that is not an amino-acid letter, a sequence of nucleotide letters only (DNA or RNA?), a
-split column value other than train / val / test. Duplicate ids are fine (they are names, not keys).
+split column value other than train / val / test, a CSV row that repeats the header (files joined with their
+headers: 'sequence' reads as a protein, a label column's name as a class). Duplicate ids are fine (they are
+names, not keys).
 """
 
 from __future__ import annotations
@@ -344,6 +346,10 @@ def _csv_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> It
                     continue  # a blank line
                 if len(fields) > len(header):
                     raise DataError(f"{source}: row {number} has {len(fields)} fields, the header {len(header)}")
+                if [f.strip() for f in fields] == header:  # "sequence" is a protein, a label column's name a class
+                    raise DataError(
+                        f"{source}: row {number} repeats the header (files joined with their headers?): remove it"
+                    )
                 yield ("row", number), dict(zip(header, fields))
     except UnicodeDecodeError as e:
         raise DataError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None

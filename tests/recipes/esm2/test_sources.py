@@ -365,3 +365,13 @@ def test_an_arrow_file_that_decompresses_far_past_its_size_is_refused_before_it_
         read_store(bomb)
     feather.write_feather(table.slice(0, 2), tmp_path / "lz4.arrow")  # within its bound: read as before
     assert sequences(tmp_path / "lz4.arrow") == [("0", "MKVLA" * 2000), ("1", "MKVLA" * 2000)]
+
+
+def test_a_header_repeated_inside_a_csv_is_refused_not_read_as_the_protein_sequence(tmp_path):
+    """Two CSV files joined with their headers trained on the second header as a protein, SEQUENCE, named 'id'; a
+    row that only looks like it (a sequence named 'sequence') is still read."""
+    (tmp_path / "joined.csv").write_text("id,sequence\nP1,MKV\n" * 2)
+    with pytest.raises(DataError, match=r"joined.csv: row 3 repeats the header \(row 1; files joined\?\)"):
+        read_store(tmp_path / "joined.csv")
+    (tmp_path / "odd.csv").write_text("id,sequence\nsequence,MKV\nP1,sequence\n")
+    assert sequences(tmp_path / "odd.csv") == [("sequence", "MKV"), ("P1", "SEQUENCE")]
