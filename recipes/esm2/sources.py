@@ -26,13 +26,14 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Iterator, Optional, TypeVar
+from typing import IO, Annotated, Iterator, Optional, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
 from core.data.arrow_ipc import IpcLayoutError, batch_bytes
+from core.data.bounded_stream import BoundedReader
 from core.data.folder_walk import walk
 from core.data.parquet_text import MAX_EXPANSION, MIN_BUDGET_BYTES, text_batches
 from core.data.text_lines import bounded_lines
@@ -301,17 +302,35 @@ def _refuse_unless_regular(file: Path, keys: SourceKeys) -> None:
         raise DataError(f"{keys.of('path', file)}: not a regular file (a FIFO, a device or a folder): not read")
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    """A text reader of a (possibly compressed) file; a byte-order mark is dropped, bytes that are not UTF-8 become
-    U+FFFD (and so <unk>)."""
+def _open_bytes(path: Path, keys: SourceKeys) -> IO[bytes]:
+    """The bytes of a FASTA or CSV/TSV file, decompressed by its name, held to parquet's bound on expansion
+    (core/data/parquet_text.py): a bound on each line does not stop a few KB of bz2 that hold gigabytes of short
+    lines, all held in memory when read for training."""
     compression = _split_suffix(path.name)[1]
+    if not compression:
+        return open(path, "rb")
     if compression == ".zst":
         import pyarrow as pa
 
         raw = pa.input_stream(str(path), compression="zstd")
     else:
-        raw = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression, open)(path, "rb")
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace")
+        raw = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[compression](path, "rb")
+    size = path.stat().st_size
+    limit = max(MIN_BUDGET_BYTES, MAX_EXPANSION * size)
+
+    def too_much() -> DataError:
+        return DataError(
+            f"{keys.of('path', path)}: decompresses to more than {limit} bytes, the bound for a file of {size} "
+            f"bytes ({MAX_EXPANSION} times its size, at least {MIN_BUDGET_BYTES}): a decompression bomb? not read"
+        )
+
+    return io.BufferedReader(BoundedReader(raw, limit, too_much))
+
+
+def _open_text(path: Path, keys: SourceKeys) -> io.TextIOBase:
+    """A text reader of a (possibly compressed) file; a byte-order mark is dropped, bytes that are not UTF-8 become
+    U+FFFD (and so <unk>)."""
+    return io.TextIOWrapper(_open_bytes(path, keys), encoding="utf-8-sig", errors="replace")
 
 
 def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
@@ -326,7 +345,7 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
     def too_long(line_number: int) -> DataError:
         return refuse(line_number, f"a line longer than {MAX_SEQUENCE_LENGTH} characters: not protein FASTA")
 
-    with _open_text(path) as f:
+    with _open_text(path, keys) as f:
         for line_number, line in enumerate(bounded_lines(f, MAX_SEQUENCE_LENGTH, too_long), 1):
             line = line.strip()
             if not line or line.startswith(";"):
@@ -353,7 +372,7 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
         yield name, "".join(parts)
 
 
-def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[list[str], Iterator]:
+def _csv_batches(path: Path, column: str, name_column: Optional[str], keys: SourceKeys) -> tuple[list[str], Iterator]:
     """(the header's column names, the batches of the two columns read, as text, opened when first iterated): the
     other columns are not read, so a column that changes type halfway down the file refuses nothing."""
     import pyarrow as pa
@@ -361,10 +380,11 @@ def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[l
 
     def open_csv(convert: pacsv.ConvertOptions):
         tsv = _split_suffix(path.name)[0].endswith(".tsv")
-        # pyarrow decompresses .gz .bz2 .zst by the name; xz it does not know
-        stream = lzma.open(path, "rb") if _split_suffix(path.name)[1] == ".xz" else path
+        compressed = _split_suffix(path.name)[1]  # an uncompressed file: pyarrow's own reader, by its path
         return pacsv.open_csv(
-            stream, parse_options=pacsv.ParseOptions(delimiter="\t" if tsv else ","), convert_options=convert
+            _open_bytes(path, keys) if compressed else path,
+            parse_options=pacsv.ParseOptions(delimiter="\t" if tsv else ","),
+            convert_options=convert,
         )
 
     read = [column] + ([name_column] if name_column else [])
@@ -427,7 +447,7 @@ def read_table(
         parquet = pq.ParquetFile(path)
         columns, batches = parquet.schema_arrow.names, None
     elif kind == "csv":
-        columns, batches = _csv_batches(path, column, name_column)
+        columns, batches = _csv_batches(path, column, name_column, keys)
     else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
         reader = _arrow_reader(path, keys)
         columns, batches = reader.schema.names, reader

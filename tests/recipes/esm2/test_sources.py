@@ -375,3 +375,23 @@ def test_a_header_repeated_inside_a_csv_is_refused_not_read_as_the_protein_seque
         read_store(tmp_path / "joined.csv")
     (tmp_path / "odd.csv").write_text("id,sequence\nsequence,MKV\nP1,sequence\n")
     assert sequences(tmp_path / "odd.csv") == [("sequence", "MKV"), ("P1", "SEQUENCE")]
+
+
+@pytest.mark.parametrize("name", ["bomb.fasta.bz2", "bomb.tsv.bz2", "bomb.fa.xz"])
+def test_a_compressed_text_file_that_expands_far_past_its_size_is_refused(tmp_path, monkeypatch, name):
+    """An 11 KB .fasta.bz2 of 2,000 records of 16,000 short lines (2 GB of residues, no line or record too long)
+    took 3.8 GB and 2 minutes to read for training; FASTA and CSV/TSV now decompress within parquet's bound (made
+    small here) and are refused past it, naming the file."""
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MIN_BUDGET_BYTES", 1 << 20)
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}[Path(name).suffix]
+    fasta = name.endswith((".fasta.bz2", ".fa.xz"))
+    with opener(tmp_path / name, "wt") as f:
+        f.write("" if fasta else "id\tsequence\n")
+        for i in range(64):
+            f.write(f">P{i}\n" if fasta else "")
+            f.write(("MKVLA" * 12 + "\n") * 500 if fasta else f"Q{i}\t{'MKVLA' * 12}\n" * 500)
+    assert (tmp_path / name).stat().st_size < 2048  # and some 2 MB once expanded
+    with pytest.raises(DataError, match=rf"{name}: decompresses to more than \d+ bytes, the bound for a file of"):
+        read_store(tmp_path / name)
