@@ -201,3 +201,11 @@ def test_a_header_repeated_inside_a_csv_is_refused_not_read_as_a_row(tmp_path):
     joined.write_text(write(tmp_path / "a.csv", rows).read_text() * 2)
     with pytest.raises(DataError, match=r"joined.csv: row 4 repeats the header \(files joined with their headers"):
         read(joined, Task.classification, ("c",))
+
+
+def test_a_quote_left_open_in_a_class_column_is_refused_not_read_as_one_row(tmp_path):
+    """A label `"basic` whose quote is never closed took every row after it into one field: 4 rows were read as 1,
+    of one class named by the rest of the file. A class name holding a line break is refused, naming the row."""
+    (tmp_path / "open.csv").write_text('id,sequence,c\np1,MKV,"basic\np2,LLA,acidic\np3,MKK,basic\np4,AAA,acidic\n')
+    with pytest.raises(DataError, match=r"open.csv: row 2, column 'c': 'basic\\np2,LLA,acidic.*a quote left open"):
+        read(tmp_path / "open.csv", Task.classification, ("c",))
