@@ -26,14 +26,16 @@ import zlib
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Iterator, Optional, TypeVar
+from typing import IO, Annotated, Iterator, Optional, TypeVar
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from core.config.errors import DataError
 from core.config.file_shape import problems, read_small_file
+from core.data.arrow_ipc import IpcLayoutError, batch_bytes
+from core.data.bounded_stream import BoundedReader
 from core.data.folder_walk import walk
-from core.data.parquet_text import text_batches
+from core.data.parquet_text import MAX_EXPANSION, MIN_BUDGET_BYTES, text_batches
 from core.data.text_lines import bounded_lines
 
 FASTA_SUFFIXES = (".fasta", ".fa", ".faa", ".fas")
@@ -300,17 +302,35 @@ def _refuse_unless_regular(file: Path, keys: SourceKeys) -> None:
         raise DataError(f"{keys.of('path', file)}: not a regular file (a FIFO, a device or a folder): not read")
 
 
-def _open_text(path: Path) -> io.TextIOBase:
-    """A text reader of a (possibly compressed) file; a byte-order mark is dropped, bytes that are not UTF-8 become
-    U+FFFD (and so <unk>)."""
+def _open_bytes(path: Path, keys: SourceKeys) -> IO[bytes]:
+    """The bytes of a FASTA or CSV/TSV file, decompressed by its name, held to parquet's bound on expansion
+    (core/data/parquet_text.py): a bound on each line does not stop a few KB of bz2 that hold gigabytes of short
+    lines, all held in memory when read for training."""
     compression = _split_suffix(path.name)[1]
+    if not compression:
+        return open(path, "rb")
     if compression == ".zst":
         import pyarrow as pa
 
         raw = pa.input_stream(str(path), compression="zstd")
     else:
-        raw = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}.get(compression, open)(path, "rb")
-    return io.TextIOWrapper(raw, encoding="utf-8-sig", errors="replace")
+        raw = {".gz": gzip.open, ".bz2": bz2.open, ".xz": lzma.open}[compression](path, "rb")
+    size = path.stat().st_size
+    limit = max(MIN_BUDGET_BYTES, MAX_EXPANSION * size)
+
+    def too_much() -> DataError:
+        return DataError(
+            f"{keys.of('path', path)}: decompresses to more than {limit} bytes, the bound for a file of {size} "
+            f"bytes ({MAX_EXPANSION} times its size, at least {MIN_BUDGET_BYTES}): a decompression bomb? not read"
+        )
+
+    return io.BufferedReader(BoundedReader(raw, limit, too_much))
+
+
+def _open_text(path: Path, keys: SourceKeys) -> io.TextIOBase:
+    """A text reader of a (possibly compressed) file; a byte-order mark is dropped, bytes that are not UTF-8 become
+    U+FFFD (and so <unk>)."""
+    return io.TextIOWrapper(_open_bytes(path, keys), encoding="utf-8-sig", errors="replace")
 
 
 def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, str]]:
@@ -325,7 +345,7 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
     def too_long(line_number: int) -> DataError:
         return refuse(line_number, f"a line longer than {MAX_SEQUENCE_LENGTH} characters: not protein FASTA")
 
-    with _open_text(path) as f:
+    with _open_text(path, keys) as f:
         for line_number, line in enumerate(bounded_lines(f, MAX_SEQUENCE_LENGTH, too_long), 1):
             line = line.strip()
             if not line or line.startswith(";"):
@@ -352,7 +372,7 @@ def read_fasta(path: Path, keys: SourceKeys = DATA_PATH) -> Iterator[tuple[str, 
         yield name, "".join(parts)
 
 
-def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[list[str], Iterator]:
+def _csv_batches(path: Path, column: str, name_column: Optional[str], keys: SourceKeys) -> tuple[list[str], Iterator]:
     """(the header's column names, the batches of the two columns read, as text, opened when first iterated): the
     other columns are not read, so a column that changes type halfway down the file refuses nothing."""
     import pyarrow as pa
@@ -360,10 +380,11 @@ def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[l
 
     def open_csv(convert: pacsv.ConvertOptions):
         tsv = _split_suffix(path.name)[0].endswith(".tsv")
-        # pyarrow decompresses .gz .bz2 .zst by the name; xz it does not know
-        stream = lzma.open(path, "rb") if _split_suffix(path.name)[1] == ".xz" else path
+        compressed = _split_suffix(path.name)[1]  # an uncompressed file: pyarrow's own reader, by its path
         return pacsv.open_csv(
-            stream, parse_options=pacsv.ParseOptions(delimiter="\t" if tsv else ","), convert_options=convert
+            _open_bytes(path, keys) if compressed else path,
+            parse_options=pacsv.ParseOptions(delimiter="\t" if tsv else ","),
+            convert_options=convert,
         )
 
     read = [column] + ([name_column] if name_column else [])
@@ -379,13 +400,46 @@ def _csv_batches(path: Path, column: str, name_column: Optional[str]) -> tuple[l
     return columns, batches()
 
 
+def _arrow_stream(path: Path):
+    """The memory-mapped file at the start of its IPC stream: the whole file (what `datasets.save_to_disk`
+    writes), or an IPC file's (Feather v2) stream after its magic, which holds the batches its footer lists. Read
+    as a stream, the batches read are the ones checked, whatever a footer says."""
+    import pyarrow as pa
+
+    source = pa.memory_map(str(path))
+    if source.read(8)[:6] != b"ARROW1":
+        source.seek(0)
+    return source
+
+
+def _arrow_reader(path: Path, keys: SourceKeys):
+    """An Arrow file's batch reader, once its batches' decompressed size is known to be within the parquet bound
+    (core/data/parquet_text.py): a compressed buffer (LZ4, ZSTD) is expanded whole when its batch is read, and a
+    few hundred KB can hold gigabytes of one repeated sequence."""
+    import pyarrow as pa
+
+    budget, expanded = max(MIN_BUDGET_BYTES, MAX_EXPANSION * path.stat().st_size), 0
+    try:
+        for message in pa.ipc.MessageReader.open_stream(_arrow_stream(path)):
+            body = message.body if message.body is not None else b""
+            expanded += batch_bytes(message.metadata.to_pybytes(), body)
+            if expanded > budget:
+                raise DataError(
+                    f"{keys.of('path', path)}: its batches decompress to more than {budget} bytes, the bound for a "
+                    f"file of {path.stat().st_size} bytes ({MAX_EXPANSION} times its size, at least "
+                    f"{MIN_BUDGET_BYTES}): a decompression bomb? not read"
+                )
+    except IpcLayoutError as e:
+        raise DataError(f"{keys.of('path', path)}: unreadable (a damaged batch header: {e})") from None
+    return pa.ipc.open_stream(_arrow_stream(path))
+
+
 def read_table(
     path: Path, column: str, name_column: Optional[str], keys: SourceKeys = DATA_PATH
 ) -> Iterator[tuple[str, str]]:
     """(name, sequence) per row of a parquet, CSV or TSV file, or an Arrow file, read in batches; both columns are
     read as text; a missing or null name gives the row number, a missing sequence column is an error naming the
     columns."""
-    import pyarrow as pa
     import pyarrow.parquet as pq
 
     kind = file_kind(path)[0]
@@ -393,17 +447,10 @@ def read_table(
         parquet = pq.ParquetFile(path)
         columns, batches = parquet.schema_arrow.names, None
     elif kind == "csv":
-        columns, batches = _csv_batches(path, column, name_column)
+        columns, batches = _csv_batches(path, column, name_column, keys)
     else:  # arrow: an IPC stream (what `datasets.save_to_disk` writes) or an IPC file (Feather v2)
-        source = pa.memory_map(str(path))
-        is_file_format = source.read(6) == b"ARROW1"
-        source.seek(0)
-        if is_file_format:
-            reader = pa.ipc.open_file(source)
-            columns, batches = reader.schema.names, (reader.get_batch(i) for i in range(reader.num_record_batches))
-        else:
-            reader = pa.ipc.open_stream(source)
-            columns, batches = reader.schema.names, reader
+        reader = _arrow_reader(path, keys)
+        columns, batches = reader.schema.names, reader
     if column not in columns:
         raise DataError(f"{keys.of('column', column)}: {path} has no such column (it has {', '.join(columns)})")
     for wanted in (column, name_column):
@@ -422,6 +469,11 @@ def read_table(
             if sequence is not None and not isinstance(sequence, str):
                 raise DataError(
                     f"{keys.of('column', column)}: {path} row {row}: expected text, got {type(sequence).__name__}"
+                )
+            if kind == "csv" and sequence == column and (not use_names or name == name_column):
+                # CSV files joined with their headers: "sequence" reads as a protein, SEQUENCE
+                raise DataError(
+                    f"{keys.of('path', path)}: row {row + 2} repeats the header (row 1; files joined?): remove it"
                 )
             yield (str(row) if name is None else str(name)), sequence or ""
             row += 1

@@ -8,9 +8,11 @@ each row's residues and labels go straight into compact arrays (a huge file is n
 A problem is a DataError naming the setting and file, the row and the column: CSV/TSV rows are numbered as a
 spreadsheet shows them (the header is row 1), JSON Lines by line number, parquet rows from 1. What is refused: a
 missing column or value, a regression label that is not a finite number, a multilabel value that is not 0/1/true/
-false, a class not in model.classes (when given), residue labels of another length than the sequence, an empty
-sequence, a character that is not an amino-acid letter, a sequence of nucleotide letters only (DNA or RNA?), a
-split column value other than train / val / test. Duplicate ids are fine (they are names, not keys).
+false, a class not in model.classes (when given) or holding a line break (a CSV quote left open), residue labels of
+another length than the sequence, an empty sequence, a character that is not an amino-acid letter, a sequence of
+nucleotide letters only (DNA or RNA?), a split column value other than train / val / test, a CSV row that repeats
+the header (files joined with their headers: 'sequence' reads as a protein, a label column's name as a class).
+Duplicate ids are fine (they are names, not keys).
 """
 
 from __future__ import annotations
@@ -276,7 +278,10 @@ def _class_name(value: Any) -> str:
         return str(int(value))
     if isinstance(value, (list, dict)):
         raise Refusal(f"{value!r} is not a class name")
-    return str(value).strip()
+    name = str(value).strip()
+    if "\n" in name or "\r" in name:  # a CSV quote left open takes the rows after it into one field
+        raise Refusal(f"{name[:60]!r}... holds a line break: a quote left open took in the rows after it?")
+    return name
 
 
 def _residue_labels(value: Any, length: int) -> list[Optional[str]]:
@@ -344,6 +349,10 @@ def _csv_rows(path: Path, source: str, wanted: list[str], spec: LabelSpec) -> It
                     continue  # a blank line
                 if len(fields) > len(header):
                     raise DataError(f"{source}: row {number} has {len(fields)} fields, the header {len(header)}")
+                if [f.strip() for f in fields] == header:  # "sequence" is a protein, a label column's name a class
+                    raise DataError(
+                        f"{source}: row {number} repeats the header (files joined with their headers?): remove it"
+                    )
                 yield ("row", number), dict(zip(header, fields))
     except UnicodeDecodeError as e:
         raise DataError(f"{source}: not UTF-8 text ({e.reason} at byte {e.start})") from None

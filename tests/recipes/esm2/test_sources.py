@@ -341,3 +341,57 @@ def test_csv_columns_as_found_xz_a_column_twice_and_columns_never_read(tmp_path)
     (tmp_path / "drift.csv").write_text("id,sequence,length\n" + rows)
     store = read_store(tmp_path / "drift.csv")
     assert len(store) == 200_001 and decode(store.sequence(200_000)) == "WWW"
+
+
+@pytest.mark.parametrize("layout", ["stream", "feather"])
+def test_an_arrow_file_that_decompresses_far_past_its_size_is_refused_before_it_is_read(tmp_path, monkeypatch, layout):
+    """A 220 KB ZSTD-compressed Arrow file of 20,000 copies of one 100,000-residue sequence took 7.9 GB and 31 s
+    to read (pyarrow expands a batch whole); its batches' decompressed size is now read from their headers and
+    held to parquet's bound (made small here), before anything is expanded. Feather's default LZ4 still reads."""
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MIN_BUDGET_BYTES", 1 << 20)
+    table = pa.table({"id": [str(i) for i in range(400)], "sequence": ["MKVLA" * 2000] * 400})  # 4 MB of text
+    bomb = tmp_path / "bomb.arrow"
+    if layout == "feather":
+        feather.write_feather(table, bomb, compression="zstd")
+    else:
+        with pa.ipc.new_stream(bomb, table.schema, options=pa.ipc.IpcWriteOptions(compression="zstd")) as w:
+            w.write_table(table)
+    assert bomb.stat().st_size < 4096
+    with pytest.raises(
+        DataError, match=r"bomb.arrow: its batches decompress to more than \d+ bytes, the bound for a file of"
+    ):
+        read_store(bomb)
+    feather.write_feather(table.slice(0, 2), tmp_path / "lz4.arrow")  # within its bound: read as before
+    assert sequences(tmp_path / "lz4.arrow") == [("0", "MKVLA" * 2000), ("1", "MKVLA" * 2000)]
+
+
+def test_a_header_repeated_inside_a_csv_is_refused_not_read_as_the_protein_sequence(tmp_path):
+    """Two CSV files joined with their headers trained on the second header as a protein, SEQUENCE, named 'id'; a
+    row that only looks like it (a sequence named 'sequence') is still read."""
+    (tmp_path / "joined.csv").write_text("id,sequence\nP1,MKV\n" * 2)
+    with pytest.raises(DataError, match=r"joined.csv: row 3 repeats the header \(row 1; files joined\?\)"):
+        read_store(tmp_path / "joined.csv")
+    (tmp_path / "odd.csv").write_text("id,sequence\nsequence,MKV\nP1,sequence\n")
+    assert sequences(tmp_path / "odd.csv") == [("sequence", "MKV"), ("P1", "SEQUENCE")]
+
+
+@pytest.mark.parametrize("name", ["bomb.fasta.bz2", "bomb.tsv.bz2", "bomb.fa.xz"])
+def test_a_compressed_text_file_that_expands_far_past_its_size_is_refused(tmp_path, monkeypatch, name):
+    """An 11 KB .fasta.bz2 of 2,000 records of 16,000 short lines (2 GB of residues, no line or record too long)
+    took 3.8 GB and 2 minutes to read for training; FASTA and CSV/TSV now decompress within parquet's bound (made
+    small here) and are refused past it, naming the file."""
+    import recipes.esm2.sources as sources
+
+    monkeypatch.setattr(sources, "MIN_BUDGET_BYTES", 1 << 20)
+    opener = {".bz2": bz2.open, ".gz": gzip.open, ".xz": lzma.open}[Path(name).suffix]
+    fasta = name.endswith((".fasta.bz2", ".fa.xz"))
+    with opener(tmp_path / name, "wt") as f:
+        f.write("" if fasta else "id\tsequence\n")
+        for i in range(64):
+            f.write(f">P{i}\n" if fasta else "")
+            f.write(("MKVLA" * 12 + "\n") * 500 if fasta else f"Q{i}\t{'MKVLA' * 12}\n" * 500)
+    assert (tmp_path / name).stat().st_size < 2048  # and some 2 MB once expanded
+    with pytest.raises(DataError, match=rf"{name}: decompresses to more than \d+ bytes, the bound for a file of"):
+        read_store(tmp_path / name)

@@ -191,3 +191,21 @@ def test_a_column_named_twice_and_a_line_without_end_are_refused(tmp_path, monke
         read(tmp_path / "long.jsonl")
     (tmp_path / "fits.csv").write_text(f"sequence,y\n{'M' * 996},1\r\n")  # 998 characters and CRLF: within
     assert read(tmp_path / "fits.csv")["all"].offsets.tolist() == [0, 996]
+
+
+def test_a_header_repeated_inside_a_csv_is_refused_not_read_as_a_row(tmp_path):
+    """`cat train.csv val.csv > all.csv` keeps val's header as a row: 'sequence' reads as the protein SEQUENCE and
+    the label column's name became a class of its own (the sanity task's charge_class gave 4 classes, not 3)."""
+    rows = [{"id": "p1", "sequence": "MKTAYIAK", "c": "b"}, {"id": "p2", "sequence": "LLGV", "c": "a"}]
+    joined = tmp_path / "joined.csv"
+    joined.write_text(write(tmp_path / "a.csv", rows).read_text() * 2)
+    with pytest.raises(DataError, match=r"joined.csv: row 4 repeats the header \(files joined with their headers"):
+        read(joined, Task.classification, ("c",))
+
+
+def test_a_quote_left_open_in_a_class_column_is_refused_not_read_as_one_row(tmp_path):
+    """A label `"basic` whose quote is never closed took every row after it into one field: 4 rows were read as 1,
+    of one class named by the rest of the file. A class name holding a line break is refused, naming the row."""
+    (tmp_path / "open.csv").write_text('id,sequence,c\np1,MKV,"basic\np2,LLA,acidic\np3,MKK,basic\np4,AAA,acidic\n')
+    with pytest.raises(DataError, match=r"open.csv: row 2, column 'c': 'basic\\np2,LLA,acidic.*a quote left open"):
+        read(tmp_path / "open.csv", Task.classification, ("c",))
