@@ -32,11 +32,13 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from core import session
+from core.checkpointing.changes import data_changes
 from core.checkpointing.manager import Checkpointer, open_checkpointer
 from core.checkpointing.parts import training_parts
 from core.checkpointing.weights import load_weights
 from core.config.errors import ConfigError
 from core.config.validation import check_monitored_metrics, to_plain
+from core.data.fingerprint import data_fingerprint
 from core.data.pipeline import TrainingData
 from core.data.sampling import accumulation_steps
 from core.distributed import launch
@@ -262,15 +264,32 @@ def restore(run: Run) -> Optional[Path]:
         log.info("resumed from %s (step %d, %d samples consumed)", path, state.step, state.consumed_samples)
         if ckpt.init_from:
             log.info("checkpoint.init_from is not used: this run continues from its own checkpoint")
-        if state.dataset_len not in (0, len(run.data.train)):
-            log.warning(
-                "the training set has %d samples, the checkpoint's had %d: the sample order differs from "
-                "the interrupted run's",
-                len(run.data.train),
-                state.dataset_len,
-            )
-    state.dataset_len, state.world_size = len(run.data.train), env.world_size
+    fingerprint = data_fingerprint(run.data.train)
+    if path is not None:
+        check_same_data(path, state, fingerprint, len(run.data.train), ckpt.allow_config_changes, env.is_main)
+    state.dataset_len, state.world_size, state.data_fingerprint = len(run.data.train), env.world_size, fingerprint
     return path
+
+
+def check_same_data(path: Path, state: TrainState, fingerprint: int, length: int, allowed: bool, is_main: bool) -> None:
+    """A resume on another training set than its checkpoint's (core/checkpointing/changes.py:data_changes) stops
+    before any work, as a changed data setting does, unless checkpoint.allow_config_changes=true continues on
+    purpose: the run would otherwise go on silently with another sample order, or with other labels. A changed
+    length of a dataset without a fingerprint is a warning (GPT's grows when training.steps passes an epoch)."""
+    changes, refused = data_changes(state.dataset_len, state.data_fingerprint, length, fingerprint)
+    if refused and not allowed:
+        raise ConfigError(
+            f"resuming from {path}, but the training data differs from the data it was trained on ("
+            + "; ".join(changes)
+            + "): the run would continue on another sample order or other labels. Restore the data, give a "
+            "new run a folder of its own (checkpoint.path=<a new folder>, checkpoint.init_from="
+            + str(path)
+            + " for these weights), or continue on this data on purpose with checkpoint.allow_config_changes=true"
+        )
+    if changes and is_main:
+        log.warning(
+            "resuming from %s on changed training data (%s): the sample order differs", path, "; ".join(changes)
+        )
 
 
 def train(run: Run) -> RunResult:

@@ -110,3 +110,18 @@ def config_changes(saved_config: Path, config: DictConfig) -> tuple[list[str], l
         else:  # a key only one side has, that leaves the result alone: a schema change between versions
             other.append(f"{k}: {written.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}")
     return refused, other
+
+
+def data_changes(saved_len: int, saved_fingerprint: int, now_len: int, now_fingerprint: int) -> tuple[list[str], bool]:
+    """(how the training set differs from the one a checkpoint was trained on, as lines; whether that is known to
+    be another set of samples). The sample stream is a function of the set's length and of what each index holds,
+    so another set under the same settings (files added, removed or renamed, a class folder renamed: every later
+    class's label moves) would continue the run on another order or other labels (core/data/fingerprint.py).
+    Without a fingerprint on both sides (a checkpoint of an earlier version; a dataset that has none, such as GPT's,
+    whose length follows training.steps across epochs) only a changed length is told, as a changed order."""
+    changes = [f"training samples: {saved_len} -> {now_len}"] if saved_len and saved_len != now_len else []
+    if not (saved_fingerprint and now_fingerprint):
+        return changes, False
+    if saved_fingerprint != now_fingerprint and not changes:
+        changes.append(f"training samples: the same number ({now_len}), but other files, labels or contents")
+    return changes, bool(changes)

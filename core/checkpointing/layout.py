@@ -4,7 +4,7 @@
   model.<name>          weights by their names in the user's model (no wrapper prefix such as `module.`)
   optim.state.<name>.*  optimizer state keyed by those parameter names; optim.param_groups
   scheduler             the LR scheduler's state
-  train_state.*         step, consumed_samples, epoch, skipped_steps, dataset_len, world_size
+  train_state.*         step, consumed_samples, epoch, skipped_steps, dataset_len, world_size, data_fingerprint
   rng.rank_<r>.*        python/numpy/torch/CUDA RNG states of rank r
   fp8.<module>.*        TransformerEngine's delayed-scaling FP8 state (scales and amax histories), which
                         Megatron-FSDP's state dict drops with the rest of TE's `_extra_state`

@@ -13,6 +13,9 @@ class TrainState:
     skipped_steps: int = 0  # optimizer steps skipped for a non-finite loss (training.on_nonfinite=skip)
     dataset_len: int = 0  # the training set's size when saved (a changed dataset reorders the stream)
     world_size: int = 0  # the ranks it was saved on
+    # What the training set's samples were when saved (core/data/fingerprint.py); 0: not recorded (a dataset without
+    # a fingerprint, or a checkpoint of an earlier version).
+    data_fingerprint: int = 0
     # The optimizer steps the learning-rate schedule spans (training.steps when the run started; a resumed run with
     # scheduler.on_extend=hold keeps it); 0: not recorded (a checkpoint of an earlier version).
     schedule_steps: int = 0

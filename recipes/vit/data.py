@@ -92,6 +92,14 @@ class ImageSamples(Dataset):
     def __len__(self) -> int:
         return len(self.files)
 
+    def fingerprint(self) -> bytes:
+        """Each sample's file and label, in order (core/data/fingerprint.py): a resume notices files added,
+        removed or renamed, and class folders renamed, which relabel the classes sorted after them."""
+        own = getattr(self.files, "fingerprint", None)
+        if own is not None:
+            return own()
+        return "\n".join(f"{label}\t{path}" for path, label in self.files).encode("utf-8", "surrogateescape")
+
     def read(self, idx: int) -> bytes:
         if self.reader is not None:
             return self.reader(idx)

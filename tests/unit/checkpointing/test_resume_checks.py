@@ -14,8 +14,10 @@ import pytest
 import torch
 import yaml
 from omegaconf import OmegaConf
+from PIL import Image
 from torch.utils.data import Dataset
 
+import train
 from checkpoint import main as checkpoint_cli
 from core.checkpointing.changes import config_changes
 from core.checkpointing.layout import CheckpointError
@@ -23,9 +25,14 @@ from core.checkpointing.weights import load_weights_file
 from core.config.errors import ConfigError
 from core.config.validation import save_config
 from core.data.datasets import MultiEpochDatasetResampler, epoch_index
+from core.data.fingerprint import data_fingerprint
 from core.data.pipeline import TrainingData
 from core.layers.context_parallel import ContextParallel
+from core.training.state import TrainState
 from recipes.base import Datasets
+from recipes.mnist.data import MNISTSamples
+from recipes.vit.config import ImageDataConfig, ViTModelConfig
+from recipes.vit.data import build_image_datasets
 from tests.support.helpers import compose_config, validated_config
 
 VIT = [
@@ -162,6 +169,65 @@ def test_the_training_stream_continues_from_any_position():
         batches = list(data.micro_batches(consumed, 8))  # 2 steps
         got = [(int(e), int(i)) for b in batches for e, i in zip(b["epoch"], b["idx"])]
         assert got == [tuple(stream.epoch_index(p)) for p in range(consumed, consumed + 32)], consumed
+
+
+def _digit_folder(root, classes=("0", "1", "2"), per_class=3) -> None:
+    for c in classes:
+        (root / "train" / c).mkdir(parents=True)
+        for i in range(per_class):
+            Image.new("RGB", (28, 28), (40 * i, 0, 0)).save(root / "train" / c / f"{i}.png")
+
+
+def _image_train_set(root) -> Dataset:
+    data = ImageDataConfig(format="imagefolder", root=str(root), num_classes=3, num_workers=0)
+    return build_image_datasets(data, ViTModelConfig(img_size=28, patch_size=4, num_classes=3), seed=0)[0]
+
+
+@pytest.mark.parametrize(
+    "change,says",
+    [
+        # classes sort by name: with "1" renamed "9", class 2's images train as label 1
+        (lambda r: (r / "train/1").rename(r / "train/9"), r"the same number \(9\), but other files"),
+        (lambda r: (r / "train/0/2.png").rename(r / "train/0/7.png"), r"the same number \(9\), but other files"),
+        (lambda r: (r / "train/2/2.png").unlink(), r"training samples: 9 -> 8"),
+    ],
+    ids=["class-renamed", "file-renamed", "file-removed"],
+)
+def test_a_resume_on_a_changed_training_set_is_refused(tmp_path, caplog, change, says):
+    """Between the stop and the resume the data folder changed under the same data.root: the resume stops before
+    any work naming the checkpoint and the change (it continued silently on relabelled classes or, for another
+    length, with a warning), and continues with checkpoint.allow_config_changes=true."""
+    _digit_folder(tmp_path / "d")
+    before = _image_train_set(tmp_path / "d")
+    saved = TrainState(step=2, consumed_samples=8, dataset_len=len(before), data_fingerprint=data_fingerprint(before))
+    assert saved.data_fingerprint > 0
+    train.check_same_data(tmp_path / "step_2", saved, data_fingerprint(before), len(before), False, True)  # same data
+    change(tmp_path / "d")
+    after = _image_train_set(tmp_path / "d")
+    with pytest.raises(ConfigError, match=f"resuming from {tmp_path / 'step_2'}, but the training data .*{says}"):
+        train.check_same_data(tmp_path / "step_2", saved, data_fingerprint(after), len(after), False, True)
+    train.check_same_data(tmp_path / "step_2", saved, data_fingerprint(after), len(after), True, True)
+    assert "on changed training data" in caplog.text
+
+
+def test_mnist_samples_fingerprint_their_labels_and_pixels():
+    images, labels = torch.zeros(6, 28, 28, dtype=torch.uint8), torch.arange(6) % 3
+    rows = torch.arange(4)
+    same = data_fingerprint(MNISTSamples(images.clone(), labels.clone(), rows))
+    assert same == data_fingerprint(MNISTSamples(images, labels, rows)) > 0
+    assert data_fingerprint(MNISTSamples(images, labels.roll(1), rows)) != same
+    assert data_fingerprint(MNISTSamples(images, labels, torch.arange(1, 5))) != same
+    assert data_fingerprint(_Positions()) == 0  # no fingerprint: compared by length only
+
+
+def test_without_fingerprints_a_changed_length_is_a_warning(tmp_path, caplog):
+    """GPT's training set has no fingerprint, and its length follows training.steps once they pass an epoch: an
+    extension stays allowed. So does a checkpoint of an earlier version, which recorded none."""
+    for saved_fingerprint, now_fingerprint in ((0, 0), (0, 5), (5, 0)):
+        saved = TrainState(step=2, dataset_len=9001, data_fingerprint=saved_fingerprint)
+        train.check_same_data(tmp_path / "step_2", saved, now_fingerprint, 18002, False, True)
+        train.check_same_data(tmp_path / "step_2", saved, now_fingerprint, 9001, False, True)
+    assert caplog.text.count("training samples: 9001 -> 18002") == 3
 
 
 # --- weight files and the checkpoint command ---------------------------------------------------------------
