@@ -378,10 +378,13 @@ class Checkpointer:
     def _finish(self, save: PendingSave) -> None:
         if not self.is_main:
             return
-        if self.config is not None:
-            save_config(self.config, save.target / "config.yaml")
         named = {"config_name": self.config_name} if self.config_name else {}
-        write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time(), **named})
+        try:  # a disk that fills (or turns read-only) after the shards: one line naming the folder, as for a shard
+            if self.config is not None:
+                save_config(self.config, save.target / "config.yaml")
+            write_marker(save.target, {"step": save.step, "metrics": save.metrics, "saved_at": time.time(), **named})
+        except OSError as e:  # without COMPLETE the folder is an interrupted save: never resumed from
+            raise CheckpointError(f"saving {save.target} failed ({type(e).__name__}: {e})") from None
         size = sum(p.stat().st_size for p in save.target.iterdir() if p.is_file())
         log.info(
             "saved checkpoint %s (%.1f MB in %.2f s%s)",

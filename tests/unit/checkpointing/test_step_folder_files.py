@@ -5,6 +5,7 @@ COMPLETE before it is parsed, and the index cannot point outside the folder or c
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import os
 import pickle
@@ -15,16 +16,19 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from omegaconf import OmegaConf
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 
 import checkpoint
 import core.checkpointing.layout as layout
+import core.checkpointing.manager as manager
 from core.checkpointing.dcp_index import index_from_json, load_index
 from core.checkpointing.layout import CheckpointError, is_own, start_marker, verify, verify_plain_dcp, write_marker
 from core.checkpointing.storage import ChecksummingWriter
 from core.config.errors import ConfigError
+from core.config.schema import CheckpointConfig
 from tests.support.checkpoint_harness import TINY
 from tests.support.helpers import read_records, train_run, validated_config
 
@@ -582,3 +586,24 @@ def test_rng_state_of_a_name_resume_does_not_take_is_not_read(tmp_path):
     assert "rank_0.junk" in saved.keys
     target = RNGPart(0, 1, cpu, is_main=True).load_target(saved)
     assert set(target["rank_0"]) == set(rng_state(cpu))
+
+
+@pytest.mark.parametrize("failing", ["save_config", "write_marker"])
+def test_a_save_whose_last_files_cannot_be_written_is_one_error_naming_the_folder(tmp_path, monkeypatch, failing):
+    """The disk fills (or turns read-only) after the shards, while rank 0 writes config.yaml or COMPLETE: a
+    CheckpointError naming the step folder (train.py's one `checkpoint error:` line, exit 3), not an OSError's
+    traceback; without COMPLETE the folder stays an interrupted save, never resumed from."""
+    folder = tmp_path / "step_2"
+    start_marker(folder)
+    dcp.save({"train_state": {"step": 2}}, storage_writer=ChecksummingWriter(str(folder)), no_dist=True)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(manager, failing, disk_full)
+    checkpointer = manager.Checkpointer(
+        CheckpointConfig(path=str(tmp_path)), 0, torch.device("cpu"), OmegaConf.create()
+    )
+    with pytest.raises(CheckpointError, match=rf"saving {re.escape(str(folder))} failed \(OSError: .*No space left"):
+        checkpointer._finish(manager.PendingSave(None, folder, 2, {}, 0.0))
+    assert not (folder / "COMPLETE").exists() and (folder / "SAVING").exists()
