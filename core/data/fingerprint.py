@@ -7,9 +7,9 @@ have. A checkpoint keeps the training set's length and this fingerprint (train_s
 train_state.data_fingerprint); core/checkpointing/changes.py:data_changes compares them on resume.
 
 A dataset opts in with a method `fingerprint() -> bytes` describing its samples in order (an image folder's files
-and labels; MNIST's pixels and labels); wrappers that keep the samples in order (`.dataset`) are looked through.
-A dataset without one (synthetic data, whose settings say all; GPT's, whose length follows training.steps) is
-compared by its length only, and a changed length is a warning.
+and labels; MNIST's pixels and labels; ESM-2 fine-tuning's sequences and labels); wrappers that keep the samples in
+order (`.dataset`) are looked through. A dataset without one (synthetic data, whose settings say all; GPT's and
+ESM-2 pretraining's, whose stores are large) is compared by its length only, and a changed length is a warning.
 """
 
 from __future__ import annotations

@@ -59,6 +59,20 @@ class LabelledPacks(PackedSequences):
         weights = coding.weights if coding.weights is not None else np.ones(coding.outputs)
         self.class_weights = torch.as_tensor(weights, dtype=torch.float32)
 
+    def fingerprint(self) -> bytes:
+        """The sequences in pack order, their labels and the class names (core/data/fingerprint.py): a resume
+        notices a changed label file (a class renamed moves the index of every class sorted after it)."""
+        store = self.store
+        names = "\n".join(store.classes).encode("utf-8", "surrogateescape")
+        arrays = (
+            self.order,
+            self.starts,
+            store.residues,
+            store.offsets,
+            *(() if store.targets is None else (store.targets,)),
+        )
+        return names + b"\0" + b"".join(np.ascontiguousarray(a).tobytes() for a in arrays)
+
     def __getitem__(self, index) -> dict[str, torch.Tensor]:
         epoch, k = epoch_index(index)
         if not 0 <= k < len(self):

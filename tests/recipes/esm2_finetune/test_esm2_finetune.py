@@ -15,6 +15,7 @@ import torch
 
 from core.data.checks import assert_dataset_deterministic
 from core.data.datasets import EpochIndex
+from core.data.fingerprint import data_fingerprint
 from core.layers.namespace import TORCH_LAYERS
 from recipes.esm2.masking import IGNORE
 from recipes.esm2_finetune.config import Task
@@ -82,6 +83,30 @@ def test_residue_labels_stay_with_their_residues_through_packing_and_random_crop
     fixed = LabelledPacks(store, np.arange(12), 64, 20, 8, coding, seed=3, shuffle_seed=None, random_crop=False)
     first = fixed[0]
     assert torch.equal(first["tokens"][1:19], torch.from_numpy(store.sequence(0)[:18].astype(np.int64)))
+
+
+def test_a_changed_label_or_sequence_changes_the_training_packs_fingerprint():
+    """Two rows whose labels were swapped keep the regression statistics and the class names that the config
+    records (model.target_mean, model.classes), so only the training set's fingerprint shows the change on resume
+    (core/data/fingerprint.py)."""
+    store = letter_store()
+    coding = TargetCoding(Task.residue_classification, 20)
+
+    def fingerprint(changed: LabelledSequences) -> int:
+        return data_fingerprint(LabelledPacks(changed, np.arange(12), 64, 20, 8, coding, 3, 5, random_crop=True))
+
+    same = fingerprint(store)
+    assert same == fingerprint(letter_store()) > 0
+    swapped = store.targets.copy()
+    swapped[[1, 2]] = swapped[[2, 1]]
+    assert (
+        fingerprint(LabelledSequences("test", store.ids, store.residues, store.offsets, swapped, store.classes)) != same
+    )
+    edited = store.residues.copy()
+    edited[3] = 4 + (edited[3] - 3) % 20
+    assert (
+        fingerprint(LabelledSequences("test", store.ids, edited, store.offsets, store.targets, store.classes)) != same
+    )
 
 
 @pytest.mark.parametrize("task", TASKS)
