@@ -23,7 +23,7 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import hydra
 import torch
@@ -71,6 +71,7 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
     cfg = adopt_saved_model(cfg, overrides, get_recipe)
     check_supports(cfg, PREDICTION, "predict.py")
     cfg = without_context_parallelism(cfg)
+    output = prediction_output(cfg.predict.output, run_dir)
     with session.start(cfg, run_dir, get_recipe) as sess:
         # 1. The model as in training (any checkpoint layout, any world size), then its weights.
         parallel, _ = session.build_model(sess, training=False)
@@ -109,8 +110,22 @@ def predict(cfg: DictConfig, run_dir: Path, overrides: Sequence[str] = ()) -> Pr
             )
         # 3. Predict, gather on rank 0, write.
         local = predict_rows(sess, parallel.wrapped, loader)
-        output = Path(sess.cfg.predict.output) if sess.cfg.predict.output else run_dir / "predictions.csv"
         return write_predictions(sess, local, output, dataset)
+
+
+def prediction_output(given: Optional[str], run_dir: Path) -> Path:
+    """The CSV file predict.output names (null: <run dir>/predictions.csv), refused before any work where it cannot be
+    written: an existing folder, or a path under a file. Found only when writing, after every prediction was made,
+    those lost the run's work in a traceback."""
+    if not given:
+        return run_dir / "predictions.csv"
+    path = Path(given)
+    if path.is_dir():
+        raise ConfigError(f"predict.output={given} is a folder: give a file in it (e.g. {path / 'predictions.csv'})")
+    above = next((parent for parent in path.parents if parent.exists()), None)
+    if above is not None and not above.is_dir():
+        raise ConfigError(f"predict.output={given}: {above} is a file, not a folder")
+    return path
 
 
 def without_context_parallelism(cfg: DictConfig) -> DictConfig:

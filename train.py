@@ -126,6 +126,14 @@ def run(cfg: DictConfig, run_dir: Path) -> RunResult:
         return train(setup(sess, objective_required=launch.optimising_sweep()))
 
 
+def build_schedule(optimizer: torch.optim.Optimizer, cfg: DictConfig, steps: int) -> Any:
+    """The learning-rate schedule over the run's `steps`; what it cannot do as its settings say (a warmup as long as
+    the run, a wsd decay that does not fit) is warned about before the first step."""
+    for note in optim.schedule_notes(cfg.scheduler, cfg.optim.lr, steps):
+        log.warning("%s", note)
+    return optim.build_scheduler(optimizer, cfg.scheduler, steps)
+
+
 def setup(sess: session.Session, objective_required: bool = False, callbacks: tuple[Callback, ...] = ()) -> Run:
     """Everything a run holds, in the order it is needed; what can be refused is refused before the work.
     `objective_required`: a sweeper optimises training.objective.metric, so the run must record it.
@@ -164,7 +172,7 @@ def setup(sess: session.Session, objective_required: bool = False, callbacks: tu
             parallel.blocks,
         )
         optimizer = parallel.finalize_optimizer(optim.build_optimizer(groups, cfg.optim))
-        scheduler = optim.build_scheduler(optimizer, cfg.scheduler, data.length.steps)
+        scheduler = build_schedule(optimizer, cfg, data.length.steps)
         # 6. The micro-batch step, replayed as a CUDA graph with training.cuda_graphs; logging, throughput, the NaN
         #    policy.
         forward_backward = cuda_graphs.forward_backward(

@@ -215,7 +215,7 @@ def composition_error(error: BaseException) -> Optional[str]:
         options = sorted(o for o in (error.options or []) if not o.endswith("_schema"))
         return named + (f"; choose one of {', '.join(options)}" if options else "")
     if isinstance(error, OverrideParseException):
-        return f"{error.override}: {str(error).strip().splitlines()[-1]}"
+        return f"{error.override}: {unparsable(error.override, str(error))}"
     if isinstance(error, ConfigCompositionException):
         cause = error.__cause__
         first = str(error).strip().splitlines()[0].removeprefix("Error merging override ")
@@ -223,3 +223,30 @@ def composition_error(error: BaseException) -> Optional[str]:
             return f"{first}: {str(getattr(cause, 'msg', cause)).strip().splitlines()[0]}"
         return " ".join(line.strip() for line in str(error).strip().splitlines() if line.strip())
     return None
+
+
+# Where Hydra's override grammar is described; its parse errors end with this link.
+GRAMMAR_URL = "https://hydra.cc/docs/1.2/advanced/override_grammar/basic"
+LEXER_ERROR = "LexerNoViableAltException: "
+
+
+def unparsable(override: str, message: str) -> str:
+    """Why Hydra cannot parse `override`, from its error `message`, in words a user can act on: Hydra's own message
+    ends with a link, which alone names nothing (the reason is on the lines before it), and for a character its
+    lexer refuses (a quote, a byte that is not UTF-8) it gives only a caret under the override."""
+    lines = [line for line in message.splitlines() if line.strip()]
+    caret = next((line for line in lines if line.strip() == "^"), None)
+    if caret is not None and lines[0].startswith(LEXER_ERROR):
+        at = caret.index("^") - len(LEXER_ERROR)
+        char = override[at] if 0 <= at < len(override) else ""
+        if "\udc80" <= char <= "\udcff":  # how Python keeps a byte of argv that is not UTF-8
+            what = f"the byte 0x{ord(char) - 0xDC00:02x} (not UTF-8) at position {at}"
+        else:
+            what = f"{char!r} at position {at}" if char else f"position {at}"
+    else:
+        reasons = [line for line in lines if not line.startswith(("Error parsing override", "See ", LEXER_ERROR))]
+        what = reasons[0].strip() if reasons else "a character it does not expect"
+    return (
+        f"Hydra cannot parse this override ({what}); quote a value with special characters in it, e.g. "
+        f"'key=\"a value (1)\"' ({GRAMMAR_URL})"
+    )

@@ -141,6 +141,38 @@ def decay_start(total_steps: int, cfg: SchedulerConfig) -> int:
     return max(cfg.warmup_steps, total_steps - decay)
 
 
+def schedule_notes(cfg: SchedulerConfig, lr: float, total_steps: int) -> list[str]:
+    """What a schedule over `total_steps` does other than its settings say, one line each, for a warning before the
+    first step: a warmup as long as the run or longer (the rate never reaches optim.lr, or reaches it only at the
+    last step, and never decays), a wsd decay longer than the steps left after the warmup (it starts later and is
+    steeper than asked). Not refused: a short test run (training.steps=2) of a config with a warmup is common."""
+    notes = []
+    if 0 < total_steps <= cfg.warmup_steps:
+        peak = lr_multiplier(total_steps - 1, total_steps, cfg) * lr
+        decays = "" if cfg.name == ScheduleName.constant else " and never decays"
+        notes.append(
+            f"scheduler.warmup_steps={cfg.warmup_steps} spans the whole run of {total_steps} steps: the learning "
+            f"rate rises to {peak:.3g} at most (optim.lr={lr:g}){decays} (set scheduler.warmup_steps below the "
+            "run's steps)"
+        )
+        return notes
+    if cfg.name != ScheduleName.wsd:
+        return notes
+    asked = cfg.decay_steps if cfg.decay_steps is not None else round(cfg.decay_fraction * total_steps)
+    spans = total_steps - decay_start(total_steps, cfg)
+    if spans < asked:
+        given = (
+            f"scheduler.decay_steps={cfg.decay_steps}"
+            if cfg.decay_steps is not None
+            else f"scheduler.decay_fraction={cfg.decay_fraction:g} ({asked} steps)"
+        )
+        notes.append(
+            f"{given} does not fit in the run's {total_steps} steps after scheduler.warmup_steps={cfg.warmup_steps}: "
+            f"the decay spans only the last {spans} steps"
+        )
+    return notes
+
+
 def _multiplier(cfg: SchedulerConfig, total_steps: int) -> Callable[[int], float]:
     # A function, not an object: LambdaLR saves an object's attributes into the checkpoint.
     return lambda step: lr_multiplier(step, total_steps, cfg)

@@ -14,6 +14,7 @@ from typing import Optional
 
 import numpy as np
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+from megatron.core.datasets.utils import Split
 
 from core.config.errors import DataError
 
@@ -63,3 +64,26 @@ class CheckedGPTDataset(GPTDataset):
         indexed = GPTDataset.build_low_level_dataset(dataset_path, config)
         tokenizer = config.tokenizer
         return VocabularyChecked(indexed, tokenizer.vocab_size, tokenizer.name, config.source)
+
+    def _build_document_sample_shuffle_indices(self):
+        self._check_one_sample()
+        return super()._build_document_sample_shuffle_indices()
+
+    def _check_one_sample(self) -> None:
+        """A training or validation split must hold at least one sample's tokens. Megatron-Core would otherwise make
+        each training sample of the split's tokens repeated over as many epochs as it takes (for a seq_length far
+        above the corpus, building those epochs' indices hangs and exhausts memory), and a validation split would
+        have no sample at all, leaving the run without validation without a word. (The test split is only read by
+        predict.py, which says so itself.)"""
+        if self.index_split not in (Split.train, Split.valid):
+            return
+        tokens = self._get_num_tokens_per_epoch()
+        needed = self.config.sequence_length + int(self.config.add_extra_token_to_sequence)
+        if tokens < needed:
+            split = "training" if self.index_split == Split.train else "validation"
+            raise DataError(
+                f"model.seq_length={self.config.sequence_length}: the {split} split of {self.config.source} "
+                f"({self.dataset.path_prefix}) holds {tokens} tokens, fewer than one sample's {needed} "
+                f"(seq_length + 1): give model.seq_length={max(tokens - 1, 1)} or less, or more data (data.split: "
+                "the splits' shares)"
+            )

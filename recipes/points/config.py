@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import ClassVar
 
+from core.config.errors import require
 from core.config.ranges import INT32_MAX, Int, Real, Rule
 from core.config.schema import DataConfig, ModelConfig
 
@@ -32,3 +33,15 @@ class PointsDataConfig(DataConfig):
         "noise": Real(0, 100),
         "seed": Int(0, INT32_MAX),
     }
+
+    @staticmethod
+    def check(c, key: str) -> None:
+        """The points are generated at once, in memory, before the first step: a count and a size valid each on its
+        own can ask for more numbers than any machine holds (the allocation then fails with a traceback). An int32
+        count of them is far beyond what a small example needs."""
+        numbers = (c.train_points + c.val_points) * c.dims
+        require(
+            numbers <= INT32_MAX,
+            f"{key}.train_points={c.train_points} + {key}.val_points={c.val_points} points of {key}.dims={c.dims} "
+            f"are {numbers:.3g} numbers, generated in memory: expected at most 2**31 - 1 of them",
+        )

@@ -345,7 +345,27 @@ def _image_datasets(data: ImageDataConfig, model: ViTModelConfig, seed: int) -> 
     train = split_samples(samples, data, data.train_split, classes, Transform(data, size, train=True), seed)
     if train is None:
         raise DataError(f"data.root={data.root}: no training split {data.train_split!r} (data.train_split)")
-    return train, split_samples(samples, data, data.val_split, classes, Transform(data, size, train=False), seed)
+    val = split_samples(samples, data, data.val_split, classes, Transform(data, size, train=False), seed)
+    if val is None:  # a misspelt data.val_split would otherwise only drop validation, in a line of the info log
+        log.warning(
+            "data.val_split=%s: data.root=%s has no such split%s; the run trains without validation",
+            data.val_split,
+            data.root,
+            _other_folders(data),
+        )
+    return train, val
+
+
+def _other_folders(data: ImageDataConfig) -> str:
+    """`(its folders: a, b)`: the folders of an imagefolder root besides the training split, where a misspelt
+    validation split would be; empty for other formats."""
+    if data.format != "imagefolder":
+        return ""
+    root = Path(data.root)
+    folders = (
+        sorted(p.name for p in root.iterdir() if p.is_dir() and p.name != data.train_split) if root.is_dir() else []
+    )
+    return f" (its folders besides {data.train_split}: {', '.join(folders) or 'none'})"
 
 
 def _root_setting(data: ImageDataConfig, given: Optional[str]) -> str:

@@ -561,3 +561,18 @@ def test_a_normalizer_or_decoder_that_multiplies_a_text_is_refused_by_name(tmp_p
     tok.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
     tok.save(str(folder / "tokenizer.json"))
     assert build_tokenizer(str(folder)).encode("a  a") == [2, 3, 2]
+
+
+def test_a_split_shorter_than_one_sample_is_refused_naming_model_seq_length(tmp_path):
+    """Megatron-Core would make each training sample of the split's tokens repeated over as many epochs as it takes
+    (model.seq_length=1e8 over Moby-Dick hung building their indices), and a validation split would be left out."""
+    (tmp_path / "a.txt").write_text(corpus(4))  # about 1,000 byte tokens
+    preprocess([tmp_path / "a.txt"], tmp_path / "p")
+    with pytest.raises(DataError, match=r"^model.seq_length=5000: the training split of data.prefixes \(.*/p\) holds"):
+        build_gpt_datasets(indexed(tmp_path, tmp_path / "p"), 5000, 0, 4, None)
+    (tmp_path / "a.txt").write_text(corpus(10))
+    preprocess([tmp_path / "a.txt"], tmp_path / "p", replace=True)
+    data = SimpleNamespace(**{**vars(indexed(tmp_path, tmp_path / "p")), "split": "80,20,0"})
+    tokens = len(build_gpt_datasets(data, 8, 0, 4, None)[1]) * 8  # the validation split's samples of 8 tokens
+    with pytest.raises(DataError, match=r"the validation split of data.prefixes .* fewer than one sample's"):
+        build_gpt_datasets(data, tokens + 100, 0, 4, None)  # the training split holds 4 times as many

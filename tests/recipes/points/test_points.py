@@ -57,3 +57,12 @@ def test_two_processes_learn_it_and_predict_py_says_it_does_not_predict(tmp_path
         "predict (recipes/base.py)"
     ), out
     assert "predicting" not in out and "Traceback" not in out
+
+
+def test_more_points_than_memory_holds_is_refused_before_any_work():
+    """Each count valid, their product not: the points were allocated at once, failing with a traceback."""
+    from core.config.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^data.train_points=2000000000 \+ data.val_points=128 points of data.dims="):
+        validated_config("points", ["checkpoint.path=unused", "data.dims=65536", "data.train_points=2000000000"])
+    assert validated_config("points", ["checkpoint.path=unused", "data.dims=2048"]).data.dims == 2048

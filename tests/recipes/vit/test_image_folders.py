@@ -265,3 +265,16 @@ def test_a_16_bit_grayscale_image_trains_as_its_8_bit_self_not_white(tmp_path):
     assert torch.equal(sixteen, eight) and sixteen.float().std() > 30
     names = [os.path.basename(path) for path, _ in train.files]
     assert (train[names.index("ramp16.png")]["image"] == 255).float().mean() < 0.5  # a random crop of the ramp
+
+
+def test_a_val_split_the_data_lacks_is_a_warning_naming_the_folders_there(tmp_path, caplog):
+    """data.val_split=valid (a typo of val) trained without validation, said only in the info log."""
+    root, classes = make_quirky_imagefolder(tmp_path / "pets", per_class=2, val_per_class=1)
+    data = ImageDataConfig(format="imagefolder", root=str(root), val_split="valid", num_workers=0)
+    with caplog.at_level(logging.WARNING):
+        train, val = build_image_datasets(data, ViTModelConfig(img_size=32, num_classes=len(classes)), 0)
+    assert val is None and len(train) > 0
+    assert [r.getMessage() for r in caplog.records if r.getMessage().startswith("data.val_split")] == [
+        f"data.val_split=valid: data.root={root} has no such split (its folders besides train: val); the run trains "
+        "without validation"
+    ]

@@ -191,3 +191,16 @@ def test_a_link_planted_at_the_csvs_old_temporary_name_is_not_followed(tmp_path)
     write_csv(tmp_path / "p.csv", {"file": ["a.png"]})
     assert victim.read_text() == "mine" and not (tmp_path / "p.csv").is_symlink()
     assert (tmp_path / "p.csv").read_bytes() == b"file\r\na.png\r\n"
+
+
+def test_a_predict_output_that_cannot_be_written_is_refused_before_any_work(tmp_path):
+    """An existing folder, or a path under a file, failed with a traceback when writing, after every prediction."""
+    from predict import prediction_output
+
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match=rf"^predict.output={tmp_path} is a folder: give a file in it \(e\.g\. "):
+        prediction_output(str(tmp_path), tmp_path / "run")
+    with pytest.raises(ConfigError, match=rf"^predict.output=.*/notes.txt/p.csv: {tmp_path}/notes.txt is a file, not"):
+        prediction_output(str(tmp_path / "notes.txt" / "p.csv"), tmp_path / "run")
+    assert prediction_output(str(tmp_path / "new folder" / "p.csv"), tmp_path) == tmp_path / "new folder" / "p.csv"
+    assert prediction_output(None, tmp_path / "run") == tmp_path / "run" / "predictions.csv"

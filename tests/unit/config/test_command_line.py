@@ -87,3 +87,22 @@ def test_a_composed_config_with_another_recipes_data_is_refused_naming_it():
         r"choose data=<one of digits, imagefolder, shards, synthetic, tiny_imagenet>",
     ):
         validate(cfg)
+
+
+def test_an_override_hydra_cannot_parse_says_why_and_where():
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import OverrideParseException
+
+    def line(override: str) -> str:
+        with pytest.raises(OverrideParseException) as e:
+            OverridesParser.create().parse_overrides([override])
+        return command_line.composition_error(e.value)
+
+    # Hydra's message is several lines ending with a link; the reason was on the lines before it.
+    assert line("optim.lr=1e-3)").startswith(
+        "optim.lr=1e-3): Hydra cannot parse this override (extraneous input ')' expecting <EOF>); quote a value"
+    )
+    # A path with a byte that is not UTF-8 (Python keeps it as a lone surrogate in argv), or with a quote in it.
+    assert "(the byte 0xff (not UTF-8) at position 24)" in line("checkpoint.path=/tmp/bad\udcff")
+    assert """("'" at position 17)""" in line("checkpoint.path=a'b")
+    assert "\n" not in line("optim.betas=[0.9,")

@@ -150,3 +150,30 @@ def test_an_extended_training_run_warns_and_holds(tmp_path, caplog):
     rates = {r["step"]: r["lr"] for r in read_records(tmp_path / "run") if "lr" in r}
     assert rates[7] == pytest.approx(stretched) and rates[10] > 0
     assert rates[11] == rates[12] == 0.0  # held at the 10-step schedule's end
+
+
+def test_a_warmup_longer_than_the_run_or_a_wsd_decay_that_does_not_fit_is_said():
+    """Without a word, a warmup of 30 over a 2-step run trains at 1/15 of optim.lr at most, and a wsd decay longer than
+    the steps after the warmup is cut short."""
+    assert optim.schedule_notes(SchedulerConfig(warmup_steps=30), LR, 2) == [
+        "scheduler.warmup_steps=30 spans the whole run of 2 steps: the learning rate rises to 0.000133 at most "
+        "(optim.lr=0.002) and never decays (set scheduler.warmup_steps below the run's steps)"
+    ]
+    assert optim.schedule_notes(SchedulerConfig(warmup_steps=30), LR, 31) == []
+    wsd = SchedulerConfig(name="wsd", warmup_steps=30, decay_steps=50)
+    assert optim.schedule_notes(wsd, LR, 60) == [
+        "scheduler.decay_steps=50 does not fit in the run's 60 steps after scheduler.warmup_steps=30: the decay "
+        "spans only the last 30 steps"
+    ]
+    assert optim.schedule_notes(wsd, LR, 80) == []
+    assert (
+        "scheduler.decay_fraction=0.2 (6 steps) does not fit"
+        in optim.schedule_notes(SchedulerConfig(name="wsd", warmup_steps=30), LR, 32)[0]
+    )
+
+
+def test_a_run_whose_warmup_spans_it_warns_before_its_first_step(tmp_path, caplog):
+    overrides = ["training.steps=2", "scheduler.warmup_steps=10", f"checkpoint.path={tmp_path}/ckpt"]
+    train_run(validated_config("points", overrides), tmp_path / "run")
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("scheduler.warmup_steps=10 spans")]
+    assert len(said) == 1 and "rises to 0.002 at most (optim.lr=0.01)" in said[0]
